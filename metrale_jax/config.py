@@ -1,0 +1,183 @@
+"""Model configuration: one frozen dataclass read from either config.json dialect.
+
+Hub files write `rope_theta`, `rope_scaling` and `torch_dtype`; transformers 5 writes
+`rope_parameters` and `dtype`. `ModelConfig.from_hf` reads both. The dataclass is frozen and
+hashable, so it is passed to jitted functions as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _freeze(v: Any) -> Any:
+    """Turn dicts and lists into sorted tuples so a value can live in a frozen dataclass."""
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def parse_json_floats(obj: Any) -> Any:
+    """transformers 5 writes infinities as {"__float__": "Infinity"}; turn those into floats."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"}:
+            return float(obj["__float__"])
+        return {k: parse_json_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [parse_json_floats(v) for v in obj]
+    return obj
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: "default" | "linear" | "llama3" | "dynamic" | "yarn"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_dict(d: dict | None) -> RopeScaling:
+        if not d:
+            return RopeScaling()
+        kind = d.get("rope_type", d.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise NotImplementedError(f"rope scaling type {kind!r} is not supported yet")
+        return RopeScaling(
+            kind=kind,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters shared by the model families.
+
+    Family-specific extras (hybrid layer patterns, MoE sizes, ...) go in `extra`, a frozen
+    tuple of (key, value) pairs; read them with `cfg.get(key, default)`.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    hidden_act: str = "silu"
+    torch_dtype: str = "bfloat16"  # the checkpoint's own dtype
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: tuple = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.extra:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @staticmethod
+    def from_hf(d: dict, **overrides: Any) -> ModelConfig:
+        """Build from a config.json dict (hub or transformers-5 dialect)."""
+        d = parse_json_floats(dict(d))
+        if "text_config" in d and "hidden_size" not in d:
+            d = {**d, **d["text_config"]}
+        archs = d.get("architectures") or [d.get("model_type", "?")]
+        rope = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or hidden // heads
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        prf = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        known = set(f.name for f in dataclasses.fields(ModelConfig))
+        kw = dict(
+            architecture=archs[0],
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d.get("intermediate_size", 4 * hidden)),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", d.get("layer_norm_epsilon", 1e-6))),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_dict(scaling),
+            partial_rotary_factor=float(prf),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            extra=_freeze({k: v for k, v in d.items() if k not in known}),
+        )
+        kw.update(overrides)
+        return ModelConfig(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), default=str)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[float, ...]:
+    """Inverse RoPE frequencies f32[rotary_dim // 2], with the config's scaling applied.
+
+    Computed in float64 on the host, as a tuple, so it can be a compile-time constant.
+    """
+    dim = cfg.rotary_dim
+    inv = [1.0 / (cfg.rope_theta ** (2 * i / dim)) for i in range(dim // 2)]
+    s = cfg.rope_scaling
+    if s.kind == "linear":
+        inv = [f / s.factor for f in inv]
+    elif s.kind == "llama3":
+        low_wl = s.original_max_position_embeddings / s.low_freq_factor
+        high_wl = s.original_max_position_embeddings / s.high_freq_factor
+        out = []
+        for f in inv:
+            wl = 2 * math.pi / f
+            if wl < high_wl:
+                out.append(f)
+            elif wl > low_wl:
+                out.append(f / s.factor)
+            else:
+                smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (
+                    s.high_freq_factor - s.low_freq_factor
+                )
+                out.append((1 - smooth) * f / s.factor + smooth * f)
+        inv = out
+    return tuple(inv)
