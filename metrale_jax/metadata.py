@@ -1,0 +1,60 @@
+"""Attention metadata pytrees, the JAX form of the seed's `AttnMetadataDev` / `BatchedAttnMetadata`.
+
+Arrays are data fields; bucket sizes are static meta fields, so each bucket is one compiled
+executable. All integers are int32 (JAX without x64 would silently truncate the seed's i64).
+
+Padding rules:
+* a padded decode row has `seq_lens == 0` and `slots == -1`;
+* a padded prefill token has `slots == -1`; a padded stream has zero tokens in `cu_seqlens`
+  and `kv_lens == 0`;
+* a slot of -1 never writes: `cache.kv.write_kv` maps it out of range and scatters with
+  `mode="drop"` (`.at[-1]` would write the last element);
+* `ssm_slots == -1` (padding) reads zeros and writes nothing, the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttnMetadata:
+    """Decode rows: one new token per sequence. N = num_seqs (static bucket)."""
+
+    positions: Array  # i32[N]  position of the new token (MRoPE T stream)
+    positions_h: Array  # i32[N]  MRoPE H stream (== positions without images)
+    positions_w: Array  # i32[N]  MRoPE W stream (== positions without images)
+    slots: Array  # i32[N]  flat KV slot (block * block_size + offset) of the new token; -1 = pad
+    seq_lens: Array  # i32[N]  tokens in the cache after this step (incl. the new one); 0 = pad
+    block_tables: Array  # i32[N, max_blocks_per_seq]  pool block ids; unused entries 0
+    ssm_slots: Array  # i32[N]  SSM pool row per sequence; -1 = pad / no SSM state
+    seq_slot: Array  # i32[N]  LoRA adapter slot; -1 = base model (no LoRA yet)
+    moe_row_adapter: Array  # i32[N]  MoE adapter fold per row; -1 = none (no LoRA yet)
+    num_seqs: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_blocks_per_seq: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class BatchedAttnMetadata:
+    """Varlen prefill chunks over several streams. T = num_tokens, B = num_streams (static)."""
+
+    positions: Array  # i32[T]  stacked in cu_seqlens order (MRoPE T stream)
+    positions_h: Array  # i32[T]
+    positions_w: Array  # i32[T]
+    slots: Array  # i32[T]  flat KV slot of each new token; -1 = pad token
+    block_tables: Array  # i32[B, max_blocks_per_seq]
+    cu_seqlens: Array  # i32[B+1]  prefix sum of per-stream new-token counts (pads at the end)
+    kv_lens: Array  # i32[B]  chunk start + new-token count: the stream's causal bound
+    ssm_slots: Array  # i32[B]  SSM pool row per stream; -1 = pad
+    seq_slot: Array  # i32[B]  LoRA adapter slot; -1 = base
+    moe_row_adapter: Array  # i32[B]  -1 = none
+    num_tokens: int = dataclasses.field(metadata=dict(static=True), default=0)
+    num_streams: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_blocks_per_seq: int = dataclasses.field(metadata=dict(static=True), default=0)
