@@ -1,0 +1,77 @@
+"""The paged KV cache: one K and one V pool per attention layer, stacked over layers.
+
+Layout (private to this module and the attention kernels):
+    k, v: [num_attn_layers, num_blocks, block_size, kv_heads, head_dim]
+A token's flat slot is `block_id * block_size + offset`. The pools are donated to every step,
+so XLA updates them in place; the scan over layers carries them and indexes them by layer, so
+no layer's pool is ever sliced out (that would copy it).
+
+Who writes the new K/V: the step does, through `write_kv`, before attention runs; attention
+(reference or Pallas) only reads the pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    k: Array  # [L, num_blocks, block_size, Hkv, D]  (bf16 / f32 / f8e4m3)
+    v: Array  # [L, num_blocks, block_size, Hkv, D]
+    k_scale: Array  # f32[L]  dequantization scale (1.0 unless the pool is fp8)
+    v_scale: Array  # f32[L]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+
+def init_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
+) -> KVCache:
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    ones = jnp.ones((num_layers,), jnp.float32)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ones, ones)
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def write_kv(cache: KVCache, layer: Array, slots: Array, k: Array, v: Array) -> KVCache:
+    """Scatter new K/V rows into layer `layer`.
+
+    layer: i32[]   slots: i32[T] (-1 = padding, never written)   k, v: [T, Hkv, D]
+    """
+    bs = cache.block_size
+    oob = cache.num_blocks  # out of range: mode="drop" discards the write
+    blk = jnp.where(slots >= 0, slots // bs, oob)
+    off = jnp.where(slots >= 0, slots % bs, 0)
+    kd, vd = cache.k.dtype, cache.v.dtype
+    if kd == jnp.float8_e4m3fn:
+        k = k.astype(jnp.float32) / cache.k_scale[layer]
+        v = v.astype(jnp.float32) / cache.v_scale[layer]
+    new_k = cache.k.at[layer, blk, off].set(k.astype(kd), mode="drop")
+    new_v = cache.v.at[layer, blk, off].set(v.astype(vd), mode="drop")
+    return dataclasses.replace(cache, k=new_k, v=new_v)
+
+
+def gather_kv(cache: KVCache, layer: Array, block_tables: Array) -> tuple[Array, Array]:
+    """Reference read: the pages of each row, contiguous. block_tables i32[R, M] -> [R, M*bs, Hkv, D] f32."""
+    r, m = block_tables.shape
+    k = cache.k[layer, block_tables].astype(jnp.float32) * cache.k_scale[layer]
+    v = cache.v[layer, block_tables].astype(jnp.float32) * cache.v_scale[layer]
+    shape = (r, m * cache.block_size) + k.shape[3:]
+    return k.reshape(shape), v.reshape(shape)

@@ -1,0 +1,141 @@
+"""The attention interface: dense (no paging) and paged (decode rows / ragged prefill).
+
+Paged attention reads the K/V pools only; the step writes the new tokens' K/V first with
+`cache.kv.write_kv`. `AttentionConfig` is the static choice of implementation: the pure-XLA
+reference below (the CPU default) or the Pallas kernels of `pallas_kernels/paged_attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.cache.kv import KVCache, gather_kv
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+
+NEG_INF = -1e30
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Static attention choices. use_pallas=False is the XLA reference (CPU default)."""
+
+    use_pallas: bool = False
+    interpret: bool = False  # run the Pallas kernels in interpret mode (CPU tests)
+    sliding_window: int | None = None
+
+
+def _softmax_attend(q, k, v, mask, scale):
+    """q [R, Hkv, G, D], k/v [R, S, Hkv, D], mask bool[R, S] or [R, 1|G.., S] -> [R, Hkv, G, D] f32."""
+    s = jnp.einsum("rhgd,rshd->rhgs", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = jnp.where(mask, s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    return jnp.einsum("rhgs,rshd->rhgd", p, v.astype(jnp.float32))
+
+
+def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):
+    """Dense causal attention for the research forward.
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D], lengths i32[B] (keys at index >= length are padding)
+    -> [B, T, Hq, D] in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qi = jnp.arange(t)[:, None]
+    kj = jnp.arange(t)[None, :]
+    mask = (kj <= qi)[None] & (kj[None] < lengths[:, None, None])  # [B, T, T]
+    if sliding_window is not None:
+        mask &= (qi - kj < sliding_window)[None]
+    # Fold the T queries into the group axis: [B, Hkv, T*G, D].
+    qb = q.reshape(b, t, hkv, hq // hkv, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * (hq // hkv), d)
+    s = jnp.einsum("bhqd,bshd->bhqs", qb.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = s.reshape(b, hkv, t, hq // hkv, t)
+    m5 = mask[:, None, :, None, :]
+    s = jnp.where(m5, s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(m5, p, 0.0).reshape(b, hkv, t * (hq // hkv), t)
+    o = jnp.einsum("bhqs,bshd->bhqd", p, v.astype(jnp.float32))
+    o = o.reshape(b, hkv, t, hq // hkv, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return o.astype(q.dtype)
+
+
+def decode_attention_ref(q, cache: KVCache, layer, md: AttnMetadata, scale, sliding_window=None):
+    """q [N, Hq, D] -> [N, Hq, D]. Row r attends to its first seq_lens[r] cached tokens."""
+    n, hq, d = q.shape
+    k, v = gather_kv(cache, layer, md.block_tables)  # [N, S, Hkv, D]
+    hkv = k.shape[2]
+    pos = jnp.arange(k.shape[1])[None, :]
+    mask = pos < md.seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos > md.seq_lens[:, None] - 1 - sliding_window
+    o = _softmax_attend(q.reshape(n, hkv, hq // hkv, d), k, v, mask[:, None, None, :], scale)
+    return o.reshape(n, hq, d).astype(q.dtype)
+
+
+def prefill_attention_ref(q, cache: KVCache, layer, md: BatchedAttnMetadata, scale, sliding_window=None):
+    """q [T, Hq, D] stacked in cu_seqlens order -> [T, Hq, D].
+
+    Token t of stream b sits at position kv_lens[b] - n_b + (t - cu_seqlens[b]) and attends to its
+    own stream's keys at positions <= that. Pad tokens (t >= cu_seqlens[-1]) give zeros.
+    """
+    t_tot, hq, d = q.shape
+    k, v = gather_kv(cache, layer, md.block_tables)  # [B, S, Hkv, D]
+    b, s_len, hkv, _ = k.shape
+    t = jnp.arange(t_tot)
+    stream = jnp.clip(jnp.searchsorted(md.cu_seqlens, t, side="right") - 1, 0, b - 1)  # i32[T]
+    valid = t < md.cu_seqlens[-1]
+    n_new = md.cu_seqlens[1:] - md.cu_seqlens[:-1]
+    qpos = md.kv_lens[stream] - n_new[stream] + (t - md.cu_seqlens[stream])  # i32[T]
+    kpos = jnp.arange(s_len)
+    # Keys of every stream side by side; a token may only see its own stream's block.
+    own = jnp.arange(b)[None, :, None] == stream[:, None, None]  # [T, B, 1]
+    causal = kpos[None, None, :] <= qpos[:, None, None]  # [T, 1, S]
+    mask = own & causal & valid[:, None, None]
+    if sliding_window is not None:
+        mask &= kpos[None, None, :] > qpos[:, None, None] - sliding_window
+    mask = mask.reshape(t_tot, b * s_len)
+    kf = k.reshape(b * s_len, hkv, d)
+    vf = v.reshape(b * s_len, hkv, d)
+    qg = q.reshape(t_tot, hkv, hq // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("thgd,shd->thgs", qg, kf) * scale
+    m4 = mask[:, None, None, :]
+    s = jnp.where(m4, s, NEG_INF)
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(m4, jnp.exp(s - mx), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den == 0, 1.0, den)
+    o = jnp.einsum("thgs,shd->thgd", p, vf)
+    return o.reshape(t_tot, hq, d).astype(q.dtype)
+
+
+def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
+    if cfg.use_pallas:
+        from pallas_kernels.paged_attention import paged_decode_attention
+
+        fp8 = cache.k.dtype == jnp.float8_e4m3fn
+        return paged_decode_attention(
+            q, cache.k, cache.v, layer, md.block_tables, md.seq_lens, sm_scale=scale,
+            sliding_window=cfg.sliding_window,
+            k_scale=cache.k_scale[layer] if fp8 else None, v_scale=cache.v_scale[layer] if fp8 else None,
+            interpret=cfg.interpret,
+        )
+    return decode_attention_ref(q, cache, layer, md, scale, cfg.sliding_window)
+
+
+def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
+    if cfg.use_pallas:
+        from pallas_kernels.paged_attention import paged_prefill_attention
+
+        fp8 = cache.k.dtype == jnp.float8_e4m3fn
+        return paged_prefill_attention(
+            q, cache.k, cache.v, layer, md.block_tables, md.cu_seqlens, md.kv_lens, sm_scale=scale,
+            sliding_window=cfg.sliding_window,
+            k_scale=cache.k_scale[layer] if fp8 else None, v_scale=cache.v_scale[layer] if fp8 else None,
+            interpret=cfg.interpret,
+        )
+    return prefill_attention_ref(q, cache, layer, md, scale, cfg.sliding_window)

@@ -1,0 +1,16 @@
+"""Rotary position embedding, Hugging Face's non-interleaved (rotate-half) form."""
+
+import jax
+import jax.numpy as jnp
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...]) -> jax.Array:
+    """x [..., T, H, D], positions i32[..., T]; rotates the first 2*len(inv_freq) dims of D."""
+    rot = 2 * len(inv_freq)
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, rot/2]
+    cos = jnp.cos(ang)[..., None, :]  # [..., T, 1, rot/2]
+    sin = jnp.sin(ang)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., : rot // 2], xf[..., rot // 2 : rot], xf[..., rot:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return out.astype(x.dtype)

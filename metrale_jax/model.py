@@ -1,0 +1,119 @@
+"""`Model` (a static, hashable handle on one family and config) and `load_model`."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.cache import EngineState
+from metrale_jax.cache.kv import init_kv_cache, kv_bytes_per_block
+from metrale_jax.config import ModelConfig
+from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+from metrale_jax.models import family_for
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model family bound to its config. Hashable: pass it to jit as a static argument.
+
+    The tokenizer rides along for convenience but takes no part in hashing.
+    """
+
+    cfg: ModelConfig
+    family_name: str
+    dtype: str = "float32"
+    name: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def family(self):
+        return importlib.import_module(f"metrale_jax.models.{self.family_name}")
+
+    # ---- research API ----
+    def forward(self, params, tokens, positions=None, lengths=None):
+        """Dense forward. tokens i32[B, T], positions i32[B, T] (default 0..T-1),
+        lengths i32[B] (right padding; default T) -> logits f32[B, T, V]."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if lengths is None:
+            lengths = jnp.full((b,), t, jnp.int32)
+        return self.family.forward(self.cfg, params, tokens, positions, lengths)
+
+    # ---- engine API ----
+    def forward_paged(self, params, state: EngineState, tokens, dmd: AttnMetadata | None,
+                      pmd: BatchedAttnMetadata | None, attn: AttentionConfig = AttentionConfig()):
+        """tokens i32[N + T] (decode rows, then prefill tokens) -> (state, hidden [N + T, H])."""
+        kv, hidden = self.family.forward_paged(self.cfg, params, state.kv, tokens, dmd, pmd, attn)
+        return dataclasses.replace(state, kv=kv), hidden
+
+    def compute_logits(self, params, hidden):
+        """hidden [S, H] -> f32[S, V]."""
+        return self.family.compute_logits(self.cfg, params, hidden)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.family.num_attention_layers(self.cfg)
+
+    def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0) -> EngineState:
+        kv_dtype = kv_dtype or DTYPES[self.dtype]
+        c = self.cfg
+        kv = init_kv_cache(self.num_attention_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, kv_dtype)
+        return EngineState(kv=kv, ssm={})
+
+    def kv_bytes_per_block(self, block_size: int, kv_dtype=None) -> int:
+        c = self.cfg
+        return kv_bytes_per_block(self.num_attention_layers, block_size, c.num_kv_heads, c.head_dim,
+                                  kv_dtype or DTYPES[self.dtype])
+
+    def ssm_bytes_per_slot(self) -> int:
+        return 0
+
+
+def load_model(path: str | Path, dtype: str = "auto", show_progress: bool = True) -> tuple[Model, dict]:
+    """Load a checkpoint (HF safetensors directory, or GGUF file) -> (model, params).
+
+    dtype: "auto" (the checkpoint's own float dtype; float32 for GGUF), "float32", "bfloat16"
+    or "float16". Raises a `LoadError` subclass naming the file or tensor on any problem.
+    """
+    from metrale_jax.loading.checkpoint import open_checkpoint
+    from metrale_jax.loading.hub import resolve_model
+    from metrale_jax.loading.weights import WeightReader
+
+    t0 = time.perf_counter()
+    resolved = resolve_model(path)
+    ckpt = open_checkpoint(resolved)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    fam_name, fam = family_for(cfg.architecture)
+    cfg = fam.adapt_config(cfg)
+    if ckpt.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(ckpt.eos_token_ids))
+    if dtype == "auto":
+        dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+    reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress)
+    try:
+        params = fam.load_params(cfg, reader)
+    finally:
+        ckpt.tensors.close()
+    model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=str(path),
+                  eos_token_ids=tuple(cfg.eos_token_ids), tokenizer=ckpt.tokenizer)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
+             time.perf_counter() - t0)
+    return model, params

@@ -1,0 +1,177 @@
+"""Llama family (SmolLM2, Llama 2/3 with `llama3` RoPE scaling), the base of Qwen2 and Qwen3.
+
+Qwen2 is this model with q/k/v biases, Qwen3 with a per-head RMSNorm on q and k; their files
+only set those flags. Parameters are one pytree with the decoder layers stacked on a leading
+axis, and every forward runs `lax.scan` over them, so compile time does not grow with depth.
+
+Parameter tree (L layers, H hidden, D head_dim, I intermediate):
+    embed      [V, H]
+    layers/attn_norm [L, H]      layers/wqkv [L, H, (Hq + 2 Hkv) D]   layers/bqkv [L, (Hq + 2 Hkv) D]?
+    layers/q_norm, k_norm [L, D]?  layers/wo [L, Hq D, H]
+    layers/mlp_norm [L, H]       layers/w_gate_up [L, H, 2 I]        layers/w_down [L, I, H]
+    norm       [H]
+    lm_head    [H, V]  (absent when the embeddings are tied)
+Linear weights are stored [in, out] (transposed from the checkpoint's [out, in] once, at load).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.cache.kv import KVCache, write_kv
+from metrale_jax.config import ModelConfig, rope_inv_freq
+from metrale_jax.layers.attention import (
+    AttentionConfig,
+    decode_attention,
+    dense_causal_attention,
+    prefill_attention,
+)
+from metrale_jax.layers.mlp import linear, swiglu_mlp
+from metrale_jax.layers.norms import rms_norm
+from metrale_jax.layers.rope import apply_rope
+from metrale_jax.loading.weights import WeightReader
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def adapt_config(cfg: ModelConfig) -> ModelConfig:
+    return cfg
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def load_params(cfg: ModelConfig, reader: WeightReader) -> dict:
+    """Map Hugging Face tensor names to the parameter tree (see the module docstring)."""
+    hq, hkv, d, h, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    L = cfg.num_layers
+    qkv = (hq + 2 * hkv) * d
+    shapes = {
+        "attn_norm": (h,), "wqkv": (h, qkv), "wo": (hq * d, h),
+        "mlp_norm": (h,), "w_gate_up": (h, 2 * inter), "w_down": (inter, h),
+    }
+    if cfg.attention_bias:
+        shapes["bqkv"] = (qkv,)
+    if cfg.qk_norm:
+        shapes["q_norm"] = (d,)
+        shapes["k_norm"] = (d,)
+    layers = {k: reader.stacked(L, s, name=k) for k, s in shapes.items()}
+    for i in reader.progress(range(L), "layers"):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        wq = reader.get(a + "q_proj.weight", (hq * d, h))
+        wk = reader.get(a + "k_proj.weight", (hkv * d, h))
+        wv = reader.get(a + "v_proj.weight", (hkv * d, h))
+        layers["wqkv"][i] = np.concatenate([wq, wk, wv], axis=0).T
+        layers["wo"][i] = reader.get(a + "o_proj.weight", (h, hq * d)).T
+        if cfg.attention_bias:
+            layers["bqkv"][i] = np.concatenate(
+                [reader.get(a + f"{n}_proj.bias", (s,)) for n, s in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))]
+            )
+        if cfg.qk_norm:
+            layers["q_norm"][i] = reader.get(a + "q_norm.weight", (d,))
+            layers["k_norm"][i] = reader.get(a + "k_norm.weight", (d,))
+        layers["attn_norm"][i] = reader.get(p + "input_layernorm.weight", (h,))
+        layers["mlp_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
+        g = reader.get(p + "mlp.gate_proj.weight", (inter, h))
+        u = reader.get(p + "mlp.up_proj.weight", (inter, h))
+        layers["w_gate_up"][i] = np.concatenate([g, u], axis=0).T
+        layers["w_down"][i] = reader.get(p + "mlp.down_proj.weight", (h, inter)).T
+    params = {
+        "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
+        "layers": layers,
+        "norm": reader.get("model.norm.weight", (h,), cast=True),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = reader.get("lm_head.weight", (cfg.vocab_size, h)).T
+        params["lm_head"] = reader.cast(params["lm_head"])
+    return reader.to_device(params)
+
+
+# ---- shared pieces ---------------------------------------------------------------------------------
+def _qkv(cfg: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
+    """h [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D], with q/k norm and RoPE applied."""
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = linear(h, lp["wqkv"], lp.get("bqkv"))
+    q, k, v = jnp.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
+    q = q.reshape(q.shape[:-1] + (hq, d))
+    k = k.reshape(k.shape[:-1] + (hkv, d))
+    v = v.reshape(v.shape[:-1] + (hkv, d))
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    inv = rope_inv_freq(cfg)
+    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
+
+
+def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    return x + swiglu_mlp(h, lp["w_gate_up"], lp["w_down"])
+
+
+def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] (already final-normed) -> f32[..., V]."""
+    if "lm_head" in params:
+        w = params["lm_head"]
+        return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    e = params["embed"]
+    return jnp.einsum("...h,vh->...v", hidden, e.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+# ---- dense forward (research API: scoring, gradients) -----------------------------------------------
+def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array, lengths: jax.Array):
+    """tokens i32[B, T], positions i32[B, T], lengths i32[B] (right padding) -> logits f32[B, T, V]."""
+    x = params["embed"][tokens]
+    scale = cfg.head_dim**-0.5
+
+    def layer(x, lp):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lp, h, positions)
+        o = dense_causal_attention(q, k, v, lengths, scale)
+        x = x + linear(o.reshape(o.shape[:2] + (-1,)), lp["wo"])
+        return _mlp_block(cfg, lp, x), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    return compute_logits(cfg, params, rms_norm(x, params["norm"], cfg.rms_norm_eps))
+
+
+# ---- paged forward (engine steps) -------------------------------------------------------------------
+def forward_paged(
+    cfg: ModelConfig,
+    params: dict,
+    kv: KVCache,
+    tokens: jax.Array,
+    dmd: AttnMetadata | None,
+    pmd: BatchedAttnMetadata | None,
+    attn: AttentionConfig,
+):
+    """tokens i32[N + T]: N decode rows, then T prefill tokens -> (kv, hidden [N + T, H])."""
+    n = dmd.num_seqs if dmd is not None else 0
+    parts = [m for m in (dmd, pmd) if m is not None]
+    positions = jnp.concatenate([m.positions for m in parts])
+    slots = jnp.concatenate([m.slots for m in parts])
+    x = params["embed"][tokens]
+    scale = cfg.head_dim**-0.5
+
+    def layer(carry, lp):
+        x, kv, i = carry
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lp, h, positions)
+        kv = write_kv(kv, i, slots, k, v)
+        outs = []
+        if dmd is not None:
+            outs.append(decode_attention(q[:n], kv, i, dmd, scale, attn))
+        if pmd is not None:
+            outs.append(prefill_attention(q[n:], kv, i, pmd, scale, attn))
+        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+        x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
+        return (_mlp_block(cfg, lp, x), kv, i + 1), None
+
+    (x, kv, _), _ = jax.lax.scan(layer, (x, kv, jnp.int32(0)), params["layers"])
+    return kv, rms_norm(x, params["norm"], cfg.rms_norm_eps)
+
+
+def num_attention_layers(cfg: ModelConfig) -> int:
+    return cfg.num_layers
+
