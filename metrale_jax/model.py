@@ -117,3 +117,16 @@ def load_model(path: str | Path, dtype: str = "auto", show_progress: bool = True
     log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
              time.perf_counter() - t0)
     return model, params
+
+
+def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2) -> tuple[Model, dict]:
+    """A model of `config`'s architecture (an HF config.json dict) with random weights."""
+    from metrale_jax.loading.random_weights import RandomWeightReader
+
+    cfg = ModelConfig.from_hf(config)
+    fam_name, fam = family_for(cfg.architecture)
+    cfg = fam.adapt_config(cfg)
+    params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale))
+    model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
+                  eos_token_ids=tuple(cfg.eos_token_ids))
+    return model, params

@@ -1,0 +1,29 @@
+"""Shared pytest setup: JAX's persistent compilation cache, and skipping `gpu` tests off-GPU."""
+
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "metrale_jax" / "jax_cache_tests"
+jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
+
+
+def has_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
