@@ -1,0 +1,369 @@
+"""Sampling parameters (vLLM names and semantics) and on-device sampling.
+
+`SamplingParams` is what a user passes. `SamplingMetadata` is its per-row device form, built by
+`metadata_builder` once per step, and `sample` turns a step's logits into token ids (plus the
+logprobs that were asked for) on the device, so only small arrays come back to the host.
+
+Order of operations per row (vLLM v1):
+  raw logits -> raw logprobs (float32 log-softmax; what `logprobs` reports)
+  raw logits -> min_tokens suppression -> repetition/presence/frequency penalties
+             -> greedy argmax (temperature 0) | temperature -> min_p -> top_k -> top_p -> Gumbel-max
+
+Seeds: the random key of a row is derived from (request seed, sequence index, output index), never
+from the row's position in the batch, so a seeded request samples the same tokens whatever else
+is in the batch. The expensive parts (penalties, top-k/top-p sort, top logprobs, prompt logprobs)
+run under `lax.cond` on host-computed flags, so a batch that needs none of them pays nothing.
+
+Penalties need to know which tokens a sequence has seen. That lives on the device in
+`PenaltyState` (a row per penalised sequence, part of the donated engine state): each step counts
+its own input tokens into it (prompt tokens set a presence bit, generated tokens add to a count),
+so the host never ships token histories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.errors import InvalidSamplingParamsError
+
+Array = jax.Array
+
+_MAX_SEED = 2**64
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters, with vLLM's names, defaults and semantics.
+
+    top_k: -1 or 0 = off. top_p: in (0, 1]. min_p: in [0, 1]. temperature 0 = greedy.
+    max_tokens: None = up to max_model_len. seed: None = a seed drawn from the engine's RNG.
+    logprobs / prompt_logprobs: None = off, k >= 0 = the chosen/prompt token plus the top k.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidSamplingParamsError naming the first bad field."""
+
+        def bad(name: str, why: str) -> None:
+            raise InvalidSamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not np.isfinite(v):
+                bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                bad(name, "must be an integer")
+        if self.n < 1:
+            bad("n", "must be >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be None or an integer >= 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < _MAX_SEED):
+            bad("seed", "must be None or a 64-bit integer")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 0):
+                bad(name, "must be None or an integer >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_or_off(self) -> int:
+        """top_k with both "off" spellings (-1, 0) mapped to 0."""
+        return max(int(self.top_k), 0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def clone(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+# ---- device side ---------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyState:
+    """Token occurrences per penalised sequence. R = rows (0 = penalties disabled), V = vocab."""
+
+    prompt_seen: Array  # bool[R, V]  token occurs in the prompt
+    out_counts: Array  # i32[R, V]   times the token was generated so far
+
+
+def init_penalty_state(rows: int, vocab: int) -> PenaltyState:
+    return PenaltyState(jnp.zeros((rows, vocab), jnp.bool_), jnp.zeros((rows, vocab), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling inputs of one step. S = sampled rows, T = the step's input tokens,
+    B = prefill streams, P = prefill tokens (prompt-logprob rows), M = suppressed ids per row.
+
+    Pad rows: logits_indices 0, temperature 0, pen_rows -1, suppress_ids -1.
+    """
+
+    logits_indices: Array  # i32[S]  row of the step's hidden states to sample
+    temperature: Array  # f32[S]  0 = greedy
+    top_k: Array  # i32[S]  0 = off
+    top_p: Array  # f32[S]  1 = off
+    min_p: Array  # f32[S]  0 = off
+    repetition_penalty: Array  # f32[S]  1 = off
+    presence_penalty: Array  # f32[S]
+    frequency_penalty: Array  # f32[S]
+    pen_rows: Array  # i32[S]  PenaltyState row of the sequence; -1 = no penalties
+    seeds: Array  # u32[S, 3]  (seed low 32 bits, seed high 32 bits, sequence index)
+    out_index: Array  # i32[S]  index of the token being sampled among the sequence's outputs
+    suppress_ids: Array  # i32[S, M]  ids that may not be sampled (min_tokens); -1 = none
+    flags: Array  # bool[4]  any (penalties, top-k/top-p, random rows, logprobs) among the rows
+    tok_pen_rows: Array  # i32[T]  PenaltyState row of each input token; -1 = not counted
+    tok_is_output: Array  # bool[T]  input token is a generated token (count) vs prompt (presence)
+    reset_rows: Array  # i32[B]  PenaltyState rows cleared before this step's tokens are counted
+    prompt_lp_targets: Array  # i32[P]  next prompt token for each prefill token; -1 = none
+
+
+F_PENALTY, F_FILTER, F_RANDOM, F_LOGPROBS = range(4)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SampleOutput:
+    """What a step returns. K = max_logprobs (static). Only the requested parts are fetched."""
+
+    token_ids: Array  # i32[S]  sampled token per row
+    logprobs: Array  # f32[S]  raw log-softmax of the sampled token
+    ranks: Array  # i32[S]  1-based rank of the sampled token (valid when flags[F_LOGPROBS])
+    top_ids: Array  # i32[S, K]
+    top_logprobs: Array  # f32[S, K]
+    prompt_logprobs: Array  # f32[P]  raw logprob of each prompt_lp_target (0 where none)
+    prompt_ranks: Array  # i32[P]
+    prompt_top_ids: Array  # i32[P, K]
+    prompt_top_logprobs: Array  # f32[P, K]
+
+
+# ---- the penalty table ---------------------------------------------------------------------------
+def _oob(idx: Array, size: int) -> Array:
+    """Map negative ("none") indices out of range, so `mode="drop"` really drops them."""
+    return jnp.where(idx < 0, size, idx)
+
+
+def update_penalty_state(ps: PenaltyState, tokens: Array, smd: SamplingMetadata) -> PenaltyState:
+    """Clear `reset_rows`, then count this step's input tokens `tokens` i32[T] into their rows."""
+    rows = ps.prompt_seen.shape[0]
+    if rows == 0:
+        return ps
+    reset = _oob(smd.reset_rows, rows)
+    seen = ps.prompt_seen.at[reset].set(False, mode="drop")
+    counts = ps.out_counts.at[reset].set(0, mode="drop")
+    r = smd.tok_pen_rows
+    seen = seen.at[_oob(jnp.where(smd.tok_is_output, -1, r), rows), tokens].set(True, mode="drop")
+    counts = counts.at[_oob(jnp.where(smd.tok_is_output, r, -1), rows), tokens].add(1, mode="drop")
+    return PenaltyState(seen, counts)
+
+
+def _apply_penalties(logits: Array, ps: PenaltyState, smd: SamplingMetadata) -> Array:
+    """vLLM penalties on f32[S, V] logits; rows with pen_rows -1 are unchanged."""
+    rows = ps.prompt_seen.shape[0]
+    if rows == 0:
+        return logits
+    has = smd.pen_rows >= 0
+    r = jnp.clip(smd.pen_rows, 0, rows - 1)
+    seen = ps.prompt_seen[r] & has[:, None]  # bool[S, V]
+    counts = jnp.where(has[:, None], ps.out_counts[r], 0)  # i32[S, V]
+    rep = smd.repetition_penalty[:, None]
+    occurred = seen | (counts > 0)
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(occurred, penalised, logits)
+    logits = logits - smd.frequency_penalty[:, None] * counts.astype(jnp.float32)
+    logits = logits - smd.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
+    return logits
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+def row_keys(smd: SamplingMetadata) -> Array:
+    """One PRNG key per row from (seed, sequence index, output index) only."""
+    base = jax.random.key(0x5EED)
+
+    def one(seed3: Array, idx: Array) -> Array:
+        k = jax.random.fold_in(base, seed3[0])
+        k = jax.random.fold_in(k, seed3[1])
+        k = jax.random.fold_in(k, seed3[2])
+        return jax.random.fold_in(k, idx)
+
+    return jax.vmap(one)(smd.seeds, smd.out_index)
+
+
+def _top_k_top_p_mask(x: Array, top_k: Array, top_p: Array) -> Array:
+    """Mask f32[S, V] scaled logits outside each row's top-k, then outside its top-p nucleus."""
+    v = x.shape[-1]
+    srt = -jnp.sort(-x, axis=-1)  # f32[S, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # i32[S]
+    pos = jnp.arange(v)[None, :]
+    srt = jnp.where(pos < k[:, None], srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (before < top_p[:, None]) & (pos < k[:, None])
+    keep = keep.at[:, 0].set(True)
+    n_keep = jnp.sum(keep, axis=-1)  # i32[S] >= 1
+    thresh = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)  # f32[S, 1]
+    return jnp.where(x < thresh, -jnp.inf, x)
+
+
+def _random_sample(x: Array, smd: SamplingMetadata) -> Array:
+    """Gumbel-max sample of i32[S] from processed logits f32[S, V]."""
+    t = jnp.where(smd.temperature > 0, smd.temperature, 1.0)[:, None]
+    x = x / t
+    # min_p: drop tokens whose probability is below min_p * the top probability.
+    top = jnp.max(x, axis=-1, keepdims=True)
+    x = jnp.where((smd.min_p[:, None] > 0) & (x - top < jnp.log(smd.min_p[:, None])), -jnp.inf, x)
+    x = jax.lax.cond(smd.flags[F_FILTER], _top_k_top_p_mask, lambda x, *_: x, x, smd.top_k, smd.top_p)
+    keys = row_keys(smd)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
+    return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+
+
+def _rank_and_top(lp: Array, target: Array, k: int) -> tuple[Array, Array, Array]:
+    """Rank (1-based, vLLM: count of logprobs >= the target's) and top-k of f32[R, V] logprobs."""
+    tl = jnp.take_along_axis(lp, jnp.maximum(target, 0)[:, None], axis=-1)  # f32[R, 1]
+    rank = jnp.sum(lp >= tl, axis=-1).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return rank, top_ids.astype(jnp.int32), top_lp
+
+
+def sample(
+    logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int
+) -> tuple[Array, Array, Array, Array, Array]:
+    """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
+    top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1)."""
+    logits = logits.astype(jnp.float32)
+    s, v = logits.shape
+    k = max(max_logprobs, 1)
+    raw_lp = jax.nn.log_softmax(logits, axis=-1)
+    x = jax.lax.cond(smd.flags[F_PENALTY], _apply_penalties, lambda x, *_: x, logits, ps, smd)
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], smd.suppress_ids.shape)
+    x = x.at[rows, _oob(smd.suppress_ids, v)].set(-jnp.inf, mode="drop")
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    sampled = jax.lax.cond(smd.flags[F_RANDOM], _random_sample, lambda x, _: greedy, x, smd)
+    tok = jnp.where(smd.temperature > 0, sampled, greedy)
+    chosen = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
+
+    def lp_parts(raw_lp: Array, tok: Array):
+        return _rank_and_top(raw_lp, tok, k)
+
+    def no_lp(raw_lp: Array, tok: Array):
+        return jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+
+    ranks, top_ids, top_lp = jax.lax.cond(smd.flags[F_LOGPROBS], lp_parts, no_lp, raw_lp, tok)
+    return tok, chosen, ranks, top_ids, top_lp
+
+
+def prompt_logprobs(
+    logits_fn, hidden: Array, targets: Array, *, max_logprobs: int, chunk: int = 64
+) -> tuple[Array, Array, Array, Array]:
+    """Logprob, rank and top-k of each `targets` i32[P] token, from hidden f32[P, H].
+
+    `logits_fn(h f32[c, H]) -> f32[c, V]` is the model's LM head. Runs under `lax.cond` (nothing
+    when no target is set) and in chunks of `chunk` rows so the [P, V] logits are never whole.
+    Returns (logprobs f32[P], ranks i32[P], top_ids i32[P, K], top_logprobs f32[P, K]).
+    """
+    p = targets.shape[0]
+    k = max(max_logprobs, 1)
+    if p == 0:
+        z = jnp.zeros((0,), jnp.float32)
+        return z, z.astype(jnp.int32), jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
+    c = min(chunk, p)
+    pad = (-p) % c
+
+    def compute(hidden: Array, targets: Array):
+        h = jnp.pad(hidden, ((0, pad), (0, 0)))
+        t = jnp.pad(targets, (0, pad), constant_values=-1)
+
+        def one(args):
+            hc, tc = args
+            lp = jax.nn.log_softmax(logits_fn(hc).astype(jnp.float32), axis=-1)
+            tl = jnp.take_along_axis(lp, jnp.maximum(tc, 0)[:, None], axis=-1)[:, 0]
+            rank, ids, top = _rank_and_top(lp, tc, k)
+            return jnp.where(tc >= 0, tl, 0.0), rank, ids, top
+
+        outs = jax.lax.map(one, (h.reshape(-1, c, h.shape[-1]), t.reshape(-1, c)))
+        return tuple(o.reshape(-1, *o.shape[2:])[:p] for o in outs)
+
+    def nothing(hidden: Array, targets: Array):
+        return (jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.int32),
+                jnp.zeros((p, k), jnp.int32), jnp.zeros((p, k), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), compute, nothing, hidden, targets)
+
+
+def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:
+    """The u32 triple a row's key is derived from: (seed low, seed high, sequence index)."""
+    s = int(seed) % _MAX_SEED
+    return s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF, int(seq_index) & 0xFFFFFFFF
+
+
+__all__ = [
+    "SamplingParams", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
+    "update_penalty_state", "sample", "prompt_logprobs", "row_keys", "seed_words",
+]
