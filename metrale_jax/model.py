@@ -84,15 +84,20 @@ class Model:
         return 0
 
 
-def load_model(path: str | Path, dtype: str = "auto", show_progress: bool = True) -> tuple[Model, dict]:
-    """Load a checkpoint (HF safetensors directory, or GGUF file) -> (model, params).
+def load_model(
+    path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True
+) -> tuple[Model, dict]:
+    """Load a checkpoint (HF safetensors directory, GGUF file, or a known alias) -> (model, params).
 
     dtype: "auto" (the checkpoint's own float dtype; float32 for GGUF), "float32", "bfloat16"
-    or "float16". Raises a `LoadError` subclass naming the file or tensor on any problem.
+    or "float16". A GGUF's dequantized parameters are saved with orbax on first load
+    (`cache_converted`), so later loads skip the dequantization. Raises a `LoadError` subclass
+    naming the file or tensor on any problem.
     """
+    from metrale_jax.loading import orbax_io
     from metrale_jax.loading.checkpoint import open_checkpoint
     from metrale_jax.loading.hub import resolve_model
-    from metrale_jax.loading.weights import WeightReader
+    from metrale_jax.loading.weights import WeightReader, np_dtype
 
     t0 = time.perf_counter()
     resolved = resolve_model(path)
@@ -106,11 +111,21 @@ def load_model(path: str | Path, dtype: str = "auto", show_progress: bool = True
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-    reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress)
+    cache_dir = None
+    if cache_converted and ckpt.format == "gguf":
+        cache_dir = orbax_io.conversion_cache_dir(ckpt.path, np_dtype(dtype))
     try:
-        params = fam.load_params(cfg, reader)
+        if cache_dir is not None and orbax_io.has_params(cache_dir):
+            host, _ = orbax_io.restore_params(cache_dir)
+            params = jax.tree.map(jax.device_put, host)
+            log.info("restored converted parameters from %s", cache_dir)
+        else:
+            reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress)
+            params = fam.load_params(cfg, reader)
+            if cache_dir is not None:
+                orbax_io.save_params(params, cache_dir, {"source": str(ckpt.path), "dtype": dtype})
     finally:
-        ckpt.tensors.close()
+        ckpt.close()
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=str(path),
                   eos_token_ids=tuple(cfg.eos_token_ids), tokenizer=ckpt.tokenizer)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from metrale_jax.errors import MissingTensorError, TensorShapeError
+from metrale_jax.errors import MissingTensorError, TensorShapeError, UnsupportedDtypeError
 
 _NP_DTYPES = {
     "float32": np.float32,
@@ -56,6 +56,10 @@ class WeightReader:
             )
         self.used.add(name)
         arr = np.asarray(self.source.load(name))
+        if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)):
+            raise UnsupportedDtypeError(
+                f"tensor {name!r} in {self.origin} has dtype {arr.dtype}; a float type was expected"
+            )
         return self.cast(arr) if cast else arr.astype(np.float32)
 
     def cast(self, arr: np.ndarray) -> np.ndarray:

@@ -1,0 +1,120 @@
+"""load_model: every load error is a clear exception naming the file or tensor; orbax caching."""
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from metrale_jax import load_model
+from metrale_jax.errors import (
+    CorruptCheckpointError,
+    MissingTensorError,
+    ModelNotFoundError,
+    TensorShapeError,
+    UnknownArchitectureError,
+    UnsupportedDtypeError,
+)
+from tests.conftest import FIXTURES
+
+SRC = FIXTURES / "llama_tiny"
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(SRC, d)
+    return d
+
+
+def _edit_tensors(d, fn):
+    t = load_file(d / "model.safetensors")
+    fn(t)
+    save_file(t, d / "model.safetensors")
+
+
+def test_unknown_architecture(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["FrobnicatorForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnknownArchitectureError, match="FrobnicatorForCausalLM"):
+        load_model(ckpt)
+
+
+def test_missing_tensor(ckpt):
+    _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(ckpt)
+
+
+def test_misshaped_tensor(ckpt):
+    def cut(t):
+        t["model.layers.2.self_attn.k_proj.weight"] = t["model.layers.2.self_attn.k_proj.weight"][:-1]
+
+    _edit_tensors(ckpt, cut)
+    with pytest.raises(TensorShapeError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight.*\(31, 64\)"):
+        load_model(ckpt)
+
+
+def test_unsupported_dtype(ckpt):
+    def to_int(t):
+        t["model.norm.weight"] = t["model.norm.weight"].astype(np.int32)
+
+    _edit_tensors(ckpt, to_int)
+    with pytest.raises(UnsupportedDtypeError, match=r"model\.norm\.weight"):
+        load_model(ckpt)
+
+
+def test_truncated_safetensors(ckpt):
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
+        load_model(ckpt)
+
+
+def test_truncated_config(ckpt):
+    (ckpt / "config.json").write_text((SRC / "config.json").read_text()[:40])
+    with pytest.raises(CorruptCheckpointError, match="config.json"):
+        load_model(ckpt)
+
+
+def test_unknown_path(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ModelNotFoundError):
+        load_model("no-such-model-alias")
+
+
+def test_truncated_gguf(tmp_path):
+    from metrale_jax.loading.hub import resolve_model
+
+    src = resolve_model("smollm2-135m-instruct")
+    bad = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(5_000_000))
+    with pytest.raises(CorruptCheckpointError, match="cut.gguf"):
+        load_model(bad)
+
+
+def test_gguf_conversion_cached_with_orbax(tmp_path, monkeypatch, caplog):
+    """The second load of a GGUF restores the dequantized parameters instead of converting."""
+    from metrale_jax.loading.hub import resolve_model
+    from metrale_jax.models import llama
+
+    src = resolve_model("smollm2-135m-instruct")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _, first = load_model(src, dtype="bfloat16", show_progress=False)
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(llama, "load_params", no_conversion)
+    with caplog.at_level(logging.INFO, logger="metrale_jax.model"):
+        model, second = load_model(src, dtype="bfloat16", show_progress=False)
+    assert "restored converted parameters" in caplog.text
+    for a, b in zip(np.asarray(first["layers"]["wqkv"][3]), np.asarray(second["layers"]["wqkv"][3])):
+        np.testing.assert_array_equal(a, b)
+    assert second["layers"]["wqkv"].dtype == first["layers"]["wqkv"].dtype
+    assert model.cfg.num_layers == 30
