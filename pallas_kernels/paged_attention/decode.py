@@ -1,0 +1,236 @@
+"""Paged GQA decode attention (one new token per row) for the engine's stacked KV pools.
+
+Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU (`plgpu.kernel`). Why:
+* Keys are gathered token by token through the block table (one gathered load of
+  [block_k, D] per step, with a per-token page lookup), which Triton lowering expresses as
+  one masked pointer gather and software-pipelines (`num_stages`). In Mosaic GPU every page
+  would need its own TMA copy and barrier bookkeeping, and a GQA group (1..16 query heads)
+  would fill only 1/64..1/4 of a wgmma's 64 rows.
+* fp8 pools are converted in registers after the gather; in Mosaic GPU that needs an extra
+  SMEM round trip before wgmma.
+* Only a handful of GPU runs were available to this work; Triton lowering can be checked on
+  the CPU machine (cross-lowering to the Triton IR) and the interpret mode runs the same code.
+The Pallas Triton backend is deprecated since jax 0.11 but still the default in 0.11.2.
+A Mosaic GPU port is the follow-up once the engine is wired (see the issue notes).
+
+Layout: k_pool, v_pool [L, NB, bs, Hkv, D] (bf16, f32 or float8_e4m3fn with per-layer scales),
+indexed by `layer` inside the kernel (the pool is viewed as [L*NB*bs*Hkv, D], a free reshape;
+a layer is never sliced out). Flat slot = block_id * block_size + offset.
+
+Grid: (N, Hkv, num_splits). A program computes all G = Hq / Hkv query heads of one KV head
+(padded to a power of two >= 16 rows for the tensor cores) over one split of the context, with
+an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
+its normalized partial output and log-sum-exp, and a small XLA combine merges them.
+Rows with seq_len 0 give zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+from pallas_kernels.paged_attention import common
+from pallas_kernels.paged_attention.params import DecodeParams, decode_params_for
+
+
+def _decode_kernel(
+    layer_ref,  # i32[1]
+    scales_ref,  # f32[2]: [sm_scale * k_scale * log2(e), v_scale]
+    lens_ref,  # i32[N]
+    bt_ref,  # i32[N * MB]
+    q_ref,  # [Gp, D] (block of q [N, Hkv, Gp, D])
+    k_ref,  # [L*NB*bs*Hkv, D] pool
+    v_ref,  # [L*NB*bs*Hkv, D] pool
+    *out_refs,  # o [Gp, D] (+ lse f32[Gp] when split)
+    max_blocks: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    block_k: int,
+    num_splits: int,
+    sliding_window: int | None,
+    cdtype,
+):
+    n = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    layer = layer_ref[0]
+    qk_scale = scales_ref[0]
+    v_scale = scales_ref[1]
+    seq_len = lens_ref[n]
+    gp, d = q_ref.shape
+
+    lo = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    blk_lo = lo // block_k
+    blk_hi = pl.cdiv(seq_len, block_k)
+    per = pl.cdiv(jnp.maximum(blk_hi - blk_lo, 0), num_splits)
+    b0 = blk_lo + s * per
+    b1 = jnp.minimum(b0 + per, blk_hi)
+
+    q = q_ref[...].astype(cdtype)  # [Gp, D]
+    load = functools.partial(
+        common.load_kv_rows, bt_ref=bt_ref, bt_base=n * max_blocks, layer=layer, head=h,
+        num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, cdtype=cdtype,
+    )
+
+    def body(i, carry):
+        o, m, l = carry
+        tok = i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # i32[BK]
+        valid = (tok < seq_len) & (tok >= lo)
+        k = load(k_ref, tok=tok, tok_valid=valid)  # [BK, D]
+        v = load(v_ref, tok=tok, tok_valid=valid)  # [BK, D]
+        sc = common.dot(q, k, trans_b=True) * qk_scale  # f32[Gp, BK], log2 domain
+        sc = jnp.where(valid[None, :], sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        o = o * alpha[:, None] + common.dot(p.astype(cdtype), v)
+        return o, m_new, l
+
+    o0 = jnp.zeros((gp, d), jnp.float32)
+    m0 = jnp.full((gp,), common.NEG_BIG, jnp.float32)
+    l0 = jnp.zeros((gp,), jnp.float32)
+    o, m, l = jax.lax.fori_loop(b0, b1, body, (o0, m0, l0))
+    nonempty = l > 0.0
+    inv_l = jnp.where(nonempty, v_scale / jnp.where(nonempty, l, 1.0), 0.0)
+    o = o * inv_l[:, None]
+    out_refs[0][...] = o.astype(out_refs[0].dtype)
+    if num_splits > 1:
+        out_refs[1][...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
+
+
+def combine_splits(o_parts, lse_parts):
+    """o_parts f32[S, ...rows, D] (each normalized), lse_parts f32[S, ...rows] (log2) -> f32[...rows, D]."""
+    m = jnp.max(lse_parts, axis=0)
+    w = jnp.exp2(lse_parts - m[None])  # empty splits (lse = NEG_BIG) get weight 0 next to a real one
+    return jnp.sum(w[..., None] * o_parts, axis=0) / jnp.sum(w, axis=0)[..., None]
+
+
+def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
+                 sliding_window, interpret: bool, poison: bool):
+    num_layers, num_blocks, block_size, hkv, d = k_pool.shape
+    n, hq, _ = q.shape
+    g = hq // hkv
+    gp = max(16, common.next_pow2(g))
+    mb = block_tables.shape[1]
+    cdtype = common.compute_dtype(q.dtype, k_pool.dtype)
+    qg = q.reshape(n, hkv, g, d)
+    if gp != g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    kf = k_pool.reshape(num_layers * num_blocks * block_size * hkv, d)
+    vf = v_pool.reshape(num_layers * num_blocks * block_size * hkv, d)
+    ns = params.num_splits
+
+    whole = pl.no_block_spec
+    in_specs = [
+        whole, whole, whole, whole,
+        pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)),
+        whole, whole,
+    ]
+    if ns == 1:
+        out_shape = [jax.ShapeDtypeStruct((n, hkv, gp, d), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0))]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((ns, n, hkv, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((ns, n, hkv, gp), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (s, i, j, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (s, i, j, 0)),
+        ]
+    args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
+            qg, kf, vf]
+    aliases = {}
+    kernel = functools.partial(
+        _decode_kernel, max_blocks=mb, num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv,
+        block_k=params.block_k, num_splits=ns, sliding_window=sliding_window, cdtype=cdtype,
+    )
+    if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
+        for i, (shp, spec) in enumerate(zip(out_shape, out_specs)):
+            aliases[len(args)] = i
+            args.append(common.poison_like(shp.shape, shp.dtype))
+            in_specs.append(spec)
+        kernel = _drop_alias_inputs(kernel, len(out_shape))
+    outs = pl.pallas_call(
+        kernel,
+        grid=(n, hkv, ns),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(*args)
+    if ns == 1:
+        o = outs[0]
+    else:
+        o = combine_splits(outs[0], outs[1]).astype(q.dtype)
+    return o[:, :, :g, :].reshape(n, hq, d)
+
+
+def _drop_alias_inputs(kernel, num_outs):
+    """Kernel wrapper that ignores the `num_outs` aliased poison inputs (placed before the outputs)."""
+
+    def wrapped(*refs):
+        n_in = len(refs) - 2 * num_outs
+        return kernel(*refs[:n_in], *refs[n_in + num_outs:])
+
+    return wrapped
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "params", "interpret", "_poison"))
+def paged_decode_attention(
+    q,
+    k_pool,
+    v_pool,
+    layer,
+    block_tables,
+    seq_lens,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    k_scale=None,
+    v_scale=None,
+    params: DecodeParams | None = None,
+    interpret: bool = False,
+    _poison: bool = False,
+):
+    """Decode attention over paged, layer-stacked KV pools.
+
+    Args:
+      q: [N, Hq, D] bf16 or f32, one query token per row.
+      k_pool, v_pool: [L, num_blocks, block_size, Hkv, D] bf16, f32 or float8_e4m3fn.
+      layer: int32 scalar or i32[1] (may be traced): which layer of the pools to read.
+      block_tables: i32[N, max_blocks]: the pool blocks of each row, in order.
+      seq_lens: i32[N]: keys per row, its new token included; 0 marks a padded row (output 0).
+      sm_scale: softmax scale (static).
+      sliding_window: keep keys k with (seq_len - 1) - k < sliding_window; None = full context.
+      k_scale, v_scale: f32 scalars (may be traced) dequantizing a float8_e4m3fn pool.
+      params: static `DecodeParams`; None picks the tuned table entry or a heuristic.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+      _poison: test hook: NaN-fill the kernel's output buffers before it runs.
+
+    Returns:
+      [N, Hq, D] in q's dtype.
+    """
+    num_layers, num_blocks, block_size, hkv, d = common.check_pools(q, k_pool, v_pool, k_scale, v_scale)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [N, Hq, D]; got {q.shape}")
+    n = q.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != n or seq_lens.shape != (n,):
+        raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} must be [{n}, MB] / [{n}]")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be >= 1 or None")
+    if params is None:
+        params = decode_params_for(n, q.shape[1], hkv, d, block_size, k_pool.dtype,
+                                   block_tables.shape[1] * block_size)
+    layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)
+    return _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, params=params,
+                        sliding_window=sliding_window, interpret=interpret, poison=_poison)
