@@ -22,6 +22,8 @@ CONFIGS = {
                   low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=True),
 }
 
 

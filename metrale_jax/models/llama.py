@@ -29,6 +29,7 @@ from metrale_jax.layers.attention import (
     prefill_attention,
 )
 from metrale_jax.layers.mlp import linear, swiglu_mlp
+from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
 from metrale_jax.loading.weights import WeightReader
@@ -42,22 +43,24 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-def load_params(cfg: ModelConfig, reader: WeightReader) -> dict:
-    """Map Hugging Face tensor names to the parameter tree (see the module docstring)."""
-    hq, hkv, d, h, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    L = cfg.num_layers
+def load_params(cfg: ModelConfig, reader: WeightReader, mlp_shapes=None, load_mlp=None) -> dict:
+    """Map Hugging Face tensor names to the parameter tree (see the module docstring).
+
+    Families with another MLP (MoE) pass `mlp_shapes(cfg) -> {name: shape}` and
+    `load_mlp(cfg, reader, prefix, layers, i)` for it; attention and norms load the same way.
+    """
+    mlp_shapes = mlp_shapes or dense_mlp_shapes
+    load_mlp = load_mlp or load_dense_mlp
+    hq, hkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     qkv = (hq + 2 * hkv) * d
-    shapes = {
-        "attn_norm": (h,), "wqkv": (h, qkv), "wo": (hq * d, h),
-        "mlp_norm": (h,), "w_gate_up": (h, 2 * inter), "w_down": (inter, h),
-    }
+    shapes = {"attn_norm": (h,), "wqkv": (h, qkv), "wo": (hq * d, h), "mlp_norm": (h,), **mlp_shapes(cfg)}
     if cfg.attention_bias:
         shapes["bqkv"] = (qkv,)
     if cfg.qk_norm:
         shapes["q_norm"] = (d,)
         shapes["k_norm"] = (d,)
-    layers = {k: reader.stacked(L, s, name=k) for k, s in shapes.items()}
-    for i in reader.progress(range(L), "layers"):
+    layers = {k: reader.stacked(cfg.num_layers, s, name=k) for k, s in shapes.items()}
+    for i in reader.progress(range(cfg.num_layers), "layers"):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         wq = reader.get(a + "q_proj.weight", (hq * d, h))
@@ -66,27 +69,34 @@ def load_params(cfg: ModelConfig, reader: WeightReader) -> dict:
         layers["wqkv"][i] = np.concatenate([wq, wk, wv], axis=0).T
         layers["wo"][i] = reader.get(a + "o_proj.weight", (h, hq * d)).T
         if cfg.attention_bias:
-            layers["bqkv"][i] = np.concatenate(
-                [reader.get(a + f"{n}_proj.bias", (s,)) for n, s in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))]
-            )
+            sizes = (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
+            layers["bqkv"][i] = np.concatenate([reader.get(a + f"{n}_proj.bias", (s,)) for n, s in sizes])
         if cfg.qk_norm:
             layers["q_norm"][i] = reader.get(a + "q_norm.weight", (d,))
             layers["k_norm"][i] = reader.get(a + "k_norm.weight", (d,))
         layers["attn_norm"][i] = reader.get(p + "input_layernorm.weight", (h,))
         layers["mlp_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
-        g = reader.get(p + "mlp.gate_proj.weight", (inter, h))
-        u = reader.get(p + "mlp.up_proj.weight", (inter, h))
-        layers["w_gate_up"][i] = np.concatenate([g, u], axis=0).T
-        layers["w_down"][i] = reader.get(p + "mlp.down_proj.weight", (h, inter)).T
+        load_mlp(cfg, reader, p + "mlp.", layers, i)
     params = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
         "layers": layers,
         "norm": reader.get("model.norm.weight", (h,), cast=True),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = reader.get("lm_head.weight", (cfg.vocab_size, h)).T
-        params["lm_head"] = reader.cast(params["lm_head"])
+        params["lm_head"] = reader.cast(reader.get("lm_head.weight", (cfg.vocab_size, h)).T)
     return reader.to_device(params)
+
+
+def dense_mlp_shapes(cfg: ModelConfig) -> dict:
+    return {"w_gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "w_down": (cfg.intermediate_size, cfg.hidden_size)}
+
+
+def load_dense_mlp(cfg: ModelConfig, reader: WeightReader, p: str, layers: dict, i: int) -> None:
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    g = reader.get(p + "gate_proj.weight", (inter, h))
+    u = reader.get(p + "up_proj.weight", (inter, h))
+    layers["w_gate_up"][i] = np.concatenate([g, u], axis=0).T
+    layers["w_down"][i] = reader.get(p + "down_proj.weight", (h, inter)).T
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------
@@ -106,8 +116,15 @@ def _qkv(cfg: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
 
 
 def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+    """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + swiglu_mlp(h, lp["w_gate_up"], lp["w_down"])
+    if "router" not in lp:
+        return x + swiglu_mlp(h, lp["w_gate_up"], lp["w_down"])
+    shape = h.shape
+    h = h.reshape(-1, shape[-1])
+    w, idx = softmax_topk_router(h, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
+    y = routed_experts(h, w, idx, lp["experts_gate_up"], lp["experts_down"])
+    return x + y.reshape(shape)
 
 
 def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:

@@ -1,0 +1,50 @@
+"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3 attention with a sparse top-k softmax MoE MLP.
+
+Parameters as in `llama.py`, with the MLP replaced per layer by
+    layers/router [L, H, E]   layers/experts_gate_up [L, E, H, 2 I_moe]   layers/experts_down [L, E, I_moe, H]
+Checkpoints name each expert's projections separately (`mlp.experts.{e}.gate_proj.weight`).
+Only all-MoE stacks are supported (decoder_sparse_step 1, no mlp_only_layers), which covers
+the released Qwen3-MoE models.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.models import llama
+from metrale_jax.models.llama import compute_logits, forward, forward_paged, num_attention_layers
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+def adapt_config(cfg: ModelConfig) -> ModelConfig:
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise NotImplementedError("Qwen3-MoE with dense layers mixed in (mlp_only_layers / decoder_sparse_step)")
+    extra = dict(cfg.extra) | {"num_experts": experts}
+    return dataclasses.replace(cfg, qk_norm=True, extra=tuple(sorted(extra.items())))
+
+
+def moe_shapes(cfg: ModelConfig) -> dict:
+    e, h, i = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size")
+    return {"router": (h, e), "experts_gate_up": (e, h, 2 * i), "experts_down": (e, i, h)}
+
+
+def load_moe_mlp(cfg: ModelConfig, reader, p: str, layers: dict, i: int) -> None:
+    e, h, inter = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size")
+    layers["router"][i] = reader.get(p + "gate.weight", (e, h)).T
+    for j in range(e):
+        q = f"{p}experts.{j}."
+        g = reader.get(q + "gate_proj.weight", (inter, h))
+        u = reader.get(q + "up_proj.weight", (inter, h))
+        layers["experts_gate_up"][i, j] = np.concatenate([g, u], axis=0).T
+        layers["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, inter)).T
+
+
+def load_params(cfg: ModelConfig, reader) -> dict:
+    return llama.load_params(cfg, reader, mlp_shapes=moe_shapes, load_mlp=load_moe_mlp)
+
+
+__all__ = ["ARCHITECTURES", "adapt_config", "load_params", "forward", "forward_paged", "compute_logits",
+           "num_attention_layers"]
