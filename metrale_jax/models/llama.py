@@ -88,7 +88,8 @@ def load_params(cfg: ModelConfig, reader: WeightReader, mlp_shapes=None, load_ml
 
 
 def dense_mlp_shapes(cfg: ModelConfig) -> dict:
-    return {"w_gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "w_down": (cfg.intermediate_size, cfg.hidden_size)}
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"w_gate_up": (h, 2 * inter), "w_down": (inter, h)}
 
 
 def load_dense_mlp(cfg: ModelConfig, reader: WeightReader, p: str, layers: dict, i: int) -> None:
