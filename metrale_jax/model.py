@@ -58,8 +58,7 @@ class Model:
     def forward_paged(self, params, state: EngineState, tokens, dmd: AttnMetadata | None,
                       pmd: BatchedAttnMetadata | None, attn: AttentionConfig = AttentionConfig()):
         """tokens i32[N + T] (decode rows, then prefill tokens) -> (state, hidden [N + T, H])."""
-        kv, hidden = self.family.forward_paged(self.cfg, params, state.kv, tokens, dmd, pmd, attn)
-        return dataclasses.replace(state, kv=kv), hidden
+        return self.family.forward_paged(self.cfg, params, state, tokens, dmd, pmd, attn)
 
     def compute_logits(self, params, hidden):
         """hidden [S, H] -> f32[S, V]."""
@@ -69,11 +68,25 @@ class Model:
     def num_attention_layers(self) -> int:
         return self.family.num_attention_layers(self.cfg)
 
+    def ssm_spec(self) -> dict:
+        """Per-slot SSM state arrays {kind: {name: SSMArraySpec}}; empty for attention-only models."""
+        spec = getattr(self.family, "ssm_spec", None)
+        return spec(self.cfg) if spec is not None else {}
+
+    @property
+    def has_ssm_state(self) -> bool:
+        return bool(self.ssm_spec())
+
     def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0) -> EngineState:
+        from metrale_jax.cache.ssm import init_ssm_pool
+
         kv_dtype = kv_dtype or DTYPES[self.dtype]
         c = self.cfg
         kv = init_kv_cache(self.num_attention_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, kv_dtype)
-        return EngineState(kv=kv, ssm={})
+        spec = self.ssm_spec()
+        if spec and max_ssm_slots <= 0:
+            raise ValueError(f"{c.architecture} keeps recurrent state: max_ssm_slots must be > 0")
+        return EngineState(kv=kv, ssm=init_ssm_pool(spec, max_ssm_slots) if spec else {})
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype=None) -> int:
         c = self.cfg
@@ -81,7 +94,9 @@ class Model:
                                   kv_dtype or DTYPES[self.dtype])
 
     def ssm_bytes_per_slot(self) -> int:
-        return 0
+        from metrale_jax.cache.ssm import ssm_bytes_per_slot
+
+        return ssm_bytes_per_slot(self.ssm_spec())
 
 
 def load_model(

@@ -10,7 +10,7 @@ import pytest
 from metrale_jax import load_model
 from tests.conftest import FIXTURES
 
-TINY = ["llama_tiny", "llama_tied_sharded", "qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny"]
+TINY = ["llama_tiny", "llama_tied_sharded", "qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny", "qwen3_next_tiny"]
 
 
 @pytest.fixture(scope="module", params=TINY)

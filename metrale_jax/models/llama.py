@@ -16,11 +16,14 @@ Linear weights are stored [in, out] (transposed from the checkpoint's [out, in] 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from metrale_jax.cache.kv import KVCache, write_kv
+from metrale_jax.cache import EngineState
+from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig, rope_inv_freq
 from metrale_jax.layers.attention import (
     AttentionConfig,
@@ -158,13 +161,13 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
 def forward_paged(
     cfg: ModelConfig,
     params: dict,
-    kv: KVCache,
+    state: EngineState,
     tokens: jax.Array,
     dmd: AttnMetadata | None,
     pmd: BatchedAttnMetadata | None,
     attn: AttentionConfig,
 ):
-    """tokens i32[N + T]: N decode rows, then T prefill tokens -> (kv, hidden [N + T, H])."""
+    """tokens i32[N + T]: N decode rows, then T prefill tokens -> (state, hidden [N + T, H])."""
     n = dmd.num_seqs if dmd is not None else 0
     parts = [m for m in (dmd, pmd) if m is not None]
     positions = jnp.concatenate([m.positions for m in parts])
@@ -186,8 +189,8 @@ def forward_paged(
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x), kv, i + 1), None
 
-    (x, kv, _), _ = jax.lax.scan(layer, (x, kv, jnp.int32(0)), params["layers"])
-    return kv, rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    (x, kv, _), _ = jax.lax.scan(layer, (x, state.kv, jnp.int32(0)), params["layers"])
+    return dataclasses.replace(state, kv=kv), rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
 def num_attention_layers(cfg: ModelConfig) -> int:

@@ -1,0 +1,316 @@
+"""Qwen3-Next: Gated DeltaNet (linear attention) and gated full attention, with sparse MoE MLPs.
+
+Follows transformers' `modeling_qwen3_next.py`. The layer stack follows `layer_types`; one
+`lax.scan` runs over all layers and a `lax.switch` on each layer's kind picks the token mixer,
+whose weights are stacked per kind and indexed by a per-kind counter (so compile time does not
+grow with depth). Layer norms are the zero-centred `(1 + w)` RMSNorm; the GDN output norm is a
+plain-weight RMSNorm followed by `* silu(z)`.
+
+Parameter tree (L layers, La attention layers, Lg GDN layers):
+    embed [V, H]   norm [H]   lm_head [H, V]
+    layers/in_norm, post_norm [L, H]
+    layers/router [L, H, E]  experts_gate_up [L, E, H, 2 Im]  experts_down [L, E, Im, H]
+    layers/shared_gate_up [L, H, 2 Is]  shared_down [L, Is, H]  shared_gate [L, H, 1]
+    attn/wq [La, H, Hq 2D] (per head: query then gate)  wkv [La, H, 2 Hkv D]  wo [La, Hq D, H]
+    attn/q_norm, k_norm [La, D]
+    gdn/w_qkvz [Lg, H, 2 Kd + 2 Vd] (reordered to q | k | v | z)  w_ba [Lg, H, 2 HV] (b | a)
+    gdn/conv_w [Lg, C, W] (C = 2 Kd + Vd)  dt_bias, A_log [Lg, HV]  norm [Lg, dv]  wo [Lg, Vd, H]
+SSM pool per sequence slot: gdn/conv f32[slots, Lg, C, W-1], gdn/rec f32[slots, Lg, HV, dk, dv].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.cache.kv import write_kv
+from metrale_jax.config import ModelConfig, rope_inv_freq
+from metrale_jax.layers.attention import decode_attention, dense_causal_attention, prefill_attention
+from metrale_jax.layers.mlp import linear, swiglu_mlp
+from metrale_jax.layers.moe import routed_experts, softmax_topk_router
+from metrale_jax.layers.norms import rms_norm
+from metrale_jax.layers.rope import apply_rope
+from metrale_jax.layers.ssm_state import read_layer, write_layer
+from pallas_kernels.conv1d.naive import naive_causal_conv1d_varlen
+from pallas_kernels.gated_delta.naive import naive_gated_delta_rule
+
+ARCHITECTURES = ("Qwen3NextForCausalLM",)
+GDN, ATTN = 0, 1
+
+
+def adapt_config(cfg: ModelConfig) -> ModelConfig:
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                      for i in range(cfg.num_layers))
+    if len(types) != cfg.num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {cfg.num_layers} layers")
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1 or not cfg.get("num_experts"):
+        raise NotImplementedError("Qwen3-Next with dense MLP layers mixed in is not supported yet")
+    extra = dict(cfg.extra) | {"layer_types": tuple(types)}
+    return dataclasses.replace(cfg, qk_norm=True, extra=tuple(sorted(extra.items())))
+
+
+def _kinds(cfg: ModelConfig) -> tuple[int, ...]:
+    return tuple(ATTN if t == "full_attention" else GDN for t in cfg.get("layer_types"))
+
+
+def num_attention_layers(cfg: ModelConfig) -> int:
+    return sum(k == ATTN for k in _kinds(cfg))
+
+
+def _gdn_dims(cfg: ModelConfig):
+    nk, nv = cfg.get("linear_num_key_heads"), cfg.get("linear_num_value_heads")
+    dk, dv = cfg.get("linear_key_head_dim"), cfg.get("linear_value_head_dim")
+    return nk, nv, dk, dv, cfg.get("linear_conv_kernel_dim")
+
+
+def ssm_spec(cfg: ModelConfig) -> dict:
+    """Per-slot state arrays (shapes without the slot axis), f32."""
+    from metrale_jax.cache.ssm import SSMArraySpec
+
+    nk, nv, dk, dv, w = _gdn_dims(cfg)
+    lg = cfg.num_layers - num_attention_layers(cfg)
+    c = 2 * nk * dk + nv * dv
+    return {"gdn": {"conv": SSMArraySpec((lg, c, w - 1)), "rec": SSMArraySpec((lg, nv, dk, dv))}}
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def load_params(cfg: ModelConfig, reader) -> dict:
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    nk, nv, dk, dv, w = _gdn_dims(cfg)
+    e, im, ish = cfg.get("num_experts"), cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
+    kinds = _kinds(cfg)
+    la, lg, L = kinds.count(ATTN), kinds.count(GDN), cfg.num_layers
+    kd, vd, r = nk * dk, nv * dv, nv // nk
+    c = 2 * kd + vd
+    st = reader.stacked
+    layers = {
+        "in_norm": st(L, (h,)), "post_norm": st(L, (h,)), "router": st(L, (h, e)),
+        "experts_gate_up": st(L, (e, h, 2 * im)), "experts_down": st(L, (e, im, h)),
+        "shared_gate_up": st(L, (h, 2 * ish)), "shared_down": st(L, (ish, h)), "shared_gate": st(L, (h, 1)),
+    }
+    attn = {"wq": st(la, (h, hq * 2 * d)), "wkv": st(la, (h, 2 * hkv * d)), "wo": st(la, (hq * d, h)),
+            "q_norm": st(la, (d,)), "k_norm": st(la, (d,))}
+    gdn = {"w_qkvz": st(lg, (h, 2 * kd + 2 * vd)), "w_ba": st(lg, (h, 2 * nv)), "conv_w": st(lg, (c, w)),
+           "dt_bias": st(lg, (nv,)), "A_log": st(lg, (nv,)), "norm": st(lg, (dv,)), "wo": st(lg, (vd, h))}
+    ia = ig = 0
+    for i in reader.progress(range(L), "layers"):
+        p = f"model.layers.{i}."
+        layers["in_norm"][i] = reader.get(p + "input_layernorm.weight", (h,))
+        layers["post_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
+        m = p + "mlp."
+        layers["router"][i] = reader.get(m + "gate.weight", (e, h)).T
+        for j in range(e):
+            q = f"{m}experts.{j}."
+            g_, u_ = reader.get(q + "gate_proj.weight", (im, h)), reader.get(q + "up_proj.weight", (im, h))
+            layers["experts_gate_up"][i, j] = np.concatenate([g_, u_]).T
+            layers["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, im)).T
+        s = m + "shared_expert."
+        g_, u_ = reader.get(s + "gate_proj.weight", (ish, h)), reader.get(s + "up_proj.weight", (ish, h))
+        layers["shared_gate_up"][i] = np.concatenate([g_, u_]).T
+        layers["shared_down"][i] = reader.get(s + "down_proj.weight", (h, ish)).T
+        layers["shared_gate"][i] = reader.get(m + "shared_expert_gate.weight", (1, h)).T
+        if kinds[i] == ATTN:
+            a = p + "self_attn."
+            attn["wq"][ia] = reader.get(a + "q_proj.weight", (hq * 2 * d, h)).T
+            wk, wv = reader.get(a + "k_proj.weight", (hkv * d, h)), reader.get(a + "v_proj.weight", (hkv * d, h))
+            attn["wkv"][ia] = np.concatenate([wk, wv]).T
+            attn["wo"][ia] = reader.get(a + "o_proj.weight", (h, hq * d)).T
+            attn["q_norm"][ia] = reader.get(a + "q_norm.weight", (d,))
+            attn["k_norm"][ia] = reader.get(a + "k_norm.weight", (d,))
+            ia += 1
+        else:
+            a = p + "linear_attn."
+            # Rows come grouped per key head as [q (dk), k (dk), v (r dv), z (r dv)]; regroup as q | k | v | z.
+            qkvz = reader.get(a + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h)).reshape(nk, 2 * dk + 2 * r * dv, h)
+            parts = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            gdn["w_qkvz"][ig] = np.concatenate([x.reshape(-1, h) for x in parts]).T
+            ba = reader.get(a + "in_proj_ba.weight", (2 * nv, h)).reshape(nk, 2 * r, h)
+            gdn["w_ba"][ig] = np.concatenate([ba[:, :r].reshape(-1, h), ba[:, r:].reshape(-1, h)]).T
+            gdn["conv_w"][ig] = reader.get(a + "conv1d.weight", (c, 1, w))[:, 0]
+            gdn["dt_bias"][ig] = reader.get(a + "dt_bias", (nv,))
+            gdn["A_log"][ig] = reader.get(a + "A_log", (nv,))
+            gdn["norm"][ig] = reader.get(a + "norm.weight", (dv,))
+            gdn["wo"][ig] = reader.get(a + "out_proj.weight", (h, vd)).T
+            ig += 1
+    params = {
+        "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
+        "layers": layers, "attn": attn, "gdn": gdn,
+        "norm": reader.get("model.norm.weight", (h,), cast=True),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = reader.cast(reader.get("lm_head.weight", (cfg.vocab_size, h)).T)
+    if any(n.startswith("mtp.") for n in getattr(reader.source, "names", lambda: [])()):
+        import logging
+
+        logging.getLogger(__name__).info("skipping the checkpoint's MTP weights (mtp.*): not used yet")
+    return reader.to_device(params)
+
+
+# ---- blocks ----------------------------------------------------------------------------------------
+def _norm(cfg, x, w):
+    return rms_norm(x, w, cfg.rms_norm_eps, zero_centered=True)
+
+
+def _moe(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+    """x [T, H] -> [T, H]: routed experts plus the sigmoid-gated shared expert."""
+    w, idx = softmax_topk_router(x, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
+    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"])
+    shared = swiglu_mlp(x, lp["shared_gate_up"], lp["shared_down"])
+    gate = jax.nn.sigmoid(linear(x, lp["shared_gate"]).astype(jnp.float32))
+    return (y.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
+
+
+def _attn_qkv(cfg: ModelConfig, ap: dict, h: jax.Array, positions: jax.Array):
+    """h [T, H] -> q [T, Hq, D], k/v [T, Hkv, D], gate [T, Hq D]."""
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(h, ap["wq"]).reshape(-1, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(-1, hq * d)
+    k, v = jnp.split(linear(h, ap["wkv"]), 2, axis=-1)
+    k, v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+    q = _norm(cfg, q, ap["q_norm"])
+    k = _norm(cfg, k, ap["k_norm"])
+    inv = rope_inv_freq(cfg)
+    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v, gate
+
+
+def _attn_out(ap: dict, o: jax.Array, gate: jax.Array) -> jax.Array:
+    o = o.reshape(o.shape[0], -1)
+    o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
+    return linear(o, ap["wo"])
+
+
+def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0):
+    """The Gated DeltaNet mixer over varlen streams.
+
+    h [T, H], cu_seqlens i32[B+1], conv0 f32[B, C, W-1], rec0 f32[B, HV, dk, dv]
+    -> (out [T, H], conv f32[B, C, W-1], rec f32[B, HV, dk, dv]).
+    """
+    nk, nv, dk, dv, _ = _gdn_dims(cfg)
+    kd, vd = nk * dk, nv * dv
+    qkvz = linear(h, gp["w_qkvz"])
+    mixed, z = qkvz[:, : 2 * kd + vd], qkvz[:, 2 * kd + vd:]
+    b, a = jnp.split(linear(h, gp["w_ba"]).astype(jnp.float32), 2, axis=-1)
+    mixed, conv = naive_causal_conv1d_varlen(mixed, gp["conv_w"], None, cu_seqlens=cu_seqlens,
+                                             initial_state=conv0, silu=True)
+    q = mixed[:, :kd].reshape(-1, nk, dk)
+    k = mixed[:, kd: 2 * kd].reshape(-1, nk, dk)
+    v = mixed[:, 2 * kd:].reshape(-1, nv, dv)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(gp["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + gp["dt_bias"].astype(jnp.float32))
+    o, rec = naive_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=rec0, use_qk_l2norm=True)
+    o = rms_norm(o, gp["norm"], cfg.rms_norm_eps)  # plain weight, per head
+    o = o.astype(jnp.float32) * jax.nn.silu(z.reshape(-1, nv, dv).astype(jnp.float32))
+    return linear(o.reshape(-1, vd).astype(h.dtype), gp["wo"]), conv, rec
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+# ---- dense forward ----------------------------------------------------------------------------------
+def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
+    """tokens i32[B, T], positions i32[B, T], lengths i32[B] -> logits f32[B, T, V]."""
+    bsz, t = tokens.shape
+    nk, nv, dk, dv, w = _gdn_dims(cfg)
+    c = 2 * nk * dk + nv * dv
+    x = params["embed"][tokens].reshape(bsz * t, -1)
+    cu = jnp.arange(bsz + 1, dtype=jnp.int32) * t
+    scale = cfg.head_dim**-0.5
+    kinds = jnp.asarray(_kinds(cfg), jnp.int32)
+
+    def gdn_branch(x, h, ia, ig):
+        gp = _take(params["gdn"], ig)
+        conv0 = jnp.zeros((bsz, c, w - 1), jnp.float32)
+        rec0 = jnp.zeros((bsz, nv, dk, dv), jnp.float32)
+        out, _, _ = _gdn(cfg, gp, h, cu, conv0, rec0)
+        return x + out
+
+    def attn_branch(x, h, ia, ig):
+        ap = _take(params["attn"], ia)
+        q, k, v, gate = _attn_qkv(cfg, ap, h, positions.reshape(-1))
+        o = dense_causal_attention(*(a.reshape((bsz, t) + a.shape[1:]) for a in (q, k, v)), lengths, scale)
+        return x + _attn_out(ap, o.reshape(bsz * t, -1, cfg.head_dim), gate)
+
+    def layer(carry, xs):
+        x, ia, ig = carry
+        lp, kind = xs
+        h = _norm(cfg, x, lp["in_norm"])
+        x = jax.lax.switch(kind, [gdn_branch, attn_branch], x, h, ia, ig)
+        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]))
+        return (x, ia + (kind == ATTN), ig + (kind == GDN)), None
+
+    (x, _, _), _ = jax.lax.scan(layer, (x, jnp.int32(0), jnp.int32(0)), (params["layers"], kinds))
+    x = _norm(cfg, x, params["norm"]).reshape(bsz, t, -1)
+    return compute_logits(cfg, params, x)
+
+
+# ---- paged forward ----------------------------------------------------------------------------------
+def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn):
+    """tokens i32[N + T] (decode rows, then prefill tokens) -> (state, hidden [N + T, H]).
+
+    GDN layers treat each decode row as a stream of one token and each prefill chunk as a stream
+    that starts from its pool row (or from zeros when the chunk starts at position 0).
+    """
+    n = dmd.num_seqs if dmd is not None else 0
+    parts = [m for m in (dmd, pmd) if m is not None]
+    positions = jnp.concatenate([m.positions for m in parts])
+    slots = jnp.concatenate([m.slots for m in parts])
+    # Streams for the recurrent layers: decode rows first, then prefill chunks.
+    cu, ssm_slots, fresh = [jnp.zeros((1,), jnp.int32)], [], []
+    if dmd is not None:
+        cu.append(jnp.arange(1, n + 1, dtype=jnp.int32))
+        ssm_slots.append(dmd.ssm_slots)
+        fresh.append(dmd.seq_lens <= 1)
+    if pmd is not None:
+        cu.append(n + pmd.cu_seqlens[1:])
+        ssm_slots.append(pmd.ssm_slots)
+        fresh.append(pmd.kv_lens - (pmd.cu_seqlens[1:] - pmd.cu_seqlens[:-1]) <= 0)
+    cu, ssm_slots, fresh = jnp.concatenate(cu), jnp.concatenate(ssm_slots), jnp.concatenate(fresh)
+    x = params["embed"][tokens]
+    scale = cfg.head_dim**-0.5
+    kinds = jnp.asarray(_kinds(cfg), jnp.int32)
+
+    def gdn_branch(x, h, kv, ssm, ia, ig):
+        gp = _take(params["gdn"], ig)
+        pool = ssm["gdn"]
+        conv0 = read_layer(pool["conv"], ssm_slots, ig, fresh)
+        rec0 = read_layer(pool["rec"], ssm_slots, ig, fresh)
+        out, conv, rec = _gdn(cfg, gp, h, cu, conv0, rec0)
+        pool = {"conv": write_layer(pool["conv"], ssm_slots, ig, conv),
+                "rec": write_layer(pool["rec"], ssm_slots, ig, rec)}
+        return x + out, kv, {**ssm, "gdn": pool}
+
+    def attn_branch(x, h, kv, ssm, ia, ig):
+        ap = _take(params["attn"], ia)
+        q, k, v, gate = _attn_qkv(cfg, ap, h, positions)
+        kv = write_kv(kv, ia, slots, k, v)
+        outs = []
+        if dmd is not None:
+            outs.append(decode_attention(q[:n], kv, ia, dmd, scale, attn))
+        if pmd is not None:
+            outs.append(prefill_attention(q[n:], kv, ia, pmd, scale, attn))
+        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+        return x + _attn_out(ap, o, gate), kv, ssm
+
+    def layer(carry, xs):
+        x, kv, ssm, ia, ig = carry
+        lp, kind = xs
+        h = _norm(cfg, x, lp["in_norm"])
+        x, kv, ssm = jax.lax.switch(kind, [gdn_branch, attn_branch], x, h, kv, ssm, ia, ig)
+        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]))
+        return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
+
+    init = (x, state.kv, state.ssm, jnp.int32(0), jnp.int32(0))
+    (x, kv, ssm, _, _), _ = jax.lax.scan(layer, init, (params["layers"], kinds))
+    return dataclasses.replace(state, kv=kv, ssm=ssm), _norm(cfg, x, params["norm"])
