@@ -1,0 +1,102 @@
+"""Tuning parameters of the Mamba-2 kernels, and the tuned table (data, keyed by shape).
+
+The kernels take a frozen `SSDParams` / `StateUpdateParams` as a static argument. When none is
+given, `ssd_params_for` / `state_update_params_for` look the shape up in `tuned_params.json`
+(written from measurements on the GPU machine by bench/kernels/mamba2.py) and fall back to a
+heuristic for shapes the table does not hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import numpy as np
+
+_TUNED_PATH = pathlib.Path(__file__).with_name("tuned_params.json")
+
+#: How the SSD scan's four matmuls per chunk are fed to the tensor cores.
+#: "auto": the inputs' own 16-bit dtype when x is bf16/f16 (f32 accumulation; mamba_ssm and FLA do
+#: the same), TF32 when x is f32. "bf16": always bf16 operands. "tf32": f32 operands at TF32.
+#: "ieee": exact f32 (slow on GPU: no tensor cores).
+DOT_MODES = ("auto", "bf16", "tf32", "ieee")
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SSDParams:
+    """Static tuning of `ssd_chunk_scan`.
+
+    chunk_size: tokens per chunk (a power of two >= 16); the math is the same for any value.
+    block_p: headdim columns per program (a power of two >= 16 dividing headdim); the recurrence is
+      independent across headdim, so smaller blocks give more programs (and recompute C.B^T).
+    dot_mode: one of DOT_MODES.
+    num_warps / num_stages: Triton launch parameters.
+    """
+
+    chunk_size: int = 64
+    block_p: int = 64
+    dot_mode: str = "auto"
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not _is_pow2(self.chunk_size) or self.chunk_size < 16:
+            raise ValueError(f"{self.chunk_size=} must be a power of two >= 16")
+        if not _is_pow2(self.block_p) or self.block_p < 16:
+            raise ValueError(f"{self.block_p=} must be a power of two >= 16")
+        if self.dot_mode not in DOT_MODES:
+            raise ValueError(f"{self.dot_mode=} must be one of {DOT_MODES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateUpdateParams:
+    """Static tuning of `selective_state_update`.
+
+    block_p: headdim rows of the [headdim, d_state] state tile per program (a power of two).
+    num_warps / num_stages: Triton launch parameters.
+    """
+
+    block_p: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if not _is_pow2(self.block_p):
+            raise ValueError(f"{self.block_p=} must be a power of two")
+
+
+def ssd_key(nheads, headdim, d_state, ngroups, dtype) -> str:
+    return f"h{nheads}_p{headdim}_n{d_state}_g{ngroups}_{np.dtype(dtype).name}"
+
+
+def state_update_key(nheads, headdim, d_state, ngroups, dtype) -> str:
+    return f"h{nheads}_p{headdim}_n{d_state}_g{ngroups}_{np.dtype(dtype).name}"
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    if not _TUNED_PATH.exists():
+        return {"ssd": {}, "state_update": {}}
+    return json.loads(_TUNED_PATH.read_text())
+
+
+def ssd_params_for(nheads, headdim, d_state, ngroups, dtype) -> SSDParams:
+    """Tuned params for this shape, or a heuristic."""
+    hit = _tuned_table().get("ssd", {}).get(ssd_key(nheads, headdim, d_state, ngroups, dtype))
+    if hit is not None:
+        return SSDParams(**hit)
+    block_p = min(64, headdim)
+    return SSDParams(chunk_size=64, block_p=block_p, num_warps=4, num_stages=2)
+
+
+def state_update_params_for(nheads, headdim, d_state, ngroups, dtype) -> StateUpdateParams:
+    hit = _tuned_table().get("state_update", {}).get(state_update_key(nheads, headdim, d_state, ngroups, dtype))
+    if hit is not None:
+        return StateUpdateParams(**hit)
+    return StateUpdateParams(block_p=min(64, headdim), num_warps=4, num_stages=1)
