@@ -189,8 +189,13 @@ def test_selective_state_update_pool_interpret(clamp):
     pool = rng.standard_normal((slots, nheads, headdim, d_state)).astype(np.float32)
     args = [jnp.asarray(inp[k]) for k in ("x", "dt_raw", "A_log", "B", "C", "D", "dt_bias")]
     y, new = selective_state_update(
-        jnp.asarray(pool), *args, state_indices=jnp.asarray(idx), dt_min=clamp[0], dt_max=clamp[1],
-        params=StateUpdateParams(block_p=16), interpret=True,
+        jnp.asarray(pool),
+        *args,
+        state_indices=jnp.asarray(idx),
+        dt_min=clamp[0],
+        dt_max=clamp[1],
+        params=StateUpdateParams(block_p=16),
+        interpret=True,
     )
     want_y, want_new = selective_state_update_reference(
         jnp.asarray(pool), *args, state_indices=jnp.asarray(idx), dt_min=clamp[0], dt_max=clamp[1]
@@ -213,8 +218,10 @@ def test_bad_inputs_raise():
         SSDParams(block_p=24)
     with pytest.raises(ValueError, match="state_indices"):
         selective_state_update(
-            jnp.asarray(s0), *(jnp.asarray(inp[k]) for k in ("x", "dt_raw", "A_log", "B", "C", "D", "dt_bias")),
-            state_indices=jnp.zeros((2,), jnp.int32), interpret=True,
+            jnp.asarray(s0),
+            *(jnp.asarray(inp[k]) for k in ("x", "dt_raw", "A_log", "B", "C", "D", "dt_bias")),
+            state_indices=jnp.zeros((2,), jnp.int32),
+            interpret=True,
         )
 
 
@@ -235,14 +242,27 @@ def test_kernels_lower_for_h200(ngroups):
     with jax.sharding.use_abstract_mesh(mesh):
         for params in (SSDParams(), SSDParams(block_p=32, num_warps=8, num_stages=3)):
             low = ssd_chunk_scan.trace(
-                _sds((t, h, p), bf), _sds((t, h), f32), _sds((h,), f32), _sds((t, ngroups, n), bf),
-                _sds((t, ngroups, n), bf), _sds((h,), f32), _sds((h,), f32),
-                cu_seqlens=_sds((s + 1,), jnp.int32), initial_states=_sds((s, h, p, n), f32), params=params,
+                _sds((t, h, p), bf),
+                _sds((t, h), f32),
+                _sds((h,), f32),
+                _sds((t, ngroups, n), bf),
+                _sds((t, ngroups, n), bf),
+                _sds((h,), f32),
+                _sds((h,), f32),
+                cu_seqlens=_sds((s + 1,), jnp.int32),
+                initial_states=_sds((s, h, p, n), f32),
+                params=params,
             ).lower(lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in low.as_text()
         low = selective_state_update.trace(
-            _sds((256, h, p, n), f32), _sds((r, h, p), bf), _sds((r, h), f32), _sds((h,), f32),
-            _sds((r, ngroups, n), bf), _sds((r, ngroups, n), bf), _sds((h,), f32), _sds((h,), f32),
+            _sds((256, h, p, n), f32),
+            _sds((r, h, p), bf),
+            _sds((r, h), f32),
+            _sds((h,), f32),
+            _sds((r, ngroups, n), bf),
+            _sds((r, ngroups, n), bf),
+            _sds((h,), f32),
+            _sds((h,), f32),
             state_indices=_sds((r,), jnp.int32),
         ).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in low.as_text()
@@ -279,8 +299,9 @@ def test_ssd_chunk_scan_gpu(dtype, ngroups, params, tol):
 def test_selective_state_update_gpu():
     rng = np.random.default_rng(6)
     rows, slots, nheads, headdim, d_state, ngroups = 64, 80, 16, 64, 128, 2
-    inp, _, _ = make_inputs((1,) * rows, nheads=nheads, headdim=headdim, d_state=d_state, ngroups=ngroups, pad=0,
-                            dtype=jnp.bfloat16)
+    inp, _, _ = make_inputs(
+        (1,) * rows, nheads=nheads, headdim=headdim, d_state=d_state, ngroups=ngroups, pad=0, dtype=jnp.bfloat16
+    )
     idx = rng.permutation(slots)[:rows].astype(np.int32)
     idx[::7] = -1
     pool = rng.standard_normal((slots, nheads, headdim, d_state)).astype(np.float32)
