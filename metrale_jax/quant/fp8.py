@@ -1,0 +1,146 @@
+"""FP8 e4m3 weights with 128x128 block scales, in the HF / DeepSeek-V3 `weight_scale_inv` format.
+
+The format (DeepSeek-V3 `inference/kernel.py` `weight_dequant`, and HF transformers'
+`finegrained_fp8` integration, used by Qwen3-*-FP8 checkpoints):
+* `weight` float8_e4m3fn[N, K] (the torch Linear layout: out_features x in_features);
+* `weight_scale_inv` f32 (or bf16) [ceil(N/128), ceil(K/128)];
+* W[n, k] ~= float(weight[n, k]) * weight_scale_inv[n // 128, k // 128]. The last row / column
+  of blocks may be partial (N or K not a multiple of 128).
+* config.json: `quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128],
+  "activation_scheme": "dynamic", ...}`.
+
+All functions here are numpy (host side, load time). The device kernels live in
+`pallas_kernels/linear`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
+
+FP8_BLOCK: tuple[int, int] = (128, 128)
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+
+
+def _check_block(block) -> tuple[int, int]:
+    try:
+        blk = tuple(int(b) for b in block)
+    except TypeError as e:
+        raise UnsupportedDtypeError(f"FP8 weight_block_size {block!r} must be [128, 128]") from e
+    if blk != FP8_BLOCK:
+        raise UnsupportedDtypeError(
+            f"FP8 weight_block_size {list(blk)} is not supported; only {list(FP8_BLOCK)} (the "
+            "DeepSeek-V3 / Qwen3 FP8 format) is"
+        )
+    return blk
+
+
+def fp8_scale_shape(weight_shape, block=FP8_BLOCK) -> tuple[int, int]:
+    """Shape of `weight_scale_inv` for a weight [N, K]: (ceil(N / 128), ceil(K / 128))."""
+    bn, bk = _check_block(block)
+    if len(weight_shape) != 2:
+        raise TensorShapeError(f"FP8 block-scaled weights must be 2-D [N, K]; got shape {tuple(weight_shape)}")
+    n, k = (int(d) for d in weight_shape)
+    return math.ceil(n / bn), math.ceil(k / bk)
+
+
+def _expand_scales(scale: np.ndarray, shape: tuple[int, int], block: tuple[int, int]) -> np.ndarray:
+    """scale f32[nb, kb] -> f32[N, K], each scale repeated over its (possibly partial) block."""
+    bn, bk = block
+    full = np.repeat(np.repeat(scale, bn, axis=0), bk, axis=1)
+    return full[: shape[0], : shape[1]]
+
+
+def quantize_fp8_block(w, block=FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Quantizes w f32[N, K] to (w8 float8_e4m3fn[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]).
+
+    Per 128x128 block: scale_inv = amax(|block|) / 448 (1.0 for an all-zero block), and
+    w8 = round_to_nearest_even(clip(w / scale_inv, -448, 448)), so w ~= w8 * scale_inv and the
+    largest element of each block maps to +-448. Partial last blocks are scaled by their own amax.
+    Any float dtype is accepted (computed in float32); non-finite values raise ValueError.
+    """
+    blk = _check_block(block)
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise TensorShapeError(f"quantize_fp8_block expects a 2-D weight [N, K]; got shape {w.shape}")
+    if not (np.issubdtype(w.dtype, np.floating) or w.dtype == ml_dtypes.bfloat16):
+        raise UnsupportedDtypeError(f"quantize_fp8_block expects a float weight; got {w.dtype}")
+    w = w.astype(np.float32)
+    if not np.all(np.isfinite(w)):
+        raise ValueError("quantize_fp8_block: weight holds NaN or inf")
+    n, k = w.shape
+    nb, kb = fp8_scale_shape(w.shape, blk)
+    bn, bk = blk
+    padded = np.zeros((nb * bn, kb * bk), np.float32)
+    padded[:n, :k] = w
+    amax = np.abs(padded.reshape(nb, bn, kb, bk)).max(axis=(1, 3))  # f32[nb, kb]
+    scale_inv = np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
+    q = w / _expand_scales(scale_inv, (n, k), blk)
+    q = np.clip(q, -FP8_E4M3_MAX, FP8_E4M3_MAX)  # float8_e4m3fn has no inf: overflow would give NaN
+    return q.astype(FP8_DTYPE), scale_inv
+
+
+def check_fp8_weight(w8, scale_inv, *, block=FP8_BLOCK, name: str = "weight") -> np.ndarray:
+    """Validates an FP8 block-scaled weight and returns its scales as f32[ceil(N/128), ceil(K/128)].
+
+    Raises UnsupportedDtypeError for a weight that is not float8_e4m3fn, a scale dtype other than
+    float32 / bfloat16 (for example float8_e8m0fnu, the MX format's scales) or a block size other
+    than [128, 128]; TensorShapeError for a scale of the wrong shape; CorruptCheckpointError for
+    scales that are not finite and positive.
+    """
+    blk = _check_block(block)
+    w_dtype = np.dtype(getattr(w8, "dtype", None))
+    if w_dtype != FP8_DTYPE:
+        raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w_dtype}")
+    s_dtype = np.dtype(getattr(scale_inv, "dtype", None))
+    if s_dtype not in SCALE_DTYPES:
+        raise UnsupportedDtypeError(
+            f"{name}_scale_inv: scale dtype {s_dtype} is not supported (float32 or bfloat16 only)"
+        )
+    want = fp8_scale_shape(w8.shape, blk)
+    if tuple(scale_inv.shape) != want:
+        raise TensorShapeError(
+            f"{name}_scale_inv: shape {tuple(scale_inv.shape)} does not match weight {tuple(w8.shape)} with "
+            f"{list(blk)} blocks; expected {want}"
+        )
+    s = np.asarray(scale_inv).astype(np.float32)
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise CorruptCheckpointError(f"{name}_scale_inv: scales must be finite and > 0")
+    return s
+
+
+def dequantize_fp8_block(w8, scale_inv, block=FP8_BLOCK) -> np.ndarray:
+    """w8 float8_e4m3fn[N, K], scale_inv f32|bf16[ceil(N/128), ceil(K/128)] -> f32[N, K] = w8 * scale_inv."""
+    blk = _check_block(block)
+    s = check_fp8_weight(w8, scale_inv, block=blk)
+    w8 = np.asarray(w8)
+    return w8.astype(np.float32) * _expand_scales(s, w8.shape, blk)
+
+
+def check_fp8_quantization_config(qc: Mapping) -> tuple[int, int]:
+    """Validates config.json's `quantization_config` for FP8 block-scaled weights; returns the block.
+
+    Accepted: quant_method "fp8", weight_block_size [128, 128], fmt (if given) "e4m3", and any
+    activation_scheme (activations stay bf16 here: the kernels are w8a16). Anything else raises
+    UnsupportedDtypeError, including per-tensor FP8 (no weight_block_size).
+    """
+    if not isinstance(qc, Mapping):
+        raise UnsupportedDtypeError(f"quantization_config must be a mapping; got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedDtypeError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedDtypeError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+    if qc.get("weight_block_size") is None:
+        raise UnsupportedDtypeError(
+            "quantization_config has no weight_block_size: per-tensor FP8 is not supported, only [128, 128] blocks"
+        )
+    return _check_block(qc["weight_block_size"])
