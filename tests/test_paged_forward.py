@@ -11,11 +11,9 @@ import pytest
 
 from metrale_jax import random_model
 from metrale_jax.layers.attention import AttentionConfig
-from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+from tests._paged import Layout
 
-BS = 4  # block size
 NUM_BLOCKS = 64
-MAX_BLOCKS = 16
 
 CONFIGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], rope_scaling=dict(rope_type="llama3", factor=8.0,
@@ -34,43 +32,6 @@ def _cfg(extra):
     return {**base, **extra}
 
 
-def _slots(table, start, n):
-    pos = np.arange(start, start + n)
-    return table[pos // BS] * BS + pos % BS
-
-
-def _prefill_md(chunks, tables, t_bucket, b_bucket):
-    """chunks: list of (stream, start, n) -> BatchedAttnMetadata with padding up to the buckets."""
-    pos, slots, cu, kv = [], [], [0], []
-    bt = np.zeros((b_bucket, MAX_BLOCKS), np.int32)
-    for j, (s, start, n) in enumerate(chunks):
-        pos += list(range(start, start + n))
-        slots += list(_slots(tables[s], start, n))
-        cu.append(cu[-1] + n)
-        kv.append(start + n)
-        bt[j] = tables[s]
-    t_pad, b_pad = t_bucket - len(pos), b_bucket - len(chunks)
-    pos = np.array(pos + [0] * t_pad, np.int32)
-    slots = np.array(slots + [-1] * t_pad, np.int32)
-    cu = np.array(cu + [cu[-1]] * b_pad, np.int32)
-    kv = np.array(kv + [0] * b_pad, np.int32)
-    neg = -np.ones(b_bucket, np.int32)
-    return BatchedAttnMetadata(pos, pos, pos, slots, bt, cu, kv, neg, neg, neg,
-                               num_tokens=t_bucket, num_streams=b_bucket, max_blocks_per_seq=MAX_BLOCKS)
-
-
-def _decode_md(rows, tables, n_bucket):
-    """rows: list of (stream, position) -> AttnMetadata padded to n_bucket rows."""
-    pos = np.zeros(n_bucket, np.int32)
-    slots = -np.ones(n_bucket, np.int32)
-    lens = np.zeros(n_bucket, np.int32)
-    bt = np.zeros((n_bucket, MAX_BLOCKS), np.int32)
-    for j, (s, p) in enumerate(rows):
-        pos[j], slots[j], lens[j], bt[j] = p, _slots(tables[s], p, 1)[0], p + 1, tables[s]
-    neg = -np.ones(n_bucket, np.int32)
-    return AttnMetadata(pos, pos, pos, slots, lens, bt, neg, neg, neg, num_seqs=n_bucket, max_blocks_per_seq=MAX_BLOCKS)
-
-
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_paged_matches_dense(family):
     model, params = random_model(_cfg(CONFIGS[family]), dtype="float32", seed=1)
@@ -80,9 +41,8 @@ def test_paged_matches_dense(family):
     # Dense reference, one sequence at a time.
     ref = [np.asarray(model.forward(params, jnp.asarray(s)[None]))[0] for s in seqs]
 
-    perm = rng.permutation(NUM_BLOCKS)
-    tables = [perm[i * MAX_BLOCKS:(i + 1) * MAX_BLOCKS].astype(np.int32) for i in range(3)]
-    state = model.init_state(NUM_BLOCKS, BS)
+    lay = Layout(3, num_blocks=NUM_BLOCKS, block_size=4, max_blocks=16)
+    state = model.init_state(NUM_BLOCKS, lay.bs)
     # Poison the pools: a read of anything not written shows up as a wrong logit.
     state = jax.tree.map(lambda a: jnp.full_like(a, 1e4) if a.ndim == 5 else a, state)
     attn = AttentionConfig()
@@ -93,7 +53,7 @@ def test_paged_matches_dense(family):
 
     # Step 1: prefill 5 of seq 0, 9 of seq 1, 20 of seq 2 (34 tokens, padded to 40; 4 stream slots).
     chunks = [(0, 0, 5), (1, 0, 9), (2, 0, 20)]
-    pmd = _prefill_md(chunks, tables, 40, 4)
+    pmd = lay.prefill(chunks, 40, 4)
     toks = np.zeros(40, np.int32)
     toks[:34] = np.concatenate([seqs[0][:5], seqs[1][:9], seqs[2][:20]])
     state, hidden = step(params, state, jnp.asarray(toks), None, pmd, attn)
@@ -103,8 +63,8 @@ def test_paged_matches_dense(family):
     np.testing.assert_allclose(lg[14:34], ref[2][:20], rtol=2e-4, atol=2e-4)
 
     # Step 2 (mixed): decode seq 0 at position 5 (plus a pad row), prefill the rest of 1 and 2.
-    dmd = _decode_md([(0, 5)], tables, 2)
-    pmd = _prefill_md([(1, 9, 8), (2, 20, 13)], tables, 24, 4)
+    dmd = lay.decode([(0, 5)], 2)
+    pmd = lay.prefill([(1, 9, 8), (2, 20, 13)], 24, 4)
     toks = np.zeros(2 + 24, np.int32)
     toks[0] = seqs[0][5]
     toks[2:2 + 21] = np.concatenate([seqs[1][9:], seqs[2][20:]])
@@ -119,7 +79,7 @@ def test_paged_matches_dense(family):
     extra = np.int32(rng.integers(0, 97))
     full = np.concatenate([seqs[2], [extra]]).astype(np.int32)
     want = np.asarray(model.forward(params, jnp.asarray(full)[None]))[0][-1]
-    dmd = _decode_md([(2, 33)], tables, 4)
+    dmd = lay.decode([(2, 33)], 4)
     toks = np.array([extra, 0, 0, 0], np.int32)
     state, hidden = step(params, state, jnp.asarray(toks), dmd, None, attn)
     np.testing.assert_allclose(logits_of(hidden)[0], want, rtol=2e-4, atol=2e-4)
