@@ -1,0 +1,535 @@
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+`create_app(engine, ServerConfig(...))` wraps an `LLMEngine` (or anything with its API). The
+engine runs on the `EngineLoop` thread, started and stopped by the app's lifespan; see
+`engine_loop.py` for how requests and outputs cross between the threads.
+
+Streaming follows the OpenAI wire format: `data: {json}\\n\\n` server-sent events ending in
+`data: [DONE]`. Engine outputs are cumulative, so each chunk is the difference from the last
+one sent. When a request has stop strings the last `max(len(stop)) - 1` characters are held
+back until the request finishes, so text that a stop string later swallows is never streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from metrale_jax.errors import InvalidRequestError, MetraleError
+from metrale_jax.sampling import SamplingParams
+from metrale_jax.server.engine_loop import (
+    EngineDeadError,
+    EngineLoop,
+    QueueFullError,
+    ServerStoppingError,
+    Subscription,
+)
+from metrale_jax.server.metrics import CONTENT_TYPE, ServerMetrics
+from metrale_jax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    parse_request,
+)
+
+log = logging.getLogger(__name__)
+
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server options (the engine's own options live in the engine's config).
+
+    model_names: names /v1/models lists and requests may use; the first is reported in responses.
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
+    max_waiting_requests: the bound on waiting requests; past it requests get 503 + Retry-After.
+    max_request_bytes: the body size limit (413 past it).
+    retry_after_s: the Retry-After value sent with 503s.
+    engine_stop_timeout_s: how long the lifespan shutdown waits for the engine thread.
+    """
+
+    model_names: tuple[str, ...] = ("model",)
+    api_key: str | None = None
+    max_waiting_requests: int = 1024
+    max_request_bytes: int = 4 << 20
+    retry_after_s: int = 1
+    engine_stop_timeout_s: float = 10.0
+    extra_headers: tuple[tuple[str, str], ...] = field(default=())
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _floor(lp: float) -> float:
+    lp = float(lp)
+    return lp if math.isfinite(lp) and lp > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+def _token_str(token_id: int, lp: Any) -> str:
+    tok = getattr(lp, "decoded_token", None)
+    return tok if tok is not None else f"token_id:{token_id}"
+
+
+def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
+    """A position's {token_id: Logprob} as (id, Logprob) pairs in rank order."""
+    return sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
+
+
+class _Choice:
+    """What has been sent so far for one choice (one output of one prompt)."""
+
+    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.finished = False
+        self.text_offset = 0
+
+
+# ---- logprob formats -------------------------------------------------------------------------------
+def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], start_offset: int) -> dict:
+    """The legacy completions logprobs object for a run of tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = start_offset
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry.get(tid)
+        tok = _token_str(tid, lp)
+        tokens.append(tok)
+        token_lps.append(_floor(lp.logprob) if lp is not None else _LOGPROB_FLOOR)
+        tops.append({_token_str(i, x): _floor(x.logprob) for i, x in _ranked(entry)})
+        offsets.append(off)
+        off += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], top_k: int) -> list[dict]:
+    out = []
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry.get(tid)
+        tok = _token_str(tid, lp)
+        top = [x for x in _ranked(entry) if x[1].rank is not None and x[1].rank <= top_k][:top_k]
+        out.append({
+            "token": tok,
+            "logprob": _floor(lp.logprob) if lp is not None else _LOGPROB_FLOOR,
+            "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": (t := _token_str(i, x)), "logprob": _floor(x.logprob),
+                              "bytes": list(t.encode("utf-8"))} for i, x in top],
+        })
+    return out
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _Generation:
+    """One HTTP generation request: its engine requests, the choices and the wire format."""
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
+                 holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None):
+        self.chat = chat
+        self.id = request_id
+        self.model = model
+        self.n = n
+        self.created = _now()
+        self.holdback = holdback
+        self.top_logprobs = top_logprobs or 0
+        self.want_logprobs = want_logprobs
+        self.echo_texts = echo_texts
+        self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.final: dict[int, Any] = {}  # choice index -> CompletionOutput (last seen)
+
+    def engine_ids(self, num_prompts: int) -> list[str]:
+        return [f"{self.id}-{i}" for i in range(num_prompts)]
+
+    @staticmethod
+    def prompt_index(rid: str) -> int:
+        return int(rid.rsplit("-", 1)[1])
+
+    def _observe(self, out: Any) -> list[tuple[_Choice, Any]]:
+        pi = self.prompt_index(out.request_id)
+        self.prompt_tokens[pi] = len(out.prompt_token_ids or ())
+        res = []
+        for o in out.outputs:
+            ci = pi * self.n + o.index
+            self.completion_tokens[ci] = len(o.token_ids)
+            self.final[ci] = o
+            res.append((self.choices[ci], o))
+        return res
+
+    def usage(self) -> dict:
+        return _usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+    # ---- streaming ----
+    def _delta(self, ch: _Choice, o: Any) -> tuple[str, list[int], list[dict] | None, str | None]:
+        """New text, new token ids, their logprobs and the finish reason since the last chunk."""
+        text = o.text or ""
+        finished = o.finish_reason is not None
+        safe = len(text) if finished else max(ch.text_sent, len(text) - self.holdback)
+        if safe < ch.text_sent:  # the text shrank (cannot happen with the hold-back): send nothing
+            safe = ch.text_sent
+        new_text = text[ch.text_sent:safe]
+        ch.text_sent = max(ch.text_sent, safe)
+        ids = list(o.token_ids[ch.tokens_sent:])
+        lps = None
+        if self.want_logprobs and o.logprobs is not None:
+            lps = list(o.logprobs[ch.tokens_sent:ch.tokens_sent + len(ids)])
+        ch.tokens_sent += len(ids)
+        return new_text, ids, lps, (o.finish_reason if finished else None)
+
+    def first_chunks(self) -> list[str]:
+        """Chat streams open each choice with the assistant role; echoing completions with the prompt."""
+        if self.chat:
+            return [_sse(self._chunk(ch.index, {"role": "assistant", "content": ""}, None, None))
+                    for ch in self.choices.values()]
+        if self.echo_texts is None:
+            return []
+        out = []
+        for ch in self.choices.values():
+            echo = self.echo_texts[ch.index // self.n]
+            ch.text_offset = len(echo)
+            if echo:
+                out.append(_sse(self._chunk(ch.index, echo, None, None)))
+        return out
+
+    def _chunk(self, index: int, payload: Any, logprobs: Any, finish: str | None) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": payload, "logprobs": logprobs, "finish_reason": finish}
+            return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [choice]}
+        choice = {"index": index, "text": payload, "logprobs": logprobs, "finish_reason": finish}
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def stream_chunks(self, batch: list[Any]) -> list[str]:
+        chunks = []
+        for out in batch:
+            for ch, o in self._observe(out):
+                if ch.finished:
+                    continue
+                text, ids, lps, finish = self._delta(ch, o)
+                if not text and not ids and finish is None:
+                    continue
+                lp_obj = None
+                if lps is not None:
+                    if self.chat:
+                        lp_obj = {"content": _chat_logprobs(ids, lps, self.top_logprobs)}
+                    else:
+                        lp_obj = _completion_logprobs(ids, lps, ch.text_offset)
+                        ch.text_offset += sum(len(t) for t in lp_obj["tokens"])
+                if not text and finish is None and lp_obj is None:
+                    continue
+                payload = ({"content": text} if text or finish is None else {}) if self.chat else text
+                ch.finished = finish is not None
+                chunks.append(_sse(self._chunk(ch.index, payload, lp_obj, finish)))
+        return chunks
+
+    def usage_chunk(self) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+        return _sse(obj)
+
+    # ---- non-streaming ----
+    def response(self) -> dict:
+        choices = []
+        for ci in sorted(self.choices):
+            o = self.final.get(ci)
+            text = (o.text if o is not None else "") or ""
+            ids = list(o.token_ids) if o is not None else []
+            finish = o.finish_reason if o is not None else "abort"
+            lp_obj = None
+            if self.want_logprobs and o is not None and o.logprobs is not None:
+                lps = list(o.logprobs[:len(ids)])
+                if self.chat:
+                    lp_obj = {"content": _chat_logprobs(ids, lps, self.top_logprobs)}
+                else:
+                    lp_obj = _completion_logprobs(ids, lps, 0)
+            if self.chat:
+                choices.append({"index": ci, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp_obj, "finish_reason": finish})
+            else:
+                if self.echo_texts is not None:
+                    text = self.echo_texts[ci // self.n] + text
+                choices.append({"index": ci, "text": text, "logprobs": lp_obj, "finish_reason": finish})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: finished, client gone, or cancelled.
+
+    (A generator's own `finally` does not run when the client leaves before it was first pulled.)
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            declared = int(cl)
+        except ValueError:
+            raise RequestError("invalid Content-Length header") from None
+        if declared > limit:
+            raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                               status=413, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413,
+                               code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The FastAPI app serving `engine`. The engine thread starts and stops with the app's lifespan."""
+    metrics = ServerMetrics()
+    loop_ = EngineLoop(engine, max_waiting=config.max_waiting_requests, metrics=metrics)
+    has_ssm = bool(getattr(engine.stats(), "ssm_slots_total", 0))
+    metrics.attach_engine(loop_.stats, loop_.num_waiting, has_ssm=has_ssm)
+    max_model_len = int(engine.config.max_model_len)
+    tokenizer = getattr(engine, "tokenizer", None)
+    model_name = config.model_names[0]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop_.start()
+        log.info("serving %s (max_model_len=%d, max_waiting_requests=%d)", model_name, max_model_len,
+                 config.max_waiting_requests)
+        try:
+            yield
+        finally:
+            app.state.shutting_down = True
+            await loop_.stop(config.engine_stop_timeout_s)
+
+    app = FastAPI(title="metrale-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine_loop = loop_
+    app.state.metrics = metrics
+    app.state.config = config
+    app.state.shutting_down = False
+
+    def err(status: int, message: str, err_type: str, param: str | None = None, code: Any = None,
+            headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def _on_request_error(_: Request, e: RequestError):
+        if e.status == 413:
+            metrics.rejected.labels(reason="too_large").inc()
+        return err(e.status, e.message, e.err_type, e.param, e.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(_: Request, e: InvalidRequestError):
+        return err(400, str(e), "invalid_request_error", None, type(e).__name__)
+
+    @app.exception_handler(QueueFullError)
+    async def _on_full(_: Request, e: QueueFullError):
+        metrics.rejected.labels(reason="queue_full").inc()
+        return err(503, f"server overloaded: {e}; retry later", "server_overloaded", None, "queue_full",
+                   headers={"Retry-After": str(config.retry_after_s)})
+
+    @app.exception_handler(ServerStoppingError)
+    async def _on_stopping(_: Request, e: ServerStoppingError):
+        metrics.rejected.labels(reason="shutting_down").inc()
+        return err(503, str(e), "server_unavailable", None, "shutting_down",
+                   headers={"Retry-After": str(config.retry_after_s)})
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_dead(_: Request, e: EngineDeadError):
+        return err(500, str(e), "internal_error", None, "engine_dead")
+
+    @app.exception_handler(MetraleError)
+    async def _on_metrale(_: Request, e: MetraleError):
+        return err(400, str(e), "invalid_request_error", None, type(e).__name__)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, e: StarletteHTTPException):
+        return err(e.status_code, str(e.detail), "invalid_request_error", None, e.status_code,
+                   headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _on_any(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return err(500, f"internal error: {type(e).__name__}", "internal_error", None, None)
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise RequestError("invalid or missing API key", status=401, err_type="authentication_error",
+                               code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in config.model_names:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                               param="model", status=404, code="model_not_found")
+
+    def check_serving() -> None:
+        if app.state.shutting_down or loop_.stopping:
+            raise ServerStoppingError("the server is shutting down")
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not loop_.alive:
+            return err(500, f"engine is not running: {loop_.error!r}", "internal_error", None, "engine_dead")
+        if app.state.shutting_down:
+            return err(503, "shutting down", "server_unavailable", None, "shutting_down")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_auth(request)
+        created = _now()
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "metrale-jax", "root": model_name,
+                 "parent": None, "max_model_len": max_model_len} for n in config.model_names]
+        return {"object": "list", "data": data}
+
+    async def run(request: Request, gen: _Generation, sub: Subscription, stream: bool, include_usage: bool):
+        if stream:
+            async def events() -> AsyncIterator[str]:
+                try:
+                    for c in gen.first_chunks():
+                        yield c
+                    async for batch in sub.updates():
+                        for c in gen.stream_chunks(batch):
+                            yield c
+                    if include_usage:
+                        yield gen.usage_chunk()
+                except (EngineDeadError, ServerStoppingError) as e:
+                    yield _sse(error_body(str(e), "internal_error", None, type(e).__name__))
+                finally:
+                    sub.abort()  # a no-op once finished; frees everything on disconnect
+                yield "data: [DONE]\n\n"
+
+            metrics.http_in_flight.inc()
+            return _EventStream(events(), on_close=lambda: (sub.abort(), metrics.http_in_flight.dec()))
+
+        async def collect() -> None:
+            async for batch in sub.updates():
+                for out in batch:
+                    gen._observe(out)
+
+        metrics.http_in_flight.inc()
+        consumer = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            metrics.http_in_flight.dec()
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+            sub.abort()
+        if not consumer.done() or consumer.cancelled():
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        consumer.result()  # re-raises EngineDeadError / ServerStoppingError
+        return JSONResponse(gen.response())
+
+    async def submit(gen: _Generation, prompts: list[Any], kwargs: dict[str, Any]) -> Subscription:
+        params = SamplingParams(**kwargs)
+        reqs = [(rid, p, params) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
+        return await loop_.submit(reqs)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        check_serving()
+        body = await _read_body(request, config.max_request_bytes)
+        req = parse_request(CompletionRequest, body)
+        check_model(req.model)
+        kwargs = req.to_sampling_params_kwargs(max_model_len)
+        prompts = req.prompts()
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else (tokenizer.decode(p["prompt_token_ids"]) if tokenizer else "")
+                    for p in prompts]
+        gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
+                          n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
+                          top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo)
+        sub = await submit(gen, prompts, kwargs)
+        return await run(request, gen, sub, bool(req.stream), req.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        check_serving()
+        body = await _read_body(request, config.max_request_bytes)
+        req = parse_request(ChatCompletionRequest, body)
+        check_model(req.model)
+        kwargs = req.to_sampling_params_kwargs(max_model_len)
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError("this model has no chat template; use /v1/completions")
+        messages = req.template_messages()
+        try:
+            ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                          add_generation_prompt=req.add_generation_prompt is not False,
+                                          tokenize=True)
+        except Exception as e:  # noqa: BLE001 - jinja2 errors from the model's template are the caller's
+            raise RequestError(f"chat template error: {e}", param="messages") from None
+        gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
+                          n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
+                          top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None)
+        sub = await submit(gen, [{"prompt_token_ids": list(ids)}], kwargs)
+        return await run(request, gen, sub, bool(req.stream), req.include_usage)
+
+    return app
+
+
+def _holdback(kwargs: dict[str, Any]) -> int:
+    stop = kwargs.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not stops or kwargs.get("include_stop_str_in_output"):
+        return 0
+    return max(len(s) for s in stops) - 1

@@ -1,0 +1,262 @@
+"""OpenAI request schemas (pydantic) and their mapping to `SamplingParams`.
+
+Requests are parsed in pydantic's strict mode, so a field of the wrong JSON type (a string where a
+number belongs, a float where an integer belongs, a bool where a number belongs) is a 400 rather
+than a silent coercion. Unknown fields are kept (`extra="allow"`) and only logged, as vLLM does.
+Ranges are checked here, so the error names the offending field (`param`); the engine checks them
+again.
+
+Responses are plain dicts built in `app.py`; their shapes follow the OpenAI API reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from metrale_jax.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+# The most top logprobs a request may ask for (OpenAI's chat limit; the engine may allow fewer).
+MAX_TOP_LOGPROBS = 20
+MAX_N = 64
+MAX_STOP_STRINGS = 32
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class RequestError(InvalidRequestError):
+    """A request the server rejects with a 4xx status. `param` names the field, when one is at fault."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 err_type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.err_type = err_type
+        self.code = code
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Names of fields the schema does not know, here and in nested models."""
+        out = [prefix + k for k in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            v = getattr(self, name)
+            items = v if isinstance(v, list) else [v]
+            for i, item in enumerate(items):
+                if isinstance(item, _Base):
+                    sub = f"{prefix}{name}[{i}]." if isinstance(v, list) else f"{prefix}{name}."
+                    out.extend(item.unknown_fields(sub))
+        return out
+
+
+class StreamOptions(_Base):
+    include_usage: bool | None = False
+
+
+class _SamplingFields(_Base):
+    """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extras."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras.
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+
+    def _common_checks(self) -> None:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        for s in stops:
+            if not s:
+                raise RequestError("stop strings must be non-empty", param="stop")
+
+    def _sampling_kwargs(self, max_tokens: int | None, max_model_len: int, logprobs: int | None) -> dict[str, Any]:
+        """SamplingParams keyword arguments; `max_tokens` None means "up to max_model_len"."""
+        self._common_checks()
+        if max_tokens is not None:
+            # The engine stops at max_model_len anyway; clamping keeps absurd values out of its arrays.
+            max_tokens = min(max_tokens, max_model_len)
+        min_tokens = self.min_tokens or 0
+        if min_tokens > (max_tokens if max_tokens is not None else max_model_len):
+            raise RequestError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
+                               param="min_tokens")
+        return dict(
+            n=self.n if self.n is not None else 1,
+            temperature=self.temperature if self.temperature is not None else 1.0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k if self.top_k is not None else 0,
+            min_p=self.min_p if self.min_p is not None else 0.0,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            seed=self.seed,
+            logprobs=logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
+        list[str], Field(min_length=1)] | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                                                    Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | dict]:
+        """The prompts as the engine takes them: strings or {"prompt_token_ids": [...]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        return [{"prompt_token_ids": list(x)} for x in p]
+
+    def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
+        if self.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise RequestError("best_of must equal n (or be omitted)", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo together with logprobs is not supported", param="echo")
+        return self._sampling_kwargs(self.max_tokens, max_model_len, self.logprobs)
+
+
+class ContentPart(_Base):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, where: str) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise RequestError(f"only text content parts are supported, got type {part.type!r}",
+                                   param=f"{where}.content[{j}]")
+            parts.append(part.text)
+        return "\n".join(parts)
+
+
+class ResponseFormat(_Base):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras.
+    add_generation_prompt: bool | None = True
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+    def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
+        if self.tools:
+            raise RequestError("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice is not supported", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(f"response_format type {self.response_format.type!r} is not supported",
+                               param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_kwargs(max_tokens, max_model_len, logprobs)
+
+
+def parse_request[T: _Base](model: type[T], body: bytes) -> T:
+    """Parse a JSON body; raise RequestError (400) naming the first bad field."""
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_union_tag(x))
+        if err.get("type") == "json_invalid":
+            raise RequestError(f"malformed JSON: {err.get('msg')}", code="invalid_json") from None
+        if err.get("type") == "model_type":
+            raise RequestError("the request body must be a JSON object") from None
+        msg = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+        raise RequestError(msg, param=loc or None) from None
+    unknown = req.unknown_fields()
+    if unknown:
+        log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
+    return req
+
+
+def _is_union_tag(x: Any) -> bool:
+    """pydantic puts union member names ('str', 'list[int]', 'constrained-int') into error locations."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x or x.startswith(
+        ("constrained-", "function-", "list[", "dict[", "is-instance")))

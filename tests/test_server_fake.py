@@ -1,0 +1,438 @@
+"""Server logic against a deterministic fake engine (tests/test_server_support.py): wire formats,
+stop-string hold-back, n > 1, logprobs, errors and fuzzing, API key, backpressure, cancellation,
+engine failure and SIGTERM. Fast: no model, no compilation. The real engine is in test_server.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server_support import FakeEngine, FakeTokenizer, expected_fake_text, fake_continuation, sse_events
+
+from metrale_jax.server import BackgroundServer, ServerConfig
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    eng = FakeEngine(max_num_seqs=4, step_delay_s=0.001)
+    cfg = ServerConfig(model_names=(MODEL, "alias"), max_waiting_requests=64, max_request_bytes=32 << 10)
+    with BackgroundServer(eng, cfg) as srv:
+        yield srv, eng
+
+
+@pytest.fixture(scope="module")
+def http(fake):
+    with httpx.Client(base_url=fake[0].url, timeout=30) as c:
+        yield c
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    text = client.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_until(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def stream_post(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r.iter_lines())
+
+
+def ids_of(text: str) -> list[int]:
+    return FakeTokenizer().encode(text)
+
+
+def test_completion_stream_and_not_agree(http):
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 11, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    want = expected_fake_text(ids_of("Hello there"), 0, 11)
+    assert j["object"] == "text_completion" and j["model"] == MODEL
+    assert j["choices"][0]["text"] == want and j["choices"][0]["finish_reason"] == "length"
+    assert j["usage"] == {"prompt_tokens": 11, "completion_tokens": 11, "total_tokens": 22}
+
+    ev = stream_post(http, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert ev[-1] == "[DONE]"
+    assert ev[-2]["choices"] == [] and ev[-2]["usage"] == j["usage"]
+    chunks = ev[:-2]
+    assert len(chunks) >= 5  # really streamed, not one lump
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_stop_string_is_never_streamed(http):
+    ids = ids_of("stop me")
+    full = expected_fake_text(ids, 0, 40)
+    stop = full[9:12]  # a 3-character stop string first seen after a few tokens
+    first = full.find(stop)
+    assert first >= 3
+    body = {"model": MODEL, "prompt": "stop me", "max_tokens": 40, "stop": ["zzzz", stop], "temperature": 0}
+    j = http.post("/v1/completions", json=body).json()
+    assert j["choices"][0]["text"] == full[:first] and j["choices"][0]["finish_reason"] == "stop"
+    ev = stream_post(http, "/v1/completions", {**body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == full[:first]
+    # include_stop_str_in_output keeps it (and then nothing needs holding back)
+    j = http.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert j["choices"][0]["text"] == full[:first + len(stop)]
+
+
+def test_n_and_several_prompts(http):
+    prompts = ["first prompt", "2nd"]
+    body = {"model": "alias", "prompt": prompts, "n": 3, "max_tokens": 6, "seed": 5}
+    j = http.post("/v1/completions", json=body).json()
+    assert j["model"] == "alias"
+    assert [c["index"] for c in j["choices"]] == list(range(6))
+    for c in j["choices"]:
+        p, i = divmod(c["index"], 3)
+        assert c["text"] == expected_fake_text(ids_of(prompts[p]), i, 6)
+    assert j["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert j["usage"]["completion_tokens"] == 36
+    ev = stream_post(http, "/v1/completions", {**body, "stream": True})
+    texts = {}
+    for c in ev[:-1]:
+        ch = c["choices"][0]
+        texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    assert texts == {c["index"]: c["text"] for c in j["choices"]}
+    # token-id prompts, single and batched
+    j = http.post("/v1/completions", json={"prompt": [[5, 6, 7], [9]], "max_tokens": 3}).json()
+    assert j["choices"][0]["text"] == expected_fake_text([5, 6, 7], 0, 3)
+    assert j["choices"][1]["text"] == expected_fake_text([9], 0, 3)
+    j = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "echo": True}).json()
+    assert j["choices"][0]["text"] == FakeTokenizer().decode([5, 6, 7]) + expected_fake_text([5, 6, 7], 0, 3)
+
+
+def test_logprobs_formats(http):
+    j = http.post("/v1/completions", json={"prompt": "lp", "max_tokens": 5, "logprobs": 2}).json()
+    lp = j["choices"][0]["logprobs"]
+    toks = [fake_continuation(ids_of("lp"), 0, k) for k in range(5)]
+    assert lp["tokens"] == [FakeTokenizer().decode([t]) for t in toks]
+    assert lp["token_logprobs"] == [-0.25] * 5
+    assert all(len(d) == 3 for d in lp["top_logprobs"])
+    assert lp["text_offset"] == [0, *__import__("itertools").accumulate(len(t) for t in lp["tokens"][:-1])]
+    ev = stream_post(http, "/v1/completions", {"prompt": "lp", "max_tokens": 5, "logprobs": 2, "stream": True})
+    assert sum((c["choices"][0]["logprobs"]["tokens"] for c in ev[:-1]), []) == lp["tokens"]
+    assert sum((c["choices"][0]["logprobs"]["text_offset"] for c in ev[:-1]), []) == lp["text_offset"]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    j = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True,
+                                                "top_logprobs": 2}).json()
+    content = j["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for e in content:
+        assert e["logprob"] == -0.25 and len(e["top_logprobs"]) == 2
+        assert e["top_logprobs"][0]["token"] == e["token"] and e["bytes"] == list(e["token"].encode())
+    j = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "logprobs": True}).json()
+    assert [e["top_logprobs"] for e in j["choices"][0]["logprobs"]["content"]] == [[], []]
+
+
+def test_openai_client_chat(fake):
+    srv, _ = fake
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    want = expected_fake_text(FakeTokenizer().apply_chat_template(msgs, tokenize=True), 0, 7)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=7, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 7
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=7, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+    # content parts
+    r = client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert r.choices[0].message.content == expected_fake_text(
+        FakeTokenizer().apply_chat_template([{"role": "user", "content": "a\nb"}], tokenize=True), 0, 3)
+
+
+BAD = [
+    # (body, status, param)
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b"", 400, None),
+    (b'{"prompt": "x", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 2.5}', 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+    (b'{"prompt": "x", "temperature": true}', 400, "temperature"),
+    (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "x", "top_k": -2}', 400, "top_k"),
+    (b'{"prompt": "x", "n": 0}', 400, "n"),
+    (b'{"prompt": "x", "presence_penalty": 3}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
+    (b'{"prompt": "x", "logprobs": 9}', 400, None),  # over the engine's max_logprobs
+    (b'{"prompt": "x", "stop": [""]}', 400, "stop"),
+    (b'{"prompt": "x", "stop": 7}', 400, "stop"),
+    (b'{"prompt": "x", "seed": 1e30}', 400, "seed"),
+    (b'{"prompt": "x", "seed": 99999999999999999999999}', 400, "seed"),
+    (b'{"prompt": "x", "min_tokens": 9, "max_tokens": 3}', 400, "min_tokens"),
+    (b'{"prompt": "x", "logit_bias": {"5": 1}}', 400, "logit_bias"),
+    (b'{"prompt": ""}', 400, None),
+    (b'{"prompt": []}', 400, "prompt"),
+    (b'{"prompt": [-1]}', 400, "prompt"),
+    (b'{"prompt": [99]}', 400, None),  # out of the fake vocabulary: the engine's check
+    (b'{"prompt": "' + b"y" * 200 + b'"}', 400, None),  # longer than max_model_len
+    (b'{"max_tokens": 3}', 400, "prompt"),
+    (b'{"prompt": "x", "model": "nope"}', 404, "model"),
+    (b'{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo"),
+    (b'{"prompt": "x", "suffix": "s"}', 400, "suffix"),
+]
+BAD_CHAT = [
+    (b'{"messages": []}', 400, "messages"),
+    (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages.0.content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400,
+     "messages[0].content[0]"),
+    (b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "messages"),  # the template raises
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400, "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}', 400,
+     "response_format"),
+    (b'{"messages": "hi"}', 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param",
+                         [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT])
+def test_bad_requests(http, path, body, status, param):
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+
+
+def test_unknown_fields_are_ignored_and_limits(http, caplog):
+    with caplog.at_level("DEBUG", logger="metrale_jax.server.protocol"):
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1},
+                                               "stream_options": {"zz": 1}})
+    assert r.status_code == 200
+    assert "frobnicate" in caplog.text and "stream_options.zz" in caplog.text
+    r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (40 << 10) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert http.get("/v1/nothing").status_code == 404
+    assert http.get("/v1/completions").status_code == 405
+    assert http.get("/health").status_code == 200
+
+
+def test_api_key():
+    with BackgroundServer(FakeEngine(), ServerConfig(model_names=(MODEL,), api_key="sekrit")) as srv:
+        with httpx.Client(base_url=srv.url) as c:
+            body = {"prompt": "x", "max_tokens": 2}
+            assert c.post("/v1/completions", json=body).status_code == 401
+            r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.get("/v1/models").status_code == 401
+            assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
+            assert c.get("/health").status_code == 200
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_queue_full_gives_503_and_recovers():
+    eng = FakeEngine(max_num_seqs=2, step_delay_s=0.01)
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,), max_waiting_requests=3, retry_after_s=2)) as srv:
+        results = []
+
+        def long_request():
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                results.append(c.post("/v1/completions", json={"prompt": "long", "max_tokens": 60}).status_code)
+
+        threads = [threading.Thread(target=long_request) for _ in range(5)]  # 2 run, 3 wait
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            for t in threads[:2]:
+                t.start()
+            wait_until(lambda: metric(c, "metrale_num_requests_running") == 2, what="2 running")
+            for t in threads[2:]:
+                t.start()
+            wait_until(lambda: metric(c, "metrale_num_requests_waiting") == 3, what="3 waiting")
+            t0 = time.monotonic()
+            r = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+            assert time.monotonic() - t0 < 1.0  # answered at once, not queued
+            assert r.status_code == 503 and r.headers["retry-after"] == "2"
+            assert r.json()["error"]["code"] == "queue_full"
+            assert metric(c, 'metrale_requests_rejected_total{reason="queue_full"}') == 1
+            for t in threads:
+                t.join()
+            assert results == [200] * 5
+            assert c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2}).status_code == 200
+
+
+def _raw_request(port: int, path: str, body: dict) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def test_disconnect_aborts_and_frees_blocks():
+    eng = FakeEngine(max_num_seqs=8, step_delay_s=0.005)
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        # streaming: read a few events, then hang up
+        with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 80, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(x.startswith("data: ") for x in got)
+            assert metric(c, "metrale_kv_blocks_used") > 0
+        wait_until(lambda: len(eng.aborted) == 1, what="the stream's abort")
+        # non-streaming: the client closes its socket while the request runs
+        s = _raw_request(srv.port, "/v1/completions", {"prompt": "abcd", "max_tokens": 80})
+        wait_until(lambda: metric(c, "metrale_num_requests_running") == 1, what="running")
+        s.close()
+        wait_until(lambda: len(eng.aborted) == 2, what="the non-streaming abort")
+        wait_until(lambda: metric(c, "metrale_kv_blocks_used") == 0, what="blocks freed")
+        assert metric(c, "metrale_num_requests_running") == 0
+        assert metric(c, "metrale_http_requests_in_flight") == 0
+        assert eng.thread_ids and len(eng.thread_ids) == 1  # only the engine thread touched the engine
+
+
+def test_engine_failure_fails_requests_not_the_server():
+    eng = FakeEngine(step_delay_s=0.002, fail_after_steps=5)
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        ev = stream_post(c, "/v1/completions", {"prompt": "x", "max_tokens": 50, "stream": True})
+        assert ev[-1] == "[DONE]" and "error" in ev[-2]
+        assert c.get("/health").status_code == 500
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=8), lambda ch: st.lists(ch, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), ch, max_size=3), max_leaves=6)
+_FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+           "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+           "repetition_penalty", "ignore_eos", "min_tokens", "stream", "stream_options", "echo", "model",
+           "stop_token_ids", "response_format", "best_of", "whatever"]
+_VALUE = st.one_of(_JSON, st.integers(-3, 70), st.floats(-3, 3), st.sampled_from(["hi", "", "ab\u00e9", "\x00"]),
+                   st.lists(st.integers(-2, 80), max_size=5),
+                   st.just([{"role": "user", "content": "hey"}]), st.just({"include_usage": True}))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from(_FIELDS), _VALUE, max_size=8) | _JSON,
+       garble=st.integers(0, 3))
+def test_fuzzed_bodies_never_break_the_server(http, path, body, garble):
+    if isinstance(body, dict) and "max_tokens" not in body:
+        body["max_tokens"] = 3
+    raw = json.dumps(body).encode()
+    if garble == 1:
+        raw = raw[: len(raw) // 2]
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400, 404), r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["type"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.rstrip().endswith("data: [DONE]")
+    # The server still answers promptly.
+    r = http.post("/v1/completions", json={"prompt": "canary", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 200
+
+
+_SERVE_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_server_support import FakeEngine
+from metrale_jax.server import ServerConfig, serve
+serve(FakeEngine(max_num_seqs=4, step_delay_s={delay}), ServerConfig(model_names=("fake-model",)),
+      port={port}, shutdown_timeout_s={timeout}, log_level="info")
+"""
+
+
+def _start_subprocess_server(delay: float, timeout: float) -> tuple[subprocess.Popen, str]:
+    from metrale_jax.server.runner import free_port
+
+    port = free_port()
+    script = _SERVE_SCRIPT.format(tests=str(Path(__file__).parent), delay=delay, port=port, timeout=timeout)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=str(Path(__file__).parent.parent), env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not start: {proc.stdout.read()}")
+        time.sleep(0.1)
+
+
+def test_sigterm_finishes_running_requests_then_exits_in_bounded_time():
+    # Steps of 50 ms: a 10-token request finishes within the 2 s grace period, a 90-token one cannot.
+    proc, url = _start_subprocess_server(delay=0.05, timeout=2)
+    results: dict[str, list] = {}
+
+    def stream(name: str, prompt: str, max_tokens: int, started: threading.Event):
+        events = []
+        try:
+            with httpx.Client(base_url=url, timeout=30) as c, c.stream(
+                    "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+                for line in r.iter_lines():
+                    events.extend(sse_events([line]))
+                    started.set()
+        except httpx.HTTPError as e:
+            events.append(e)
+        started.set()
+        results[name] = events
+
+    try:
+        ev_short, ev_long = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=stream, args=("long", "slow", 90, ev_long)),
+                   threading.Thread(target=stream, args=("short", "bye", 10, ev_short))]
+        for t in threads:
+            t.start()
+        assert ev_short.wait(20) and ev_long.wait(20)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(url + "/health", timeout=2)
+        for t in threads:
+            t.join(30)
+        short = results["short"]
+        assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
+        assert "".join(e["choices"][0]["text"] for e in short[:-1]) == expected_fake_text(
+            FakeTokenizer().encode("bye"), 0, 10)
+        assert results["long"][-1] != "[DONE]"  # cut off at the grace period
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - t0 < 4.5  # 90 tokens would take 4.5 s
+    finally:
+        proc.kill()
