@@ -1,0 +1,99 @@
+"""Tuning parameters of the skinny linear kernels, and the tuned table (data, keyed by shape).
+
+The kernels take a frozen `SkinnyParams` as a static argument. When none is given,
+`skinny_params_for` looks the shape up in `tuned_params.json` (written from measurements on the
+GPU machine by bench/kernels/linear.py) and falls back to a heuristic for other shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import numpy as np
+
+_TUNED_PATH = pathlib.Path(__file__).with_name("tuned_params.json")
+_NUM_SMS = 132  # H200
+FP8_BLOCK = 128  # the scale block of FP8 weights (both dimensions)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def m_bucket(m: int) -> int:
+    """Rows the kernel computes for M real rows: the next power of two, at least 16 (the dot's minimum)."""
+    return max(16, 1 << max(0, (m - 1).bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyParams:
+    """Static tuning of `skinny_matmul` / `skinny_matmul_fp8`.
+
+    block_n: output columns (weight rows) per program, a power of two >= 16. FP8 needs it to
+      divide 128, so that a program's rows share one row of scale blocks.
+    block_k: reduction columns per pipelined loop step, a power of two >= 16 (FP8: a multiple of
+      128; each 128-column sub-block gets its own scale).
+    split_k: programs along K per output tile; > 1 writes float32 partial sums [split_k, M, N]
+      that XLA adds (one more small fusion).
+    num_warps / num_stages: Triton launch parameters (stages = software-pipeline depth, i.e. how
+      many weight tiles are in flight per program).
+    """
+
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if not _is_pow2(self.block_n) or self.block_n < 16:
+            raise ValueError(f"{self.block_n=} must be a power of two >= 16")
+        if not _is_pow2(self.block_k) or self.block_k < 16:
+            raise ValueError(f"{self.block_k=} must be a power of two >= 16")
+        if self.split_k < 1:
+            raise ValueError(f"{self.split_k=} must be >= 1")
+        if not _is_pow2(self.num_warps):
+            raise ValueError(f"{self.num_warps=} must be a power of two")
+        if self.num_stages < 1:
+            raise ValueError(f"{self.num_stages=} must be >= 1")
+
+    def check_fp8(self):
+        if FP8_BLOCK % self.block_n:
+            raise ValueError(f"FP8 weights need block_n dividing {FP8_BLOCK}; got {self.block_n}")
+        if self.block_k % FP8_BLOCK:
+            raise ValueError(f"FP8 weights need block_k a multiple of {FP8_BLOCK}; got {self.block_k}")
+
+
+def tuned_key(m: int, n: int, k: int, w_dtype) -> str:
+    return f"{np.dtype(w_dtype).name}_m{m_bucket(m)}_n{n}_k{k}"
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    if not _TUNED_PATH.exists():
+        return {}
+    return json.loads(_TUNED_PATH.read_text())
+
+
+def default_params(m: int, n: int, k: int, fp8: bool) -> SkinnyParams:
+    """Heuristic: enough programs to cover the SMs, wider tiles as M grows (x is re-read per tile)."""
+    mp = m_bucket(m)
+    if mp >= 32:
+        bn = 64
+    else:
+        bn = 32 if n < 8 * _NUM_SMS * 32 else 64
+    bk = 256
+    if fp8:
+        bn, bk = min(bn, FP8_BLOCK), 256
+    return SkinnyParams(block_n=bn, block_k=bk, split_k=1, num_warps=4, num_stages=4)
+
+
+def skinny_params_for(m: int, n: int, k: int, w_dtype) -> SkinnyParams:
+    """Tuned params for x [m, k] @ w [n, k]^T with weights of `w_dtype`, or the heuristic."""
+    hit = _tuned_table().get(tuned_key(m, n, k, w_dtype))
+    if hit is not None:
+        return SkinnyParams(**hit)
+    return default_params(m, n, k, np.dtype(w_dtype).itemsize == 1)

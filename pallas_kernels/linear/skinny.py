@@ -1,0 +1,217 @@
+"""Weight-streaming skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T, M = 1..64.
+
+At decode batch sizes a linear layer's time is the time to read its weights once; these kernels
+stream W from HBM with a deep software pipeline and keep x (tiny) in L2. Two weight formats:
+* `skinny_matmul`: bf16 W [N, K];
+* `skinny_matmul_fp8`: float8_e4m3fn W [N, K] with 128x128 block scales `scale_inv`
+  f32[ceil(N/128), ceil(K/128)] (the HF / DeepSeek-V3 `weight_scale_inv` format), dequantized in
+  the kernel: each 128-column sub-block is multiplied (bf16 x, exact fp8->bf16 weights, f32
+  accumulation) and its f32 partial scaled by its block scale.
+Activations are bf16, accumulation float32, output bf16.
+
+Layout: W is [N, K], the checkpoint's (torch Linear) layout, so each program streams block_n
+rows of block_k * itemsize contiguous bytes (512 B for bf16 at block_k=256), and narrow output
+tiles (block_n = 16..64) give enough programs to cover the SMs without split-K. A [K, N] weight
+needs wide N tiles for contiguous rows and then too few programs (bench/kernels/linear.py
+measures both; see bench/results/linear.md).
+
+Grid: (cdiv(N, block_n), split_k). Program (j, s) loops over its share of the K steps with
+`fori_loop`; Triton pipelines the loads `num_stages` deep. x rows beyond M, columns beyond K and
+weight rows beyond N are masked (partial last blocks are fine). With split_k > 1, programs write
+f32 partials [split_k, M, N] and XLA adds them.
+
+Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU (`plgpu.kernel`). Why:
+* the kernel is a plain multi-stage load pipeline with masked partial tiles; Triton lowering
+  gives that with one `fori_loop`, and Pallas' Triton interpret mode runs the very same kernel on
+  the CPU, masks and all. The Mosaic GPU pipeline (`emit_pipeline`, TMA) needs tile-aligned
+  shapes or OOB fill handling, wgmma needs 64-row operands (W as A, x^T as B, then a transposed
+  epilogue), and the FP8 dequantization needs an SMEM->register->SMEM round trip or a
+  register-A wgmma; none of that could be checked on a GPU more than twice in this work (two
+  device runs were available), while the Triton path was known to compile (paged_attention).
+* The Pallas Triton backend is deprecated since jax 0.11 but still the default in 0.11.2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+from pallas_kernels.linear.params import FP8_BLOCK, SkinnyParams, m_bucket, skinny_params_for
+
+MAX_M = 64
+
+
+def _skinny_kernel(
+    x_ref,  # bf16[M, K] (whole array)
+    w_ref,  # bf16 | float8_e4m3fn [N, K] (whole array)
+    *refs,  # (scale_inv f32[NB, KB] if fp8), then out: bf16[M, N] (split_k == 1) or f32[S, M, N]
+    m: int,
+    n: int,
+    k: int,
+    mp: int,
+    block_n: int,
+    block_k: int,
+    steps_per_split: int,
+    num_steps: int,
+    split_k: int,
+    fp8: bool,
+):
+    if fp8:
+        s_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
+    pid_n = pl.program_id(0)
+    pid_s = pl.program_id(1)
+    rows = jnp.arange(mp, dtype=jnp.int32)  # i32[Mp]
+    ncols = pid_n * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN] weight rows
+    row_ok = rows < m if mp > m else None
+    n_ok = ncols < n if n % block_n else None
+    k_partial = k % block_k != 0
+    sub = FP8_BLOCK if fp8 else block_k  # columns per dot
+    nb = (pid_n * block_n) // FP8_BLOCK  # scale row of this tile (block_n divides 128 for fp8)
+    kblocks = -(-k // FP8_BLOCK)
+
+    def and_(a, b):
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return a & b
+
+    def body(i, acc):
+        for j in range(block_k // sub):
+            k0 = i * block_k + j * sub
+            kcols = k0 + jnp.arange(sub, dtype=jnp.int32)  # i32[sub]
+            k_ok = kcols < k if k_partial else None
+            x_mask = and_(None if row_ok is None else row_ok[:, None], None if k_ok is None else k_ok[None, :])
+            w_mask = and_(None if n_ok is None else n_ok[:, None], None if k_ok is None else k_ok[None, :])
+            x = plgpu_triton.load(
+                x_ref.at[rows[:, None], kcols[None, :]], mask=x_mask, other=None if x_mask is None else 0.0
+            )  # bf16[Mp, sub]
+            w = plgpu_triton.load(
+                w_ref.at[ncols[:, None], kcols[None, :]], mask=w_mask,
+                other=None if w_mask is None else jnp.zeros((), w_ref.dtype), eviction_policy="evict_first",
+            )  # [BN, sub]
+            if fp8:
+                part = plgpu_triton.dot(x, w.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)  # f32[Mp, BN]
+                kb = k0 // FP8_BLOCK
+                if k_partial:
+                    kb = jnp.minimum(kb, kblocks - 1)  # a fully masked sub-block may lie past K
+                acc = acc + part * s_ref[nb, kb]
+            else:
+                acc = acc + plgpu_triton.dot(x, w, trans_b=True).astype(jnp.float32)
+        return acc
+
+    step0 = pid_s * steps_per_split
+    if split_k == 1:
+        step1 = num_steps
+    else:
+        step1 = jnp.minimum(step0 + steps_per_split, num_steps)
+    acc = jax.lax.fori_loop(step0, step1, body, jnp.zeros((mp, block_n), jnp.float32))
+    out_mask = and_(None if row_ok is None else row_ok[:, None], None if n_ok is None else n_ok[None, :])
+    if split_k == 1:
+        plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
+    else:
+        plgpu_triton.store(
+            o_ref.at[pid_s, rows[:, None], ncols[None, :]], acc, mask=out_mask
+        )
+
+
+def _drop_alias_input(kernel, n_in: int):
+    """Kernel wrapper ignoring the aliased poison input (placed after the `n_in` real inputs)."""
+
+    def wrapped(*refs):
+        return kernel(*refs[:n_in], *refs[n_in + 1:])
+
+    return wrapped
+
+
+def _call(x, w, scale_inv, *, params: SkinnyParams, interpret: bool, poison: bool):
+    m, k = x.shape
+    n = w.shape[0]
+    fp8 = scale_inv is not None
+    mp = m_bucket(m)
+    num_steps = -(-k // params.block_k)
+    split_k = min(params.split_k, num_steps)
+    steps_per_split = -(-num_steps // split_k)
+    split_k = -(-num_steps // steps_per_split)  # no empty splits
+    grid = (-(-n // params.block_n), split_k)
+    kernel = functools.partial(
+        _skinny_kernel, m=m, n=n, k=k, mp=mp, block_n=params.block_n, block_k=params.block_k,
+        steps_per_split=steps_per_split, num_steps=num_steps, split_k=split_k, fp8=fp8,
+    )
+    args = [x, w] + ([scale_inv] if fp8 else [])
+    if split_k == 1:
+        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+    else:
+        out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
+    aliases = {}
+    if poison:  # test hook: the output starts as NaN (an aliased input), so unwritten elements show
+        aliases[len(args)] = 0
+        kernel = _drop_alias_input(kernel, len(args))
+        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[pl.no_block_spec] * len(args),
+        out_specs=pl.no_block_spec,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
+        interpret=interpret,
+        name="skinny_matmul_fp8" if fp8 else "skinny_matmul",
+    )(*args)
+    if split_k > 1:
+        out = jnp.sum(out, axis=0).astype(x.dtype)
+    return out
+
+
+def _check(x, w, name: str, w_dtypes):
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"{name}: x must be [M, K] and w [N, K]; got {x.shape} and {w.shape}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{name}: {m=} must be in 1..{MAX_M} (larger batches belong to XLA's dot)")
+    if w.shape[1] != k:
+        raise ValueError(f"{name}: x {x.shape} and w {w.shape} disagree on K (w is [N, K])")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"{name}: x must be bfloat16; got {x.dtype}")
+    if jnp.dtype(w.dtype) not in w_dtypes:
+        raise ValueError(f"{name}: w dtype {w.dtype} must be one of {w_dtypes}")
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "_poison"))
+def skinny_matmul(x, w, *, params: SkinnyParams | None = None, interpret: bool = False, _poison: bool = False):
+    """x bf16[M, K] @ w bf16[N, K]^T -> bf16[M, N], float32 accumulation, M in 1..64.
+
+    params: static tuning (default: the tuned table for this shape, else a heuristic).
+    interpret: run in Pallas interpret mode (CPU tests).
+    """
+    _check(x, w, "skinny_matmul", (jnp.dtype(jnp.bfloat16),))
+    if params is None:
+        params = skinny_params_for(x.shape[0], w.shape[0], x.shape[1], w.dtype)
+    return _call(x, w, None, params=params, interpret=interpret, poison=_poison)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "_poison"))
+def skinny_matmul_fp8(
+    x, w8, scale_inv, *, params: SkinnyParams | None = None, interpret: bool = False, _poison: bool = False
+):
+    """x bf16[M, K] @ (w8 float8_e4m3fn[N, K] * scale_inv per 128x128 block)^T -> bf16[M, N].
+
+    scale_inv: f32 (or bf16, upcast) [ceil(N/128), ceil(K/128)], W ~= w8 * scale_inv blockwise.
+    params: static tuning (block_n must divide 128, block_k be a multiple of 128).
+    """
+    _check(x, w8, "skinny_matmul_fp8", (jnp.dtype(jnp.float8_e4m3fn),))
+    n, k = w8.shape
+    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if scale_inv.shape != want:
+        raise ValueError(f"skinny_matmul_fp8: scale_inv shape {scale_inv.shape} must be {want} for w {w8.shape}")
+    if params is None:
+        params = skinny_params_for(x.shape[0], n, k, w8.dtype)
+    params.check_fp8()
+    return _call(x, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret, poison=_poison)

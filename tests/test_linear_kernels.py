@@ -1,0 +1,199 @@
+"""Skinny linear kernels (pallas_kernels/linear) against float64 numpy, in interpret mode on CPU
+and compiled on the GPU (`gpu` marker).
+
+Oracles: numpy float64 matmuls, and for FP8 a numpy dequantization written here (the HF /
+DeepSeek-V3 `weight_scale_inv` rule: W = w8 * s per 128x128 block, partial last blocks).
+Outputs start poisoned with NaN, so an element no program writes fails the test.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.linear import (
+    SkinnyParams,
+    skinny_matmul,
+    skinny_matmul_fp8,
+    skinny_matmul_fp8_reference,
+    skinny_matmul_reference,
+)
+from pallas_kernels.linear.params import default_params, m_bucket, skinny_params_for
+
+B = 128
+
+
+def _np_dequant(w8, s):
+    """Independent of the package: loops over the blocks."""
+    n, k = w8.shape
+    out = np.asarray(w8).astype(np.float64)
+    for i in range(math.ceil(n / B)):
+        for j in range(math.ceil(k / B)):
+            out[i * B:(i + 1) * B, j * B:(j + 1) * B] *= np.float64(s[i, j])
+    return out
+
+
+def _bf16(rng, shape, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def _fp8_weight(rng, n, k):
+    """Random fp8 codes and per-block scales spanning 2**-10 .. 2**2 (every block differs)."""
+    w8 = np.clip(rng.standard_normal((n, k)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    s = np.exp2(rng.uniform(-10, 2, (math.ceil(n / B), math.ceil(k / B)))).astype(np.float32)
+    return w8, s
+
+
+def _rel_err(got, want):
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert not np.any(np.isnan(got)), "unwritten (poisoned) or NaN outputs"
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _rows_rel_err(got, want):
+    """Max over rows of the relative error, so one badly wrong row (e.g. x row M-1) can't hide."""
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert not np.any(np.isnan(got)), "unwritten (poisoned) or NaN outputs"
+    return float(np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)))
+
+
+# ---- CPU interpret mode ----------------------------------------------------------------------------
+# N and K are not multiples of block_n / block_k (nor of the 128 scale block): partial last tiles.
+CASES = [
+    (1, SkinnyParams(block_n=32, block_k=64)),
+    (3, SkinnyParams(block_n=16, block_k=128, num_stages=2)),
+    (8, SkinnyParams(block_n=64, block_k=64, split_k=3)),
+    (17, SkinnyParams(block_n=32, block_k=128)),
+    (64, SkinnyParams(block_n=64, block_k=256)),
+]
+
+
+@pytest.mark.parametrize("m,params", CASES)
+def test_bf16_interpret(m, params):
+    rng = np.random.default_rng(m)
+    n, k = 200, 330
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (n, k), 0.05)
+    y = skinny_matmul(x, w, params=params, interpret=True, _poison=True)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert _rows_rel_err(y, want) < 8e-3  # bf16 output rounding (2**-9 relative)
+    np.testing.assert_allclose(np.asarray(skinny_matmul_reference(x, w)), want, rtol=1e-5, atol=1e-5)
+
+
+FP8_CASES = [
+    (1, SkinnyParams(block_n=32, block_k=128)),
+    (3, SkinnyParams(block_n=64, block_k=256)),  # the 2nd step's 2nd sub-block lies past K
+    (8, SkinnyParams(block_n=16, block_k=128, split_k=2)),
+    (17, SkinnyParams(block_n=128, block_k=128)),
+    (64, SkinnyParams(block_n=32, block_k=256, split_k=2)),
+]
+
+
+@pytest.mark.parametrize("m,params", FP8_CASES)
+def test_fp8_interpret(m, params):
+    rng = np.random.default_rng(100 + m)
+    n, k = 300, 333  # 3 x 3 scale blocks, the last ones partial
+    x = _bf16(rng, (m, k))
+    w8, s = _fp8_weight(rng, n, k)
+    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=params, interpret=True, _poison=True)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
+    assert _rows_rel_err(y, want) < 8e-3
+    ref = skinny_matmul_fp8_reference(x, jnp.asarray(w8), jnp.asarray(s))
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_fp8_bf16_scales_and_default_params():
+    rng = np.random.default_rng(5)
+    m, n, k = 2, 150, 140
+    x = _bf16(rng, (m, k))
+    w8, s = _fp8_weight(rng, n, k)
+    s16 = s.astype(ml_dtypes.bfloat16)
+    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s16), interpret=True, _poison=True)
+    want = np.asarray(x, np.float64) @ _np_dequant(w8, s16.astype(np.float32)).T
+    assert _rows_rel_err(y, want) < 8e-3
+
+
+def test_bad_inputs():
+    x = jnp.ones((2, 64), jnp.bfloat16)
+    w = jnp.ones((32, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="K"):
+        skinny_matmul(x, jnp.ones((64, 32), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="m="):
+        skinny_matmul(jnp.ones((65, 64), jnp.bfloat16), w, interpret=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        skinny_matmul(x.astype(jnp.float32), w, interpret=True)
+    with pytest.raises(ValueError, match="dtype"):
+        skinny_matmul(x, w.astype(jnp.float8_e4m3fn), interpret=True)
+    w8 = w.astype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_inv"):
+        skinny_matmul_fp8(x, w8, jnp.ones((2, 1), jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        skinny_matmul_fp8(x, w8, jnp.ones((1, 1), jnp.float32), params=SkinnyParams(block_n=256), interpret=True)
+    with pytest.raises(ValueError, match="block_k"):
+        skinny_matmul_fp8(x, w8, jnp.ones((1, 1), jnp.float32), params=SkinnyParams(block_k=64), interpret=True)
+    with pytest.raises(ValueError):
+        SkinnyParams(block_n=48)
+
+
+def test_params_lookup():
+    assert m_bucket(1) == 16 and m_bucket(17) == 32 and m_bucket(64) == 64
+    for m in (1, 8, 32, 64):
+        for n, k in ((6144, 4096), (4096, 14336), (28672, 4096)):
+            default_params(m, n, k, True).check_fp8()
+            p = skinny_params_for(m, n, k, jnp.float8_e4m3fn)
+            p.check_fp8()
+            assert isinstance(skinny_params_for(m, n, k, jnp.bfloat16), SkinnyParams)
+
+
+# ---- Triton lowering for an H200, checked on the CPU machine -------------------------------------
+def test_lowers_for_h200():
+    """Cross-lowers the kernels to Triton IR at Llama-3-8B shapes (catches unsupported ops without a
+    GPU; the Triton->PTX step still needs the GPU run)."""
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    )
+    sds = jax.ShapeDtypeStruct
+    with jax.sharding.use_abstract_mesh(mesh):
+        for m, n, k in ((1, 6144, 4096), (64, 4096, 14336)):
+            low = skinny_matmul.trace(sds((m, k), jnp.bfloat16), sds((n, k), jnp.bfloat16)).lower(
+                lowering_platforms=("cuda",)
+            )
+            assert "__gpu$xla.gpu.triton" in low.as_text()
+            low = skinny_matmul_fp8.trace(
+                sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32),
+                params=SkinnyParams(block_n=64, block_k=256, split_k=2),
+            ).lower(lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in low.as_text()
+
+
+# ---- compiled on the GPU ---------------------------------------------------------------------------
+GPU_SHAPES = [(1, 6144, 4096), (8, 4096, 14336), (17, 1000, 777), (64, 28672, 4096), (3, 300, 333)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_bf16_gpu(m, n, k):
+    rng = np.random.default_rng(m + n)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (n, k), 0.05)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    y = skinny_matmul(x, w, _poison=True)
+    assert _rows_rel_err(y, want) < 8e-3
+    y = skinny_matmul(x, w, params=SkinnyParams(block_n=64, block_k=128, split_k=3), _poison=True)
+    assert _rows_rel_err(y, want) < 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_fp8_gpu(m, n, k):
+    rng = np.random.default_rng(m + n + 1)
+    x = _bf16(rng, (m, k))
+    w8, s = _fp8_weight(rng, n, k)
+    want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
+    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), _poison=True)
+    assert _rows_rel_err(y, want) < 8e-3
+    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=SkinnyParams(block_n=16, split_k=2), _poison=True)
+    assert _rows_rel_err(y, want) < 8e-3
