@@ -69,16 +69,20 @@ def dot(a, b, *, trans_b=False):
 
 
 def load_kv_rows(kv_ref, bt_ref, bt_base, layer, tok, tok_valid, *, head, num_blocks, block_size,
-                 num_kv_heads, cdtype):
+                 num_kv_heads, cdtype, head_major=False):
     """Gathers keys or values of token positions `tok` i32[BK] of one sequence and one KV head.
 
-    kv_ref: the pool viewed as [L * NB * bs * Hkv, D] (a free reshape of [L, NB, bs, Hkv, D]).
+    kv_ref: the pool viewed as [L * NB * bs * Hkv, D] (a free reshape of [L, NB, bs, Hkv, D],
+      or of [L, NB, Hkv, bs, D] with head_major=True).
     bt_ref: block tables flattened to i32[R * MB]; bt_base = row * MB (the row's first entry).
     Masked-out tokens read nothing and give 0.
     Returns [BK, D] in `cdtype`.
     """
     page = plgpu_triton.load(bt_ref.at[bt_base + tok // block_size], mask=tok_valid, other=0)  # i32[BK]
-    row = ((layer * num_blocks + page) * block_size + tok % block_size) * num_kv_heads + head
+    if head_major:  # pool [L, NB, Hkv, bs, D] (measured alternative; not the engine's layout)
+        row = ((layer * num_blocks + page) * num_kv_heads + head) * block_size + tok % block_size
+    else:  # pool [L, NB, bs, Hkv, D]
+        row = ((layer * num_blocks + page) * block_size + tok % block_size) * num_kv_heads + head
     # Pure integer-array indexing (not row + slice): Pallas interpret mode only discharges
     # gathers whose indexers are all arrays or all slices.
     cols = jnp.arange(kv_ref.shape[1], dtype=jnp.int32)

@@ -54,6 +54,7 @@ def _decode_kernel(
     num_splits: int,
     sliding_window: int | None,
     cdtype,
+    head_major: bool,
 ):
     n = pl.program_id(0)
     h = pl.program_id(1)
@@ -75,6 +76,7 @@ def _decode_kernel(
     load = functools.partial(
         common.load_kv_rows, bt_ref=bt_ref, bt_base=n * max_blocks, layer=layer, head=h,
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, cdtype=cdtype,
+        head_major=head_major,
     )
 
     def body(i, carry):
@@ -112,8 +114,11 @@ def combine_splits(o_parts, lse_parts):
 
 
 def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
-                 sliding_window, interpret: bool, poison: bool):
-    num_layers, num_blocks, block_size, hkv, d = k_pool.shape
+                 sliding_window, interpret: bool, poison: bool, head_major: bool = False):
+    if head_major:  # [L, NB, Hkv, bs, D]: a layout the bench compares against; not public
+        num_layers, num_blocks, hkv, block_size, d = k_pool.shape
+    else:
+        num_layers, num_blocks, block_size, hkv, d = k_pool.shape
     n, hq, _ = q.shape
     g = hq // hkv
     gp = max(16, common.next_pow2(g))
@@ -150,6 +155,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     kernel = functools.partial(
         _decode_kernel, max_blocks=mb, num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv,
         block_k=params.block_k, num_splits=ns, sliding_window=sliding_window, cdtype=cdtype,
+        head_major=head_major,
     )
     if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
         for i, (shp, spec) in enumerate(zip(out_shape, out_specs)):

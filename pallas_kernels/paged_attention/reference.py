@@ -14,6 +14,8 @@ Masking rules (shared with the kernels):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +41,9 @@ def _masked_attention(q, k, v, mask, sm_scale):
     r, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(r, hkv, hq // hkv, d)
+    # Keys a row may not see are zeroed, so whatever sits in unowned pool slots never leaks in.
+    k = jnp.where(mask[:, :, None, None], k, 0.0)
+    v = jnp.where(mask[:, :, None, None], v, 0.0)
     s = jnp.einsum("rhgd,rshd->rhgs", qg, k, precision=_HI) * sm_scale
     s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -50,6 +55,7 @@ def _masked_attention(q, k, v, mask, sm_scale):
     return o.reshape(r, hq, d)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
 def paged_decode_attention_reference(
     q, k_pool, v_pool, layer, block_tables, seq_lens, *, sm_scale, sliding_window=None,
     k_scale=None, v_scale=None,
@@ -65,12 +71,17 @@ def paged_decode_attention_reference(
     return _masked_attention(q.astype(jnp.float32), k, v, mask, sm_scale)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "token_chunk"))
 def paged_prefill_attention_reference(
     q, k_pool, v_pool, layer, block_tables, cu_seqlens, kv_lens, *, sm_scale, sliding_window=None,
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, token_chunk=8,
 ):
-    """q [T, Hq, D]; block_tables i32[B, MB]; cu_seqlens i32[B+1]; kv_lens i32[B] -> f32[T, Hq, D]."""
-    t = q.shape[0]
+    """q [T, Hq, D]; block_tables i32[B, MB]; cu_seqlens i32[B+1]; kv_lens i32[B] -> f32[T, Hq, D].
+
+    Tokens are processed `token_chunk` at a time (lax.map) so that the per-token gathered context
+    stays small; each stream's context is gathered once.
+    """
+    t, hq, d = q.shape
     b = block_tables.shape[0]
     tok = jnp.arange(t)
     # Stream of each token; tokens at or beyond cu_seqlens[B] are padding (stream = B).
@@ -79,10 +90,19 @@ def paged_prefill_attention_reference(
     sc = jnp.minimum(stream, b - 1)
     kv_len = jnp.where(valid, kv_lens[sc], 0)
     pos = kv_len - cu_seqlens[sc + 1] + tok  # absolute position of each query token
-    k = _dequant(gather_kv(k_pool, layer, block_tables), k_scale)[sc]  # [T, S, Hkv, D]
-    v = _dequant(gather_kv(v_pool, layer, block_tables), v_scale)[sc]
-    kpos = jnp.arange(k.shape[1])[None, :]
-    mask = valid[:, None] & (kpos <= pos[:, None]) & (kpos < kv_len[:, None])
-    if sliding_window is not None:
-        mask &= pos[:, None] - kpos < sliding_window
-    return _masked_attention(q.astype(jnp.float32), k, v, mask, sm_scale)
+    kd = _dequant(gather_kv(k_pool, layer, block_tables), k_scale)  # [B, S, Hkv, D]
+    vd = _dequant(gather_kv(v_pool, layer, block_tables), v_scale)
+    kpos = jnp.arange(kd.shape[1])[None, :]
+    chunk = max(1, min(token_chunk, t))
+    tp = -(-t // chunk) * chunk
+    pad = lambda x: jnp.pad(x, [(0, tp - t)] + [(0, 0)] * (x.ndim - 1)).reshape(tp // chunk, chunk, *x.shape[1:])
+
+    def one(args):
+        qc, sc_c, pos_c, kvl_c, valid_c = args
+        mask = valid_c[:, None] & (kpos <= pos_c[:, None]) & (kpos < kvl_c[:, None])
+        if sliding_window is not None:
+            mask &= pos_c[:, None] - kpos < sliding_window
+        return _masked_attention(qc.astype(jnp.float32), kd[sc_c], vd[sc_c], mask, sm_scale)
+
+    out = jax.lax.map(one, (pad(q), pad(sc), pad(pos), pad(kv_len), pad(valid)))
+    return out.reshape(tp, hq, d)[:t]

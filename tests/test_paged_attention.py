@@ -1,0 +1,333 @@
+"""Paged-attention kernels (pallas_kernels/paged_attention) against their float32 references.
+
+* The references are first checked against a naive dense softmax attention written here in
+  numpy float64 over contiguous (un-paged) K/V.
+* The kernels run in Pallas interpret mode on the CPU and, marked `gpu`, compiled on a GPU.
+* Pools are NaN everywhere a kernel must not look: other layers, blocks no row owns, and slots
+  past each row's length. Block tables are random permutations; unused entries point at other
+  rows' blocks. Kernel outputs start NaN-filled (the `_poison` hook aliases a NaN buffer).
+* The cases cover every GQA group 1..16, head_dim 64/128/256, block size 16/32/64, bf16/f32/fp8
+  pools, sliding windows, split-K, and the lengths 0, 1, 15, 63, 64, 65 and 300; not the product.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import (
+    DecodeParams,
+    PrefillParams,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")]
+MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="gpu", marks=needs_gpu)]
+
+BF16, F32, FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+ALL_LENS = (0, 1, 15, 63, 64, 65, 300)
+
+
+# ---- paged problem builder ------------------------------------------------------------------------
+def build_pools(rng, lens, *, num_layers, layer, block_size, hkv, d, kv_dtype, spare_blocks=3):
+    """Random K/V for `lens` sequences in paged pools [L, NB, bs, Hkv, D], NaN where unowned.
+
+    Returns (k_pool, v_pool, block_tables i32[R, MB], dense_k, dense_v) with dense_* a list of
+    f32[len, Hkv, D] (the dequantized values a kernel should see), and the k/v scales (fp8 only).
+    """
+    need = [-(-n // block_size) for n in lens]
+    mb = max(max(need), 1) + 1
+    nb = sum(need) + spare_blocks
+    perm = rng.permutation(nb)
+    shape = (num_layers, nb, block_size, hkv, d)
+    k_pool = np.full(shape, np.nan, np.float32)
+    v_pool = np.full(shape, np.nan, np.float32)
+    is_fp8 = jnp.dtype(kv_dtype) == jnp.dtype(FP8)
+    k_scale, v_scale = (0.05, 0.03) if is_fp8 else (None, None)
+    tables = np.zeros((len(lens), mb), np.int32)
+    dense_k, dense_v = [], []
+    cursor = 0
+    for r, n in enumerate(lens):
+        own = perm[cursor:cursor + need[r]]
+        cursor += need[r]
+        # Unused entries point at random blocks (other rows' or spare): never to be read.
+        tables[r] = rng.choice(nb, size=mb)
+        tables[r, :need[r]] = own
+        k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        if is_fp8:  # store k / scale in fp8; the kernel must multiply the scale back
+            k8 = np.asarray(jnp.asarray(k * 8.0, FP8).astype(F32))
+            v8 = np.asarray(jnp.asarray(v * 8.0, FP8).astype(F32))
+            k, v = k8 * k_scale, v8 * v_scale
+            stored_k, stored_v = k8, v8
+        else:
+            k = np.asarray(jnp.asarray(k, kv_dtype).astype(F32))
+            v = np.asarray(jnp.asarray(v, kv_dtype).astype(F32))
+            stored_k, stored_v = k, v
+        for i in range(n):
+            blk, off = own[i // block_size], i % block_size
+            k_pool[layer, blk, off] = stored_k[i]
+            v_pool[layer, blk, off] = stored_v[i]
+        dense_k.append(k)
+        dense_v.append(v)
+    return (jnp.asarray(k_pool, kv_dtype), jnp.asarray(v_pool, kv_dtype), jnp.asarray(tables),
+            dense_k, dense_v, k_scale, v_scale)
+
+
+def naive_attention(q, k, v, q_pos, sm_scale, window):
+    """numpy float64: q [Hq, D] at position q_pos over dense k/v [S, Hkv, D] (keys 0..q_pos)."""
+    hq, d = q.shape
+    hkv = k.shape[1]
+    out = np.zeros((hq, d))
+    for h in range(hq):
+        kh = k[: q_pos + 1, h // (hq // hkv)].astype(np.float64)
+        vh = v[: q_pos + 1, h // (hq // hkv)].astype(np.float64)
+        keep = np.arange(q_pos + 1)
+        if window is not None:
+            keep = keep[q_pos - keep < window]
+        if len(keep) == 0:
+            continue
+        s = kh[keep] @ q[h].astype(np.float64) * sm_scale
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ vh[keep]
+    return out
+
+
+def assert_close(out, ref, *, tol, what=""):
+    out = np.asarray(jnp.asarray(out).astype(F32), np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.isfinite(out).all(), f"{what}: non-finite output at {np.argwhere(~np.isfinite(out))[:5]}"
+    scale = max(np.abs(ref).max(), 1e-6)
+    err = np.abs(out - ref).max() / scale
+    assert err <= tol, f"{what}: max error {err:.3g} (relative to max |ref|) > {tol}"
+
+
+def _tol(q_dtype, kv_dtype):
+    return 2e-4 if (q_dtype == F32 and kv_dtype == F32) else 2.5e-2
+
+
+# ---- decode ---------------------------------------------------------------------------------------
+# (group, hkv, head_dim, block_size, kv_dtype, q_dtype, window, params, lens)
+DECODE_CASES = [
+    (1, 2, 64, 16, BF16, BF16, None, DecodeParams(block_k=32), ALL_LENS),
+    (2, 1, 128, 32, BF16, BF16, None, DecodeParams(block_k=64, num_splits=3), ALL_LENS),
+    (3, 1, 256, 64, BF16, BF16, 40, DecodeParams(block_k=32, num_splits=2), ALL_LENS),
+    (4, 2, 64, 16, FP8, BF16, None, DecodeParams(block_k=64), (65, 0, 300)),
+    (5, 1, 128, 64, F32, F32, None, DecodeParams(block_k=16, num_splits=4), (300, 1, 64)),
+    (6, 1, 64, 32, FP8, BF16, 70, DecodeParams(block_k=32, num_splits=2), (300, 63, 0)),
+    (7, 1, 128, 16, BF16, F32, None, DecodeParams(block_k=64), (15, 65)),
+    (8, 1, 256, 32, FP8, BF16, None, DecodeParams(block_k=16), (64, 300)),
+    (9, 1, 64, 64, BF16, BF16, 1, None, (1, 65, 300)),
+    (10, 1, 64, 16, BF16, BF16, None, DecodeParams(block_k=128, num_splits=8), (63, 0)),
+    (11, 1, 128, 32, F32, BF16, None, DecodeParams(block_k=32), (65, 15)),
+    (12, 1, 64, 64, BF16, BF16, None, DecodeParams(block_k=64, num_splits=2), (300, 1)),
+    (13, 1, 64, 16, FP8, BF16, None, None, (64, 15)),
+    (14, 1, 128, 32, BF16, BF16, 64, DecodeParams(block_k=32), (300, 0, 65)),
+    (15, 1, 64, 64, BF16, BF16, None, DecodeParams(block_k=16, num_splits=3), (63, 1)),
+    (16, 1, 64, 16, BF16, BF16, None, DecodeParams(block_k=64), ALL_LENS),
+]
+
+
+def _decode_problem(case, seed):
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, lens = case
+    rng = np.random.default_rng(seed)
+    k_pool, v_pool, tables, dk, dv, ks, vs = build_pools(
+        rng, lens, num_layers=2, layer=1, block_size=bs, hkv=hkv, d=d, kv_dtype=kv_dtype)
+    q = jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)), q_dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    return q, k_pool, v_pool, tables, seq_lens, dk, dv, ks, vs
+
+
+@pytest.mark.parametrize("case", DECODE_CASES[:3] + DECODE_CASES[5:6], ids=lambda c: f"g{c[0]}")
+def test_decode_reference_matches_naive_dense(case):
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, lens = case
+    q, k_pool, v_pool, tables, seq_lens, dk, dv, ks, vs = _decode_problem(case, seed=1)
+    sm_scale = 1.0 / math.sqrt(d)
+    ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=sm_scale,
+                                           sliding_window=window, k_scale=ks, v_scale=vs)
+    qn = np.asarray(q.astype(F32))
+    naive = np.stack([
+        naive_attention(qn[r], dk[r], dv[r], n - 1, sm_scale, window) if n else np.zeros(qn[r].shape)
+        for r, n in enumerate(lens)
+    ])
+    assert_close(ref, naive, tol=1e-5, what="decode reference")
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"g{c[0]}-d{c[2]}-bs{c[3]}-{jnp.dtype(c[4]).name}")
+def test_decode_kernel(case, interpret):
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, lens = case
+    q, k_pool, v_pool, tables, seq_lens, dk, dv, ks, vs = _decode_problem(case, seed=g)
+    sm_scale = 1.0 / math.sqrt(d)
+    kw = dict(sm_scale=sm_scale, sliding_window=window, k_scale=ks, v_scale=vs)
+    out = paged_decode_attention(q, k_pool, v_pool, jnp.int32(1), tables, seq_lens, params=params,
+                                 interpret=interpret, _poison=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, **kw)
+    assert_close(out, ref, tol=_tol(q_dtype, kv_dtype), what="decode")
+    zero_rows = np.asarray(seq_lens) == 0
+    assert (np.asarray(out.astype(F32))[zero_rows] == 0).all()
+
+
+def test_decode_traced_layer_in_scan():
+    """The layer index comes from a lax.scan carry (traced), as in the engine's layer loop."""
+    rng = np.random.default_rng(7)
+    lens, bs, hkv, d, g, nl = (17, 40, 0), 16, 2, 64, 2, 3
+    pools = [build_pools(np.random.default_rng(i), lens, num_layers=nl, layer=i, block_size=bs, hkv=hkv,
+                         d=d, kv_dtype=BF16, spare_blocks=0) for i in range(nl)]
+    # One shared block table; layer i's data lives in layer i of the stacked pools.
+    tables = pools[0][2]
+    k_pool = jnp.stack([p[0][i] for i, p in enumerate(pools)])
+    v_pool = jnp.stack([p[1][i] for i, p in enumerate(pools)])
+    for i, p in enumerate(pools):  # re-home every layer's data onto layer 0's block table
+        t_i = np.asarray(p[2])
+        k_i = np.asarray(p[0][i].astype(F32))
+        v_i = np.asarray(p[1][i].astype(F32))
+        knew = np.asarray(k_pool[i].astype(F32)).copy()
+        vnew = np.asarray(v_pool[i].astype(F32)).copy()
+        for r, n in enumerate(lens):
+            for b in range(-(-n // bs)):
+                knew[tables[r, b]] = k_i[t_i[r, b]]
+                vnew[tables[r, b]] = v_i[t_i[r, b]]
+        k_pool = k_pool.at[i].set(jnp.asarray(knew, BF16))
+        v_pool = v_pool.at[i].set(jnp.asarray(vnew, BF16))
+    q = jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)), BF16)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+
+    def body(carry, layer):
+        o = paged_decode_attention(q, k_pool, v_pool, layer, tables, seq_lens, sm_scale=0.125,
+                                   params=DecodeParams(block_k=16, num_splits=2), interpret=True)
+        return carry, o
+
+    _, outs = jax.lax.scan(body, 0, jnp.arange(nl, dtype=jnp.int32))
+    for i in range(nl):
+        ref = paged_decode_attention_reference(q, k_pool, v_pool, i, tables, seq_lens, sm_scale=0.125)
+        assert_close(outs[i], ref, tol=2.5e-2, what=f"layer {i}")
+
+
+def test_decode_rejects_bad_inputs():
+    q = jnp.zeros((2, 4, 64), BF16)
+    pool = jnp.zeros((1, 4, 16, 2, 64), BF16)
+    tables = jnp.zeros((2, 2), jnp.int32)
+    lens = jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(jnp.zeros((2, 3, 64), BF16), pool, pool, 0, tables, lens, sm_scale=1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(jnp.zeros((2, 4, 32), BF16), pool, pool, 0, tables, lens, sm_scale=1.0)
+    with pytest.raises(ValueError, match="fp8|float8"):
+        paged_decode_attention(q, pool, pool, 0, tables, lens, sm_scale=1.0, k_scale=1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(q, pool, pool, 0, tables, lens[:1], sm_scale=1.0)
+    with pytest.raises(ValueError, match="block_k"):
+        DecodeParams(block_k=48)
+
+
+# ---- ragged prefill -------------------------------------------------------------------------------
+# streams: (new tokens, cached tokens); kv_len = new + cached
+ALL_STREAMS = ((1, 0), (15, 0), (13, 50), (64, 0), (2, 63), (45, 255))
+# (group, hkv, head_dim, block_size, kv_dtype, q_dtype, window, params, streams, pad_tokens)
+PREFILL_CASES = [
+    (1, 2, 64, 16, BF16, BF16, None, PrefillParams(block_rows=32, block_k=32), ALL_STREAMS, 5),
+    (2, 1, 128, 32, BF16, BF16, None, PrefillParams(block_rows=64, block_k=64), ALL_STREAMS, 0),
+    (3, 1, 256, 64, BF16, BF16, 20, PrefillParams(block_rows=32, block_k=16), ((45, 255), (0, 0), (15, 0)), 3),
+    (4, 1, 64, 16, FP8, BF16, None, PrefillParams(block_rows=64, block_k=32), ((2, 63), (13, 50)), 7),
+    (5, 1, 128, 64, F32, F32, None, PrefillParams(block_rows=32, block_k=16), ((1, 0), (64, 0)), 1),
+    (6, 1, 64, 32, FP8, BF16, 33, PrefillParams(block_rows=64, block_k=64), ((45, 255), (1, 0)), 0),
+    (7, 1, 128, 16, BF16, F32, None, PrefillParams(block_rows=64, block_k=16), ((15, 0), (2, 63)), 2),
+    (8, 1, 256, 32, FP8, BF16, None, PrefillParams(block_rows=32, block_k=32), ((13, 50),), 4),
+    (9, 1, 64, 64, BF16, BF16, 1, PrefillParams(block_rows=64, block_k=32), ((64, 0), (45, 255)), 0),
+    (10, 1, 64, 16, BF16, BF16, None, None, ((1, 0), (2, 63)), 6),
+    (11, 1, 128, 32, F32, BF16, None, PrefillParams(block_rows=32, block_k=32), ((15, 0), (0, 0)), 1),
+    (12, 1, 64, 64, BF16, BF16, None, PrefillParams(block_rows=64, block_k=64), ((45, 255),), 0),
+    (13, 1, 64, 16, FP8, BF16, None, PrefillParams(block_rows=32, block_k=16), ((13, 50), (1, 0)), 2),
+    (14, 1, 128, 32, BF16, BF16, 64, PrefillParams(block_rows=64, block_k=32), ((2, 63), (45, 255)), 0),
+    (15, 1, 64, 64, BF16, BF16, None, PrefillParams(block_rows=32, block_k=64), ((64, 0),), 3),
+    (16, 1, 64, 16, BF16, BF16, None, PrefillParams(block_rows=16, block_k=16), ((15, 0), (13, 50)), 1),
+]
+
+
+def _prefill_problem(case, seed):
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, streams, pad = case
+    rng = np.random.default_rng(seed)
+    kv_lens = [n + c for n, c in streams]
+    k_pool, v_pool, tables, dk, dv, ks, vs = build_pools(
+        rng, kv_lens, num_layers=2, layer=1, block_size=bs, hkv=hkv, d=d, kv_dtype=kv_dtype)
+    news = [n for n, _ in streams]
+    cu = np.concatenate([[0], np.cumsum(news)]).astype(np.int32)
+    t = int(cu[-1]) + pad
+    q = jnp.asarray(rng.standard_normal((t, g * hkv, d)), q_dtype)
+    return q, k_pool, v_pool, tables, jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), dk, dv, ks, vs
+
+
+@pytest.mark.parametrize("case", [PREFILL_CASES[0], PREFILL_CASES[2], PREFILL_CASES[5]], ids=lambda c: f"g{c[0]}")
+def test_prefill_reference_matches_naive_dense(case):
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, streams, pad = case
+    q, k_pool, v_pool, tables, cu, kv_lens, dk, dv, ks, vs = _prefill_problem(case, seed=3)
+    sm_scale = 1.0 / math.sqrt(d)
+    ref = paged_prefill_attention_reference(q, k_pool, v_pool, 1, tables, cu, kv_lens, sm_scale=sm_scale,
+                                            sliding_window=window, k_scale=ks, v_scale=vs)
+    qn = np.asarray(q.astype(F32))
+    naive = np.zeros(qn.shape)
+    for b, (n, c) in enumerate(streams):
+        for i in range(n):
+            tok = int(cu[b]) + i
+            naive[tok] = naive_attention(qn[tok], dk[b], dv[b], c + i, sm_scale, window)
+    assert_close(ref, naive, tol=1e-5, what="prefill reference")
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"g{c[0]}-d{c[2]}-bs{c[3]}-{jnp.dtype(c[4]).name}")
+def test_prefill_kernel(case, interpret):
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, streams, pad = case
+    q, k_pool, v_pool, tables, cu, kv_lens, dk, dv, ks, vs = _prefill_problem(case, seed=100 + g)
+    kw = dict(sm_scale=1.0 / math.sqrt(d), sliding_window=window, k_scale=ks, v_scale=vs)
+    out = paged_prefill_attention(q, k_pool, v_pool, jnp.int32(1), tables, cu, kv_lens, params=params,
+                                  interpret=interpret, _poison=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = paged_prefill_attention_reference(q, k_pool, v_pool, 1, tables, cu, kv_lens, **kw)
+    assert_close(out, ref, tol=_tol(q_dtype, kv_dtype), what="prefill")
+    assert (np.asarray(out.astype(F32))[int(cu[-1]):] == 0).all(), "pad tokens must give zeros"
+
+
+def test_prefill_rejects_bad_inputs():
+    pool = jnp.zeros((1, 4, 16, 2, 64), BF16)
+    q = jnp.zeros((8, 4, 64), BF16)
+    tables = jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        paged_prefill_attention(q, pool, pool, 0, tables, jnp.zeros((2,), jnp.int32),
+                                jnp.zeros((2,), jnp.int32), sm_scale=1.0)
+    with pytest.raises(ValueError, match="block_rows"):
+        PrefillParams(block_rows=100)
+
+
+# ---- compiled on the GPU at a realistic size ------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_large_decode_and_prefill():
+    rng = np.random.default_rng(11)
+    hkv, g, d, bs = 8, 4, 128, 16
+    lens = tuple(int(x) for x in rng.integers(1, 3000, size=24)) + (0, 4096)
+    k_pool, v_pool, tables, *_ = build_pools(rng, lens, num_layers=2, layer=1, block_size=bs, hkv=hkv, d=d,
+                                             kv_dtype=BF16)
+    q = jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)), BF16)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    for params in (None, DecodeParams(block_k=64, num_splits=8, num_warps=4, num_stages=3)):
+        out = paged_decode_attention(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=d ** -0.5, params=params,
+                                     _poison=True)
+        ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=d ** -0.5)
+        assert_close(out, ref, tol=2.5e-2, what=f"large decode {params}")
+    news = [min(n, int(x)) for n, x in zip(lens, rng.integers(1, 700, size=len(lens)))]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(news)]), jnp.int32)
+    qp = jnp.asarray(rng.standard_normal((int(cu[-1]) + 9, g * hkv, d)), BF16)
+    out = paged_prefill_attention(qp, k_pool, v_pool, 1, tables, cu, seq_lens, sm_scale=d ** -0.5, _poison=True)
+    ref = paged_prefill_attention_reference(qp, k_pool, v_pool, 1, tables, cu, seq_lens, sm_scale=d ** -0.5)
+    assert_close(out, ref, tol=2.5e-2, what="large prefill")
