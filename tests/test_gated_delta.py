@@ -12,11 +12,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels.gated_delta import (
     ChunkParams,
