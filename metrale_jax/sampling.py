@@ -242,17 +242,39 @@ def _apply_penalties(logits: Array, ps: PenaltyState, smd: SamplingMetadata) -> 
 
 
 # ---- sampling ------------------------------------------------------------------------------------
+def _fmix32(h: Array) -> Array:
+    """MurmurHash3's 32-bit finaliser: a bijective avalanche mix of u32 values."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def row_keys(smd: SamplingMetadata) -> Array:
-    """One PRNG key per row from (seed, sequence index, output index) only."""
-    base = jax.random.key(0x5EED)
+    """u32[S, 2] per-row stream keys from (seed, sequence index, output index) only."""
+    s = smd.seeds.astype(jnp.uint32)
+    idx = smd.out_index.astype(jnp.uint32)
+    h = _fmix32(s[:, 0] ^ jnp.uint32(0x5EED5EED))
+    h = _fmix32(h ^ s[:, 1] * jnp.uint32(0x9E3779B9))
+    h = _fmix32(h ^ s[:, 2] * jnp.uint32(0x85EBCA77))
+    k0 = _fmix32(h ^ idx * jnp.uint32(0xC2B2AE3D))
+    k1 = _fmix32(k0 ^ jnp.uint32(0x27D4EB2F))
+    return jnp.stack([k0, k1], axis=-1)
 
-    def one(seed3: Array, idx: Array) -> Array:
-        k = jax.random.fold_in(base, seed3[0])
-        k = jax.random.fold_in(k, seed3[1])
-        k = jax.random.fold_in(k, seed3[2])
-        return jax.random.fold_in(k, idx)
 
-    return jax.vmap(one)(smd.seeds, smd.out_index)
+def row_gumbel(smd: SamplingMetadata, vocab: int) -> Array:
+    """f32[S, V] standard Gumbel noise; row r depends only on row r's (seed, seq, output index).
+
+    A counter-based hash (two MurmurHash3 finaliser rounds over (row key, token index)) instead
+    of threefry: statistically ample for sampling, cheap to run and quick to compile.
+    """
+    keys = row_keys(smd)
+    v = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
+    h = _fmix32(keys[:, :1] ^ (v * jnp.uint32(0x9E3779B9)))
+    h = _fmix32(h + keys[:, 1:])
+    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -jnp.log(-jnp.log(u))
 
 
 def _top_k_top_p_mask(x: Array, top_k: Array, top_p: Array) -> Array:
@@ -279,9 +301,7 @@ def _random_sample(x: Array, smd: SamplingMetadata) -> Array:
     top = jnp.max(x, axis=-1, keepdims=True)
     x = jnp.where((smd.min_p[:, None] > 0) & (x - top < jnp.log(smd.min_p[:, None])), -jnp.inf, x)
     x = jax.lax.cond(smd.flags[F_FILTER], _top_k_top_p_mask, lambda x, *_: x, x, smd.top_k, smd.top_p)
-    keys = row_keys(smd)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+    return jnp.argmax(x + row_gumbel(smd, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def _rank_and_top(lp: Array, target: Array, k: int) -> tuple[Array, Array, Array]:
@@ -365,5 +385,5 @@ def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:
 
 __all__ = [
     "SamplingParams", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
-    "update_penalty_state", "sample", "prompt_logprobs", "row_keys", "seed_words",
+    "update_penalty_state", "sample", "prompt_logprobs", "row_keys", "row_gumbel", "seed_words",
 ]

@@ -1,0 +1,162 @@
+"""The compilation manager: every (step kind, bucket) the engine can run, compiled ahead of time.
+
+At start-up `compile_all` lowers and compiles each bucket's step once
+(`jax.jit(...).lower(abstract args).compile()`), a few at a time in threads, with a progress bar,
+going through JAX's persistent compilation cache. Serving then only ever calls those executables:
+a shape that is not a listed bucket raises instead of compiling, so a compile while serving
+cannot happen silently. `CompileCounter` counts compilations (for tests and logs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+import jax
+from tqdm.auto import tqdm
+
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.metadata_builder import BuilderConfig, StepBucket, abstract_step_inputs
+from metrale_jax.step import jit_step
+
+log = logging.getLogger(__name__)
+
+_LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts JAX lowerings and backend compilations while active (a context manager).
+
+    `lowerings` counts every new trace-and-lower (also those then served from the persistent
+    cache); `backend_compiles` those that ran the XLA compiler.
+    """
+
+    def __init__(self) -> None:
+        self.lowerings = 0
+        self.backend_compiles = 0
+        self._lock = threading.Lock()
+
+    def _on(self, event: str, duration: float, **kw) -> None:
+        with self._lock:
+            if event == _LOWER_EVENT:
+                self.lowerings += 1
+            elif event == _BACKEND_EVENT:
+                self.backend_compiles += 1
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def setup_compilation_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache at `cache_dir` unless one is already set.
+
+    Returns the directory in use (None = off)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    if cache_dir is None:
+        return None
+    path = os.path.expanduser(cache_dir)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
+def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
+    """Every bucket of a resolved config: decode N's, prefill T's, and mixed (N, T) pairs."""
+    b = cfg.max_prefill_streams
+    out = [StepBucket("decode", num_seqs=n) for n in cfg.decode_buckets]
+    out += [StepBucket("prefill", num_tokens=t, num_streams=b) for t in cfg.prefill_buckets]
+    out += [StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=b)
+            for n in cfg.mixed_decode_buckets for t in cfg.prefill_buckets]
+    return out
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+class CompilationManager:
+    """Holds one executable per bucket of `cfg` (resolved) for `model`."""
+
+    def __init__(self, model, cfg: EngineConfig, builder: BuilderConfig):
+        self.model = model
+        self.cfg = cfg
+        self.builder = builder
+        self.buckets = list_buckets(cfg)
+        self.executables: dict[StepBucket, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+        self.temp_bytes = 0  # the largest executable's scratch memory
+
+    def _static(self) -> dict:
+        return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
+                    prompt_lp_chunk=self.cfg.prompt_logprobs_chunk)
+
+    def lower(self, bucket: StepBucket, params, state):
+        p = jax.tree.map(_abstract, params)
+        s = jax.tree.map(_abstract, state)
+        dmd, pmd, tokens, smd = abstract_step_inputs(self.builder, bucket)
+        return jit_step(bucket.kind).lower(p, s, dmd, pmd, tokens, smd, **self._static())
+
+    def compile_all(self, params, state) -> float:
+        """Compile every bucket; returns the wall time in seconds."""
+        t0 = time.perf_counter()
+        todo = [b for b in self.buckets if b not in self.executables]
+
+        def one(bucket: StepBucket):
+            return bucket, self.lower(bucket, params, state).compile()
+
+        workers = max(1, min(self.cfg.compile_workers, len(todo)))
+        bar = tqdm(total=len(todo), desc="compiling steps", unit="exe", disable=not self.cfg.show_progress)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for fut in concurrent.futures.as_completed([pool.submit(one, b) for b in todo]):
+                bucket, exe = fut.result()
+                self.executables[bucket] = exe
+                try:
+                    mem = exe.memory_analysis()
+                    self.temp_bytes = max(self.temp_bytes, int(getattr(mem, "temp_size_in_bytes", 0) or 0))
+                except Exception:  # noqa: BLE001 - memory analysis is optional per backend
+                    pass
+                bar.update(1)
+                bar.set_postfix_str(str(bucket))
+        bar.close()
+        self.compile_seconds = time.perf_counter() - t0
+        log.info("compiled %d step executables in %.1fs (largest scratch %.1f MB)", len(todo),
+                 self.compile_seconds, self.temp_bytes / 1e6)
+        return self.compile_seconds
+
+    # ---- bucket choice ---------------------------------------------------------------------------
+    def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_streams: int) -> StepBucket:
+        c = self.cfg
+        if num_streams > c.max_prefill_streams:
+            raise ValueError(f"{num_streams} prefill streams exceed max_prefill_streams")
+        if num_prefill_tokens == 0:
+            return StepBucket("decode", num_seqs=_ceil_bucket(c.decode_buckets, num_decode))
+        t = _ceil_bucket(c.prefill_buckets, num_prefill_tokens)
+        if num_decode == 0:
+            return StepBucket("prefill", num_tokens=t, num_streams=c.max_prefill_streams)
+        n = _ceil_bucket(c.mixed_decode_buckets, num_decode)
+        return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
+
+    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple):
+        """Run the executable of `bucket` on device inputs (dmd, pmd, tokens, smd)."""
+        exe = self.executables.get(bucket)
+        if exe is None:
+            raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
+        return exe(params, state, *dev_inputs)
+
+
+def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

@@ -1,0 +1,100 @@
+"""`EngineConfig`: every engine choice in one frozen dataclass (no environment switches).
+
+Fields left at None are resolved against the model and the device by `EngineConfig.resolve`,
+which returns a config with every size filled in; the engine logs the resolved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.loading.hub import DEFAULT_MODEL
+
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "metrale_jax", "jax_cache")
+
+
+def _pow2_upto(n: int, start: int = 1, factor: int = 2) -> tuple[int, ...]:
+    out, b = [], start
+    while b < n:
+        out.append(b)
+        b *= factor
+    out.append(n)
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine configuration. None = chosen from the model and device at start-up."""
+
+    model: str = DEFAULT_MODEL  # path or alias (see metrale_jax.loading.hub)
+    dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
+    kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from gpu_memory_utilization (GPU) / cpu_kv_tokens (CPU)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_tokens: int = 8192  # the CPU default pool, in tokens
+    max_num_seqs: int | None = None  # running sequences (decode rows); None: 64 GPU / 16 CPU
+    max_num_batched_tokens: int | None = None  # token budget per step; None: 2048 GPU / 256 CPU
+    max_prefill_streams: int = 4  # B: prefill chunks per step
+    decode_buckets: tuple[int, ...] = ()  # decode-step N buckets; () = powers of 2 to max_num_seqs
+    mixed_decode_buckets: tuple[int, ...] = ()  # N buckets of mixed steps; () = powers of 4
+    prefill_buckets: tuple[int, ...] = ()  # T buckets of prefill / mixed steps; () = powers of 4
+    max_logprobs: int = 20
+    max_suppress_ids: int = 16  # eos + stop_token_ids suppressed under min_tokens, per request
+    max_penalty_rows: int | None = None  # sequences with penalties at once; None = max_num_seqs
+    max_ssm_slots: int | None = None  # None = max_num_seqs (only for models with SSM state)
+    seed: int = 0  # draws the seeds of requests that give none
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX persistent cache; None = off
+    compile_workers: int = 4
+    show_progress: bool = True
+    prompt_logprobs_chunk: int = 64  # prefill rows per LM-head chunk when prompt logprobs are on
+
+    def replace(self, **kw) -> EngineConfig:
+        return dataclasses.replace(self, **kw)
+
+    def resolve(self, *, max_position_embeddings: int, on_gpu: bool) -> EngineConfig:
+        """Fill every None/() size; raise ValueError for an inconsistent config."""
+        mml = self.max_model_len
+        if mml is None:
+            mml = min(max_position_embeddings, 4096)
+        if mml > max_position_embeddings:
+            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
+                             f"{max_position_embeddings}")
+        if mml < 2:
+            raise ValueError(f"max_model_len={mml} must be >= 2")
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1")
+        seqs = self.max_num_seqs or (64 if on_gpu else 16)
+        budget = self.max_num_batched_tokens or (2048 if on_gpu else 256)
+        if budget < seqs:
+            raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={seqs}")
+        dec = tuple(sorted(set(self.decode_buckets))) or _pow2_upto(seqs)
+        mix = tuple(sorted(set(self.mixed_decode_buckets))) or _pow2_upto(seqs, 4, 4)
+        pre = tuple(sorted(set(self.prefill_buckets))) or _pow2_upto(budget, 32, 4)
+        if dec[-1] < seqs or mix[-1] < seqs:
+            raise ValueError(f"decode buckets {dec} / mixed decode buckets {mix} must reach "
+                             f"max_num_seqs={seqs}")
+        if pre[-1] > budget:
+            raise ValueError(f"prefill bucket {pre[-1]} exceeds max_num_batched_tokens={budget}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_prefill_streams < 1:
+            raise ValueError(f"max_prefill_streams={self.max_prefill_streams} must be >= 1")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
+        return dataclasses.replace(
+            self, max_model_len=mml, max_num_seqs=seqs, max_num_batched_tokens=budget,
+            decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
+            max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
+            max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
+        )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        assert self.max_model_len is not None, "resolve() the config first"
+        return -(-self.max_model_len // self.block_size)

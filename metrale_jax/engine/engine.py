@@ -1,0 +1,487 @@
+"""`LLMEngine`: requests in, cumulative `RequestOutput`s out, one `step()` at a time.
+
+Single-threaded: a server calls it from one background thread. Per step the engine asks the
+scheduler for a batch, builds the step inputs in numpy (`metadata_builder`, one host->device
+transfer), runs the bucket's precompiled executable (state donated), fetches the sampled ids (and
+logprobs only when some row asked for them), and updates the sequences: detokenize
+incrementally, check stop conditions, free what finished sequences held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from metrale_jax.engine.compile import CompilationManager, setup_compilation_cache
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from metrale_jax.engine.scheduler import Chunk, Request, Scheduler, SeqStatus, Sequence
+from metrale_jax.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from metrale_jax.metadata_builder import (
+    BuilderConfig,
+    DecodeRow,
+    PrefillChunk,
+    RowSampling,
+    StepInputs,
+    build_step,
+)
+from metrale_jax.sampling import F_LOGPROBS, SamplingParams
+from metrale_jax.step import StepState, init_step_state
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    ssm_slots_total: int
+    ssm_slots_used: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+    num_steps: int = 0
+
+
+def _on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+class LLMEngine:
+    """The serving engine. `LLMEngine(model, params, config)` or `LLMEngine.from_config(config)`."""
+
+    def __init__(self, model, params, config: EngineConfig | None = None):
+        t0 = time.perf_counter()
+        config = config or EngineConfig()
+        self.model = model
+        self.params = params
+        self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
+                                     on_gpu=_on_gpu())
+        c = self.config
+        self.tokenizer = getattr(model, "tokenizer", None)
+        self.model_name = getattr(model, "name", "") or c.model
+        self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
+        self.vocab_size = int(model.cfg.vocab_size)
+        self.uses_ssm = model.ssm_bytes_per_slot() > 0
+        self.cache_dir = setup_compilation_cache(c.compilation_cache_dir)
+
+        kv_dtype = c.kv_dtype or (c.dtype if c.dtype in _DTYPES else getattr(model, "dtype", None))
+        self.kv_dtype = kv_dtype
+        self.num_blocks = self._kv_pool_size(kv_dtype)
+        if self.num_blocks < c.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV pool ({self.num_blocks} blocks of {c.block_size}) cannot hold one sequence of "
+                f"max_model_len={c.max_model_len}; lower max_model_len or raise num_kv_blocks")
+        pen_rows = c.max_penalty_rows or 0
+        ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
+        self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
+                                                max_ssm_slots=ssm_slots, penalty_rows=pen_rows)
+        log.info(
+            "KV pool: %d blocks x %d tokens (%d tokens, %.1f MB, %s); max_model_len=%d, max_num_seqs=%d, "
+            "token budget %d", self.num_blocks, c.block_size, self.num_blocks * c.block_size,
+            self.num_blocks * model.kv_bytes_per_block(c.block_size, kv_dtype) / 1e6, kv_dtype,
+            c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens)
+        self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
+                                     vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
+        self.compiler = CompilationManager(model, c, self.builder)
+        self.compiler.compile_all(params, self.state)
+        self.scheduler = self._new_scheduler()
+        self.requests: dict[str, Request] = {}
+        self._rng = np.random.default_rng(c.seed)
+        self._arrivals = 0
+        self._seq_ids = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._steps = 0
+        self.startup_seconds = time.perf_counter() - t0
+        log.info("engine ready in %.1fs (compile %.1fs, %d executables, cache %s)", self.startup_seconds,
+                 self.compiler.compile_seconds, len(self.compiler.executables), self.cache_dir)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from metrale_jax.model import load_model
+
+        model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress)
+        return cls(model, params, config)
+
+    def _new_scheduler(self, **limits: int) -> Scheduler:
+        """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
+        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens (tests use this)."""
+        c = self.config
+        caps = dict(num_blocks=self.num_blocks, max_num_seqs=c.max_num_seqs,
+                    max_num_batched_tokens=c.max_num_batched_tokens, max_prefill_streams=c.max_prefill_streams,
+                    max_prefill_tokens=c.prefill_buckets[-1])
+        for k, v in limits.items():
+            if k not in caps or v > caps[k]:
+                raise ValueError(f"scheduler limit {k}={v} is unknown or above the compiled {caps.get(k)}")
+            caps[k] = v
+        return Scheduler(
+            block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0,
+            num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0, uses_ssm=self.uses_ssm, **caps,
+        )
+
+    def _kv_pool_size(self, kv_dtype) -> int:
+        c = self.config
+        per_block = self.model.kv_bytes_per_block(c.block_size, kv_dtype)
+        if c.num_kv_blocks is not None:
+            return int(c.num_kv_blocks)
+        if not _on_gpu():
+            return max(-(-c.cpu_kv_tokens // c.block_size), c.max_blocks_per_seq)
+        stats = jax.devices()[0].memory_stats() or {}
+        limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+        # scratch of the steps: activations of the largest batch plus sampling rows (an estimate;
+        # the compiled executables' real scratch is logged after compilation)
+        mc = self.model.cfg
+        t = c.max_num_batched_tokens
+        act = 4 * t * (8 * mc.hidden_size + 3 * mc.intermediate_size) + 16 * 4 * (c.max_num_seqs + 64) * mc.vocab_size
+        if not c.attention.use_pallas:  # the XLA reference gathers every row's pages in f32
+            rows = c.max_num_seqs + c.max_prefill_streams
+            act += 2 * 4 * rows * c.max_model_len * mc.num_kv_heads * mc.head_dim
+        other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
+        if self.uses_ssm:
+            other += c.max_ssm_slots * self.model.ssm_bytes_per_slot()
+        free = limit * c.gpu_memory_utilization - used - act - other
+        blocks = int(free // per_block)
+        log.info("KV sizing: device limit %.2f GB, in use %.2f GB, reserved for activations %.2f GB -> %d blocks",
+                 limit / 1e9, used / 1e9, act / 1e9, blocks)
+        return blocks
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt_token_ids' (or 'prompt')")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send {'prompt_token_ids': [...]}")
+            text = prompt
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, list | tuple | np.ndarray):
+            ids = prompt
+        else:
+            raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+        try:
+            ids = [int(i) for i in ids]
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"prompt_token_ids must be integers: {e}") from e
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return text, ids
+
+    def validate(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Check a request without queuing it; raises an InvalidRequestError subclass."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise EmptyPromptError("the prompt is empty (no tokens)")
+        mml = self.config.max_model_len
+        if len(ids) >= mml:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; max_model_len={mml} leaves room for at most "
+                f"{mml - 1} prompt tokens plus one generated token")
+        k = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > k:
+                raise InvalidSamplingParamsError(f"{name}={v} exceeds the engine's max_logprobs={k}")
+        if params.min_tokens > 0:
+            n_sup = len(self._stop_ids(params))
+            if n_sup > self.config.max_suppress_ids:
+                raise InvalidSamplingParamsError(
+                    f"stop_token_ids: {n_sup} stop ids with min_tokens > 0 exceed max_suppress_ids="
+                    f"{self.config.max_suppress_ids}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidSamplingParamsError(f"stop_token_ids must be < vocab size {self.vocab_size}")
+        if params.has_penalties and not self.config.max_penalty_rows:
+            raise InvalidSamplingParamsError("penalties are disabled in this engine (max_penalty_rows=0)")
+        return text, ids
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= set(self.eos_token_ids)
+        return frozenset(ids)
+
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing."""
+        params = params if params is not None else SamplingParams()
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.validate(prompt, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.config.max_model_len - len(ids))
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
+                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time())
+        self._arrivals += 1
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+        for i in range(params.n):
+            seq = Sequence(self._seq_ids, req, i, list(ids), len(ids))
+            self._seq_ids += 1
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if self.tokenizer is not None:
+                from metrale_jax.loading.tokenizer import IncrementalDetokenizer
+
+                seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free everything it holds (now). Unknown ids are ignored."""
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return
+        req.aborted = True
+        for seq in req.seqs:
+            if seq.status != SeqStatus.FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = seq.finish_reason or "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_waiting=len({q.request.request_id for q in s.waiting}),
+            num_running=len({q.request.request_id for q in s.running}),
+            kv_blocks_total=s.blocks.num_blocks, kv_blocks_used=s.blocks.num_used,
+            kv_blocks_free=s.blocks.num_free, ssm_slots_total=s.ssm_slots.num_slots,
+            ssm_slots_used=s.ssm_slots.num_used, prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._gen_tokens, num_preemptions=s.num_preemptions,
+            num_steps=self._steps,
+        )
+
+    # ---- one step --------------------------------------------------------------------------------
+    def _row_sampling(self, seq: Sequence) -> RowSampling:
+        p = seq.request.params
+        sup = tuple(sorted(self._stop_ids(p))) if seq.num_outputs < p.min_tokens else ()
+        return RowSampling.from_params(p, seed=seq.request.seed, seq_index=seq.index, out_index=seq.num_outputs,
+                                       pen_row=seq.pen_row, suppress_ids=sup)
+
+    def _chunk(self, c: Chunk) -> PrefillChunk:
+        seq = c.seq
+        end = c.start + c.length
+        req = seq.request
+        targets = None
+        if req.prompt_logprobs is not None and seq.index == 0:
+            targets = [seq.token_ids[p + 1] if p + 1 < seq.prompt_len and req.prompt_logprobs[p + 1] is None
+                       else -1 for p in range(c.start, end)]
+        return PrefillChunk(
+            tokens=seq.token_ids[c.start:end], start=c.start, block_table=seq.blocks,
+            sampling=self._row_sampling(seq) if c.samples else None, pen_row=seq.pen_row,
+            ssm_slot=seq.ssm_slot, prompt_lp_targets=targets,
+            num_output_tokens=max(0, end - max(c.start, seq.prompt_len)),
+            reset_penalty_row=c.start == 0 and seq.pen_row >= 0,
+        )
+
+    def _execute(self, inputs: StepInputs) -> tuple[dict[str, np.ndarray], bool, bool]:
+        """Run a step on the device; returns the fetched outputs (numpy)."""
+        dev = inputs.to_device()
+        self.state, out = self.compiler.run(inputs.bucket, self.params, self.state, dev)
+        want_lp = bool(inputs.smd.flags[F_LOGPROBS])
+        want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
+        names = ["token_ids", "logprobs"]
+        if want_lp:
+            names += ["ranks", "top_ids", "top_logprobs"]
+        if want_plp:
+            names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
+        got = jax.device_get([getattr(out, n) for n in names])
+        return dict(zip(names, got)), want_lp, want_plp
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that progressed (cumulative outputs)."""
+        sched = self.scheduler.schedule()
+        if sched.empty():
+            return []
+        self._steps += 1
+        rows = [DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
+                          sampling=self._row_sampling(s), ssm_slot=s.ssm_slot) for s in sched.decode]
+        chunks = [self._chunk(c) for c in sched.chunks]
+        bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
+        inputs = build_step(self.builder, bucket, rows, chunks)
+        out, want_lp, want_plp = self._execute(inputs)
+        self.scheduler.complete(sched)
+        self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        if want_plp:
+            self._record_prompt_logprobs(sched.chunks, inputs, out)
+        # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
+        n_bucket = bucket.num_seqs
+        sampled: list[tuple[int, Sequence]] = [(i, s) for i, s in enumerate(sched.decode)]
+        sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
+        for row, seq in sampled:
+            req = seq.request
+            if req.aborted or seq.status != SeqStatus.RUNNING:
+                continue
+            self._append_token(seq, row, out, want_lp)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+        for c in sched.chunks:  # prompt logprobs progress without sampling
+            if c.seq.request.prompt_logprobs is not None and not c.seq.request.aborted:
+                touched.setdefault(c.seq.request.request_id, c.seq.request)
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.finish_time = now
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._request_output(req))
+        return outputs
+
+    # ---- outputs ---------------------------------------------------------------------------------
+    def _decode_token(self, t: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def _lp_dict(self, token: int, lp: float, rank: int, top_ids, top_lps, k: int) -> dict[int, Logprob]:
+        d = {int(token): Logprob(float(lp), int(rank), self._decode_token(int(token)))}
+        for j in range(k):
+            t = int(top_ids[j])
+            if t not in d:
+                d[t] = Logprob(float(top_lps[j]), j + 1, self._decode_token(t))
+        return d
+
+    def _record_prompt_logprobs(self, chunks: list[Chunk], inputs: StepInputs, out: dict) -> None:
+        tgt = inputs.smd.prompt_lp_targets
+        o = 0
+        for c in chunks:
+            req = c.seq.request
+            k = req.params.prompt_logprobs
+            for i in range(c.length):
+                t = int(tgt[o + i])
+                if t >= 0 and req.prompt_logprobs is not None:
+                    req.prompt_logprobs[c.start + i + 1] = self._lp_dict(
+                        t, out["prompt_logprobs"][o + i], out["prompt_ranks"][o + i],
+                        out["prompt_top_ids"][o + i], out["prompt_top_logprobs"][o + i], k)
+            o += c.length
+
+    def _append_token(self, seq: Sequence, row: int, out: dict, want_lp: bool) -> None:
+        p = seq.request.params
+        t = int(out["token_ids"][row])
+        seq.token_ids.append(t)
+        self._gen_tokens += 1
+        lp = float(out["logprobs"][row])
+        seq.cumulative_logprob += lp
+        if seq.logprobs is not None and want_lp:
+            seq.logprobs.append(self._lp_dict(t, lp, out["ranks"][row], out["top_ids"][row],
+                                              out["top_logprobs"][row], p.logprobs))
+        n_out = seq.num_outputs
+        finish, reason = None, None
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and t in self.eos_token_ids:
+                finish = "stop"
+            elif t in seq.request.stop_ids:
+                finish, reason = "stop", t
+        if seq.detok is not None and finish is None:
+            delta = seq.detok.add(t)
+            seq.text = seq.detok.text
+            if delta and p.stop and n_out > p.min_tokens:
+                hit = _find_stop(seq.text, len(delta), p.stop, p.include_stop_str_in_output)
+                if hit is not None:
+                    finish, reason = "stop", hit[0]
+                    seq.text = seq.text[: hit[1]] if hit[1] >= 0 else seq.text
+        if finish is None and (n_out >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len):
+            finish = "length"
+        if finish is not None:
+            seq.finish_reason, seq.stop_reason = finish, reason
+            self.scheduler.finish(seq)
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        outs = []
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        for seq in req.seqs:
+            text = seq.text
+            if seq.finish_reason is None and hold > 0:
+                text = text[: max(0, len(text) - hold)]
+            outs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_ids),
+                cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+        plp = None
+        if req.prompt_logprobs is not None:
+            plp = list(req.prompt_logprobs)
+            plp[0] = None
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finish_time": req.finish_time}
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, req.finished,
+                             metrics=metrics)
+
+    # ---- convenience -----------------------------------------------------------------------------
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until every queued request finished; the final output of each request."""
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return final
+
+    def generate(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Queue `prompts` and run them to completion (offline use); outputs in prompt order."""
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        for p, sp in zip(prompts, plist):
+            self.validate(p, sp)
+        ids = []
+        for p, sp in zip(prompts, plist):
+            rid = f"gen-{self._arrivals}"
+            self.add_request(rid, p, sp)
+            ids.append(rid)
+        final = self.run_to_completion()
+        return [final[r] for r in ids]
+
+
+def _find_stop(text: str, new_chars: int, stops: list[str], include: bool) -> tuple[str, int] | None:
+    """vLLM's stop-string check on the text tail: (stop string, cut index or -1 to keep all)."""
+    for s in stops:
+        start = max(0, len(text) - new_chars - len(s) + 1)
+        i = text.find(s, start)
+        if i == -1:
+            continue
+        if include:
+            i += len(s)
+            if i >= len(text):
+                return s, -1
+        return s, i
+    return None
+
+
+__all__ = ["LLMEngine", "EngineStats", "EngineConfig"]

@@ -1,0 +1,115 @@
+"""Pure step functions: the model's paged forward, the LM head on the sampled rows, and sampling,
+all in one executable. The state (KV pools, SSM pool, penalty table) is donated.
+
+    decode_step(params, state, md, tokens, smd, *, model, attn, max_logprobs)
+    mixed_step(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs)
+    prefill_step(params, state, pmd, tokens, smd, *, model, attn, max_logprobs)
+
+tokens i32[N + T] are the decode rows' tokens followed by the prefill tokens; `smd` says which
+rows of the hidden states are sampled (`logits_indices`) and how. They return
+`(state, SampleOutput)`. The engine compiles each (kind, bucket) once ahead of time with
+`jit_step(kind)`; research code can call them directly under `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+from metrale_jax.sampling import (
+    PenaltyState,
+    SampleOutput,
+    SamplingMetadata,
+    init_penalty_state,
+    prompt_logprobs,
+    sample,
+    update_penalty_state,
+)
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepState:
+    """Everything a step donates and returns: the model's state (`metrale_jax.cache.EngineState`:
+    KV pools, SSM pool) and the sampler's penalty table."""
+
+    model: Any
+    penalties: PenaltyState
+
+
+def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
+                    penalty_rows: int = 0) -> StepState:
+    """Zeroed state: `num_blocks` KV blocks of `block_size` tokens, `penalty_rows` penalty rows."""
+    ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots)
+    return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
+
+
+def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
+          tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
+          prompt_lp_chunk: int = 64) -> tuple[StepState, SampleOutput]:
+    n = dmd.num_seqs if dmd is not None else 0
+    pen = update_penalty_state(state.penalties, tokens, smd)
+    ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
+    logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[S, V]
+    tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs)
+    plp = prompt_logprobs(lambda h: model.compute_logits(params, h), hidden[n:], smd.prompt_lp_targets,
+                          max_logprobs=max_logprobs, chunk=prompt_lp_chunk)
+    out = SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
+    return StepState(ms, pen), out
+
+
+def decode_step(params, state: StepState, md: AttnMetadata, tokens: Array, smd: SamplingMetadata, *,
+                model, attn: AttentionConfig = AttentionConfig(), max_logprobs: int = 20):
+    """One token per row: tokens i32[N] at md.positions -> (state, SampleOutput over N rows)."""
+    return _step(params, state, md, None, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
+
+
+def mixed_step(params, state: StepState, dmd: AttnMetadata, pmd: BatchedAttnMetadata, tokens: Array,
+               smd: SamplingMetadata, *, model, attn: AttentionConfig = AttentionConfig(),
+               max_logprobs: int = 20, prompt_lp_chunk: int = 64):
+    """Decode rows plus prefill chunks: tokens i32[N + T] -> (state, SampleOutput)."""
+    return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
+                 prompt_lp_chunk=prompt_lp_chunk)
+
+
+def prefill_step(params, state: StepState, pmd: BatchedAttnMetadata, tokens: Array, smd: SamplingMetadata,
+                 *, model, attn: AttentionConfig = AttentionConfig(), max_logprobs: int = 20,
+                 prompt_lp_chunk: int = 64):
+    """Prefill chunks only: tokens i32[T] -> (state, SampleOutput)."""
+    return _step(params, state, None, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
+                 prompt_lp_chunk=prompt_lp_chunk)
+
+
+_STATIC = ("model", "attn", "max_logprobs", "prompt_lp_chunk")
+
+
+@functools.cache
+def jit_step(kind: str):
+    """The jitted step of `kind` ("decode" | "prefill" | "mixed"), donating the state.
+
+    Every kind takes (params, state, dmd, pmd, tokens, smd) positionally, dmd / pmd None where
+    the kind has none, so the engine calls all of them the same way.
+    """
+
+    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, prompt_lp_chunk):
+        if kind == "decode":
+            assert pmd is None
+        elif kind == "prefill":
+            assert dmd is None
+        return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                     max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk)
+
+    fn.__name__ = f"{kind}_step"
+    return jax.jit(fn, static_argnames=_STATIC, donate_argnums=(1,))
+
+
+def replace_model_state(state: StepState, model_state) -> StepState:
+    return dataclasses.replace(state, model=model_state)
