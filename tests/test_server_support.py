@@ -222,7 +222,7 @@ def make_tiny_text_model(dst: Path, src: str = "llama_tiny") -> Path:
     specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {t: i for i, t in enumerate(specials + chars)}
-    letters = "etaoinshrdlu"
+    letters = "etaoinshrdlucmfw"
     for a in letters:
         for b in letters:
             if len(vocab) < 256:

@@ -1,0 +1,133 @@
+"""`metrale serve MODEL`: the command-line face of the server.
+
+`metrale_jax/cli.py` (the main `metrale` command) calls `add_serve_subcommand(subparsers)` and
+dispatches `serve` to `serve_main(args)`. `python -m metrale_jax.server MODEL ...` runs the same
+command on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# EngineConfig fields the serve command does not expose (the model is positional; the rest are
+# nested configs or set by the server itself).
+_SKIP_ENGINE_FIELDS = {"model", "attention", "show_progress"}
+
+
+def _engine_config_cls():
+    from metrale_jax.engine.config import EngineConfig
+
+    return EngineConfig
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(the non-None member of an Optional, whether None is allowed)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _optional_str(s: str) -> str | None:
+    return None if s.lower() in ("", "none") else s
+
+
+def _int_tuple(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--field-name` option per scalar EngineConfig field, defaulting to the config's default."""
+    cls = _engine_config_cls()
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    for f in dataclasses.fields(cls):
+        if f.name in _SKIP_ENGINE_FIELDS:
+            continue
+        tp, optional = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        doc = f"EngineConfig.{f.name}" + ("; None: chosen at start-up" if optional else "")
+        if tp is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=doc)
+        elif tp is str and optional:
+            group.add_argument(flag, dest=f.name, type=_optional_str, default=default, help=doc + " ('none' = None)")
+        elif tp in (int, float, str):
+            group.add_argument(flag, dest=f.name, type=tp, default=default, help=doc)
+        elif typing.get_origin(tp) is tuple:
+            group.add_argument(flag, dest=f.name, type=_int_tuple, default=default,
+                               help=doc + "; comma-separated integers")
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str):
+    cls = _engine_config_cls()
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+          if f.name not in _SKIP_ENGINE_FIELDS and hasattr(args, f.name)}
+    return cls(model=model, **kw)
+
+
+def add_serve_subcommand(subparsers: Any, add_engine_options: Callable[[argparse.ArgumentParser], None] | None = None
+                         ) -> argparse.ArgumentParser:
+    """Add `serve` to an argparse subparsers object. Engine options come from `add_engine_options`
+    when given (the main CLI's own), else one option per EngineConfig field."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over HTTP: POST /v1/completions, /v1/chat/completions (streamed as SSE or "
+                    "not), GET /v1/models, /health, /metrics (Prometheus). SIGTERM/SIGINT stop accepting, "
+                    "let running requests finish (up to --shutdown-timeout seconds) and exit.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(p, add_engine_options)
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def add_serve_arguments(p: argparse.ArgumentParser,
+                        add_engine_options: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    p.add_argument("model", help="model path or alias")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use in `model` (repeatable; default: MODEL as given)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="bound on waiting requests; past it requests get 503 with Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="request body size limit (413 past it)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    (add_engine_options or add_engine_args)(p)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Build the engine from `args`, then serve until SIGTERM/SIGINT. Returns the exit status."""
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.server.app import ServerConfig
+    from metrale_jax.server.runner import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.from_config(engine_config_from_args(args, args.model))
+    names = tuple(args.served_model_name or [args.model])
+    if engine.model_name and engine.model_name not in names:
+        names = (*names, engine.model_name)
+    config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                          max_request_bytes=args.max_request_bytes)
+    serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
+          log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m metrale_jax.server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv))
