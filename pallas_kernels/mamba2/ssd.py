@@ -209,6 +209,8 @@ def ssd_chunk_scan(
         raise ValueError(f"{headdim=} must be a multiple of a power-of-two block_p >= 16 (got {block_p})")
     if not _is_pow2(d_state) or d_state < 16:
         raise ValueError(f"{d_state=} must be a power of two >= 16")
+    if num_tokens * nheads * headdim >= 2**31 or num_streams * nheads * headdim * d_state >= 2**31:
+        raise ValueError("x and initial_states must each hold < 2**31 elements (the kernel indexes in int32)")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
 
     A = -jnp.exp(A_log.astype(jnp.float32))

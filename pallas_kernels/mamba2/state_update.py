@@ -134,6 +134,8 @@ def selective_state_update(
         raise ValueError(f"{headdim=} must be a multiple of a power-of-two block_p (got {block_p})")
     if not _is_pow2(d_state):
         raise ValueError(f"{d_state=} must be a power of two")
+    if state.size >= 2**31:
+        raise ValueError(f"the state pool must hold < 2**31 elements (int32 indexing), got {state.shape}")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
 
     A = -jnp.exp(A_log.astype(jnp.float32))
