@@ -64,8 +64,9 @@ class RopeScaling:
 class ModelConfig:
     """Architecture hyper-parameters shared by the model families.
 
-    Family-specific extras (hybrid layer patterns, MoE sizes, ...) go in `extra`, a frozen
-    tuple of (key, value) pairs; read them with `cfg.get(key, default)`.
+    Every raw config.json key is also kept in `extra`, a frozen tuple of (key, value) pairs, for
+    family-specific fields (hybrid layer patterns, MoE sizes, ...); read them with
+    `cfg.get(key, default)`. Families may add derived keys there in `adapt_config`.
     """
 
     architecture: str
@@ -119,18 +120,18 @@ class ModelConfig:
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         hidden = int(d["hidden_size"])
-        heads = int(d["num_attention_heads"])
+        heads = int(d.get("num_attention_heads") or 1)  # pure SSM models (Mamba2) have none
         head_dim = d.get("head_dim") or hidden // heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         prf = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-        known = set(f.name for f in dataclasses.fields(ModelConfig))
         kw = dict(
             architecture=archs[0],
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d.get("intermediate_size", 4 * hidden)),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=int(d.get("num_hidden_layers") or len(
+                d.get("layers_block_type") or d.get("layer_types") or d.get("hybrid_override_pattern") or ())),
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
@@ -145,7 +146,7 @@ class ModelConfig:
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            extra=_freeze({k: v for k, v in d.items() if k not in known}),
+            extra=_freeze(d),  # every raw key, for family-specific fields
         )
         kw.update(overrides)
         return ModelConfig(**kw)

@@ -16,7 +16,7 @@ from metrale_jax.layers.attention import AttentionConfig
 from tests._paged import Layout
 from tests.conftest import FIXTURES
 
-HYBRIDS = ["qwen3_next_tiny"]
+HYBRIDS = ["qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
 TOL = dict(rtol=5e-4, atol=5e-4)
 
 
