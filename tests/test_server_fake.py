@@ -314,6 +314,7 @@ def test_disconnect_aborts_and_frees_blocks():
         s.close()
         wait_until(lambda: len(eng.aborted) == 2, what="the non-streaming abort")
         wait_until(lambda: metric(c, "metrale_kv_blocks_used") == 0, what="blocks freed")
+        assert metric(c, "metrale_requests_aborted_total") == 2
         assert metric(c, "metrale_num_requests_running") == 0
         assert metric(c, "metrale_http_requests_in_flight") == 0
         assert eng.thread_ids and len(eng.thread_ids) == 1  # only the engine thread touched the engine

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # EngineConfig fields the serve command does not expose (the model is positional; the rest are
 # nested configs or set by the server itself).
-_SKIP_ENGINE_FIELDS = {"model", "attention", "show_progress"}
+_SKIP_ENGINE_FIELDS = {"model", "attention"}
 
 
 def _engine_config_cls():

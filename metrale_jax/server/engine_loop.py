@@ -222,6 +222,8 @@ class EngineLoop:
         return sub
 
     def _abort(self, request_ids: Sequence[str]) -> None:
+        if self.metrics is not None:
+            self.metrics.aborted.inc(len(request_ids))
         for rid in request_ids:
             self._subs.pop(rid, None)
             self._tracked.pop(rid, None)

@@ -57,7 +57,8 @@ class _EngineCollector(Collector):
 
 class ServerMetrics:
     """The server's registry. `ttft`, `itl`, `e2e` are histograms (seconds); `finished` and
-    `rejected` count requests by label; `http_in_flight` is the number of HTTP requests in progress."""
+    `rejected` count requests by label, `aborted` the engine requests aborted; `http_in_flight` is
+    the number of HTTP generation requests in progress."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -70,6 +71,8 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.finished = Counter("metrale_request_success", "Finished sequences, by finish reason.",
                                 ["finish_reason"], registry=r)
+        self.aborted = Counter("metrale_requests_aborted", "Engine requests aborted (client gone or shutdown).",
+                               registry=r)
         self.rejected = Counter("metrale_requests_rejected", "Requests rejected, by reason.", ["reason"], registry=r)
         self.http_in_flight = Gauge("metrale_http_requests_in_flight", "HTTP generation requests in progress.",
                                     registry=r)

@@ -1,0 +1,346 @@
+"""The HTTP server over the real engine, on a live uvicorn server at 127.0.0.1 (a thread), with the
+tiny Llama fixture plus a character-level tokenizer (test_server_support.make_tiny_text_model).
+
+References come from `LLM.generate` / `LLM.chat` on the same engine, run before the server takes
+it over (greedy, float32): the server must return exactly what the offline API returns, whatever
+batches its concurrent requests land in. Server-only logic (wire formats in depth, fuzzing,
+engine failure, bounded shutdown) is tested faster against a fake engine in test_server_fake.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server_support import make_tiny_text_model, sse_events
+
+from metrale_jax.engine import EngineConfig, LLMEngine
+from metrale_jax.llm import LLM
+from metrale_jax.sampling import SamplingParams
+from metrale_jax.server import BackgroundServer, ServerConfig, free_port
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 128
+ENGINE_KW = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=128,
+                 num_kv_blocks=256, block_size=16, show_progress=False)
+PROMPTS = ["Hello, my name is", "The capital of France", "a", "Once upon a time, in a land far away, there",
+           "1 2 3 4 5 6 7 8 9"]
+LOAD_N = 200
+LOAD_TOKENS = 5
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+
+
+def _load_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1234)
+    return [rng.integers(6, 256, size=int(rng.integers(3, 40))).tolist() for _ in range(LOAD_N)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_text_model(tmp_path_factory.mktemp("tiny_text") / "model")
+
+
+@pytest.fixture(scope="module")
+def refs_and_server(model_dir):
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), **ENGINE_KW))
+    llm = LLM.from_engine(engine)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    refs = {
+        "greedy": llm.generate(PROMPTS, greedy),
+        "logprobs": llm.generate(PROMPTS[:2], greedy.clone(logprobs=3)),
+        "chat": llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=10))[0],
+        "load": llm.generate([{"prompt_token_ids": p} for p in _load_prompts()],
+                             SamplingParams(temperature=0, max_tokens=LOAD_TOKENS, ignore_eos=True)),
+        "long": llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0],
+    }
+    assert engine.stats().kv_blocks_used == 0
+    cfg = ServerConfig(model_names=(MODEL,), max_waiting_requests=512, max_request_bytes=64 << 10)
+    with BackgroundServer(engine, cfg) as srv:
+        yield refs, srv
+
+
+@pytest.fixture(scope="module")
+def refs(refs_and_server):
+    return refs_and_server[0]
+
+
+@pytest.fixture(scope="module")
+def srv(refs_and_server):
+    return refs_and_server[1]
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", http.get("/metrics").text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_until(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def assert_pool_empty(http: httpx.Client) -> None:
+    wait_until(lambda: metric(http, "metrale_kv_blocks_used") == 0, what="the KV pool to empty")
+    assert metric(http, "metrale_kv_blocks_free") == metric(http, "metrale_kv_blocks_total") > 0
+    assert metric(http, "metrale_num_requests_running") == 0
+    assert metric(http, "metrale_num_requests_waiting") == 0
+
+
+def test_completions_equal_llm_generate(client, refs):
+    want = [o.outputs[0].text for o in refs["greedy"]]
+    assert any(want) and len(set(want)) > 1  # the references say something, and differ
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs["greedy"])
+    assert r.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in refs["greedy"])
+    assert [c.finish_reason for c in sorted(r.choices, key=lambda c: c.index)] == [
+        o.outputs[0].finish_reason for o in refs["greedy"]]
+    # streamed, one prompt at a time
+    for p, w in zip(PROMPTS[:2], want):
+        chunks = list(client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == w
+        assert chunks[-1].usage.completion_tokens == len(refs["greedy"][PROMPTS.index(p)].outputs[0].token_ids)
+
+
+def test_logprobs_equal_llm_generate(client, refs):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=12, temperature=0, logprobs=3)
+    for c, ref in zip(sorted(r.choices, key=lambda c: c.index), refs["logprobs"]):
+        o = ref.outputs[0]
+        lp = c.logprobs
+        assert len(lp.tokens) == len(o.token_ids)
+        np.testing.assert_allclose(lp.token_logprobs, [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)],
+                                   rtol=0, atol=1e-6)
+        for top, d in zip(lp.top_logprobs, o.logprobs):
+            assert max(top.values()) == pytest.approx(max(x.logprob for x in d.values()), abs=1e-6)
+            assert len(top) >= 3
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    for e in r.choices[0].logprobs.content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6
+
+
+def test_chat_equals_llm_chat(client, refs):
+    want = refs["chat"].outputs[0].text
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(refs["chat"].prompt_token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == refs["chat"].outputs[0].finish_reason
+
+
+def test_n_seed_and_stop_strings(client, refs):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=3, seed=11)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    assert len({c.text for c in a.choices}) > 1  # the n samples differ
+    assert a.usage.completion_tokens == 30 or any(c.finish_reason == "stop" for c in a.choices)
+    # a stop string taken from the middle of the greedy continuation
+    full = refs["long"].outputs[0].text
+    stop = next(full[i:i + 2] for i in range(5, len(full) - 2) if full[i:i + 2].strip() and
+                full.find(full[i:i + 2]) == i)
+    cut = full.find(stop)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0,
+                                            stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full[:cut]
+
+
+def test_200_concurrent_streams_each_get_their_own_output(srv, refs, http):
+    prompts = _load_prompts()
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[str, str | None]:
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": LOAD_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text, finish = [], None
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                for ev in sse_events([line]):
+                    if ev != "[DONE]":
+                        text.append(ev["choices"][0]["text"])
+                        finish = ev["choices"][0]["finish_reason"] or finish
+        return "".join(text), finish
+
+    async def main():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(LOAD_N)))
+
+    got = asyncio.run(main())
+    want = [o.outputs[0].text for o in refs["load"]]
+    assert [g[0] for g in got] == want
+    assert all(g[1] == "length" for g in got)
+    assert_pool_empty(http)
+    assert metric(http, "metrale_time_to_first_token_seconds_count") >= LOAD_N
+
+
+def slow_steps(srv, monkeypatch, delay_s: float) -> None:
+    """Make every engine step take at least `delay_s` (until monkeypatch.undo()), so requests
+    outlive the test's checks however fast the machine is."""
+    eng = srv.engine_loop.engine
+    step = eng.step
+
+    def slow():
+        time.sleep(delay_s)
+        return step()
+
+    monkeypatch.setattr(eng, "step", slow)
+
+
+def test_disconnect_frees_blocks(srv, http, monkeypatch):
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    aborted = metric(http, "metrale_requests_aborted_total")
+    slow_steps(srv, monkeypatch, 0.02)
+    try:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert metric(http, "metrale_kv_blocks_used") > 0
+            assert metric(http, "metrale_num_requests_running") == 1
+        assert_pool_empty(http)
+        assert metric(http, "metrale_requests_aborted_total") == aborted + 1
+        # a non-streaming request whose client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        assert_pool_empty(http)
+        assert metric(http, "metrale_requests_aborted_total") == aborted + 2
+    finally:
+        monkeypatch.undo()
+
+
+def test_queue_full_gives_503_then_recovers(srv, http, monkeypatch):
+    loop = srv.engine_loop
+    old = loop.max_waiting
+    results = []
+
+    def long_request(i):
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            r = c.post("/v1/completions", json={"prompt": [7 + i] * 5, "max_tokens": 40, "ignore_eos": True})
+            results.append(r.status_code)
+
+    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(18)]  # 16 run, 2 wait
+    try:
+        monkeypatch.setattr(loop, "max_waiting", 2)
+        slow_steps(srv, monkeypatch, 0.02)
+        for t in threads[:16]:
+            t.start()
+        wait_until(lambda: metric(http, "metrale_num_requests_running") == 16, what="16 running")
+        for t in threads[16:]:
+            t.start()
+        wait_until(lambda: metric(http, "metrale_num_requests_waiting") == 2, what="2 waiting")
+        t0 = time.monotonic()
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full" and time.monotonic() - t0 < 2
+        assert http.get("/health").status_code == 200
+    finally:
+        for t in threads:
+            t.join()
+        monkeypatch.undo()
+    assert loop.max_waiting == old
+    assert results == [200] * 18
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert_pool_empty(http)
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 300), st.floats(-3, 3, allow_nan=False),
+                    st.text(max_size=6), st.lists(st.integers(-1, 300), max_size=4), st.just([]),
+                    st.just([{"role": "user", "content": "hi"}]), st.just({"include_usage": True}))
+_FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+           "ignore_eos", "stream", "stream_options", "stop_token_ids", "model", "junk"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=7))
+def test_fuzzed_bodies_never_break_the_server(http, path, body):
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
+        body["max_tokens"] = 4
+    body.setdefault("max_tokens", 3)
+    r = http.post(path, json=body)
+    assert r.status_code in (200, 400, 404), r.text
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = http.post("/v1/completions", json={"prompt": "canary", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_cli_subprocess_serves_and_stops_on_sigterm(model_dir):
+    """`python -m metrale_jax.server` with engine options and an API key; SIGTERM mid-stream lets the
+    stream finish, then the process exits 0."""
+    port = free_port()
+    cache = jax.config.jax_compilation_cache_dir or "none"
+    cmd = [sys.executable, "-m", "metrale_jax.server", str(model_dir), "--port", str(port), "--api-key", "k3y",
+           "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--num-kv-blocks", "64",
+           "--compilation-cache-dir", cache, "--no-show-progress", "--shutdown-timeout", "60",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(Path(__file__).parent.parent), env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.2)
+        headers = {"Authorization": "Bearer k3y"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"] == MODEL
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            events = sse_events([first, *lines])
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
