@@ -9,8 +9,9 @@ Its next token is a pure function of the sequence so far, `fake_next_token`:
     h = sum_j (ids[j] + 1) * (j + 1)  mod V        (over every token up to the current position)
     logits = W[h]   (W f32[V, V], the params)
 so a host loop gives the exact greedy continuation a correct engine must produce, whatever the
-batching, chunking or preemption. With SSM state on, h is (8 * the same sum) mod V, where the
-multiple of 7 comes from the SSM running sum: a missing reset or a wrong slot changes the tokens.
+batching, chunking or preemption. With SSM state on, h is (3 * the same sum) mod V, twice the sum
+coming from the SSM running sum: a missing reset or a wrong slot changes the tokens (V must be
+odd-multiple-free of 3, e.g. 64).
 
 `FakeTokenizer` maps token ids to single characters (id 0 "<pad>", 1 "</s>" special), enough for
 detokenization and stop strings.
@@ -131,7 +132,7 @@ class FakeModel:
                 contrib = (tokens[: dmd.num_seqs] + 1) * (dmd.positions + 1)
                 acc = read_slots(ssm["fake"], dmd.ssm_slots)["acc"] + contrib
                 ssm = {"fake": write_slots(ssm["fake"], dmd.ssm_slots, {"acc": acc})}
-                h = h + 7 * acc
+                h = h + 2 * acc
             hs.append(h)
         if pmd is not None:
             t_tot = pmd.num_tokens
@@ -157,7 +158,7 @@ class FakeModel:
                 acc_end = jnp.where(n_new > 0, acc_tok[last], before)
                 slots_w = jnp.where(n_new > 0, pmd.ssm_slots, -1)
                 ssm = {"fake": write_slots(ssm["fake"], slots_w, {"acc": acc_end})}
-                h = h + 7 * acc_tok
+                h = h + 2 * acc_tok
             hs.append(jnp.where(valid, h, 0))
         h = jnp.concatenate(hs) % v
         return FakeState(cache, ssm), jax.nn.one_hot(h, v, dtype=jnp.float32)
@@ -172,7 +173,7 @@ class FakeModel:
 def fake_hash(ids, use_ssm: bool, vocab: int) -> int:
     ids = np.asarray(ids, np.int64)
     h = int(np.sum((ids + 1) * (np.arange(len(ids)) + 1)))
-    return (8 * h if use_ssm else h) % vocab
+    return (3 * h if use_ssm else h) % vocab
 
 
 def fake_next_token(w: np.ndarray, ids, use_ssm: bool = False) -> int:

@@ -1,0 +1,318 @@
+"""LLMEngine semantics over FakeModel, whose logits a host loop computes exactly (W[h(ids)]):
+stop conditions, min_tokens, n, seeds, logprobs and prompt logprobs, penalties, abort, every
+bad-input case, streaming outputs and no compilation after warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale_jax.engine.compile import CompileCounter
+from metrale_jax.engine.testing import fake_engine, fake_greedy, fake_hash
+from metrale_jax.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from metrale_jax.sampling import SamplingParams
+
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = fake_engine(use_ssm=True)
+    e.scheduler = e._new_scheduler()
+    yield e
+    assert not e.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def W(eng):
+    return np.asarray(eng.params["w"], np.float64)
+
+
+def _ids(n, seed):
+    return np.random.default_rng(seed).integers(2, 64, n).tolist()
+
+
+def _log_softmax(x):
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def _run(eng, prompt_ids, sp, rid="x"):
+    eng.add_request(rid, {"prompt_token_ids": prompt_ids}, sp)
+    return eng.run_to_completion()[rid]
+
+
+def _prompt_with_eos(W, max_tokens=20, start=0):
+    for seed in range(start, start + 2000):
+        p = _ids(7 + seed % 13, seed)
+        out = fake_greedy(W, p, max_tokens, use_ssm=True)
+        if out and out[-1] == EOS and len(out) >= 3:
+            return p, out
+    raise AssertionError("no prompt hits EOS")
+
+
+# ---- stop conditions -----------------------------------------------------------------------------
+def test_eos_is_in_token_ids_not_text(eng, W):
+    p, ref = _prompt_with_eos(W)
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=20)).outputs[0]
+    assert o.token_ids == ref and o.token_ids[-1] == EOS
+    assert o.finish_reason == "stop" and o.stop_reason is None
+    assert "</s>" not in o.text and o.text == eng.tokenizer.decode(ref[:-1])
+    # ignore_eos runs on to max_tokens
+    o2 = _run(eng, p, SamplingParams(temperature=0, max_tokens=len(ref) + 5, ignore_eos=True)).outputs[0]
+    assert o2.token_ids == fake_greedy(W, p, len(ref) + 5, use_ssm=True, ignore_eos=True)
+    assert o2.finish_reason == "length" and len(o2.token_ids) == len(ref) + 5
+
+
+def test_stop_token_ids(eng, W):
+    p = _ids(9, 1)
+    full = fake_greedy(W, p, 30, use_ssm=True, ignore_eos=True)
+    stop = full[4]
+    first = full.index(stop)
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])).outputs[0]
+    assert o.token_ids == full[: first + 1]
+    assert o.finish_reason == "stop" and o.stop_reason == stop
+    assert o.text == eng.tokenizer.decode(full[:first])
+
+
+def test_stop_strings(eng, W):
+    p = _ids(11, 2)
+    full = fake_greedy(W, p, 40, use_ssm=True, ignore_eos=True)
+    text = eng.tokenizer.decode(full)
+    stop = text[9:12]
+    cut = text.find(stop)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop, "@never@"])
+    o = _run(eng, p, sp).outputs[0]
+    assert o.text == text[:cut] and o.finish_reason == "stop" and o.stop_reason == stop
+    assert o.token_ids == full[: cut + len(stop)]  # up to the token that completed the stop string
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    assert _run(eng, p, sp).outputs[0].text == text[: cut + len(stop)]
+
+
+def test_streamed_text_only_grows(eng, W):
+    p = _ids(10, 3)
+    full = fake_greedy(W, p, 30, use_ssm=True, ignore_eos=True)
+    text = eng.tokenizer.decode(full)
+    stop = text[14:17]
+    eng.add_request("s", {"prompt_token_ids": p},
+                    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop))
+    prev, prev_ids = "", []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            c = o.outputs[0]
+            assert c.text.startswith(prev) and c.token_ids[: len(prev_ids)] == prev_ids
+            prev, prev_ids = c.text, c.token_ids
+    assert prev == text[: text.find(stop)]
+
+
+def test_min_tokens_suppresses_eos(eng, W):
+    p, ref = _prompt_with_eos(W, start=50)
+    k = len(ref) + 3
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=k + 10, min_tokens=k)).outputs[0]
+    # reference: greedy with EOS masked while fewer than k tokens were generated
+    ids, exp = list(p), []
+    while True:
+        logits = W[fake_hash(ids, True, 64)].copy()
+        if len(exp) < k:
+            logits[EOS] = -np.inf
+        t = int(np.argmax(logits))
+        exp.append(t)
+        ids.append(t)
+        if (t == EOS and len(exp) >= k) or len(exp) == k + 10:
+            break
+    assert o.token_ids == exp and len(o.token_ids) >= k
+
+
+def test_max_model_len_stops_with_length(eng, W):
+    mml = eng.config.max_model_len
+    p = _ids(mml - 6, 4)
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)).outputs[0]
+    assert len(o.token_ids) == 6 and o.finish_reason == "length"
+    assert o.token_ids == fake_greedy(W, p, 6, use_ssm=True, ignore_eos=True)
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)).outputs[0]
+    assert len(o.token_ids) == 6
+
+
+# ---- seeds and n ---------------------------------------------------------------------------------
+def test_seeded_sampling_is_batch_invariant(eng):
+    p = _ids(13, 5)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=25, ignore_eos=True, seed=1234, n=2)
+    alone = _run(eng, p, sp)
+    # the same request among others of very different lengths, arriving in another order
+    eng.add_request("o1", {"prompt_token_ids": _ids(61, 6)}, SamplingParams(temperature=0.7, max_tokens=9))
+    eng.add_request("o2", {"prompt_token_ids": _ids(2, 7)}, SamplingParams(temperature=1.3, max_tokens=31))
+    eng.step()
+    eng.add_request("me", {"prompt_token_ids": p}, sp)
+    eng.add_request("o3", {"prompt_token_ids": _ids(33, 8)}, SamplingParams(temperature=0, max_tokens=14))
+    batched = eng.run_to_completion()["me"]
+    a = [c.token_ids for c in alone.outputs]
+    assert a == [c.token_ids for c in batched.outputs]
+    assert a[0] != a[1], "the n sequences should differ"
+    other = _run(eng, p, sp.clone(seed=99))
+    assert [c.token_ids for c in other.outputs] != a
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def test_logprobs_and_prompt_logprobs(eng, W):
+    p = _ids(37, 9)  # chunked over several steps (prefill buckets 8/16)
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    o = _run(eng, p, sp)
+    c = o.outputs[0]
+    ids = list(p)
+    cum = 0.0
+    for t, d in zip(c.token_ids, c.logprobs):
+        ref = _log_softmax(W[fake_hash(ids, True, 64)])
+        order = np.argsort(-ref)
+        assert t in d and set(order[:3]) <= set(d) and len(d) <= 4
+        assert abs(d[t].logprob - ref[t]) < 1e-4
+        assert d[t].rank == int((ref >= ref[t]).sum())
+        for j in range(3):
+            assert d[int(order[j])].rank == j + 1
+        assert d[t].decoded_token == eng.tokenizer.decode([t], skip_special_tokens=False)
+        cum += ref[t]
+        ids.append(t)
+    assert abs(c.cumulative_logprob - cum) < 1e-3
+    plp = o.prompt_logprobs
+    assert len(plp) == len(p) and plp[0] is None
+    for i in range(1, len(p)):
+        ref = _log_softmax(W[fake_hash(p[:i], True, 64)])
+        d = plp[i]
+        assert p[i] in d and abs(d[p[i]].logprob - ref[p[i]]) < 1e-4
+        assert d[p[i]].rank == int((ref >= ref[p[i]]).sum())
+        assert set(np.argsort(-ref)[:2]) <= set(d)
+
+
+# ---- penalties -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("rep, pres, freq", [(1.5, 0.0, 0.0), (1.0, 0.8, 0.0), (1.0, 0.0, 0.6), (0.7, -0.5, 0.9)])
+def test_penalties_match_reference(eng, W, rep, pres, freq):
+    p = _ids(21, 10)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=rep,
+                        presence_penalty=pres, frequency_penalty=freq)
+    o = _run(eng, p, sp).outputs[0]
+    ids, exp = list(p), []
+    for _ in range(20):
+        x = W[fake_hash(ids, True, 64)].astype(np.float32).astype(np.float64)
+        counts = np.bincount(exp, minlength=64) if exp else np.zeros(64, int)
+        seen = np.zeros(64, bool)
+        seen[p] = True
+        occ = seen | (counts > 0)
+        x = np.where(occ, np.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * (counts > 0)
+        t = int(np.argmax(x))
+        exp.append(t)
+        ids.append(t)
+    assert o.token_ids == exp
+    assert o.token_ids != fake_greedy(W, p, 20, use_ssm=True, ignore_eos=True)  # the penalty mattered
+
+
+# ---- abort ---------------------------------------------------------------------------------------
+def test_abort_frees_everything(eng):
+    s = eng.scheduler
+    free0 = s.blocks.num_free
+    eng.add_request("a", {"prompt_token_ids": _ids(50, 11)}, SamplingParams(max_tokens=100, ignore_eos=True,
+                                                                            presence_penalty=0.3))
+    eng.add_request("b", {"prompt_token_ids": _ids(5, 12)}, SamplingParams(max_tokens=100, ignore_eos=True))
+    eng.add_request("c", {"prompt_token_ids": _ids(70, 13)}, SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert s.blocks.num_free < free0 and s.pen_rows.num_used == 1
+    eng.abort("a")
+    eng.abort("unknown-id")  # ignored
+    eng.abort("b")
+    st = eng.stats()
+    assert st.num_running + st.num_waiting == 1
+    for o in eng.run_to_completion().values():
+        assert o.request_id == "c"
+    assert s.blocks.num_free == free0 and s.pen_rows.num_used == 0 and s.ssm_slots.num_used == 0
+    st = eng.stats()
+    assert (st.kv_blocks_used, st.kv_blocks_free, st.num_running, st.num_waiting) == (0, free0, 0, 0)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def test_bad_inputs_rejected_before_queuing(eng, W):
+    good = _ids(12, 14)
+    eng.add_request("good", {"prompt_token_ids": good}, SamplingParams(temperature=0, max_tokens=15,
+                                                                       ignore_eos=True))
+    eng.step()
+    mml = eng.config.max_model_len
+    bad_sp = SamplingParams()
+    bad_sp.temperature = -1.0  # mutated after construction: the engine re-validates
+    cases = [
+        ({"prompt_token_ids": []}, SamplingParams(), EmptyPromptError),
+        ("", SamplingParams(), EmptyPromptError),
+        ({"prompt_token_ids": [3] * mml}, SamplingParams(), PromptTooLongError),
+        ("a" * (mml + 3), SamplingParams(), PromptTooLongError),
+        ({"prompt_token_ids": [3, 64]}, SamplingParams(), InvalidRequestError),
+        ({"prompt_token_ids": [3, -1]}, SamplingParams(), InvalidRequestError),
+        ({"prompt_token_ids": [3]}, bad_sp, InvalidSamplingParamsError),
+        ({"prompt_token_ids": [3]}, SamplingParams(logprobs=6), InvalidSamplingParamsError),
+        ({"prompt_token_ids": [3]}, SamplingParams(prompt_logprobs=9), InvalidSamplingParamsError),
+        ({"prompt_token_ids": [3]}, SamplingParams(stop_token_ids=[64]), InvalidSamplingParamsError),
+        ({"prompt_token_ids": [3]}, SamplingParams(min_tokens=2, stop_token_ids=[2, 3, 4, 5]),
+         InvalidSamplingParamsError),
+        ({"prompt_token_ids": [3]}, "greedy", InvalidSamplingParamsError),
+        ({"prompt_token_ids": [3]}, SamplingParams(), InvalidRequestError),  # duplicate id "good"
+        ({"oops": [3]}, SamplingParams(), InvalidRequestError),
+    ]
+    for i, (prompt, sp, exc) in enumerate(cases):
+        rid = "good" if i == len(cases) - 2 else f"bad{i}"
+        with pytest.raises(exc) as e:
+            eng.add_request(rid, prompt, sp)
+        assert str(e.value)
+        assert rid == "good" or rid not in eng.requests
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidSamplingParamsError, match=field):
+            eng.add_request("x", {"prompt_token_ids": [3]}, SamplingParams(**{field: 6}))
+    assert set(eng.requests) == {"good"} and len(eng.scheduler.waiting) + len(eng.scheduler.running) == 1
+    final = eng.run_to_completion()
+    assert final["good"].outputs[0].token_ids == fake_greedy(W, good, 15, use_ssm=True, ignore_eos=True)
+
+
+def test_no_tokenizer_takes_ids_only(eng, W):
+    tok = eng.tokenizer
+    eng.tokenizer = None
+    try:
+        with pytest.raises(InvalidRequestError, match="tokenizer"):
+            eng.add_request("t", "hello", SamplingParams())
+        o = _run(eng, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+        assert o.outputs[0].text == "" and o.outputs[0].token_ids == fake_greedy(W, [5, 6, 7], 4, use_ssm=True,
+                                                                                  ignore_eos=True)
+        assert all(lp.decoded_token is None for d in o.outputs[0].logprobs for lp in d.values())
+    finally:
+        eng.tokenizer = tok
+
+
+def test_text_prompt(eng, W):
+    eng.add_request("txt", "hello world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    o = eng.run_to_completion()["txt"]
+    ids = eng.tokenizer.encode("hello world")
+    assert o.prompt == "hello world" and o.prompt_token_ids == ids
+    assert o.outputs[0].token_ids == fake_greedy(W, ids, 5, use_ssm=True, ignore_eos=True)
+
+
+# ---- compilation ---------------------------------------------------------------------------------
+def test_no_compilation_while_serving(eng):
+    """A workload touching every step kind and sampling path compiles nothing after start-up."""
+    with CompileCounter() as cc:
+        sps = [
+            SamplingParams(temperature=0, max_tokens=7),
+            SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05, seed=1, max_tokens=20, logprobs=2),
+            SamplingParams(temperature=1.0, max_tokens=3, prompt_logprobs=1, n=2),
+            SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.2, frequency_penalty=0.3,
+                           min_tokens=4, stop=["ab"]),
+        ]
+        for i, sp in enumerate(sps * 2):
+            eng.add_request(f"w{i}", {"prompt_token_ids": _ids(3 + 11 * i, 20 + i)}, sp)
+            eng.step()
+        eng.run_to_completion()
+        eng.abort("w0")
+    assert (cc.lowerings, cc.backend_compiles) == (0, 0)
+    # every bucket ran through a precompiled executable; a bucket that was not listed raises
+    from metrale_jax.metadata_builder import StepBucket
+
+    with pytest.raises(RuntimeError, match="not compiled"):
+        eng.compiler.run(StepBucket("decode", num_seqs=3), eng.params, eng.state, ())
