@@ -92,6 +92,8 @@ def test_naive_matches_transformers_formulas(silu):
 def test_naive_matches_transformers_itself():
     torch = pytest.importorskip("torch")
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    if not (hasattr(mod, "causal_conv1d_fn") and hasattr(mod, "causal_conv1d_update")):
+        pytest.skip("this transformers version has no causal_conv1d fallbacks")
     rng = np.random.default_rng(1)
     c, width, n = 8, 4, 11
     x = rng.standard_normal((n, c)).astype(np.float32)

@@ -154,7 +154,10 @@ def test_naive_matches_transformers_itself():
     q, k, v, g, beta, h0 = make_inputs(rng, t, 2, 4, 16, 8, 1)
     tt = lambda x: torch.from_numpy(np.asarray(x, np.float32))[None]
     ref = {}
-    for name, fn in (("chunk", mod.torch_chunk_gated_delta_rule), ("recurrent", mod.torch_recurrent_gated_delta_rule)):
+    fns = {n: getattr(mod, f"torch_{n}_gated_delta_rule", None) for n in ("chunk", "recurrent")}
+    if None in fns.values():
+        pytest.skip("this transformers version has no torch_*_gated_delta_rule fallbacks")
+    for name, fn in fns.items():
         ro, rs = fn(tt(q), tt(k), tt(v), g=tt(g), beta=tt(beta), initial_state=torch.from_numpy(np.asarray(h0)),
                     output_final_state=True, use_qk_l2norm_in_kernel=True)
         ref[name] = (ro[0].numpy(), rs.numpy())

@@ -214,6 +214,50 @@ def chunk_table(cu_seqlens, num_tokens: int, chunk: int):
     return start.astype(jnp.int32), length.astype(jnp.int32)
 
 
+def chunk_prepare(start, length, k2, v2, g, beta, *, chunk, dk, dv, group, use_qk_l2norm, cdtype, num_warps,
+                  interpret):
+    """Kernel 1 over the chunk table. -> (w [T, HV*K], u [T, HV*V] in cdtype, gc f32[T, HV])."""
+    t_len, hv = g.shape
+    return pl.pallas_call(
+        functools.partial(
+            _prepare_kernel, chunk=chunk, dk=dk, dv=dv, group=group, use_qk_l2norm=use_qk_l2norm, cdtype=cdtype,
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((t_len, hv * dk), cdtype),
+            jax.ShapeDtypeStruct((t_len, hv * dv), cdtype),
+            jax.ShapeDtypeStruct((t_len, hv), jnp.float32),
+        ),
+        grid=(start.shape[0], hv),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_chunk_prepare",
+    )(start, length, k2, v2, g, beta)
+
+
+def chunk_scan(cu, q2, k2, w, u, gc, initial_state, *, chunk, dk, dv, group, scale, use_qk_l2norm, cdtype,
+               out_dtype, params: ChunkParams, interpret):
+    """Kernel 2 over (B + 1, HV, V / block_v). -> (o [T, HV*V] in out_dtype, final_state f32[B, HV, K, V])."""
+    t_len, hv = gc.shape
+    num_streams = initial_state.shape[0]
+    block_v = params.block_v
+    return pl.pallas_call(
+        functools.partial(
+            _scan_kernel, chunk=chunk, dk=dk, dv=dv, block_v=block_v, group=group,
+            num_streams=num_streams, num_tokens=t_len, scale=scale, use_qk_l2norm=use_qk_l2norm,
+            cdtype=cdtype,
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((t_len, hv * dv), out_dtype),
+            jax.ShapeDtypeStruct(initial_state.shape, jnp.float32),
+        ),
+        grid=(num_streams + 1, hv, dv // block_v),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps_main, num_stages=params.num_stages),
+        interpret=interpret,
+        name="gdn_chunk_scan",
+    )(cu, q2, k2, w, u, gc, initial_state)
+
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size", "params", "interpret")
 )
@@ -252,7 +296,6 @@ def chunk_gated_delta_rule(
     if dv % block_v or not common.is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing V={dv}")
     scale = float(dk**-0.5 if scale is None else scale)
-    num_streams = initial_state.shape[0]
     group = hv // h
     cu = cu_seqlens.astype(jnp.int32)
 
@@ -262,37 +305,13 @@ def chunk_gated_delta_rule(
     g = g.astype(jnp.float32)
     beta = beta.astype(jnp.float32)
     start, length = chunk_table(cu, t_len, chunk_size)
-    num_chunks = start.shape[0]
 
-    w, u, gc = pl.pallas_call(
-        functools.partial(
-            _prepare_kernel, chunk=chunk_size, dk=dk, dv=dv, group=group,
-            use_qk_l2norm=use_qk_l2norm, cdtype=cdtype,
-        ),
-        out_shape=(
-            jax.ShapeDtypeStruct((t_len, hv * dk), cdtype),
-            jax.ShapeDtypeStruct((t_len, hv * dv), cdtype),
-            jax.ShapeDtypeStruct((t_len, hv), jnp.float32),
-        ),
-        grid=(num_chunks, hv),
-        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps_prepare, num_stages=1),
-        interpret=interpret,
-        name="gdn_chunk_prepare",
-    )(start, length, k2, v2, g, beta)
-
-    o, ht = pl.pallas_call(
-        functools.partial(
-            _scan_kernel, chunk=chunk_size, dk=dk, dv=dv, block_v=block_v, group=group,
-            num_streams=num_streams, num_tokens=t_len, scale=scale, use_qk_l2norm=use_qk_l2norm,
-            cdtype=cdtype,
-        ),
-        out_shape=(
-            jax.ShapeDtypeStruct((t_len, hv * dv), q.dtype),
-            jax.ShapeDtypeStruct(initial_state.shape, jnp.float32),
-        ),
-        grid=(num_streams + 1, hv, dv // block_v),
-        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps_main, num_stages=params.num_stages),
-        interpret=interpret,
-        name="gdn_chunk_scan",
-    )(cu, q2, k2, w, u, gc, initial_state)
+    w, u, gc = chunk_prepare(
+        start, length, k2, v2, g, beta, chunk=chunk_size, dk=dk, dv=dv, group=group,
+        use_qk_l2norm=use_qk_l2norm, cdtype=cdtype, num_warps=params.num_warps_prepare, interpret=interpret,
+    )
+    o, ht = chunk_scan(
+        cu, q2, k2, w, u, gc, initial_state, chunk=chunk_size, dk=dk, dv=dv, group=group, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, cdtype=cdtype, out_dtype=q.dtype, params=params, interpret=interpret,
+    )
     return o.reshape(t_len, hv, dv), ht
