@@ -27,13 +27,25 @@ CONFIGS = {
 
 def _cfg(extra):
     base = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1000.0,
+                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1000.0,
                 max_position_embeddings=256)
     return {**base, **extra}
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_paged_matches_dense(family):
+ATTN = {
+    "reference": AttentionConfig(),
+    "pallas-interpret": AttentionConfig(use_pallas=True, interpret=True),
+    "pallas-gpu": AttentionConfig(use_pallas=True),
+}
+CASES = [(f, "reference") for f in sorted(CONFIGS)] + [
+    ("qwen3", "pallas-interpret"),
+    *[pytest.param(f, "pallas-gpu", marks=pytest.mark.gpu) for f in sorted(CONFIGS)],
+]
+
+
+@pytest.mark.parametrize("family,impl", CASES)
+def test_paged_matches_dense(family, impl):
+    """The engine's paged path (reference attention, or the Pallas kernels) against the dense forward."""
     model, params = random_model(_cfg(CONFIGS[family]), dtype="float32", seed=1)
     rng = np.random.default_rng(0)
     lens = [6, 17, 33]
@@ -45,7 +57,7 @@ def test_paged_matches_dense(family):
     state = model.init_state(NUM_BLOCKS, lay.bs)
     # Poison the pools: a read of anything not written shows up as a wrong logit.
     state = jax.tree.map(lambda a: jnp.full_like(a, 1e4) if a.ndim == 5 else a, state)
-    attn = AttentionConfig()
+    attn = ATTN[impl]
     step = jax.jit(model.forward_paged, static_argnums=(5,))
 
     def logits_of(hidden):
