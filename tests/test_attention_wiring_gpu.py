@@ -46,8 +46,9 @@ def test_pallas_attention_in_engine_path(shape, dtype):
     cfg = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **SHAPES[shape]}
     model, params = random_model(cfg, dtype=dtype, seed=0, scale=0.2)
     prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], 77).astype(np.int32)
-    ref_ids, ref = _greedy(model, params, AttentionConfig(), prompt, 12)
-    ids, got = _greedy(model, params, AttentionConfig(use_pallas=True), prompt, 12)
+    with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+        ref_ids, ref = _greedy(model, params, AttentionConfig(), prompt, 12)
+        ids, got = _greedy(model, params, AttentionConfig(use_pallas=True), prompt, 12)
     if dtype == "float32":
         assert ids == ref_ids
         np.testing.assert_allclose(got, ref, atol=1e-3, rtol=1e-3)
