@@ -18,7 +18,8 @@ indexed by `layer` inside the kernel (the pool is viewed as [L*NB*bs*Hkv, D], a 
 a layer is never sliced out). Flat slot = block_id * block_size + offset.
 
 Grid: (N, Hkv, num_splits). A program computes all G = Hq / Hkv query heads of one KV head
-(padded to a power of two >= 16 rows for the tensor cores) over one split of the context, with
+(padded to a power of two >= 16 rows for the tensor cores; pad rows are neither read nor
+stored, so no XLA pad/slice surrounds the kernel) over one split of the context, with
 an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
 its normalized partial output and log-sum-exp, and a small XLA combine merges them.
 Rows with seq_len 0 give zeros, never NaN.
@@ -42,10 +43,14 @@ def _decode_kernel(
     scales_ref,  # f32[2]: [sm_scale * k_scale * log2(e), v_scale]
     lens_ref,  # i32[N]
     bt_ref,  # i32[N * MB]
-    q_ref,  # [Gp, D] (block of q [N, Hkv, Gp, D])
+    q_ref,  # [N * Hq, D]
     k_ref,  # [L*NB*bs*Hkv, D] pool
     v_ref,  # [L*NB*bs*Hkv, D] pool
-    *out_refs,  # o [Gp, D] (+ lse f32[Gp] when split)
+    *out_refs,  # o [S * N * Hq, D] (q dtype when S == 1, else f32); + lse f32[S * N * Hq] when S > 1
+    num_rows: int,
+    num_q_heads: int,
+    group: int,
+    group_pad: int,
     max_blocks: int,
     num_blocks: int,
     block_size: int,
@@ -63,7 +68,7 @@ def _decode_kernel(
     qk_scale = scales_ref[0]
     v_scale = scales_ref[1]
     seq_len = lens_ref[n]
-    gp, d = q_ref.shape
+    d = q_ref.shape[1]
 
     lo = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
     blk_lo = lo // block_k
@@ -72,7 +77,14 @@ def _decode_kernel(
     b0 = blk_lo + s * per
     b1 = jnp.minimum(b0 + per, blk_hi)
 
-    q = q_ref[...].astype(cdtype)  # [Gp, D]
+    # The G query heads of KV head h, padded to Gp >= 16 rows (tensor-core minimum); pad rows
+    # read nothing and are never stored.
+    gi = jnp.arange(group_pad, dtype=jnp.int32)
+    row_valid = gi < group
+    qrow = jnp.where(row_valid, n * num_q_heads + h * group + gi, q_ref.shape[0])  # past the end if pad
+    cols = jnp.arange(d, dtype=jnp.int32)
+    q = plgpu_triton.load(q_ref.at[qrow[:, None], cols[None, :]], mask=row_valid[:, None], other=0.0)
+    q = q.astype(cdtype)  # [Gp, D]
     load = functools.partial(
         common.load_kv_rows, bt_ref=bt_ref, bt_base=n * max_blocks, layer=layer, head=h,
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, cdtype=cdtype,
@@ -94,16 +106,19 @@ def _decode_kernel(
         o = o * alpha[:, None] + common.dot(p.astype(cdtype), v)
         return o, m_new, l
 
-    o0 = jnp.zeros((gp, d), jnp.float32)
-    m0 = jnp.full((gp,), common.NEG_BIG, jnp.float32)
-    l0 = jnp.zeros((gp,), jnp.float32)
+    o0 = jnp.zeros((group_pad, d), jnp.float32)
+    m0 = jnp.full((group_pad,), common.NEG_BIG, jnp.float32)
+    l0 = jnp.zeros((group_pad,), jnp.float32)
     o, m, l = jax.lax.fori_loop(b0, b1, body, (o0, m0, l0))
     nonempty = l > 0.0
     inv_l = jnp.where(nonempty, v_scale / jnp.where(nonempty, l, 1.0), 0.0)
     o = o * inv_l[:, None]
-    out_refs[0][...] = o.astype(out_refs[0].dtype)
+    o_ref = out_refs[0]
+    orow = jnp.where(row_valid, s * num_rows + n * num_q_heads + h * group + gi, o_ref.shape[0])
+    plgpu_triton.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_valid[:, None])
     if num_splits > 1:
-        out_refs[1][...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
+        lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
+        plgpu_triton.store(out_refs[1].at[orow], lse, mask=row_valid)
 
 
 def combine_splits(o_parts, lse_parts):
@@ -124,50 +139,34 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     gp = max(16, common.next_pow2(g))
     mb = block_tables.shape[1]
     cdtype = common.compute_dtype(q.dtype, k_pool.dtype)
-    qg = q.reshape(n, hkv, g, d)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    kf = k_pool.reshape(num_layers * num_blocks * block_size * hkv, d)
-    vf = v_pool.reshape(num_layers * num_blocks * block_size * hkv, d)
+    rows = num_layers * num_blocks * block_size * hkv
     ns = params.num_splits
-
-    whole = pl.no_block_spec
-    in_specs = [
-        whole, whole, whole, whole,
-        pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)),
-        whole, whole,
-    ]
     if ns == 1:
-        out_shape = [jax.ShapeDtypeStruct((n, hkv, gp, d), q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((n * hq, d), q.dtype)]
     else:
-        out_shape = [
-            jax.ShapeDtypeStruct((ns, n, hkv, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((ns, n, hkv, gp), jnp.float32),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (s, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (s, i, j, 0)),
-        ]
+        out_shape = [jax.ShapeDtypeStruct((ns * n * hq, d), jnp.float32),
+                     jax.ShapeDtypeStruct((ns * n * hq,), jnp.float32)]
     args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
-            qg, kf, vf]
+            q.reshape(n * hq, d), k_pool.reshape(rows, d), v_pool.reshape(rows, d)]
+    whole = pl.no_block_spec
+    in_specs = [whole] * len(args)
     aliases = {}
     kernel = functools.partial(
-        _decode_kernel, max_blocks=mb, num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv,
-        block_k=params.block_k, num_splits=ns, sliding_window=sliding_window, cdtype=cdtype,
-        head_major=head_major,
+        _decode_kernel, num_rows=n * hq, num_q_heads=hq, group=g, group_pad=gp, max_blocks=mb,
+        num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv, block_k=params.block_k,
+        num_splits=ns, sliding_window=sliding_window, cdtype=cdtype, head_major=head_major,
     )
     if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
-        for i, (shp, spec) in enumerate(zip(out_shape, out_specs)):
+        for i, shp in enumerate(out_shape):
             aliases[len(args)] = i
             args.append(common.poison_like(shp.shape, shp.dtype))
-            in_specs.append(spec)
+            in_specs.append(whole)
         kernel = _drop_alias_inputs(kernel, len(out_shape))
     outs = pl.pallas_call(
         kernel,
         grid=(n, hkv, ns),
         in_specs=in_specs,
-        out_specs=out_specs,
+        out_specs=[whole] * len(out_shape),
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
@@ -177,8 +176,8 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     if ns == 1:
         o = outs[0]
     else:
-        o = combine_splits(outs[0], outs[1]).astype(q.dtype)
-    return o[:, :, :g, :].reshape(n, hq, d)
+        o = combine_splits(outs[0].reshape(ns, n * hq, d), outs[1].reshape(ns, n * hq)).astype(q.dtype)
+    return o.reshape(n, hq, d)
 
 
 def _drop_alias_inputs(kernel, num_outs):
