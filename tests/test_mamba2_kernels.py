@@ -225,6 +225,20 @@ def test_bad_inputs_raise():
         )
 
 
+def test_tuned_table_lookup_by_stream_count():
+    from pallas_kernels.mamba2.params import ssd_params_for
+
+    bf = jnp.bfloat16
+    # the table holds 1 and 4 streams (measured): 2-3 streams take the 1-stream entry, 5+ the 4-stream one
+    assert ssd_params_for(128, 64, 128, 1, bf, 1).num_stages == 3
+    assert ssd_params_for(128, 64, 128, 1, bf, 3).num_stages == 3
+    assert ssd_params_for(128, 64, 128, 8, bf, 4).num_stages == 2
+    assert ssd_params_for(128, 64, 128, 8, bf, 16).num_stages == 2
+    # untabled shapes: heuristic by program count
+    assert ssd_params_for(8, 64, 128, 1, bf, 1).num_stages == 3
+    assert ssd_params_for(64, 64, 128, 1, bf, 8).num_stages == 2
+
+
 # ---- Triton lowering for an H200, checked on the CPU machine -------------------------------------
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)

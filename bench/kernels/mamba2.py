@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import sys
 import time
 import traceback
@@ -46,12 +47,12 @@ LAYOUTS = {"1x8192": [0, 8192], "4x2048": [0, 2048, 4096, 6144, 8192]}
 START = time.perf_counter()
 BUDGET_S = 150.0  # --budget-s: past it, SSD sweep configs other than the default are skipped
 INTERPRET = False  # --smoke: tiny shapes in interpret mode on a CPU, to check this script
-SSD_SWEEP = [
+SSD_SWEEP = [  # the first is the reference every other config's output is checked against
     SSDParams(chunk_size=64, block_p=64, num_warps=4, num_stages=2),
-    SSDParams(chunk_size=64, block_p=64, num_warps=8, num_stages=2),
-    SSDParams(chunk_size=64, block_p=32, num_warps=4, num_stages=2),
     SSDParams(chunk_size=64, block_p=64, num_warps=4, num_stages=3),
-    SSDParams(chunk_size=64, block_p=64, num_warps=4, num_stages=1),
+    SSDParams(chunk_size=64, block_p=32, num_warps=4, num_stages=2),
+    SSDParams(chunk_size=64, block_p=32, num_warps=4, num_stages=3),
+    SSDParams(chunk_size=64, block_p=64, num_warps=8, num_stages=2),
     SSDParams(chunk_size=128, block_p=64, num_warps=8, num_stages=2),
 ]
 SSU_SWEEP = [
@@ -132,19 +133,21 @@ def rel_l2(a, b):
 
 
 def bench_ssd(results, tuned):
+    """Time SSD_SWEEP (ngroups 1, each layout) and the default + layout-best configs (ngroups 8)."""
     key = jax.random.PRNGKey(0)
-    timed = {}  # (ngroups, layout, params) -> seconds
-    checks = {}
+    sweep = results["ssd_sweep"]
     for ngroups in (1, 8):
         inp = ssd_inputs(ngroups, jax.random.fold_in(key, ngroups))
         for layout, cu_list in LAYOUTS.items():
             cu = jnp.asarray(cu_list, jnp.int32)
             s0 = jax.random.normal(jax.random.fold_in(key, 7), (len(cu_list) - 1, H, P, N), jnp.float32) * 0.1
             base = None
-            if ngroups == 1 and layout == next(iter(LAYOUTS)):
+            if ngroups == 1:
                 cands = SSD_SWEEP
             else:
-                cands = list(dict.fromkeys([SSD_SWEEP[0], tuned.get("ssd_best", SSD_SWEEP[0])]))
+                g1 = [r for r in sweep if r["ngroups"] == 1 and r["layout"] == layout and r["ok"]]
+                best = SSDParams(**min(g1, key=lambda r: r["ms"])["params"]) if g1 else SSD_SWEEP[0]
+                cands = list(dict.fromkeys([SSD_SWEEP[0], best]))
             for params in cands:
                 if params != cands[0] and time.perf_counter() - START > BUDGET_S:
                     log(f"SSD g{ngroups} {layout} {params}: skipped (past the --budget-s)")
@@ -158,44 +161,68 @@ def bench_ssd(results, tuned):
                         err = (0.0, 0.0)
                     else:
                         err = (rel_l2(y.astype(jnp.float32), base[0]), rel_l2(f, base[1]))
-                    checks[tag] = err
-                    timed[(ngroups, layout, params)] = sec
+                    sweep.append(
+                        dict(
+                            ngroups=ngroups,
+                            layout=layout,
+                            params=dataclasses.asdict(params),
+                            ms=sec * 1e3,
+                            rel_diff_vs_first=list(err),
+                            ok=max(err) < 2e-2,
+                        )
+                    )
                     log(f"SSD {tag}: {sec * 1e3:.3f} ms  {T / sec / 1e6:.2f} Mtok/s  rel-diff vs default y/state {err}")
                 except Exception as e:  # a config that fails to compile must not sink the run
                     log(f"SSD {tag}: FAILED {type(e).__name__}: {str(e)[:400]}")
                     results["errors"].append(f"SSD {tag}: {type(e).__name__}: {str(e)[:400]}")
-            if ngroups == 1 and layout == next(iter(LAYOUTS)):
-                ok = {
-                    p: s
-                    for (g, lay, p), s in timed.items()
-                    if g == 1 and lay == layout and max(checks[f"g1 {layout} {p}"]) < 2e-2
-                }
-                if ok:
-                    tuned["ssd_best"] = min(ok, key=ok.get)
-    for ngroups in (1, 8):
-        best_p = min(
-            (p for (g, _, p) in timed if g == ngroups),
-            key=lambda p: sum(timed.get((ngroups, lay, p), 1e9) for lay in LAYOUTS),
-            default=None,
-        )
-        if best_p is None:
-            continue
-        tuned.setdefault("ssd", {})[ssd_key(H, P, N, ngroups, jnp.bfloat16)] = dataclasses.asdict(best_p)
+    summarize_ssd(results, tuned)
+
+
+def summarize_ssd(results, tuned):
+    """results["ssd"]: the fastest config per (ngroups, layout) whose output matched the first config's;
+    tuned["ssd"]: the same, keyed by shape and stream count."""
+    results["ssd"] = []
+    for ngroups in sorted({r["ngroups"] for r in results["ssd_sweep"]}):
         for layout in LAYOUTS:
-            sec = timed.get((ngroups, layout, best_p))
-            default_sec = timed.get((ngroups, layout, SSD_SWEEP[0]))
+            rows = [r for r in results["ssd_sweep"] if r["ngroups"] == ngroups and r["layout"] == layout]
+            ok = [r for r in rows if r["ok"]]
+            if not ok:
+                continue
+            best = min(ok, key=lambda r: r["ms"])
+            default = [r for r in rows if r["params"] == dataclasses.asdict(SSD_SWEEP[0])]
             results["ssd"].append(
                 dict(
                     ngroups=ngroups,
                     layout=layout,
-                    params=dataclasses.asdict(best_p),
-                    ms=None if sec is None else sec * 1e3,
-                    mtok_s=None if sec is None else T / sec / 1e6,
-                    default_ms=None if default_sec is None else default_sec * 1e3,
+                    params=best["params"],
+                    ms=best["ms"],
+                    mtok_s=T / best["ms"] / 1e3,
+                    default_ms=default[0]["ms"] if default else None,
                 )
             )
-    results["ssd_config_checks"] = {k: list(v) for k, v in checks.items()}
-    results["ssd_sweep_ms"] = {f"g{g} {lay} {p}": s * 1e3 for (g, lay, p), s in timed.items()}
+            streams = len(LAYOUTS[layout]) - 1
+            tuned.setdefault("ssd", {})[ssd_key(H, P, N, ngroups, jnp.bfloat16, streams)] = best["params"]
+
+
+def _legacy_sweep(results):
+    """The first run's JSON kept the sweep as {"g1 1x8192 SSDParams(...)": ms}; turn it into rows."""
+    rows = []
+    for tag, ms in results.get("ssd_sweep_ms", {}).items():
+        m = re.fullmatch(r"g(\d+) (\S+) SSDParams\((.*)\)", tag)
+        params = dict(kv.split("=") for kv in m.group(3).split(", "))
+        params = {k: (v.strip("'") if v.startswith("'") else int(v)) for k, v in params.items()}
+        err = results["ssd_config_checks"][tag]
+        rows.append(
+            dict(
+                ngroups=int(m.group(1)),
+                layout=m.group(2),
+                params=params,
+                ms=ms,
+                rel_diff_vs_first=err,
+                ok=max(err) < 2e-2,
+            )
+        )
+    return rows
 
 
 def bench_fla(results, prune):
@@ -378,9 +405,38 @@ def markdown(results):
         "memcpy (torch copy_, read + write): "
         + ", ".join(f"{m['bytes'] / 2**20:.0f} MiB {m['tb_s']:.2f} TB/s" for m in results["memcpy"]),
     ]
+    if results.get("ssd_sweep"):
+        lines += [
+            "",
+            "## SSD config sweep (all timed configs)",
+            "",
+            "| ngroups | layout | ms | Mtok/s | rel. diff vs first config (y, state) | params |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in results["ssd_sweep"]:
+            d = ", ".join(f"{e:.1e}" for e in r["rel_diff_vs_first"])
+            lines.append(
+                f"| {r['ngroups']} | {r['layout']} | {r['ms']:.3f} | {T / r['ms'] / 1e3:.2f} | {d} | {r['params']} |"
+            )
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
     if results["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def render(path):
+    """Rebuild the summary rows, the tuned table and the markdown of a results JSON from its raw sweep."""
+    results = json.loads(path.read_text())
+    if not results.get("ssd_sweep"):
+        results["ssd_sweep"] = _legacy_sweep(results)
+        results.pop("ssd_sweep_ms", None)
+        results.pop("ssd_config_checks", None)
+    tuned = {k: v for k, v in results.pop("tuned", {}).items() if k != "ssd"}
+    summarize_ssd(results, tuned)
+    path.write_text(json.dumps(dict(results, tuned=tuned), indent=1, default=str))
+    path.with_suffix(".md").write_text(markdown(results))
+    log(markdown(results))
 
 
 def main():
@@ -392,7 +448,11 @@ def main():
     ap.add_argument("--fla-only", action="store_true", help="only FLA (a warm-up run that fills the autotune cache)")
     ap.add_argument("--wait-for", default=None, help="before the FLA phase, wait (<= 150 s) for this file to exist")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, no torch: checks the script")
+    ap.add_argument("--render", default=None, help="re-summarize a results JSON (and rewrite its .md); no GPU")
     args = ap.parse_args()
+    if args.render:
+        render(pathlib.Path(args.render))
+        return
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     global BUDGET_S
@@ -421,6 +481,7 @@ def main():
             triton=triton.__version__,
         ),
         ssd=[],
+        ssd_sweep=[],
         fla=[],
         ssu=[],
         memcpy=[],
@@ -436,8 +497,7 @@ def main():
     stamp = f"mamba2_{date}"
 
     def save():
-        t = {k: v for k, v in tuned.items() if k != "ssd_best"}
-        (out / f"{stamp}.json").write_text(json.dumps(dict(results, tuned=t), indent=1, default=str))
+        (out / f"{stamp}.json").write_text(json.dumps(dict(results, tuned=tuned), indent=1, default=str))
         (out / f"{stamp}.md").write_text(markdown(results))
 
     def fla_phase():

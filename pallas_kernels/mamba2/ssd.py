@@ -203,7 +203,7 @@ def ssd_chunk_scan(
             f"{initial_states.shape=} must be (S, nheads, headdim, d_state) = {(num_streams, nheads, headdim, d_state)}"
         )
     if params is None:
-        params = ssd_params_for(nheads, headdim, d_state, ngroups, x.dtype)
+        params = ssd_params_for(nheads, headdim, d_state, ngroups, x.dtype, num_streams)
     block_p = min(params.block_p, headdim)
     if headdim % block_p or not _is_pow2(block_p) or block_p < 16:
         raise ValueError(f"{headdim=} must be a multiple of a power-of-two block_p >= 16 (got {block_p})")
