@@ -1,0 +1,523 @@
+"""Throughput / latency benchmark (`metrale bench`, `bench/throughput.py`).
+
+Measures, in one run:
+* offline throughput: `--num-requests` requests with fixed-seed random prompt and output lengths
+  (ignore_eos, so the lengths hold), run to completion;
+* decode step latency at each `--batches` size with `--context` tokens of context: the engine's
+  `step()` (host scheduling + metadata + device) and the device alone (the executable looped);
+* the roofline ratio of each decode step: bytes it must read (weights + live KV) divided by a
+  device memcpy measured in the same run (torch `copy_` on GPU when torch imports, numpy on
+  CPU), over the measured step time;
+* peak memory and the KV pool size;
+* start-up and compile time, cold (empty compilation cache) and warm, with the time to first
+  token, each in a fresh subprocess (`--startup`);
+* optionally (`--compare-transformers PYTHON`) transformers' `generate` on the same workload, run
+  as a subprocess with another interpreter (the Python 3.11 fixture venv on the dev machine).
+
+`--random-weights --shape llama3-8b|smollm2-135m` builds a model of that shape with random
+weights (for the GPU machine, where the GGUF cannot be carried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHAPES = {
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from metrale_jax.loading.hub import DEFAULT_MODEL
+
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="checkpoint path or alias")
+    p.add_argument("--random-weights", action="store_true", help="random weights of --shape (no checkpoint)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--num-requests", type=int, default=None, help="offline requests (default 256 GPU / 16 CPU)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--batches", default="1,8,64", help="decode latency batch sizes")
+    p.add_argument("--context", type=int, default=128, help="context length of the decode latency rows")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest of --batches")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--pallas", action="store_true", help="Pallas attention kernels")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-latency", action="store_true")
+    p.add_argument("--startup", action="store_true", help="also time cold and warm start-up in subprocesses")
+    p.add_argument("--compare-transformers", metavar="PYTHON", default=None,
+                   help="run transformers' generate on the same workload with this interpreter (CPU peer)")
+    p.add_argument("--hf-batch", type=int, default=8, help="transformers peer: batch size")
+    p.add_argument("--out", default=None, help="write results JSON here (a .md summary next to it)")
+    p.add_argument("--startup-probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
+def memcpy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, str]:
+    """Device copy bandwidth in bytes/s (read + write counted): torch copy_ on GPU, numpy on CPU."""
+    if _on_gpu():
+        try:
+            import torch
+
+            n = nbytes // 2
+            a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            reps = 20
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / reps
+            del a, b
+            torch.cuda.empty_cache()
+            return 2 * nbytes / dt, "torch copy_"
+        except Exception as e:  # noqa: BLE001 - fall back to a JAX copy
+            log.warning("torch memcpy unavailable (%s); using a jax copy (an underestimate)", e)
+            import jax
+            import jax.numpy as jnp
+
+            x = jnp.zeros(nbytes // 2, jnp.bfloat16)
+            f = jax.jit(lambda x: x + 1)
+            f(x).block_until_ready()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                y = f(x)
+            y.block_until_ready()
+            return 2 * nbytes / ((time.perf_counter() - t0) / 10), "jax x+1"
+    n = min(nbytes, 1 << 28)
+    a = np.ones(n, np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    best = 1e9
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best, "numpy copyto"
+
+
+def peak_memory() -> dict:
+    out = {"host_max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    try:
+        import jax
+
+        st = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in st:
+            out["device_peak_mb"] = st["peak_bytes_in_use"] / 1e6
+            out["device_limit_mb"] = st.get("bytes_limit", 0) / 1e6
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def _load(args):
+    from metrale_jax.model import load_model, random_model
+
+    t0 = time.perf_counter()
+    if args.random_weights:
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _on_gpu() else "float32")
+        model, params = random_model(SHAPES[args.shape], dtype=dtype, seed=args.seed)
+        name = f"random-{args.shape}"
+    else:
+        model, params = load_model(args.model, dtype=args.dtype, show_progress=False)
+        name = str(args.model)
+    import jax
+
+    jax.block_until_ready(params)
+    return model, params, name, time.perf_counter() - t0
+
+
+def _engine_config(args, batches):
+    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
+    from metrale_jax.layers.attention import AttentionConfig
+
+    seqs = args.max_num_seqs or max(batches)
+    budget = args.max_num_batched_tokens or max(seqs, 2048 if _on_gpu() else 256)
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=seqs, max_num_batched_tokens=budget,
+        decode_buckets=tuple(sorted(set(batches) | {seqs})),
+        attention=AttentionConfig(use_pallas=args.pallas),
+        compilation_cache_dir=args.cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
+        cpu_kv_tokens=max(8192, seqs * (args.context + args.decode_steps + 16) + 1024),
+        show_progress=not args.startup_probe,
+    )
+
+
+def _workload(args, vocab: int, n: int) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(args.seed)
+    out = []
+    for _ in range(n):
+        p = int(rng.integers(args.prompt_len[0], args.prompt_len[1] + 1))
+        o = int(rng.integers(args.output_len[0], args.output_len[1] + 1))
+        out.append((rng.integers(3, vocab - 1, p).tolist(), o))
+    return out
+
+
+def weight_bytes(params) -> int:
+    import jax
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(params)))
+
+
+# ---- measurements --------------------------------------------------------------------------------
+def measure_throughput(eng, args, n: int) -> dict:
+    from metrale_jax.sampling import SamplingParams
+
+    work = _workload(args, eng.vocab_size, n)
+    for i, (p, o) in enumerate(work):
+        eng.add_request(f"tp{i}", {"prompt_token_ids": p},
+                        SamplingParams(temperature=0.8, seed=i, max_tokens=o, ignore_eos=True))
+    t0 = time.perf_counter()
+    first = None
+    steps = 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        steps += 1
+        if first is None and outs:
+            first = time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    pin = sum(len(p) for p, _ in work)
+    pout = sum(o for _, o in work)
+    return dict(num_requests=n, prompt_tokens=pin, output_tokens=pout, seconds=dt, steps=steps,
+                output_tok_per_s=pout / dt, total_tok_per_s=(pin + pout) / dt, first_output_s=first,
+                prompt_len=list(args.prompt_len), output_len=list(args.output_len))
+
+
+def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> dict:
+    """Fill `batch` rows with `args.context` tokens of context, then time pure decode steps."""
+    import jax
+
+    from metrale_jax.metadata_builder import DecodeRow, RowSampling, build_step
+    from metrale_jax.sampling import SamplingParams
+
+    rng = np.random.default_rng(args.seed + batch)
+    steps = args.decode_steps
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    rids = [f"lat{batch}-{i}" for i in range(batch)]
+    for r in rids:
+        eng.add_request(r, {"prompt_token_ids": rng.integers(3, eng.vocab_size - 1, args.context).tolist()}, sp)
+    # prefill until every row decodes
+    while any(s.pending > 1 or s.status.value == "waiting" for r in rids for s in eng.requests[r].seqs):
+        eng.step()
+    eng.step()  # one warm decode
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    engine_dt = (time.perf_counter() - t0) / steps
+    # the device alone: the same decode executable, inputs fixed, state fed back
+    seqs = [eng.requests[r].seqs[0] for r in rids]
+    rows = [DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
+                      sampling=RowSampling()) for s in seqs]
+    bucket = eng.compiler.bucket_for(len(rows), 0, 0)
+    dev = build_step(eng.builder, bucket, rows, []).to_device()
+    state = eng.state
+    for _ in range(2):
+        state, out = eng.compiler.run(bucket, eng.params, state, dev)
+    jax.block_until_ready(out.token_ids)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, out = eng.compiler.run(bucket, eng.params, state, dev)
+    jax.block_until_ready(out.token_ids)
+    device_dt = (time.perf_counter() - t0) / steps
+    eng.state = state
+    ctx = args.context + steps
+    kv = batch * ctx * eng.model.kv_bytes_per_block(1, eng.kv_dtype)
+    need = weights + kv
+    for r in rids:
+        eng.abort(r)
+    ideal = need / bw
+    return dict(batch=batch, bucket=bucket.num_seqs, context=ctx, engine_step_ms=engine_dt * 1e3,
+                device_step_ms=device_dt * 1e3, tok_per_s=batch / engine_dt, device_tok_per_s=batch / device_dt,
+                bytes_per_step=need, roofline_step_ms=ideal * 1e3, roofline_ratio_engine=ideal / engine_dt,
+                roofline_ratio_device=ideal / device_dt)
+
+
+def _startup_probe(args) -> int:
+    """Child process: load, build the engine, time the first token; print one JSON line."""
+    from metrale_jax.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    model, params, name, load_s = _load(args)
+    from metrale_jax.engine.engine import LLMEngine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    eng = LLMEngine(model, params, _engine_config(args, batches))
+    ready = time.perf_counter() - t0
+    eng.add_request("probe", {"prompt_token_ids": list(range(5, 5 + args.context))},
+                    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    t1 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    ttft = time.perf_counter() - t1
+    print("STARTUP " + json.dumps(dict(load_s=load_s, compile_s=eng.compiler.compile_seconds,
+                                       executables=len(eng.compiler.executables), ready_s=ready,
+                                       first_token_after_ready_s=ttft, time_to_first_token_s=ready + ttft)))
+    return 0
+
+
+def measure_startup(args) -> dict:
+    """Cold (empty compilation cache) and warm start-up, each in a fresh process."""
+    out = {}
+    argv = ["--model", str(args.model), "--shape", args.shape, "--dtype", args.dtype, "--batches", args.batches,
+            "--context", str(args.context), "--max-model-len", str(args.max_model_len), "--block-size",
+            str(args.block_size), "--seed", str(args.seed), "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization)]
+    for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--num-kv-blocks", args.num_kv_blocks),
+                    ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if v is not None:
+            argv += [flag, str(v)]
+    argv += ["--random-weights"] * args.random_weights + ["--pallas"] * args.pallas
+    with tempfile.TemporaryDirectory() as cache:
+        for label in ("cold", "warm"):
+            cmd = [sys.executable, "-m", "metrale_jax.engine.bench", *argv, "--startup-probe", "--cache-dir", cache,
+                   "--skip-throughput", "--skip-latency"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("STARTUP ")]
+            if proc.returncode != 0 or not line:
+                out[label] = {"error": proc.stderr[-2000:]}
+            else:
+                out[label] = json.loads(line[-1][8:])
+    return out
+
+
+_HF_SCRIPT = r"""
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+cfg = json.loads(sys.argv[1])
+torch.manual_seed(0)
+torch.set_num_threads(cfg["threads"])
+t0 = time.perf_counter()
+if cfg["gguf"]:
+    import os
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(cfg["gguf"]), gguf_file=os.path.basename(cfg["gguf"]),
+                                                 torch_dtype=torch.float32)
+else:
+    model = AutoModelForCausalLM.from_pretrained(cfg["path"], torch_dtype=torch.float32)
+model.eval()
+load_s = time.perf_counter() - t0
+res = {"load_s": load_s, "runs": []}
+for batch in cfg["batches"]:
+    prompts = cfg["prompts"][:batch]
+    L = max(len(p) for p in prompts)
+    pad = cfg["pad"]
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    n_new = cfg["new_tokens"]
+    with torch.inference_mode():
+        model.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                             pad_token_id=pad)
+        dt = time.perf_counter() - t0
+    gen = (out.shape[1] - L) * len(prompts)
+    res["runs"].append({"batch": batch, "prompt_len": L, "new_tokens": n_new, "seconds": dt, "tok_per_s": gen / dt})
+import transformers
+res["transformers"] = transformers.__version__
+res["torch"] = torch.__version__
+print("HF " + json.dumps(res))
+"""
+
+
+def measure_transformers(args, python: str, vocab: int, eos: int) -> dict:
+    """transformers' greedy generate (float32, CPU) on a fixed batch, in another interpreter."""
+    from metrale_jax.loading.hub import resolve_model
+
+    path = resolve_model(args.model)
+    rng = np.random.default_rng(args.seed)
+    n_new = args.output_len[1]
+    plen = args.prompt_len[1]
+    prompts = [rng.integers(3, vocab - 1, plen).tolist() for _ in range(args.hf_batch)]
+    cfg = dict(gguf=str(path) if str(path).endswith(".gguf") else None, path=str(path), prompts=prompts,
+               batches=sorted({1, args.hf_batch}), new_tokens=n_new, pad=eos, threads=os.cpu_count() or 1)
+    proc = subprocess.run([python, "-c", _HF_SCRIPT, json.dumps(cfg)], capture_output=True, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("HF ")]
+    if proc.returncode != 0 or not line:
+        return {"error": proc.stderr[-3000:]}
+    res = json.loads(line[-1][3:])
+    res["prompts"] = prompts
+    return res
+
+
+def measure_same_as_hf(eng, hf: dict) -> list[dict]:
+    """Our engine on exactly the transformers workload (greedy, fixed lengths)."""
+    from metrale_jax.sampling import SamplingParams
+
+    out = []
+    for run in hf.get("runs", []):
+        prompts = hf["prompts"][: run["batch"]]
+        sp = SamplingParams(temperature=0, max_tokens=run["new_tokens"], ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"hf{run['batch']}-{i}", {"prompt_token_ids": p}, sp)
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        dt = time.perf_counter() - t0
+        out.append({"batch": run["batch"], "seconds": dt, "tok_per_s": run["new_tokens"] * len(prompts) / dt,
+                    "vs_transformers": (run["new_tokens"] * len(prompts) / dt) / run["tok_per_s"]})
+    return out
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    if args.startup_probe:
+        return _startup_probe(args)
+    import jax
+
+    from metrale_jax.engine.engine import LLMEngine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    res: dict = dict(
+        date=time.strftime("%Y-%m-%d %H:%M"), device=str(jax.devices()[0].device_kind),
+        platform=jax.devices()[0].platform, jax=jax.__version__, python=platform.python_version(),
+        cpus=os.cpu_count(), args={k: v for k, v in vars(args).items() if k != "func"},
+    )
+    bw, bw_how = memcpy_bandwidth()
+    res["memcpy"] = dict(bytes_per_s=bw, method=bw_how)
+    log.info("memcpy %.1f GB/s (%s)", bw / 1e9, bw_how)
+    model, params, name, load_s = _load(args)
+    res["model"] = name
+    res["weight_bytes"] = weight_bytes(params)
+    t0 = time.perf_counter()
+    eng = LLMEngine(model, params, _engine_config(args, batches))
+    res["startup_in_process"] = dict(load_s=load_s, engine_s=time.perf_counter() - t0,
+                                     compile_s=eng.compiler.compile_seconds,
+                                     executables=len(eng.compiler.executables))
+    res["kv_pool"] = dict(blocks=eng.num_blocks, block_size=eng.config.block_size,
+                          tokens=eng.num_blocks * eng.config.block_size, dtype=str(eng.kv_dtype),
+                          bytes=eng.num_blocks * model.kv_bytes_per_block(eng.config.block_size, eng.kv_dtype))
+    if not args.skip_latency:
+        res["decode_latency"] = []
+        for b in batches:
+            r = measure_decode_latency(eng, args, b, res["weight_bytes"], bw)
+            log.info("batch %d: engine %.2f ms/step (%.0f tok/s), device %.2f ms, roofline %.2f ms (ratio %.2f)",
+                     b, r["engine_step_ms"], r["tok_per_s"], r["device_step_ms"], r["roofline_step_ms"],
+                     r["roofline_ratio_device"])
+            res["decode_latency"].append(r)
+    if not args.skip_throughput:
+        n = args.num_requests or (256 if _on_gpu() else 16)
+        res["throughput"] = measure_throughput(eng, args, n)
+        log.info("offline: %d requests, %.1f output tok/s, %.1f total tok/s", n,
+                 res["throughput"]["output_tok_per_s"], res["throughput"]["total_tok_per_s"])
+    if args.compare_transformers:
+        eos = (model.eos_token_ids or (0,))[0]
+        hf = measure_transformers(args, args.compare_transformers, eng.vocab_size, eos)
+        ours = measure_same_as_hf(eng, hf) if "runs" in hf else []
+        hf.pop("prompts", None)
+        res["transformers"] = hf
+        res["ours_on_transformers_workload"] = ours
+        for o in ours:
+            log.info("transformers workload batch %d: ours %.1f tok/s (%.2fx transformers)", o["batch"],
+                     o["tok_per_s"], o["vs_transformers"])
+    res["peak_memory"] = peak_memory()
+    if args.startup:
+        res["startup"] = measure_startup(args)
+    text = json.dumps(res, indent=2, default=str)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+        Path(args.out).with_suffix(".md").write_text(summary(res))
+    print(summary(res))
+    return 0
+
+
+def summary(res: dict) -> str:
+    lines = [f"# metrale-jax bench: {res['model']} on {res['device']} ({res['platform']}), {res['date']}", "",
+             f"jax {res['jax']}, python {res['python']}, {res['cpus']} cpus; memcpy "
+             f"{res['memcpy']['bytes_per_s'] / 1e9:.1f} GB/s ({res['memcpy']['method']}); weights "
+             f"{res['weight_bytes'] / 1e6:.1f} MB; KV pool {res['kv_pool']['blocks']} blocks = "
+             f"{res['kv_pool']['tokens']} tokens ({res['kv_pool']['bytes'] / 1e6:.1f} MB, "
+             f"{res['kv_pool']['dtype']})", ""]
+    s = res["startup_in_process"]
+    lines.append(f"start-up (this process): load {s['load_s']:.1f}s, engine {s['engine_s']:.1f}s "
+                 f"(compile {s['compile_s']:.1f}s, {s['executables']} executables)")
+    for label, st in res.get("startup", {}).items():
+        if "error" in st:
+            lines.append(f"start-up {label}: ERROR {st['error'][-300:]}")
+        else:
+            lines.append(f"start-up {label}: ready {st['ready_s']:.1f}s (load {st['load_s']:.1f}s, compile "
+                         f"{st['compile_s']:.1f}s), time to first token {st['time_to_first_token_s']:.1f}s")
+    if "decode_latency" in res:
+        lines += ["", "| batch | context | engine ms/step | tok/s | device ms/step | roofline ms | ratio (device) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["decode_latency"]:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['engine_step_ms']:.2f} | {r['tok_per_s']:.1f} | "
+                         f"{r['device_step_ms']:.2f} | {r['roofline_step_ms']:.3f} | "
+                         f"{r['roofline_ratio_device']:.3f} |")
+    if "throughput" in res:
+        t = res["throughput"]
+        lines += ["", f"offline throughput: {t['num_requests']} requests (prompt {t['prompt_len']}, output "
+                  f"{t['output_len']}): {t['output_tok_per_s']:.1f} output tok/s, {t['total_tok_per_s']:.1f} total "
+                  f"tok/s, {t['seconds']:.1f}s, {t['steps']} steps"]
+    if "transformers" in res:
+        hf = res["transformers"]
+        if "error" in hf:
+            lines.append(f"transformers: ERROR {hf['error'][-300:]}")
+        else:
+            lines.append(f"transformers {hf.get('transformers')} / torch {hf.get('torch')} (float32 generate):")
+            for r, o in zip(hf["runs"], res.get("ours_on_transformers_workload", [])):
+                lines.append(f"  batch {r['batch']}, prompt {r['prompt_len']}, {r['new_tokens']} new: transformers "
+                             f"{r['tok_per_s']:.1f} tok/s, ours {o['tok_per_s']:.1f} tok/s "
+                             f"({o['vs_transformers']:.2f}x)")
+    pm = res.get("peak_memory", {})
+    lines.append("peak memory: " + ", ".join(f"{k} {v:.0f}" for k, v in pm.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING)
+    logging.getLogger("metrale_jax").setLevel(logging.INFO)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
