@@ -35,8 +35,11 @@ from metrale_jax.server import BackgroundServer, ServerConfig, free_port
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
+# Three step executables (decode 16, prefill 128, mixed 16 + 128): quick to compile, and the CLI
+# subprocess test passes the same options so that it hits the persistent compilation cache.
 ENGINE_KW = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=128,
-                 num_kv_blocks=256, block_size=16, show_progress=False)
+                 num_kv_blocks=256, block_size=16, decode_buckets=(16,), mixed_decode_buckets=(16,),
+                 prefill_buckets=(128,), show_progress=False)
 PROMPTS = ["Hello, my name is", "The capital of France", "a", "Once upon a time, in a land far away, there",
            "1 2 3 4 5 6 7 8 9"]
 LOAD_N = 200
@@ -248,22 +251,31 @@ def test_disconnect_frees_blocks(srv, http, monkeypatch):
 
 
 def test_queue_full_gives_503_then_recovers(srv, http, monkeypatch):
+    """16 streams run, 2 wait (the bound is lowered to 2): the next request gets 503 at once.
+    Then every stream hangs up: all 18 are aborted and the pool empties."""
     loop = srv.engine_loop
     old = loop.max_waiting
-    results = []
+    release = threading.Event()
+    started = [threading.Event() for _ in range(18)]
+    statuses: list[int] = []
 
-    def long_request(i):
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
-            r = c.post("/v1/completions", json={"prompt": [7 + i] * 5, "max_tokens": 40, "ignore_eos": True})
-            results.append(r.status_code)
+    def hold_stream(i: int):
+        with httpx.Client(base_url=srv.url, timeout=120) as c, c.stream(
+                "POST", "/v1/completions",
+                json={"prompt": [7 + i] * 5, "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
+            statuses.append(r.status_code)
+            started[i].set()
+            release.wait(60)
 
-    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(18)]  # 16 run, 2 wait
+    threads = [threading.Thread(target=hold_stream, args=(i,)) for i in range(18)]
+    aborted = metric(http, "metrale_requests_aborted_total")
+    slow_steps(srv, monkeypatch, 0.05)
     try:
-        monkeypatch.setattr(loop, "max_waiting", 2)
-        slow_steps(srv, monkeypatch, 0.02)
         for t in threads[:16]:
             t.start()
         wait_until(lambda: metric(http, "metrale_num_requests_running") == 16, what="16 running")
+        # (lowered only now: a burst counts as waiting until the next step admits it)
+        monkeypatch.setattr(loop, "max_waiting", 2)
         for t in threads[16:]:
             t.start()
         wait_until(lambda: metric(http, "metrale_num_requests_waiting") == 2, what="2 waiting")
@@ -271,15 +283,20 @@ def test_queue_full_gives_503_then_recovers(srv, http, monkeypatch):
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full" and time.monotonic() - t0 < 2
+        assert metric(http, 'metrale_requests_rejected_total{reason="queue_full"}') >= 1
         assert http.get("/health").status_code == 200
+        assert all(e.wait(30) for e in started)
     finally:
+        release.set()
         for t in threads:
-            t.join()
+            if t.ident is not None:
+                t.join()
         monkeypatch.undo()
     assert loop.max_waiting == old
-    assert results == [200] * 18
-    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert statuses == [200] * 18
     assert_pool_empty(http)
+    assert metric(http, "metrale_requests_aborted_total") == aborted + 18
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 300), st.floats(-3, 3, allow_nan=False),
@@ -312,7 +329,8 @@ def test_cli_subprocess_serves_and_stops_on_sigterm(model_dir):
     cache = jax.config.jax_compilation_cache_dir or "none"
     cmd = [sys.executable, "-m", "metrale_jax.server", str(model_dir), "--port", str(port), "--api-key", "k3y",
            "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--num-kv-blocks", "64",
+           "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--num-kv-blocks", "256",
+           "--decode-buckets", "16", "--mixed-decode-buckets", "16", "--prefill-buckets", "128",
            "--compilation-cache-dir", cache, "--no-show-progress", "--shutdown-timeout", "60",
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
