@@ -22,6 +22,7 @@ from pallas_kernels.linear import (
     skinny_matmul_reference,
 )
 from pallas_kernels.linear.params import default_params, m_bucket, skinny_params_for
+from pallas_kernels.linear.skinny_mgpu import MgpuParams, skinny_matmul_fp8_mgpu, skinny_matmul_mgpu
 
 B = 128
 
@@ -117,6 +118,49 @@ def test_fp8_bf16_scales_and_default_params():
     assert _rows_rel_err(y, want) < 8e-3
 
 
+# Mosaic GPU twin, in Mosaic GPU interpret mode (TMA, barriers and wgmma simulated on the CPU).
+# TMA needs 16-byte rows, so K and N are multiples of 16 here but not of the tiles.
+MGPU_CASES = [
+    (1, 200, 336, MgpuParams(block_n=32, block_k=64, max_concurrent_steps=2)),
+    (17, 136, 528, MgpuParams(block_n=64, block_k=128, split_k=3)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,params", MGPU_CASES)
+def test_bf16_mgpu_interpret(m, n, k, params):
+    rng = np.random.default_rng(200 + m)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (n, k), 0.05)
+    y = skinny_matmul_mgpu(x, w, params=params, interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    assert _rows_rel_err(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64).T) < 8e-3
+
+
+@pytest.mark.parametrize("m,n,k,params", [
+    (3, 200, 336, MgpuParams(block_n=64, block_k=128)),
+    (64, 136, 528, MgpuParams(block_n=128, block_k=128, split_k=2)),
+])
+def test_fp8_mgpu_interpret(m, n, k, params):
+    rng = np.random.default_rng(300 + m)
+    x = _bf16(rng, (m, k))
+    w8, s = _fp8_weight(rng, n, k)
+    y = skinny_matmul_fp8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=params, interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    assert _rows_rel_err(y, np.asarray(x, np.float64) @ _np_dequant(w8, s).T) < 8e-3
+
+
+def test_mgpu_bad_inputs():
+    x = jnp.ones((2, 100), jnp.bfloat16)
+    with pytest.raises(ValueError, match="16-byte"):
+        skinny_matmul_mgpu(x, jnp.ones((32, 100), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        skinny_matmul_fp8_mgpu(
+            jnp.ones((2, 128), jnp.bfloat16), jnp.ones((32, 128), jnp.float8_e4m3fn), jnp.ones((1, 1), jnp.float32),
+            params=MgpuParams(block_n=32), interpret=True,
+        )
+    with pytest.raises(ValueError):
+        MgpuParams(block_k=100)
+
+
 def test_bad_inputs():
     x = jnp.ones((2, 64), jnp.bfloat16)
     w = jnp.ones((32, 64), jnp.bfloat16)
@@ -168,6 +212,13 @@ def test_lowers_for_h200():
                 params=SkinnyParams(block_n=64, block_k=256, split_k=2),
             ).lower(lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in low.as_text()
+            # Mosaic GPU: lowering runs layout inference and the TMA checks.
+            skinny_matmul_mgpu.trace(
+                sds((m, k), jnp.bfloat16), sds((n, k), jnp.bfloat16), params=MgpuParams(block_n=32, split_k=2)
+            ).lower(lowering_platforms=("cuda",))
+            skinny_matmul_fp8_mgpu.trace(
+                sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32)
+            ).lower(lowering_platforms=("cuda",))
 
 
 # ---- compiled on the GPU ---------------------------------------------------------------------------
@@ -196,4 +247,22 @@ def test_fp8_gpu(m, n, k):
     y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), _poison=True)
     assert _rows_rel_err(y, want) < 8e-3
     y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=SkinnyParams(block_n=16, split_k=2), _poison=True)
+    assert _rows_rel_err(y, want) < 8e-3
+
+
+MGPU_GPU_SHAPES = [(1, 6144, 4096), (8, 4096, 14336), (17, 1000, 784), (64, 28672, 4096), (3, 304, 336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", MGPU_GPU_SHAPES)
+def test_mgpu_gpu(m, n, k):
+    rng = np.random.default_rng(m + n + 2)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (n, k), 0.05)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert _rows_rel_err(skinny_matmul_mgpu(x, w), want) < 8e-3
+    assert _rows_rel_err(skinny_matmul_mgpu(x, w, params=MgpuParams(block_n=32, split_k=2)), want) < 8e-3
+    w8, s = _fp8_weight(rng, n, k)
+    want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
+    assert _rows_rel_err(skinny_matmul_fp8_mgpu(x, jnp.asarray(w8), jnp.asarray(s)), want) < 8e-3
+    y = skinny_matmul_fp8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=MgpuParams(split_k=3))
     assert _rows_rel_err(y, want) < 8e-3

@@ -1,0 +1,186 @@
+"""Mosaic GPU (Hopper: TMA + wgmma) twin of the skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T.
+
+Same contract as `skinny.py` (bf16 x, bf16 or FP8-block-scaled W [N, K], f32 accumulation, bf16
+out, M = 1..64), written with `plgpu.kernel` + `plgpu.emit_pipeline`:
+* grid (cdiv(N, block_n), split_k), one warpgroup per CTA; the pipeline streams x tiles
+  [64, block_k] and W tiles [block_n, block_k] by TMA, `max_concurrent_steps` deep;
+* x is the wgmma A operand: its tile has 64 rows, of which rows >= M lie past the array and
+  are zero-filled by TMA (they cost SMEM writes, not HBM/L2 reads); W^T is the B operand
+  (K-major, the transposed view of the [block_n, block_k] tile);
+* bf16 W goes straight to wgmma. FP8 W is loaded from SMEM into registers (WGMMA layout, so
+  block_n must be 64 or 128), multiplied by its block scale (read from GMEM; block_k = 128 so
+  one scale per step) and rounded to bf16 - the dequantization HF does - then stored to an SMEM
+  scratch that wgmma reads;
+* the epilogue writes the first M rows of the [64, block_n] accumulator by TMA (columns past N
+  are clipped by TMA). split_k > 1 writes f32 partials [split_k, M, N] that XLA adds.
+
+TMA needs 16-byte row strides: K * itemsize and N * 2 must be multiples of 16. Shapes that miss
+that raise ValueError; `skinny.py` (Triton lowering) takes any shape.
+
+CI runs these kernels in Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`), which models
+TMA, barriers and wgmma, and cross-lowers them for an H200 on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.linear.params import FP8_BLOCK
+
+MAX_M = 64
+_ROWS = 64  # wgmma M: x tiles are 64 rows (zero-filled past M)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuParams:
+    """Static tuning of the Mosaic GPU skinny GEMM.
+
+    block_n: W rows per CTA (a multiple of 8 up to 256 for bf16; 64 or 128 for FP8, whose
+      register dequantization uses the WGMMA layout).
+    block_k: K columns per pipeline step (bf16: a multiple of 64, i.e. 128-byte rows for the
+      swizzle; FP8: exactly 128, one scale per step).
+    max_concurrent_steps: pipeline depth (TMA loads in flight per CTA).
+    split_k: CTAs along K per output tile (> 1 adds an XLA reduction of f32 partials).
+    """
+
+    block_n: int = 64
+    block_k: int = 128
+    max_concurrent_steps: int = 4
+    split_k: int = 1
+
+    def __post_init__(self):
+        if self.block_n % 8 or not 8 <= self.block_n <= 256:
+            raise ValueError(f"{self.block_n=} must be a multiple of 8 in 8..256")
+        if self.block_k % 64 or self.block_k < 64:
+            raise ValueError(f"{self.block_k=} must be a multiple of 64")
+        if self.max_concurrent_steps < 1 or self.split_k < 1:
+            raise ValueError(f"{self.max_concurrent_steps=} and {self.split_k=} must be >= 1")
+
+    def check_fp8(self):
+        if self.block_n not in (64, 128):
+            raise ValueError(f"FP8 needs block_n 64 or 128; got {self.block_n}")
+        if self.block_k != FP8_BLOCK:
+            raise ValueError(f"FP8 needs block_k == {FP8_BLOCK}; got {self.block_k}")
+
+
+def _body(x_gmem, w_gmem, *refs, m, k, params: MgpuParams, steps_per_split: int, fp8: bool):
+    """x_gmem bf16[M, K], w_gmem [N, K], (s_gmem f32[NB, KB] if fp8), o_gmem [M, N] | f32[S, M, N]."""
+    if fp8:
+        s_gmem, o_gmem, wb_smem = refs  # wb_smem bf16[BN, BK]: the dequantized W tile
+    else:
+        (o_gmem,) = refs
+    bn, bk = params.block_n, params.block_k
+    ni = lax.axis_index("n")
+    si = lax.axis_index("s")
+    k_step0 = si * steps_per_split
+
+    def acc_scope(acc_ref):
+        if fp8:
+            nb = (ni * bn) // FP8_BLOCK
+
+            def step(idx, x_smem, w_smem):
+                kb = jnp.minimum(k_step0 + idx[0], -(-k // FP8_BLOCK) - 1)  # past-K steps read zeros
+                w = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_8BIT)  # float8[BN, BK]
+                wb = (w.astype(jnp.float32) * s_gmem[nb, kb]).astype(jnp.bfloat16)
+                plgpu.wgmma_wait(0)  # the previous step's wgmma has finished reading wb_smem
+                wb_smem[...] = wb
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, x_smem, wb_smem.transpose((1, 0)))
+        else:
+
+            def step(idx, x_smem, w_smem):
+                plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(steps_per_split,),
+            in_specs=[
+                plgpu.BlockSpec((_ROWS, bk), lambda kk: (0, k_step0 + kk), delay_release=1),
+                plgpu.BlockSpec((bn, bk), lambda kk: (ni, k_step0 + kk), delay_release=1),
+            ],
+            max_concurrent_steps=params.max_concurrent_steps,
+        )(x_gmem, w_gmem)
+        return acc_ref[...]
+
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
+    split = params.split_k > 1
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, bn), o_gmem.dtype))
+    def _store(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        dst = o_gmem.at[si] if split else o_gmem
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, m)], dst.at[:, pl.ds(ni * bn, bn)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool):
+    m, k = x.shape
+    n = w.shape[0]
+    fp8 = scale_inv is not None
+    num_steps = -(-k // params.block_k)
+    split_k = min(params.split_k, num_steps)
+    steps_per_split = -(-num_steps // split_k)
+    split_k = -(-num_steps // steps_per_split)
+    params = dataclasses.replace(params, split_k=split_k)
+    out_dtype = jnp.float32 if split_k > 1 else x.dtype
+    out_shape = (split_k, m, n) if split_k > 1 else (m, n)
+    body = functools.partial(_body, m=m, k=k, params=params, steps_per_split=steps_per_split, fp8=fp8)
+    f = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(-(-n // params.block_n), split_k),
+        grid_names=("n", "s"),
+        scratch_types=[plgpu.SMEM((params.block_n, params.block_k), jnp.bfloat16)] if fp8 else [],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="skinny_matmul_fp8_mgpu" if fp8 else "skinny_matmul_mgpu",
+    )
+    out = f(x, w, scale_inv) if fp8 else f(x, w)
+    if split_k > 1:
+        out = jnp.sum(out, axis=0).astype(x.dtype)
+    return out
+
+
+def _check(x, w, name, w_dtype):
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"{name}: x must be [M, K] and w [N, K]; got {x.shape} and {w.shape}")
+    m, k = x.shape
+    n = w.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{name}: {m=} must be in 1..{MAX_M}")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(w.dtype) != jnp.dtype(w_dtype):
+        raise ValueError(f"{name}: x must be bfloat16 and w {jnp.dtype(w_dtype)}; got {x.dtype}, {w.dtype}")
+    if (k * 2) % 16 or (k * jnp.dtype(w.dtype).itemsize) % 16 or (n * 2) % 16:
+        raise ValueError(f"{name}: TMA needs 16-byte rows: K={k} and N={n} must be multiples of 16 / 8")
+
+
+def _default(fp8: bool) -> MgpuParams:
+    return MgpuParams(block_n=64, block_k=128, max_concurrent_steps=6 if fp8 else 4)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret"))
+def skinny_matmul_mgpu(x, w, *, params: MgpuParams | None = None, interpret: bool = False):
+    """x bf16[M, K] @ w bf16[N, K]^T -> bf16[M, N] (Mosaic GPU; K % 8 == 0 == N % 8)."""
+    _check(x, w, "skinny_matmul_mgpu", jnp.bfloat16)
+    return _call(x, w, None, params=params or _default(False), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret"))
+def skinny_matmul_fp8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None, interpret: bool = False):
+    """x bf16[M, K] @ (w8 float8_e4m3fn[N, K] * scale_inv f32[ceil(N/128), ceil(K/128)])^T -> bf16[M, N]."""
+    _check(x, w8, "skinny_matmul_fp8_mgpu", jnp.float8_e4m3fn)
+    n, k = w8.shape
+    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if scale_inv.shape != want:
+        raise ValueError(f"skinny_matmul_fp8_mgpu: scale_inv shape {scale_inv.shape} must be {want}")
+    params = params or _default(True)
+    params.check_fp8()
+    return _call(x, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret)
