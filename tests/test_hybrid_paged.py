@@ -18,22 +18,31 @@ from tests.conftest import FIXTURES
 
 HYBRIDS = ["qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
 TOL = dict(rtol=5e-4, atol=5e-4)
+KERNELS = {
+    "reference": AttentionConfig(),
+    "pallas-gpu": AttentionConfig(use_pallas=True),
+}
+# The kernels' interpret-mode runs live in their own tests (a model-level one costs ~45 s on CI).
+CASES = [(h, "reference") for h in HYBRIDS] + [pytest.param(h, "pallas-gpu", marks=pytest.mark.gpu) for h in HYBRIDS]
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
-def hybrid(request):
-    model, params = load_model(FIXTURES / request.param, dtype="float32", show_progress=False)
-    return request.param, model, params, dict(np.load(FIXTURES / request.param / "golden.npz"))
+@pytest.fixture(scope="module")
+def loaded():
+    return {}
 
 
-def test_chunked_prefill_then_decode(hybrid):
-    name, model, params, g = hybrid
+@pytest.mark.parametrize("name,impl", CASES)
+def test_chunked_prefill_then_decode(loaded, name, impl):
+    if name not in loaded:
+        loaded[name] = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+    model, params = loaded[name]
+    g = dict(np.load(FIXTURES / name / "golden.npz"))
     prompt, gen, long = g["greedy_prompt"], g["greedy_ids"], g["long_ids"]
     lay = Layout(2, num_blocks=128, block_size=4, max_blocks=48, seed=3)
     ssm_slots = {0: 2, 1: 0}  # sequence -> pool row
     state = model.init_state(128, lay.bs, max_ssm_slots=4)
     state = jax.tree.map(lambda a: a + 3.0 if a.ndim > 2 else a, state)  # stale, non-zero pools
-    attn = AttentionConfig()
+    attn = KERNELS[impl]
     step = jax.jit(model.forward_paged, static_argnums=(5,))
 
     def run(dmd, pmd, toks):

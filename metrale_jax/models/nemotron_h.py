@@ -25,6 +25,7 @@ SSM pool per sequence slot: mamba/conv f32[slots, Lm, Cd, W-1], mamba/ssm f32[sl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -39,7 +40,8 @@ from metrale_jax.layers.mlp import linear
 from metrale_jax.layers.moe import routed_experts
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.ssm_state import read_layer, write_layer
-from pallas_kernels.conv1d.naive import naive_causal_conv1d_varlen
+from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
+from pallas_kernels.mamba2 import selective_state_update, ssd_chunk_scan
 
 ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM")
 MAMBA, ATTN, MLP, MOE = 0, 1, 2, 3
@@ -178,21 +180,43 @@ def _moe(cfg: ModelConfig, q: dict, x: jax.Array) -> jax.Array:
     return y + linear(_relu2(linear(x, q["shared_up"])), q["shared_down"])
 
 
-def _mamba(cfg: ModelConfig, q: dict, h, cu_seqlens, conv0, ssm0, dt_min):
-    """Mamba-2 mixer over varlen streams. h [T, H], conv0 f32[S, Cd, W-1], ssm0 f32[S, nh, P, N],
-    dt_min f32[T] (per-token lower clamp of dt) -> (out [T, H], conv, ssm)."""
+def _mamba(cfg: ModelConfig, q: dict, h, cu_seqlens, conv0, ssm0, n_decode: int = 0, kernels=None):
+    """Mamba-2 mixer over varlen streams: the first `n_decode` streams are single-token decode rows
+    (dt not clamped, as transformers' step path), the rest prefill streams (dt clamped below by
+    time_step_min). h [T, H], conv0 f32[S, Cd, W-1], ssm0 f32[S, nh, P, N] -> (out [T, H], conv, ssm).
+    `kernels.use_pallas` picks the Pallas conv1d, SSD scan and state-update kernels."""
     nh, p, n, ng, inner, cd, _ = _dims(cfg)
+    pallas = kernels is not None and kernels.use_pallas
     proj = linear(h, q["in_proj"])
     z, xbc, dt_raw = proj[:, :inner], proj[:, inner:inner + cd], proj[:, inner + cd:]
-    xbc, conv = naive_causal_conv1d_varlen(xbc, q["conv_w"], q["conv_b"], cu_seqlens=cu_seqlens,
-                                           initial_state=conv0, silu=True)
+    conv_fn = functools.partial(causal_conv1d_varlen, interpret=kernels.interpret) if pallas \
+        else naive_causal_conv1d_varlen
+    xbc, conv = conv_fn(xbc, q["conv_w"], q["conv_b"], cu_seqlens=cu_seqlens, initial_state=conv0, silu=True)
     x = xbc[:, :inner].reshape(-1, nh, p)
     B = xbc[:, inner:inner + ng * n].reshape(-1, ng, n)
     C = xbc[:, inner + ng * n:].reshape(-1, ng, n)
-    dt = softplus(dt_raw.astype(jnp.float32) + q["dt_bias"].astype(jnp.float32))
-    dt = jnp.clip(dt, dt_min[:, None], cfg.get("dt_max"))
-    A = -jnp.exp(q["A_log"].astype(jnp.float32))
-    y, ssm = ssd_varlen(x, dt, A, B, C, q["D"].astype(jnp.float32), cu_seqlens=cu_seqlens, initial_state=ssm0)
+    dt_min, dt_max, D = cfg.get("dt_min"), cfg.get("dt_max"), q["D"].astype(jnp.float32)
+    if pallas:
+        k = n_decode
+        ys, states = [], []
+        if k:
+            y_d, s_d = selective_state_update(ssm0[:k], x[:k], dt_raw[:k], q["A_log"], B[:k], C[:k], D, q["dt_bias"],
+                                              out_dtype=jnp.float32, interpret=kernels.interpret)
+            ys.append(y_d)
+            states.append(s_d)
+        if x.shape[0] > k:
+            y_p, s_p = ssd_chunk_scan(x[k:], dt_raw[k:], q["A_log"], B[k:], C[k:], D, q["dt_bias"],
+                                      cu_seqlens=cu_seqlens[k:] - k, initial_states=ssm0[k:], dt_min=dt_min,
+                                      dt_max=dt_max, out_dtype=jnp.float32, interpret=kernels.interpret)
+            ys.append(y_p)
+            states.append(s_p)
+        y, ssm = jnp.concatenate(ys), jnp.concatenate(states)
+    else:
+        dt = softplus(dt_raw.astype(jnp.float32) + q["dt_bias"].astype(jnp.float32))
+        is_prefill = jnp.arange(x.shape[0]) >= n_decode
+        dt = jnp.where(is_prefill[:, None], jnp.clip(dt, dt_min, dt_max), dt)
+        A = -jnp.exp(q["A_log"].astype(jnp.float32))
+        y, ssm = ssd_varlen(x, dt, A, B, C, D, cu_seqlens=cu_seqlens, initial_state=ssm0)
     y = gated_group_rms_norm(y.reshape(-1, inner).astype(h.dtype), z, q["norm"], ng, cfg.rms_norm_eps)
     return linear(y, q["out"]), conv, ssm
 
@@ -242,12 +266,11 @@ def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
     nh, p, n, _, _, cd, w = _dims(cfg)
     x = params["embed"][tokens].reshape(bsz * t, -1)
     cu = jnp.arange(bsz + 1, dtype=jnp.int32) * t
-    dt_min = jnp.full((bsz * t,), cfg.get("dt_min"), jnp.float32)
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def mamba(h, extra, c):
         zeros = (jnp.zeros((bsz, cd, w - 1), jnp.float32), jnp.zeros((bsz, nh, p, n), jnp.float32))
-        out, _, _ = _mamba(cfg, _take(params["mamba"], c[MAMBA]), h, cu, *zeros, dt_min)
+        out, _, _ = _mamba(cfg, _take(params["mamba"], c[MAMBA]), h, cu, *zeros)
         return out, extra
 
     def attn(h, extra, c):
@@ -272,19 +295,16 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
     n = dmd.num_seqs if dmd is not None else 0
     parts = [m for m in (dmd, pmd) if m is not None]
     slots = jnp.concatenate([m.slots for m in parts])
-    cu, ssm_slots, fresh, dt_min = [jnp.zeros((1,), jnp.int32)], [], [], []
+    cu, ssm_slots, fresh = [jnp.zeros((1,), jnp.int32)], [], []
     if dmd is not None:
         cu.append(jnp.arange(1, n + 1, dtype=jnp.int32))
         ssm_slots.append(dmd.ssm_slots)
         fresh.append(dmd.seq_lens <= 1)
-        dt_min.append(jnp.full((n,), -jnp.inf, jnp.float32))
     if pmd is not None:
         cu.append(n + pmd.cu_seqlens[1:])
         ssm_slots.append(pmd.ssm_slots)
         fresh.append(pmd.kv_lens - (pmd.cu_seqlens[1:] - pmd.cu_seqlens[:-1]) <= 0)
-        dt_min.append(jnp.full((pmd.num_tokens,), cfg.get("dt_min"), jnp.float32))
     cu, ssm_slots, fresh = jnp.concatenate(cu), jnp.concatenate(ssm_slots), jnp.concatenate(fresh)
-    dt_min = jnp.concatenate(dt_min)
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = params["embed"][tokens]
 
@@ -293,7 +313,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
         pool, i = ssm["mamba"], c[MAMBA]
         conv0 = read_layer(pool["conv"], ssm_slots, i, fresh)
         ssm0 = read_layer(pool["ssm"], ssm_slots, i, fresh)
-        out, conv, s = _mamba(cfg, _take(params["mamba"], i), h, cu, conv0, ssm0, dt_min)
+        out, conv, s = _mamba(cfg, _take(params["mamba"], i), h, cu, conv0, ssm0, n, attn_cfg)
         pool = {"conv": write_layer(pool["conv"], ssm_slots, i, conv), "ssm": write_layer(pool["ssm"], ssm_slots, i, s)}
         return out, (kv, {**ssm, "mamba": pool})
 

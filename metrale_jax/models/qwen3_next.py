@@ -21,6 +21,7 @@ SSM pool per sequence slot: gdn/conv f32[slots, Lg, C, W-1], gdn/rec f32[slots, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +29,19 @@ import numpy as np
 
 from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig, rope_inv_freq
-from metrale_jax.layers.attention import decode_attention, dense_causal_attention, prefill_attention
+from metrale_jax.layers.attention import (
+    AttentionConfig,
+    decode_attention,
+    dense_causal_attention,
+    prefill_attention,
+)
 from metrale_jax.layers.mlp import linear, swiglu_mlp
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
 from metrale_jax.layers.ssm_state import read_layer, write_layer
-from pallas_kernels.conv1d.naive import naive_causal_conv1d_varlen
-from pallas_kernels.gated_delta.naive import naive_gated_delta_rule
+from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
+from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
 GDN, ATTN = 0, 1
@@ -185,25 +191,30 @@ def _attn_out(ap: dict, o: jax.Array, gate: jax.Array) -> jax.Array:
     return linear(o, ap["wo"])
 
 
-def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0):
+def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0, kernels: AttentionConfig | None = None):
     """The Gated DeltaNet mixer over varlen streams.
 
     h [T, H], cu_seqlens i32[B+1], conv0 f32[B, C, W-1], rec0 f32[B, HV, dk, dv]
-    -> (out [T, H], conv f32[B, C, W-1], rec f32[B, HV, dk, dv]).
+    -> (out [T, H], conv f32[B, C, W-1], rec f32[B, HV, dk, dv]). `kernels.use_pallas` picks the
+    Pallas conv1d and chunked delta-rule kernels; otherwise the float32 XLA references run.
     """
+    if kernels is not None and kernels.use_pallas:
+        conv_fn = functools.partial(causal_conv1d_varlen, interpret=kernels.interpret)
+        rule_fn = functools.partial(chunk_gated_delta_rule, interpret=kernels.interpret)
+    else:
+        conv_fn, rule_fn = naive_causal_conv1d_varlen, naive_gated_delta_rule
     nk, nv, dk, dv, _ = _gdn_dims(cfg)
     kd, vd = nk * dk, nv * dv
     qkvz = linear(h, gp["w_qkvz"])
     mixed, z = qkvz[:, : 2 * kd + vd], qkvz[:, 2 * kd + vd:]
     b, a = jnp.split(linear(h, gp["w_ba"]).astype(jnp.float32), 2, axis=-1)
-    mixed, conv = naive_causal_conv1d_varlen(mixed, gp["conv_w"], None, cu_seqlens=cu_seqlens,
-                                             initial_state=conv0, silu=True)
+    mixed, conv = conv_fn(mixed, gp["conv_w"], None, cu_seqlens=cu_seqlens, initial_state=conv0, silu=True)
     q = mixed[:, :kd].reshape(-1, nk, dk)
     k = mixed[:, kd: 2 * kd].reshape(-1, nk, dk)
     v = mixed[:, 2 * kd:].reshape(-1, nv, dv)
     beta = jax.nn.sigmoid(b)
     g = -jnp.exp(gp["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + gp["dt_bias"].astype(jnp.float32))
-    o, rec = naive_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=rec0, use_qk_l2norm=True)
+    o, rec = rule_fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=rec0, use_qk_l2norm=True)
     o = rms_norm(o, gp["norm"], cfg.rms_norm_eps)  # plain weight, per head
     o = o.astype(jnp.float32) * jax.nn.silu(z.reshape(-1, nv, dv).astype(jnp.float32))
     return linear(o.reshape(-1, vd).astype(h.dtype), gp["wo"]), conv, rec
@@ -286,7 +297,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         pool = ssm["gdn"]
         conv0 = read_layer(pool["conv"], ssm_slots, ig, fresh)
         rec0 = read_layer(pool["rec"], ssm_slots, ig, fresh)
-        out, conv, rec = _gdn(cfg, gp, h, cu, conv0, rec0)
+        out, conv, rec = _gdn(cfg, gp, h, cu, conv0, rec0, attn)
         pool = {"conv": write_layer(pool["conv"], ssm_slots, ig, conv),
                 "rec": write_layer(pool["rec"], ssm_slots, ig, rec)}
         return x + out, kv, {**ssm, "gdn": pool}
