@@ -314,3 +314,80 @@ def abstract_step_inputs(cfg: BuilderConfig, bucket: StepBucket) -> tuple:
     inp = build_step(cfg, bucket, [], [])
     tree = (inp.dmd, inp.pmd, inp.tokens, inp.smd)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+# ---- packing: one transfer per step -------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each leaf of (dmd, pmd, tokens, smd) sits in the step's two flat buffers.
+
+    entries: one (buffer "i" | "f", offset, shape, dtype name) per leaf, in flatten order; ints,
+    bools and u32 travel in the i32 buffer (bit-cast), floats in the f32 buffer. Hashable: it is
+    a static argument of the packed step.
+    """
+
+    treedef: object
+    entries: tuple[tuple[str, int, tuple[int, ...], str], ...]
+    num_i32: int
+    num_f32: int
+
+
+def _layout(tree) -> PackedLayout:
+    leaves, treedef = jax.tree.flatten(tree)
+    entries, oi, of = [], 0, 0
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        n = int(a.size)
+        if a.dtype == np.float32:
+            entries.append(("f", of, tuple(a.shape), "float32"))
+            of += n
+        else:
+            entries.append(("i", oi, tuple(a.shape), a.dtype.name))
+            oi += n
+    return PackedLayout(treedef, tuple(entries), oi, of)
+
+
+_LAYOUTS: dict = {}
+
+
+def packed_layout(cfg: BuilderConfig, bucket: StepBucket) -> PackedLayout:
+    key = (cfg, bucket)
+    if key not in _LAYOUTS:
+        inp = build_step(cfg, bucket, [], [])
+        _LAYOUTS[key] = _layout((inp.dmd, inp.pmd, inp.tokens, inp.smd))
+    return _LAYOUTS[key]
+
+
+def pack(cfg: BuilderConfig, inputs: StepInputs) -> tuple[PackedLayout, np.ndarray, np.ndarray]:
+    """Flatten a step's inputs into (layout, i32[num_i32], f32[num_f32])."""
+    layout = packed_layout(cfg, inputs.bucket)
+    leaves = jax.tree.leaves((inputs.dmd, inputs.pmd, inputs.tokens, inputs.smd))
+    ints, floats = [], []
+    for leaf, (buf, _, _, dt) in zip(leaves, layout.entries):
+        a = np.asarray(leaf).reshape(-1)
+        if buf == "f":
+            floats.append(a)
+        elif dt == "uint32":
+            ints.append(a.view(np.int32))
+        else:
+            ints.append(a.astype(np.int32, copy=False))
+    ibuf = np.concatenate(ints) if ints else np.zeros(0, np.int32)
+    fbuf = np.concatenate(floats) if floats else np.zeros(0, np.float32)
+    return layout, ibuf, fbuf
+
+
+def unpack(layout: PackedLayout, ibuf, fbuf):
+    """Inverse of `pack`, on the device (inside the jitted step): -> (dmd, pmd, tokens, smd)."""
+    import jax.numpy as jnp
+
+    leaves = []
+    for buf, off, shape, dt in layout.entries:
+        n = int(np.prod(shape, dtype=np.int64))
+        src = fbuf if buf == "f" else ibuf
+        a = src[off : off + n].reshape(shape)
+        if dt == "bool":
+            a = a != 0
+        elif dt == "uint32":
+            a = jax.lax.bitcast_convert_type(a, jnp.uint32)
+        leaves.append(a)
+    return jax.tree.unflatten(layout.treedef, leaves)

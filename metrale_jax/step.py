@@ -124,5 +124,20 @@ def jit_step(kind: str):
     return jax.jit(fn, static_argnames=_STATIC, donate_argnums=(1,))
 
 
+@functools.cache
+def jit_packed_step(kind: str):
+    """Like `jit_step`, but the metadata arrives as two flat buffers (i32, f32) described by the
+    static `layout` (`metadata_builder.pack`): one host->device transfer per step."""
+    from metrale_jax.metadata_builder import unpack
+
+    def fn(params, state, ibuf, fbuf, *, layout, model, attn, max_logprobs, prompt_lp_chunk):
+        dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
+        return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                     max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk)
+
+    fn.__name__ = f"{kind}_step_packed"
+    return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1,))
+
+
 def replace_model_state(state: StepState, model_state) -> StepState:
     return dataclasses.replace(state, model=model_state)

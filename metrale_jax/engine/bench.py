@@ -254,7 +254,7 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
     rows = [DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
                       sampling=RowSampling()) for s in seqs]
     bucket = eng.compiler.bucket_for(len(rows), 0, 0)
-    dev = build_step(eng.builder, bucket, rows, []).to_device()
+    dev = eng.compiler.transfer(build_step(eng.builder, bucket, rows, []))
     state = eng.state
     for _ in range(2):
         state, out = eng.compiler.run(bucket, eng.params, state, dev)

@@ -19,8 +19,8 @@ import jax
 from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.metadata_builder import BuilderConfig, StepBucket, abstract_step_inputs
-from metrale_jax.step import jit_step
+from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, pack, packed_layout
+from metrale_jax.step import jit_packed_step
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,10 @@ class CompilationManager:
     def lower(self, bucket: StepBucket, params, state):
         p = jax.tree.map(_abstract, params)
         s = jax.tree.map(_abstract, state)
-        dmd, pmd, tokens, smd = abstract_step_inputs(self.builder, bucket)
-        return jit_step(bucket.kind).lower(p, s, dmd, pmd, tokens, smd, **self._static())
+        layout = packed_layout(self.builder, bucket)
+        ibuf = jax.ShapeDtypeStruct((layout.num_i32,), jax.numpy.int32)
+        fbuf = jax.ShapeDtypeStruct((layout.num_f32,), jax.numpy.float32)
+        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, layout=layout, **self._static())
 
     def compile_all(self, params, state) -> float:
         """Compile every bucket; returns the wall time in seconds."""
@@ -148,11 +150,16 @@ class CompilationManager:
         return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
 
     def run(self, bucket: StepBucket, params, state, dev_inputs: tuple):
-        """Run the executable of `bucket` on device inputs (dmd, pmd, tokens, smd)."""
+        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer)."""
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
         return exe(params, state, *dev_inputs)
+
+    def transfer(self, inputs: StepInputs) -> tuple:
+        """Pack a step's inputs and send them to the device in one transfer."""
+        _, ibuf, fbuf = pack(self.builder, inputs)
+        return jax.device_put((ibuf, fbuf))
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:

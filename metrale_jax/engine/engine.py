@@ -307,7 +307,7 @@ class LLMEngine:
 
     def _execute(self, inputs: StepInputs) -> tuple[dict[str, np.ndarray], bool, bool]:
         """Run a step on the device; returns the fetched outputs (numpy)."""
-        dev = inputs.to_device()
+        dev = self.compiler.transfer(inputs)
         self.state, out = self.compiler.run(inputs.bucket, self.params, self.state, dev)
         want_lp = bool(inputs.smd.flags[F_LOGPROBS])
         want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
