@@ -67,6 +67,7 @@ REC_SWEEP = [
     RecurrentParams(block_v=128, num_warps=8),
 ]
 DEADLINE = float("inf")
+MIN_LEFT = 40.0  # seconds left below which a section starts no new config
 
 
 def log(*a):
@@ -140,20 +141,20 @@ def run_prepare_only(ins, cu, params):
     )
 
 
-def bench_chunk(results, tuned, outs):
+def bench_chunk(results, tuned, outs, check_naive):
+    from pallas_kernels.gated_delta import naive_gated_delta_rule
+
     q, k, v, g, beta = gdn_inputs()
     ins = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)) + (jnp.asarray(g), jnp.asarray(beta))
     rng = np.random.default_rng(1)
     timed, checks = {}, {}
-    for li, (layout, cu_list) in enumerate(LAYOUTS.items()):
+    for layout, cu_list in LAYOUTS.items():
         cu = jnp.asarray(cu_list, jnp.int32)
         h0 = jnp.asarray(0.1 * rng.standard_normal((len(cu_list) - 1, HV, K, V)), jnp.float32)
         outs[layout] = dict(h0=np.asarray(h0))
-        best_so_far = tuned.get("_chunk_best", CHUNK_SWEEP[0])
-        cands = CHUNK_SWEEP if li == 0 else list(dict.fromkeys([CHUNK_SWEEP[0], best_so_far]))
         base = None
-        for params in cands:
-            if left() < 40:
+        for params in CHUNK_SWEEP:
+            if left() < MIN_LEFT:
                 results["errors"].append(f"chunk {layout} {params}: skipped (time budget)")
                 continue
             tag = f"{layout} {params}"
@@ -175,22 +176,31 @@ def bench_chunk(results, tuned, outs):
             except Exception as e:  # a config that fails to compile must not sink the run
                 results["errors"].append(f"chunk {tag}: {type(e).__name__}: {str(e)[:500]}")
                 log(traceback.format_exc())
-        if li == 0:
-            ok = {p: s for (lay, p), s in timed.items() if lay == layout and max(checks[f"{layout} {p}"]) < 1e-2}
-            if ok:
-                tuned["_chunk_best"] = min(ok, key=ok.get)
-    best = tuned.get("_chunk_best")
+        if check_naive and base is not None and left() > MIN_LEFT:
+            try:
+                ro, rh = naive_gated_delta_rule(*ins, cu_seqlens=cu, initial_state=h0, use_qk_l2norm=True)
+                ro = np.asarray(ro.astype(jnp.float32))
+                results.setdefault("chunk_vs_naive_f32", {})[layout] = dict(
+                    rel_l2_o=rel_l2(base[0], ro), rel_l2_state=rel_l2(base[1], rh),
+                    max_abs_o=float(np.abs(base[0] - ro).max()), max_abs_ref_o=float(np.abs(ro).max()))
+                log(f"chunk {layout} vs naive f32: {results['chunk_vs_naive_f32'][layout]}")
+            except Exception as e:
+                results["errors"].append(f"naive check {layout}: {type(e).__name__}: {str(e)[:300]}")
+    ok = [p for p in CHUNK_SWEEP if all((lay, p) in timed and max(checks[f"{lay} {p}"]) < 1e-2 for lay in LAYOUTS)]
+    best = min(ok, key=lambda p: sum(timed[(lay, p)] for lay in LAYOUTS), default=None)
     if best is not None:
         tuned.setdefault("chunk", {})[shape_key(H, HV, K, V, "bfloat16")] = dataclasses.asdict(best)
     for layout in LAYOUTS:
-        sec = timed.get((layout, best)) if best is not None else None
-        row = dict(layout=layout, params=None if best is None else dataclasses.asdict(best),
+        mine = {p: sec for (lay, p), sec in timed.items() if lay == layout}
+        use = best if best is not None else (min(mine, key=mine.get) if mine else None)
+        sec = timed.get((layout, use))
+        row = dict(layout=layout, params=None if use is None else dataclasses.asdict(use),
                    ms=None if sec is None else sec * 1e3, mtok_s=None if sec is None else T / sec / 1e6,
-                   default_ms=None if (layout, CHUNK_SWEEP[0]) not in timed else timed[(layout, CHUNK_SWEEP[0])] * 1e3)
-        if best is not None and left() > 20:
+                   best_this_layout_ms=min(mine.values()) * 1e3 if mine else None)
+        if use is not None and left() > 10:
             try:
                 cu = jnp.asarray(LAYOUTS[layout], jnp.int32)
-                row["prepare_ms"] = time_jax(functools.partial(run_prepare_only, ins, cu, best)) * 1e3
+                row["prepare_ms"] = time_jax(functools.partial(run_prepare_only, ins, cu, use)) * 1e3
             except Exception as e:
                 results["errors"].append(f"prepare-only {layout}: {type(e).__name__}: {str(e)[:300]}")
         results["chunk"].append(row)
@@ -362,7 +372,7 @@ def bench_decode(results, tuned):
 
 
 def bench_conv(results):
-    if left() < 25:
+    if left() < MIN_LEFT / 2:
         results["errors"].append("conv: skipped (time budget)")
         return
     try:
@@ -422,6 +432,11 @@ def markdown(results):
             f"{fmt(r.get('prepare_ms'), '.3f')} | "
             f"{fmt(f.get('ms'), '.3f')} | {rec} | {ratio} | {ratio_rec} | {errs} | {r['params']} |"
         )
+    for lay, r in results.get("chunk_vs_naive_f32", {}).items():
+        lines.append(f"\n{lay} vs the f32 naive reference: rel L2 o {r['rel_l2_o']:.1e}, state {r['rel_l2_state']:.1e}")
+    if any(r.get("source") for r in results["fla"]):
+        lines.append("\nFLA figures: " + ", ".join(f"{r['layout']} {r['ms']:.3f} ms ({r.get('source', 'this run')})"
+                                               for r in results["fla"]))
     lines += ["", "Sweep (ms): " + ", ".join(f"{k}: {v:.3f}" for k, v in results.get("chunk_sweep_ms", {}).items()),
               "", f"## Decode step ({ROWS} rows, pool of {SLOTS} slots, in place; state f32[{HV},{K},{V}] per row)", "",
               "| params | us/step | TB/s (state read + write) | fraction of memcpy |", "|---|---|---|---|"]
@@ -447,13 +462,22 @@ def main():
     ap.add_argument("--skip-fla", action="store_true")
     ap.add_argument("--budget-s", type=float, default=170.0, help="stop starting new work after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, no torch: checks the script")
+    ap.add_argument("--sections", default="chunk,decode,fla,conv")
+    ap.add_argument("--chunk-configs", default=None,
+                    help="comma list of block_v/num_warps_prepare/num_warps_main/num_stages, e.g. 32/4/4/2,16/4/4/2")
+    ap.add_argument("--check-naive", action="store_true", help="also compare the prefill against the f32 naive")
+    ap.add_argument("--min-left-s", type=float, default=40.0)
+    ap.add_argument("--fla-ms", default=None, help="FLA figures from an earlier run, e.g. 1x8192=1.37,4x2048=1.338")
     args = ap.parse_args()
-    global DEADLINE
+    global DEADLINE, MIN_LEFT, CHUNK_SWEEP
+    MIN_LEFT = args.min_left_s
+    if args.chunk_configs:
+        CHUNK_SWEEP = [ChunkParams(*map(int, c.split("/"))) for c in args.chunk_configs.split(",")]
     DEADLINE = time.monotonic() + args.budget_s
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        global H, HV, K, V, T, LAYOUTS, INTERPRET, CHUNK_SWEEP, REC_SWEEP, ROWS, SLOTS, CONV_C
+        global H, HV, K, V, T, LAYOUTS, INTERPRET, REC_SWEEP, ROWS, SLOTS, CONV_C
         H, HV, K, V, T, INTERPRET, ROWS, SLOTS, CONV_C = 1, 2, 16, 32, 128, True, 3, 5, 32
         LAYOUTS = {"1x128": [0, 128], "4x32": [0, 32, 64, 96, 128]}
         CHUNK_SWEEP = [ChunkParams(block_v=32), ChunkParams(block_v=16)]
@@ -479,9 +503,16 @@ def main():
         stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
         stem.with_suffix(".md").write_text(markdown(results))
 
-    for section in (lambda: bench_chunk(results, tuned, outs), lambda: bench_decode(results, tuned),
-                    lambda: None if args.skip_fla else bench_fla(results, outs, args.fla_prune_autotune),
-                    lambda: bench_conv(results)):
+    if args.fla_ms:
+        for item in args.fla_ms.split(","):
+            lay, ms = item.split("=")
+            results["fla"].append(dict(layout=lay, ms=float(ms), mtok_s=T / float(ms) / 1e3, source="earlier run"))
+    sections = dict(chunk=lambda: bench_chunk(results, tuned, outs, args.check_naive),
+                    decode=lambda: bench_decode(results, tuned),
+                    fla=lambda: None if args.skip_fla else bench_fla(results, outs, args.fla_prune_autotune),
+                    conv=lambda: bench_conv(results))
+    for name in args.sections.split(","):
+        section = sections[name]
         try:
             section()
         except Exception as e:

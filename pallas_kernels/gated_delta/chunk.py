@@ -17,7 +17,8 @@ head hv reads q/k head hv // (HV // H).
 
 Kernels:
 1. `_prepare_kernel`, grid (max_chunks, HV): per chunk and value head, the in-chunk cumsum of g,
-   the UT matrix inverted by forward substitution (f32), and W [T, HV, K], U [T, HV, V].
+   the UT matrix inverted blockwise (16-row diagonal blocks by forward substitution, the rest by
+   f32 block dots, as FLA's solve_tril), and W [T, HV, K], U [T, HV, V].
 2. `_scan_kernel`, grid (B + 1, HV, V / block_v): per stream and value head, the state block
    f32[K, block_v] stays in registers across the stream's chunks; each chunk writes its outputs.
    Program B zero-fills the padded tail [cu_seqlens[-1], T).
@@ -27,8 +28,8 @@ Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU (`plgpu.kernel`
 * Chunks start at arbitrary token offsets (cu_seqlens need not be multiples of C); Triton
   lowering expresses that as masked pointer loads at a dynamic row offset. Mosaic GPU's TMA
   copies need aligned, in-bounds boxes, so it would need a padded copy of q/k/v per stream.
-* The forward substitution extracts one row per step with masked reductions over a 64x64
-  register tile; Mosaic GPU's register layouts (WGMMA fragments) do not support those
+* The forward substitution extracts one row per step with masked reductions over 16x16
+  register tiles; Mosaic GPU's register layouts (WGMMA fragments) do not support those
   axis-0 reductions and broadcasts without SMEM round trips.
 * This work had two short GPU runs; Triton-lowered kernels run unchanged in `interpret=True`
   on the CPU, and their Triton IR can be produced on the CPU machine (no GPU needed).
@@ -47,22 +48,30 @@ from jax.experimental.pallas import triton as plgpu_triton
 from pallas_kernels.gated_delta import common
 from pallas_kernels.gated_delta.params import ChunkParams, chunk_params_for
 
+SUB = 16  # rows of the diagonal blocks of the blocked UT inverse
 
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower-triangular f32[C, C], by forward substitution over rows."""
-    c = a.shape[0]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    col_ids = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
 
-    def body(i, x):
+def _unit_lower_inverse(blocks):
+    """(I + a_d)^-1 for a tuple of strictly lower-triangular f32[SUB, SUB] tiles, by forward substitution.
+
+    All tiles advance together, one row per step (SUB - 1 steps).
+    """
+    n = blocks[0].shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    col_ids = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+    def body(i, xs):
         sel = rows == i
-        a_i = jnp.sum(jnp.where(sel, a, 0.0), axis=0)  # f32[C]: row i of a
-        row = jnp.where(col_ids == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)  # e_i - a_i x
-        return jnp.where(sel, row[None, :], x)
+        out = []
+        for a, x in zip(blocks, xs):
+            a_i = jnp.sum(jnp.where(sel, a, 0.0), axis=0)  # f32[SUB]: row i of a
+            row = jnp.where(col_ids == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)  # e_i - a_i x
+            out.append(jnp.where(sel, row[None, :], x))
+        return tuple(out)
 
     eye = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
-    return jax.lax.fori_loop(1, c, body, eye)
+    return jax.lax.fori_loop(1, n, body, tuple(eye for _ in blocks))
 
 
 def _prepare_kernel(
@@ -83,38 +92,72 @@ def _prepare_kernel(
     use_qk_l2norm: bool,
     cdtype,
 ):
-    i = pl.program_id(0)
+    """Blocked WY transform of one chunk, in NB = chunk / SUB row blocks of SUB tokens.
+
+    A = strict_lower(diag(beta) K K^T * Gamma) in blocks A_ij [SUB, SUB] (i >= j); the inverse
+    X = (I + A)^-1 is block lower-triangular: X_ii by forward substitution (all NB together),
+    X_ij = -X_ii sum_{j <= m < i} A_im X_mj (f32 dots). Then W_i = sum_j X_ij (beta e^gc K)_j and
+    U_i = sum_j X_ij (beta V)_j.
+    """
+    c = pl.program_id(0)
     hv = pl.program_id(1)
     h = hv // group
-    s = start_ref[i]
-    n = len_ref[i]
+    s = start_ref[c]
+    n = len_ref[c]
+    nb = chunk // SUB
 
     @pl.when(n > 0)
     def _():
-        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-        rmask = rows < n
-        kt = plgpu_triton.load(k_ref.at[pl.ds(s, chunk), pl.ds(h * dk, dk)], mask=rmask[:, None], other=0)
-        kt = kt.astype(jnp.float32)
-        if use_qk_l2norm:
-            kt = common.l2norm_rows(kt)
-        vt = plgpu_triton.load(v_ref.at[pl.ds(s, chunk), pl.ds(hv * dv, dv)], mask=rmask[:, None], other=0)
-        gt = plgpu_triton.load(g_ref.at[pl.ds(s, chunk), hv], mask=rmask, other=0.0).astype(jnp.float32)
-        bt = plgpu_triton.load(beta_ref.at[pl.ds(s, chunk), hv], mask=rmask, other=0.0).astype(jnp.float32)
-        r2 = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-        c2 = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-        gc = jnp.sum(jnp.where(r2 >= c2, gt[None, :], 0.0), axis=1)  # f32[C]: inclusive cumsum
-        kc = kt.astype(cdtype)
-        strict = r2 > c2
-        decay = jnp.exp(jnp.where(strict, gc[:, None] - gc[None, :], 0.0))
-        a = jnp.where(strict, common.dot(kc, kc, trans_b=True) * bt[:, None] * decay, 0.0)
-        t_inv = _unit_lower_inverse(a).astype(cdtype)  # [C, C]
-        kb = (kt * (bt * jnp.exp(gc))[:, None]).astype(cdtype)
-        vb = (vt.astype(jnp.float32) * bt[:, None]).astype(cdtype)
-        w = common.dot(t_inv, kb)  # f32[C, K]
-        u = common.dot(t_inv, vb)  # f32[C, V]
-        plgpu_triton.store(w_ref.at[pl.ds(s, chunk), pl.ds(hv * dk, dk)], w.astype(w_ref.dtype), mask=rmask[:, None])
-        plgpu_triton.store(u_ref.at[pl.ds(s, chunk), pl.ds(hv * dv, dv)], u.astype(u_ref.dtype), mask=rmask[:, None])
-        plgpu_triton.store(gc_ref.at[pl.ds(s, chunk), hv], gc, mask=rmask)
+        r1 = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+        r2 = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+        c2 = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+        ks, kcs, vbs, gcs, betas, masks = [], [], [], [], [], []
+        offset = jnp.float32(0.0)
+        for i in range(nb):
+            rows = pl.ds(s + i * SUB, SUB)
+            m = r1 + i * SUB < n
+            kt = plgpu_triton.load(k_ref.at[rows, pl.ds(h * dk, dk)], mask=m[:, None], other=0)
+            kt = kt.astype(jnp.float32)
+            if use_qk_l2norm:
+                kt = common.l2norm_rows(kt)
+            vt = plgpu_triton.load(v_ref.at[rows, pl.ds(hv * dv, dv)], mask=m[:, None], other=0)
+            gt = plgpu_triton.load(g_ref.at[rows, hv], mask=m, other=0.0).astype(jnp.float32)
+            bt = plgpu_triton.load(beta_ref.at[rows, hv], mask=m, other=0.0).astype(jnp.float32)
+            gc = offset + jnp.sum(jnp.where(r2 >= c2, gt[None, :], 0.0), axis=1)  # f32[SUB]
+            offset = offset + jnp.sum(gt)
+            ks.append(kt)
+            kcs.append(kt.astype(cdtype))
+            vbs.append((vt.astype(jnp.float32) * bt[:, None]).astype(cdtype))
+            gcs.append(gc)
+            betas.append(bt)
+            masks.append(m)
+
+        def a_block(i, j):  # f32[SUB, SUB]
+            blk = common.dot(kcs[i], kcs[j], trans_b=True) * betas[i][:, None]
+            diff = gcs[i][:, None] - gcs[j][None, :]
+            if i == j:
+                strict = r2 > c2
+                return jnp.where(strict, blk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+            return blk * jnp.exp(diff)
+
+        a = {(i, j): a_block(i, j) for i in range(nb) for j in range(i + 1)}
+        diag = _unit_lower_inverse(tuple(a[(i, i)] for i in range(nb)))
+        x = {(i, i): diag[i] for i in range(nb)}
+        for i in range(1, nb):
+            for j in range(i - 1, -1, -1):
+                acc = common.dot(a[(i, j)], x[(j, j)])
+                for m in range(j + 1, i):
+                    acc = acc + common.dot(a[(i, m)], x[(m, j)])
+                x[(i, j)] = -common.dot(x[(i, i)], acc)
+        kbs = [(ks[j] * (betas[j] * jnp.exp(gcs[j]))[:, None]).astype(cdtype) for j in range(nb)]
+        for i in range(nb):
+            rows = pl.ds(s + i * SUB, SUB)
+            w = sum(common.dot(x[(i, j)].astype(cdtype), kbs[j]) for j in range(i + 1))  # f32[SUB, K]
+            u = sum(common.dot(x[(i, j)].astype(cdtype), vbs[j]) for j in range(i + 1))  # f32[SUB, V]
+            m2 = masks[i][:, None]
+            plgpu_triton.store(w_ref.at[rows, pl.ds(hv * dk, dk)], w.astype(w_ref.dtype), mask=m2)
+            plgpu_triton.store(u_ref.at[rows, pl.ds(hv * dv, dv)], u.astype(u_ref.dtype), mask=m2)
+            plgpu_triton.store(gc_ref.at[rows, hv], gcs[i], mask=masks[i])
 
 
 def _scan_kernel(
