@@ -68,7 +68,7 @@ class SkinnyParams:
 
 
 def tuned_key(m: int, n: int, k: int, w_dtype) -> str:
-    return f"{np.dtype(w_dtype).name}_m{m_bucket(m)}_n{n}_k{k}"
+    return f"{np.dtype(w_dtype).name}_n{n}_k{k}_m{m}"
 
 
 @functools.cache
@@ -92,8 +92,15 @@ def default_params(m: int, n: int, k: int, fp8: bool) -> SkinnyParams:
 
 
 def skinny_params_for(m: int, n: int, k: int, w_dtype) -> SkinnyParams:
-    """Tuned params for x [m, k] @ w [n, k]^T with weights of `w_dtype`, or the heuristic."""
-    hit = _tuned_table().get(tuned_key(m, n, k, w_dtype))
-    if hit is not None:
-        return SkinnyParams(**hit)
+    """Tuned params for x [m, k] @ w [n, k]^T with weights of `w_dtype`, or the heuristic.
+
+    The table holds measured M values (1, 8, 32, 64); an M in between takes the entry of the
+    next measured M above it (the largest one past the end).
+    """
+    table = _tuned_table()
+    prefix = tuned_key(0, n, k, w_dtype)[:-1]  # "<dtype>_n<N>_k<K>_m"
+    ms = sorted(int(key[len(prefix):]) for key in table if key.startswith(prefix))
+    if ms:
+        pick = next((t for t in ms if t >= m), ms[-1])
+        return SkinnyParams(**table[prefix + str(pick)])
     return default_params(m, n, k, np.dtype(w_dtype).itemsize == 1)
