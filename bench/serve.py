@@ -101,6 +101,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         # warm-up (not timed): one request, so first-request effects stay out of the figures
         await one_request(client, model, prompts[0], 4)
+        before = (await client.get("/metrics")).text
         t_start = time.perf_counter()
 
         async def launch(i: int) -> Result:
@@ -130,6 +131,11 @@ async def run_bench(args: argparse.Namespace) -> dict:
         "e2e_latency_ms": percentiles([r.latency for r in ok]),
         "server_kv_blocks_used_after": _metric(metrics_text, "metrale_kv_blocks_used"),
     }
+    steps = _delta(before, metrics_text, "metrale_engine_steps_total")
+    if steps:
+        summary["server_engine_steps"] = steps
+        summary["server_mean_step_ms"] = 1e3 * wall / steps  # includes idle time between arrivals
+        summary["server_generation_tokens"] = _delta(before, metrics_text, "metrale_generation_tokens_total")
     return summary
 
 
@@ -140,10 +146,15 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
+def _delta(before: str, after: str, name: str) -> float | None:
+    a, b = _metric(before, name), _metric(after, name)
+    return None if a is None or b is None else b - a
+
+
 def environment() -> dict:
     env = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-           "cpu_count": os.cpu_count()}
+           "cpu_count": os.cpu_count(), "load_average_1_5_15": list(os.getloadavg())}
     try:
         env["git_rev"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True, check=True).stdout.strip()
