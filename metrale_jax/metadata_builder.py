@@ -115,6 +115,7 @@ class DecodeRow:
     sampling: RowSampling
     ssm_slot: int = -1
     token_is_output: bool = True  # for the penalty table (a decode input is a generated token)
+    src_row: int = -1  # >= 0: the token is the previous step's sample in this row (not yet on the host)
 
 
 @dataclass
@@ -176,6 +177,7 @@ def build_step(
     tokens = np.zeros(n + t, np.int32)
     tok_pen_rows = np.full(n + t, -1, np.int32)
     tok_is_output = np.zeros(n + t, np.bool_)
+    token_src = np.full(n + t, -1, np.int32)
 
     dmd = None
     if bucket.kind != "prefill":
@@ -195,6 +197,7 @@ def build_step(
             ssm[i] = r.ssm_slot
             tok_pen_rows[i] = r.sampling.pen_row
             tok_is_output[i] = r.token_is_output
+            token_src[i] = r.src_row
         none = np.full(n, -1, np.int32)
         dmd = AttnMetadata(
             positions=pos, positions_h=pos, positions_w=pos, slots=slots, seq_lens=seq_lens,
@@ -249,13 +252,15 @@ def build_step(
     # sampled rows: decode rows 0..len(rows)-1, then stream j at row n + j
     samp: list[tuple[int, int, RowSampling]] = [(i, i, r.sampling) for i, r in enumerate(rows)]
     samp += [(n + j, last_token_row[j], c.sampling) for j, c in enumerate(chunks) if c.sampling]
-    smd = _sampling_metadata(cfg, s, samp, tok_pen_rows, tok_is_output, reset_rows, prompt_lp_targets)
+    smd = _sampling_metadata(cfg, s, samp, tok_pen_rows, tok_is_output, reset_rows, prompt_lp_targets,
+                             token_src)
     return StepInputs(bucket, dmd, pmd, tokens, smd, [r for r, _, _ in samp])
 
 
 def _sampling_metadata(
     cfg: BuilderConfig, s: int, samp: list[tuple[int, int, RowSampling]], tok_pen_rows: np.ndarray,
     tok_is_output: np.ndarray, reset_rows: np.ndarray, prompt_lp_targets: np.ndarray,
+    token_src: np.ndarray | None = None,
 ) -> SamplingMetadata:
     m = cfg.max_suppress_ids
     li = np.zeros(s, np.int32)
@@ -295,6 +300,7 @@ def _sampling_metadata(
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq, pen_rows=pen,
         seeds=seeds, out_index=out_index, suppress_ids=sup, flags=flags, tok_pen_rows=tok_pen_rows,
         tok_is_output=tok_is_output, reset_rows=reset_rows, prompt_lp_targets=prompt_lp_targets,
+        token_src=np.full(tok_pen_rows.shape, -1, np.int32) if token_src is None else token_src,
     )
 
 

@@ -182,6 +182,8 @@ class SamplingMetadata:
     tok_is_output: Array  # bool[T]  input token is a generated token (count) vs prompt (presence)
     reset_rows: Array  # i32[B]  PenaltyState rows cleared before this step's tokens are counted
     prompt_lp_targets: Array  # i32[P]  next prompt token for each prefill token; -1 = none
+    token_src: Array  # i32[T]  row of the previous step's sampled tokens that IS this input token
+    #                   (overlapped stepping: the host does not know it yet); -1 = use `tokens`
 
 
 F_PENALTY, F_FILTER, F_RANDOM, F_LOGPROBS = range(4)

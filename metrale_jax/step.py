@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
@@ -67,8 +68,11 @@ def _unalias(tree):
 
 def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
           tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
-          prompt_lp_chunk: int = 64) -> tuple[StepState, SampleOutput]:
+          prompt_lp_chunk: int = 64, prev_tokens: Array | None = None) -> tuple[StepState, SampleOutput]:
     n = dmd.num_seqs if dmd is not None else 0
+    if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
+        src = smd.token_src
+        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens)
     pen = update_penalty_state(state.penalties, tokens, smd)
     ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
     logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[S, V]
@@ -127,13 +131,20 @@ def jit_step(kind: str):
 @functools.cache
 def jit_packed_step(kind: str):
     """Like `jit_step`, but the metadata arrives as two flat buffers (i32, f32) described by the
-    static `layout` (`metadata_builder.pack`): one host->device transfer per step."""
+    static `layout` (`metadata_builder.pack`): one host->device transfer per step. It also takes
+    the previous step's sampled tokens `prev_tokens` i32[R] (R fixed for every bucket) for inputs
+    the host does not know yet (`smd.token_src`), and returns its own samples padded to R:
+    `(state, SampleOutput, next_tokens i32[R])`, so a step can be dispatched before the host has
+    read the previous one's output."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, ibuf, fbuf, *, layout, model, attn, max_logprobs, prompt_lp_chunk):
+    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, prompt_lp_chunk):
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
-        return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                     max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk)
+        state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                           max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens)
+        # this step's samples, padded to the fixed width the next step reads them at
+        nxt = jnp.zeros_like(prev_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
+        return state, out, nxt
 
     fn.__name__ = f"{kind}_step_packed"
     return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1,))

@@ -257,11 +257,11 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
     dev = eng.compiler.transfer(build_step(eng.builder, bucket, rows, []))
     state = eng.state
     for _ in range(2):
-        state, out = eng.compiler.run(bucket, eng.params, state, dev)
+        state, out, _ = eng.compiler.run(bucket, eng.params, state, dev)
     jax.block_until_ready(out.token_ids)
     t0 = time.perf_counter()
     for _ in range(steps):
-        state, out = eng.compiler.run(bucket, eng.params, state, dev)
+        state, out, _ = eng.compiler.run(bucket, eng.params, state, dev)
     jax.block_until_ready(out.token_ids)
     device_dt = (time.perf_counter() - t0) / steps
     eng.state = state

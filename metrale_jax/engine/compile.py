@@ -93,6 +93,7 @@ class CompilationManager:
         self.cfg = cfg
         self.builder = builder
         self.buckets = list_buckets(cfg)
+        self.max_rows = max(b.num_sample_rows for b in self.buckets)  # width of next_tokens
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.temp_bytes = 0  # the largest executable's scratch memory
@@ -107,7 +108,8 @@ class CompilationManager:
         layout = packed_layout(self.builder, bucket)
         ibuf = jax.ShapeDtypeStruct((layout.num_i32,), jax.numpy.int32)
         fbuf = jax.ShapeDtypeStruct((layout.num_f32,), jax.numpy.float32)
-        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, layout=layout, **self._static())
+        prev = jax.ShapeDtypeStruct((self.max_rows,), jax.numpy.int32)
+        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout, **self._static())
 
     def compile_all(self, params, state) -> float:
         """Compile every bucket; returns the wall time in seconds."""
@@ -149,12 +151,20 @@ class CompilationManager:
         n = _ceil_bucket(c.mixed_decode_buckets, num_decode)
         return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
 
-    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple):
-        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer)."""
+    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None):
+        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer) and
+        the previous step's `next_tokens` (zeros when None). Returns (state, out, next_tokens)."""
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
-        return exe(params, state, *dev_inputs)
+        if prev_tokens is None:
+            prev_tokens = self.zero_tokens()
+        return exe(params, state, *dev_inputs, prev_tokens)
+
+    def zero_tokens(self):
+        import numpy as np
+
+        return jax.device_put(np.zeros(self.max_rows, np.int32))
 
     def transfer(self, inputs: StepInputs) -> tuple:
         """Pack a step's inputs and send them to the device in one transfer."""

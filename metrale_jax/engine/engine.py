@@ -59,6 +59,19 @@ class EngineStats:
     num_steps: int = 0
 
 
+@dataclass
+class _InFlight:
+    """A dispatched step: what the host needs to apply its samples once they arrive."""
+
+    sched: Any  # ScheduledStep
+    inputs: StepInputs
+    sampled: list  # (row, Sequence) per sampled row
+    names: list[str]  # SampleOutput fields being fetched
+    arrays: list  # their device arrays (host copies started)
+    want_lp: bool
+    want_plp: bool
+
+
 def _on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
@@ -109,6 +122,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._steps = 0
+        self._inflight: _InFlight | None = None  # the dispatched step whose samples are not read yet
+        self._next_tokens = self.compiler.zero_tokens()  # its samples, on the device
         self.startup_seconds = time.perf_counter() - t0
         log.info("engine ready in %.1fs (compile %.1fs, %d executables, cache %s)", self.startup_seconds,
                  self.compiler.compile_seconds, len(self.compiler.executables), self.cache_dir)
@@ -133,7 +148,8 @@ class LLMEngine:
             caps[k] = v
         return Scheduler(
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0,
-            num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0, uses_ssm=self.uses_ssm, **caps,
+            num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0, uses_ssm=self.uses_ssm,
+            max_model_len=c.max_model_len, **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -285,8 +301,9 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         p = seq.request.params
-        sup = tuple(sorted(self._stop_ids(p))) if seq.num_outputs < p.min_tokens else ()
-        return RowSampling.from_params(p, seed=seq.request.seed, seq_index=seq.index, out_index=seq.num_outputs,
+        n_out = seq.num_outputs + seq.inflight  # index of the token this row samples
+        sup = tuple(sorted(self._stop_ids(p))) if n_out < p.min_tokens else ()
+        return RowSampling.from_params(p, seed=seq.request.seed, seq_index=seq.index, out_index=n_out,
                                        pen_row=seq.pen_row, suppress_ids=sup)
 
     def _chunk(self, c: Chunk) -> PrefillChunk:
@@ -305,10 +322,43 @@ class LLMEngine:
             reset_penalty_row=c.start == 0 and seq.pen_row >= 0,
         )
 
-    def _execute(self, inputs: StepInputs) -> tuple[dict[str, np.ndarray], bool, bool]:
-        """Run a step on the device; returns the fetched outputs (numpy)."""
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that progressed (cumulative outputs).
+
+        Overlapped: this dispatches the next step to the device first, then reads and applies
+        the previous step's samples while the device works, so each call returns the progress
+        of the step dispatched by the previous call (the first call returns []).
+        """
+        sched = self.scheduler.schedule()
+        new = None if sched.empty() else self._dispatch(sched)
+        prev, self._inflight = self._inflight, new
+        return self._finish_step(prev) if prev is not None else []
+
+    def _dispatch(self, sched) -> _InFlight:
+        self._steps += 1
+        rows = []
+        for s in sched.decode:
+            if s.inflight:  # its last token is the previous step's sample, still on the device
+                rows.append(DecodeRow(token=0, position=s.num_computed, block_table=s.blocks,
+                                      sampling=self._row_sampling(s), ssm_slot=s.ssm_slot, src_row=s.inflight_row))
+            else:
+                rows.append(DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
+                                      sampling=self._row_sampling(s), ssm_slot=s.ssm_slot))
+        chunks = [self._chunk(c) for c in sched.chunks]
+        bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
+        inputs = build_step(self.builder, bucket, rows, chunks)
         dev = self.compiler.transfer(inputs)
-        self.state, out = self.compiler.run(inputs.bucket, self.params, self.state, dev)
+        self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params, self.state, dev,
+                                                               self._next_tokens)
+        self.scheduler.complete(sched)
+        self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
+        # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
+        n_bucket = bucket.num_seqs
+        sampled = [(i, s) for i, s in enumerate(sched.decode)]
+        sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
+        for row, seq in sampled:
+            seq.inflight += 1
+            seq.inflight_row = row
         want_lp = bool(inputs.smd.flags[F_LOGPROBS])
         want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
         names = ["token_ids", "logprobs"]
@@ -316,40 +366,28 @@ class LLMEngine:
             names += ["ranks", "top_ids", "top_logprobs"]
         if want_plp:
             names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
-        got = jax.device_get([getattr(out, n) for n in names])
-        return dict(zip(names, got)), want_lp, want_plp
+        arrays = [getattr(out, n) for n in names]
+        for a in arrays:
+            a.copy_to_host_async()
+        return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that progressed (cumulative outputs)."""
-        sched = self.scheduler.schedule()
-        if sched.empty():
-            return []
-        self._steps += 1
-        rows = [DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
-                          sampling=self._row_sampling(s), ssm_slot=s.ssm_slot) for s in sched.decode]
-        chunks = [self._chunk(c) for c in sched.chunks]
-        bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
-        inputs = build_step(self.builder, bucket, rows, chunks)
-        out, want_lp, want_plp = self._execute(inputs)
-        self.scheduler.complete(sched)
-        self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
+    def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
+        """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
+        out = dict(zip(f.names, jax.device_get(f.arrays)))
         now = time.time()
         touched: dict[str, Request] = {}
-        if want_plp:
-            self._record_prompt_logprobs(sched.chunks, inputs, out)
-        # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
-        n_bucket = bucket.num_seqs
-        sampled: list[tuple[int, Sequence]] = [(i, s) for i, s in enumerate(sched.decode)]
-        sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
-        for row, seq in sampled:
+        if f.want_plp:
+            self._record_prompt_logprobs(f.sched.chunks, f.inputs, out)
+        for row, seq in f.sampled:
+            seq.inflight -= 1
             req = seq.request
-            if req.aborted or seq.status != SeqStatus.RUNNING:
-                continue
-            self._append_token(seq, row, out, want_lp)
+            if req.aborted or seq.status == SeqStatus.FINISHED:
+                continue  # finished (or aborted) while this sample was in flight: drop it
+            self._append_token(seq, row, out, f.want_lp)
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
-        for c in sched.chunks:  # prompt logprobs progress without sampling
+        for c in f.sched.chunks:  # prompt logprobs progress without sampling
             if c.seq.request.prompt_logprobs is not None and not c.seq.request.aborted:
                 touched.setdefault(c.seq.request.request_id, c.seq.request)
         outputs = []

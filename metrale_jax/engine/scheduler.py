@@ -14,6 +14,11 @@ lost; a preempted sequence's outputs so far are kept and re-read as part of its 
 
 A sequence with exactly one pending token is a decode row: its token is written to the cache at
 position `num_computed` and the next token is sampled from it.
+
+Overlapped stepping: the engine dispatches step k+1 before it reads step k's samples, so a
+sequence may have one token "in flight" (`Sequence.inflight`) when it is scheduled; that token
+counts as known (the step reads it from the previous step's output on the device). A sequence
+whose in-flight tokens already reach max_tokens / max_model_len is not scheduled again.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class Sequence:
     pen_row: int = -1
     ssm_slot: int = -1
     num_preemptions: int = 0
+    inflight: int = 0  # tokens sampled by dispatched steps whose output the host has not read yet
+    inflight_row: int = -1  # the sampled row of the newest of them in its step
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
@@ -85,8 +92,13 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        """Tokens known but not yet in the cache (1 = decoding)."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens known (or in flight) but not yet in the cache (1 = decoding)."""
+        return len(self.token_ids) + self.inflight - self.num_computed
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """Its in-flight tokens already reach max_tokens or max_model_len: schedule no more."""
+        n = len(self.token_ids) + self.inflight
+        return n - self.prompt_len >= (self.request.params.max_tokens or 1 << 62) or n >= max_model_len
 
     @property
     def output_ids(self) -> list[int]:
@@ -126,6 +138,7 @@ class Scheduler:
         self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
         max_prefill_streams: int, max_prefill_tokens: int, num_penalty_rows: int = 0,
         num_ssm_slots: int = 0, uses_ssm: bool = False, watermark_blocks: int | None = None,
+        max_model_len: int = 1 << 62,
     ):
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -136,6 +149,7 @@ class Scheduler:
         self.pen_rows = SlotAllocator(num_penalty_rows)
         self.ssm_slots = SlotAllocator(num_ssm_slots)
         self.uses_ssm = uses_ssm
+        self.max_model_len = max_model_len
         self.watermark = max(1, num_blocks // 100) if watermark_blocks is None else watermark_blocks
         self.waiting: list[Sequence] = []  # sorted by priority
         self.running: list[Sequence] = []  # sorted by priority
@@ -201,7 +215,7 @@ class Scheduler:
         step = ScheduledStep([], [], [])
         # 1. decode rows, oldest first
         for seq in list(self.running):
-            if seq.status != SeqStatus.RUNNING or seq.pending != 1:
+            if seq.status != SeqStatus.RUNNING or seq.pending != 1 or seq.at_limit(self.max_model_len):
                 continue
             need = self._blocks_needed(seq, seq.num_computed + 1)
             if need and not self._make_room(seq, need, step):
@@ -236,6 +250,8 @@ class Scheduler:
         # 3. admissions, first come first served (none in a step that had to preempt)
         while self.waiting and not step.preempted:
             seq = self.waiting[0]
+            if seq.inflight:  # preempted with a token in flight: admit once the host has it
+                break
             room = min(budget, self.max_prefill_tokens - prefill)
             if (len(step.chunks) >= self.max_streams or room <= 0
                     or len(self.running) >= self.max_num_seqs):
