@@ -12,8 +12,10 @@ Decode accepts any S >= W-1 (transformers' own cache keeps S = W; its newest W-1
 this state).
 
 Varlen kernel: grid (max_tiles, C / block_c) over tiles of block_t tokens that never straddle two
-streams; tiles of the padded tail [cu_seqlens[-1], T) write zeros. Each tap is a gathered load
-of block_t shifted rows (positions before the stream start read the initial state instead).
+streams; tiles of the padded tail [cu_seqlens[-1], T) write zeros. Each tap is a load of block_t
+rows shifted back by 0..W-1. A stream's first tile (where shifted rows fall before the stream)
+takes a gather path that reads those from the initial state; every other tile uses contiguous
+slice loads (the gather path everywhere ran at 0.09 TB/s on the H200).
 
 Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU. Why: stream starts are
 arbitrary rows, and a tap reads rows before the tile (possibly from another array, the initial
@@ -93,38 +95,54 @@ def _varlen_kernel(
     n = len_ref[i]
     b = sid_ref[i]
 
-    @pl.when(n > 0)
-    def _():
-        rows = jax.lax.broadcasted_iota(jnp.int32, (block_t, 1), 0)
-        cols = cb * block_c + jax.lax.broadcasted_iota(jnp.int32, (1, block_c), 1)
-        live = (rows < n) & (b < num_streams)  # [BT, 1]
-        bs = jnp.minimum(b, num_streams - 1)
-        pos = s - cu_ref[bs] + rows  # position within the stream
-        acc = jnp.broadcast_to(b_ref[pl.ds(cb * block_c, block_c)][None, :], (block_t, block_c))
+    rows = jax.lax.broadcasted_iota(jnp.int32, (block_t, 1), 0)
+    cols = cb * block_c + jax.lax.broadcasted_iota(jnp.int32, (1, block_c), 1)
+    csl = pl.ds(cb * block_c, block_c)
+    full = (block_t, block_c)
+    bs = jnp.minimum(b, num_streams - 1)
+    pos0 = s - cu_ref[bs]  # position of the tile's first row within its stream
+    in_stream = (n > 0) & (b < num_streams)
+
+    def finish(acc):
+        if silu:
+            acc = _silu(acc)
+        y = jnp.where(rows < n, acc, 0.0).astype(y_ref.dtype)
+        plgpu_triton.store(y_ref.at[pl.ds(s, block_t), csl], y, mask=jnp.broadcast_to(rows < n, full))
+
+    @pl.when(in_stream & (pos0 >= width - 1))
+    def _():  # every tap reads rows of this stream: contiguous slice loads
+        acc = jnp.broadcast_to(b_ref[csl][None, :], full)
         for d in range(width):  # shift d uses tap W-1-d
-            wd = w_ref[pl.ds(cb * block_c, block_c), width - 1 - d]  # f32[BC]
+            xd = plgpu_triton.load(x_ref.at[pl.ds(s - d, block_t), csl], mask=jnp.broadcast_to(rows < n, full),
+                                   other=0)
+            acc = acc + xd.astype(jnp.float32) * w_ref[csl, width - 1 - d][None, :]
+        finish(acc)
+
+    @pl.when(in_stream & (pos0 < width - 1))
+    def _():  # a stream's first tile: rows before the stream come from its initial state (gathers)
+        live = rows < n  # [BT, 1]
+        pos = pos0 + rows
+        acc = jnp.broadcast_to(b_ref[csl][None, :], full)
+        for d in range(width):
             from_x = live & (pos >= d)
-            src = jnp.broadcast_to(jnp.maximum(s + rows - d, 0), (block_t, block_c))
+            src = jnp.broadcast_to(jnp.maximum(s + rows - d, 0), full)
             xd = plgpu_triton.load(
-                x_ref.at[src, jnp.broadcast_to(cols, (block_t, block_c))],
-                mask=jnp.broadcast_to(from_x, (block_t, block_c)), other=0,
+                x_ref.at[src, jnp.broadcast_to(cols, full)], mask=jnp.broadcast_to(from_x, full), other=0,
             ).astype(jnp.float32)
             if d > 0:
                 from_s = live & (pos < d)
-                scol = jnp.broadcast_to(jnp.maximum(width - 1 + pos - d, 0), (block_t, block_c))
-                xs = plgpu_triton.load(
-                    s0_ref.at[bs, jnp.broadcast_to(cols, (block_t, block_c)), scol],
-                    mask=jnp.broadcast_to(from_s, (block_t, block_c)), other=0.0,
+                scol = jnp.broadcast_to(jnp.maximum(width - 1 + pos - d, 0), full)
+                xd = xd + plgpu_triton.load(
+                    s0_ref.at[bs, jnp.broadcast_to(cols, full), scol], mask=jnp.broadcast_to(from_s, full),
+                    other=0.0,
                 )
-                xd = xd + xs
-            acc = acc + xd * wd[None, :]
-        if silu:
-            acc = _silu(acc)
-        y = jnp.where(live, acc, 0.0).astype(y_ref.dtype)
-        plgpu_triton.store(
-            y_ref.at[pl.ds(s, block_t), pl.ds(cb * block_c, block_c)], y,
-            mask=jnp.broadcast_to(rows < n, (block_t, block_c)),
-        )
+            acc = acc + xd * w_ref[csl, width - 1 - d][None, :]
+        finish(acc)
+
+    @pl.when((n > 0) & (b >= num_streams))
+    def _():  # the padded tail
+        zeros = jnp.zeros(full, y_ref.dtype)
+        plgpu_triton.store(y_ref.at[pl.ds(s, block_t), csl], zeros, mask=jnp.broadcast_to(rows < n, full))
 
 
 def tile_table(cu_seqlens, num_tokens: int, block_t: int):
