@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,7 +69,6 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     retry_after_s: int = 1
     engine_stop_timeout_s: float = 10.0
-    extra_headers: tuple[tuple[str, str], ...] = field(default=())
 
 
 def _now() -> int:
