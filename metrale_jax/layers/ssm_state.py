@@ -30,3 +30,24 @@ def write_layer(pool_array: jax.Array, slots: jax.Array, layer: jax.Array, value
     size = pool_array.shape[0]
     idx = jnp.where(slots < 0, size, slots)
     return pool_array.at[idx, layer].set(values.astype(pool_array.dtype), mode="drop")
+
+
+def recurrent_streams(dmd, pmd):
+    """The streams a recurrent layer sees in a step: each decode row is a stream of one token,
+    then each prefill chunk a stream of its tokens.
+
+    -> (cu_seqlens i32[N + B + 1], ssm_slots i32[N + B], fresh bool[N + B]); `fresh` marks a
+    stream starting at position 0, whose state must start from zeros, not from its pool row.
+    """
+    cu, slots, fresh = [jnp.zeros((1,), jnp.int32)], [], []
+    n = dmd.num_seqs if dmd is not None else 0
+    if dmd is not None:
+        cu.append(jnp.arange(1, n + 1, dtype=jnp.int32))
+        slots.append(dmd.ssm_slots)
+        fresh.append(dmd.seq_lens <= 1)
+    if pmd is not None:
+        new = pmd.cu_seqlens[1:] - pmd.cu_seqlens[:-1]
+        cu.append(n + pmd.cu_seqlens[1:])
+        slots.append(pmd.ssm_slots)
+        fresh.append(pmd.kv_lens - new <= 0)
+    return jnp.concatenate(cu), jnp.concatenate(slots), jnp.concatenate(fresh)

@@ -39,7 +39,7 @@ from metrale_jax.layers.mamba2 import gated_group_rms_norm, softplus, ssd_varlen
 from metrale_jax.layers.mlp import linear
 from metrale_jax.layers.moe import routed_experts
 from metrale_jax.layers.norms import rms_norm
-from metrale_jax.layers.ssm_state import read_layer, write_layer
+from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.mamba2 import selective_state_update, ssd_chunk_scan
 
@@ -295,16 +295,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
     n = dmd.num_seqs if dmd is not None else 0
     parts = [m for m in (dmd, pmd) if m is not None]
     slots = jnp.concatenate([m.slots for m in parts])
-    cu, ssm_slots, fresh = [jnp.zeros((1,), jnp.int32)], [], []
-    if dmd is not None:
-        cu.append(jnp.arange(1, n + 1, dtype=jnp.int32))
-        ssm_slots.append(dmd.ssm_slots)
-        fresh.append(dmd.seq_lens <= 1)
-    if pmd is not None:
-        cu.append(n + pmd.cu_seqlens[1:])
-        ssm_slots.append(pmd.ssm_slots)
-        fresh.append(pmd.kv_lens - (pmd.cu_seqlens[1:] - pmd.cu_seqlens[:-1]) <= 0)
-    cu, ssm_slots, fresh = jnp.concatenate(cu), jnp.concatenate(ssm_slots), jnp.concatenate(fresh)
+    cu, ssm_slots, fresh = recurrent_streams(dmd, pmd)
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = params["embed"][tokens]
 

@@ -39,7 +39,7 @@ from metrale_jax.layers.mlp import linear, swiglu_mlp
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
-from metrale_jax.layers.ssm_state import read_layer, write_layer
+from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule
 
@@ -277,17 +277,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     parts = [m for m in (dmd, pmd) if m is not None]
     positions = jnp.concatenate([m.positions for m in parts])
     slots = jnp.concatenate([m.slots for m in parts])
-    # Streams for the recurrent layers: decode rows first, then prefill chunks.
-    cu, ssm_slots, fresh = [jnp.zeros((1,), jnp.int32)], [], []
-    if dmd is not None:
-        cu.append(jnp.arange(1, n + 1, dtype=jnp.int32))
-        ssm_slots.append(dmd.ssm_slots)
-        fresh.append(dmd.seq_lens <= 1)
-    if pmd is not None:
-        cu.append(n + pmd.cu_seqlens[1:])
-        ssm_slots.append(pmd.ssm_slots)
-        fresh.append(pmd.kv_lens - (pmd.cu_seqlens[1:] - pmd.cu_seqlens[:-1]) <= 0)
-    cu, ssm_slots, fresh = jnp.concatenate(cu), jnp.concatenate(ssm_slots), jnp.concatenate(fresh)
+    cu, ssm_slots, fresh = recurrent_streams(dmd, pmd)
     x = params["embed"][tokens]
     scale = cfg.head_dim**-0.5
     kinds = jnp.asarray(_kinds(cfg), jnp.int32)
