@@ -76,7 +76,7 @@ def load_kv_rows(kv_ref, bt_ref, bt_base, layer, tok, tok_valid, *, head, num_bl
       or of [L, NB, Hkv, bs, D] with head_major=True).
     bt_ref: block tables flattened to i32[R * MB]; bt_base = row * MB (the row's first entry).
     Masked-out tokens read nothing and give 0.
-    Returns [BK, D] in `cdtype`.
+    Returns [BK, D] in `cdtype` (in the pool's dtype when cdtype is None).
     """
     page = plgpu_triton.load(bt_ref.at[bt_base + tok // block_size], mask=tok_valid, other=0)  # i32[BK]
     if head_major:  # pool [L, NB, Hkv, bs, D] (measured alternative; not the engine's layout)
@@ -87,7 +87,7 @@ def load_kv_rows(kv_ref, bt_ref, bt_base, layer, tok, tok_valid, *, head, num_bl
     # gathers whose indexers are all arrays or all slices.
     cols = jnp.arange(kv_ref.shape[1], dtype=jnp.int32)
     x = plgpu_triton.load(kv_ref.at[row[:, None], cols[None, :]], mask=tok_valid[:, None], other=0.0)
-    return x.astype(cdtype)
+    return x if cdtype is None else x.astype(cdtype)
 
 
 def poison_like(shape, dtype):

@@ -60,9 +60,13 @@ def _decode_kernel(
     sliding_window: int | None,
     cdtype,
     head_major: bool,
+    heads_inner: bool,
+    prefetch: bool,
 ):
-    n = pl.program_id(0)
-    h = pl.program_id(1)
+    if heads_inner:  # grid (Hkv, N, S)
+        h, n = pl.program_id(0), pl.program_id(1)
+    else:  # grid (N, Hkv, S)
+        n, h = pl.program_id(0), pl.program_id(1)
     s = pl.program_id(2)
     layer = layer_ref[0]
     qk_scale = scales_ref[0]
@@ -87,16 +91,23 @@ def _decode_kernel(
     q = q.astype(cdtype)  # [Gp, D]
     load = functools.partial(
         common.load_kv_rows, bt_ref=bt_ref, bt_base=n * max_blocks, layer=layer, head=h,
-        num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, cdtype=cdtype,
-        head_major=head_major,
+        num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_major=head_major,
     )
 
-    def body(i, carry):
-        o, m, l = carry
+    def tokens(i):
         tok = i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # i32[BK]
-        valid = (tok < seq_len) & (tok >= lo)
-        k = load(k_ref, tok=tok, tok_valid=valid)  # [BK, D]
-        v = load(v_ref, tok=tok, tok_valid=valid)  # [BK, D]
+        return tok, (tok < seq_len) & (tok >= lo) & (i < b1)
+
+    def load_raw(i):  # K, V [BK, D] in the pool dtype
+        tok, valid = tokens(i)
+        return (load(k_ref, tok=tok, tok_valid=valid, cdtype=None),
+                load(v_ref, tok=tok, tok_valid=valid, cdtype=None))
+
+    def step(i, carry, k, v):
+        o, m, l = carry
+        _, valid = tokens(i)
+        k = k.astype(cdtype)
+        v = v.astype(cdtype)
         sc = common.dot(q, k, trans_b=True) * qk_scale  # f32[Gp, BK], log2 domain
         sc = jnp.where(valid[None, :], sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -109,7 +120,15 @@ def _decode_kernel(
     o0 = jnp.zeros((group_pad, d), jnp.float32)
     m0 = jnp.full((group_pad,), common.NEG_BIG, jnp.float32)
     l0 = jnp.zeros((group_pad,), jnp.float32)
-    o, m, l = jax.lax.fori_loop(b0, b1, body, (o0, m0, l0))
+    if prefetch:
+        def body(i, carry):
+            acc, (k, v) = carry
+            nxt = load_raw(i + 1)  # masked off past b1: reads nothing
+            return step(i, acc, k, v), nxt
+
+        (o, m, l), _ = jax.lax.fori_loop(b0, b1, body, ((o0, m0, l0), load_raw(b0)))
+    else:
+        o, m, l = jax.lax.fori_loop(b0, b1, lambda i, c: step(i, c, *load_raw(i)), (o0, m0, l0))
     nonempty = l > 0.0
     inv_l = jnp.where(nonempty, v_scale / jnp.where(nonempty, l, 1.0), 0.0)
     o = o * inv_l[:, None]
@@ -155,6 +174,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
         _decode_kernel, num_rows=n * hq, num_q_heads=hq, group=g, group_pad=gp, max_blocks=mb,
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv, block_k=params.block_k,
         num_splits=ns, sliding_window=sliding_window, cdtype=cdtype, head_major=head_major,
+        heads_inner=params.heads_inner, prefetch=params.prefetch,
     )
     if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
         for i, shp in enumerate(out_shape):
@@ -164,7 +184,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
         kernel = _drop_alias_inputs(kernel, len(out_shape))
     outs = pl.pallas_call(
         kernel,
-        grid=(n, hkv, ns),
+        grid=(hkv, n, ns) if params.heads_inner else (n, hkv, ns),
         in_specs=in_specs,
         out_specs=[whole] * len(out_shape),
         out_shape=out_shape,

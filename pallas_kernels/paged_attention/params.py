@@ -31,12 +31,18 @@ class DecodeParams:
       since keys are gathered token by token through the block table).
     num_splits: split-K partitions of each row's context (flash-decoding); > 1 adds a combine step.
     num_warps / num_stages: Triton launch parameters (stages = software-pipeline depth).
+    heads_inner: launch order; True puts the KV heads of one row next to each other (grid
+      (Hkv, N, S)), so neighbouring CTAs read neighbouring bytes of the same pages.
+    prefetch: issue the next step's K/V loads before this step's math (register double
+      buffering), for when Triton's own pipeliner does not overlap them (fp8 pools).
     """
 
     block_k: int = 64
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    heads_inner: bool = False
+    prefetch: bool = False
 
     def __post_init__(self):
         if not _is_pow2(self.block_k) or self.block_k < 16:
@@ -87,11 +93,13 @@ def decode_params_for(n, hq, hkv, d, block_size, kv_dtype, max_ctx) -> DecodePar
     hit = _tuned_table()["decode"].get(decode_key(n, hq, hkv, d, block_size, kv_dtype, max_ctx))
     if hit is not None:
         return DecodeParams(**hit)
+    # Measured on the H200 (bench/results/paged_attention.md): block_k 64 with 4 warps wins for
+    # bf16 D=128; split until there are >= 2 CTAs per SM (a power of two, as the sweep preferred).
     block_k = 64 if d <= 128 else 32
     ctas = n * hkv
-    # Split only as far as each split still sees a few inner steps.
-    max_splits = max(1, max_ctx // (4 * block_k))
-    num_splits = int(min(max_splits, max(1, -(-2 * _NUM_SMS // ctas))))
+    max_splits = max(1, max_ctx // (4 * block_k))  # each split keeps a few inner steps
+    want = -(-2 * _NUM_SMS // ctas)
+    num_splits = int(min(max_splits, 1 << (want - 1).bit_length()))
     return DecodeParams(block_k=block_k, num_splits=num_splits, num_warps=4, num_stages=3)
 
 
@@ -101,6 +109,6 @@ def prefill_params_for(t, hq, hkv, d, block_size, kv_dtype) -> PrefillParams:
         return PrefillParams(**hit)
     if d <= 64:
         return PrefillParams(block_rows=128, block_k=64, num_warps=4, num_stages=3)
-    if d <= 128:
-        return PrefillParams(block_rows=128, block_k=64, num_warps=8, num_stages=3)
+    if d <= 128:  # best at D=128 for both 4x2048 shapes on the H200
+        return PrefillParams(block_rows=128, block_k=32, num_warps=8, num_stages=2)
     return PrefillParams(block_rows=64, block_k=32, num_warps=4, num_stages=2)
