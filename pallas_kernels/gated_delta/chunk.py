@@ -334,7 +334,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"{chunk_size=} must be a power of two >= 16")
     cdtype = common.compute_dtype(q.dtype, k.dtype, v.dtype)
     if params is None:
-        params = chunk_params_for(h, hv, dk, dv, cdtype.name)
+        params = chunk_params_for(h, hv, dk, dv, cdtype.name, initial_state.shape[0])
     block_v = params.block_v
     if dv % block_v or not common.is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing V={dv}")

@@ -43,6 +43,10 @@ def shape_key(h: int, hv: int, dk: int, dv: int, dtype) -> str:
     return f"H={h},HV={hv},K={dk},V={dv},{dtype}"
 
 
+def chunk_key(h: int, hv: int, dk: int, dv: int, dtype, num_streams: int) -> str:
+    return f"{shape_key(h, hv, dk, dv, dtype)},B={num_streams}"
+
+
 @functools.cache
 def _tuned_table() -> dict:
     if not _TUNED_PATH.exists():
@@ -50,15 +54,21 @@ def _tuned_table() -> dict:
     return json.loads(_TUNED_PATH.read_text())
 
 
-def chunk_params_for(h: int, hv: int, dk: int, dv: int, dtype) -> ChunkParams:
-    hit = _tuned_table().get("chunk", {}).get(shape_key(h, hv, dk, dv, dtype))
+def chunk_params_for(h: int, hv: int, dk: int, dv: int, dtype, num_streams: int) -> ChunkParams:
+    """Tuned entry for (shape, B), else the widest block_v <= 64 that still gives the scan kernel
+    >= 128 programs (B * HV * V / block_v): a lone long stream needs narrower value blocks to fill
+    the GPU (H200: block_v 32 for B=1, 64 for B=4 at HV=32, V=128)."""
+    hit = _tuned_table().get("chunk", {}).get(chunk_key(h, hv, dk, dv, dtype, num_streams))
     if hit is not None:
         return ChunkParams(**hit)
-    return ChunkParams(block_v=min(64, dv))
+    block_v = min(64, dv)
+    while block_v > 16 and num_streams * hv * (dv // block_v) < 128:
+        block_v //= 2
+    return ChunkParams(block_v=block_v)
 
 
 def recurrent_params_for(h: int, hv: int, dk: int, dv: int, dtype) -> RecurrentParams:
     hit = _tuned_table().get("recurrent", {}).get(shape_key(h, hv, dk, dv, dtype))
     if hit is not None:
         return RecurrentParams(**hit)
-    return RecurrentParams(block_v=min(32, dv))
+    return RecurrentParams(block_v=min(64, dv))
