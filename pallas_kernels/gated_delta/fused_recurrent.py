@@ -17,9 +17,10 @@ f32[N, HV, K, V] and a fresh new_state is returned.
 Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU (`plgpu.kernel`). Why: the
 kernel is a gather of per-row state blocks chosen by a runtime index (pool slots), with
 reductions over the K axis of a register tile; in Triton lowering that is one masked pointer load
-per block, and it runs unchanged in `interpret=True` on the CPU. The pool form needs the row
-index before any copy can start, and Mosaic GPU in jax 0.11.2 has no scalar prefetch for TMA
-index maps. The Pallas Triton backend is deprecated since jax 0.11 but still the default in 0.11.2.
+per block, it runs unchanged in `interpret=True` on the CPU, and it reached 78% of memcpy
+bandwidth on the H200 (bench/results/gated_delta.md). A Mosaic GPU version (TMA copies of the
+slot's blocks) was not tried. The Pallas Triton backend is deprecated since jax 0.11 but is still
+the default in 0.11.2.
 """
 
 from __future__ import annotations
