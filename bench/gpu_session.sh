@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
+# bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
+#   bash bench/gpu_session.sh [tests] [throughput] [serve]      (default: all three)
+# .whl holds the wheels the machine lacks (fastapi, starlette, uvicorn, pydantic, fla-core);
+# .gpu_carry/smollm2_tok the SmolLM2 tokenizer files (for a random-weight serving checkpoint).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+parts=${*:-tests throughput serve}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+
+if [[ $parts == *tests* ]]; then
+  gpu_files=$(grep -l "mark.gpu" tests/test_*.py | grep -v test_server)
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if [[ $parts == *throughput* ]]; then
+  timeout 240 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 --pallas \
+    --batches 1,8,64 --context 512 --num-requests 128 --max-model-len 2048 \
+    --out "$OUT/throughput_llama3_8b_gpu.json" 2>&1 | tail -30
+fi
+if [[ $parts == *serve* ]]; then
+  python3 bench/random_checkpoint.py --shape smollm2-135m --dtype bfloat16 \
+    --tokenizer-dir .gpu_carry/smollm2_tok --out /tmp/rand_smollm2 >/dev/null
+  timeout 150 python3 bench/serve.py --launch /tmp/rand_smollm2 --rate 16 --num-requests 128 \
+    --output-len 64 --label gpu-smollm2-random --out "$OUT/serve_gpu_smollm2.json" \
+    -- --dtype bfloat16 --max-num-seqs 64 2>&1 | tail -20
+fi
