@@ -94,7 +94,8 @@ def test_interpret_group_sizes_past_m_and_traced():
     """sum(group_sizes) > M cuts off at M (as ragged_dot); group_sizes traced under jit."""
     sizes = [50, 30, 100]
     x, w, gs = _inputs(3, 120, 64, 64, sizes)
-    f = jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs, params=P(block_m=64, block_n=64, num_stages=2), interpret=True))
+    params = P(block_m=64, block_n=64, num_stages=2)
+    f = jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs, params=params, interpret=True))
     _check(f(x, w, gs), x, w, sizes, tol=1e-2)
     sizes2 = [0, 120, 0]
     _check(f(x, w, jnp.asarray(sizes2, jnp.int32)), x, w, sizes2, tol=1e-2)

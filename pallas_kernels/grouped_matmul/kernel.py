@@ -144,7 +144,8 @@ def _check(x, w, group_sizes, out_dtype):
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"grouped_matmul: x must be [M, K] and w [E, K, N]; got {x.shape} and {w.shape}")
     if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"grouped_matmul: group_sizes must be int[E={w.shape[0]}]; got {group_sizes.dtype}{group_sizes.shape}")
+        got = f"{group_sizes.dtype}{group_sizes.shape}"
+        raise ValueError(f"grouped_matmul: group_sizes must be int[E={w.shape[0]}]; got {got}")
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype) or jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"grouped_matmul: x and w must share a 16-bit float dtype; got {x.dtype} and {w.dtype}")
     if out_dtype not in _OUT_DTYPES:
@@ -192,13 +193,15 @@ def grouped_matmul(
     body = functools.partial(
         _body, m=mp, k=kp, num_groups=num_groups, n_tiles=n_tiles, params=params
     )
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=(meta.shape[1] * n_tiles,),
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams) else (plgpu.InterpretGPUParams() if interpret else None),
+        interpret=interpret or None,
         kernel_name="grouped_matmul_mgpu",
     )(meta, x, w)
     return out[:m, :n] if m_pad or n_pad else out
