@@ -86,8 +86,8 @@ def test_bf16_interpret(m, params):
 
 FP8_CASES = [
     (1, SkinnyParams(block_n=32, block_k=128)),
-    (3, SkinnyParams(block_n=64, block_k=256)),  # the 2nd step's 2nd sub-block lies past K
-    (8, SkinnyParams(block_n=16, block_k=128, split_k=2)),
+    (3, SkinnyParams(block_n=64, block_k=256, fp8_scale_on_x=False)),  # 2nd step's 2nd sub-block lies past K
+    (8, SkinnyParams(block_n=16, block_k=128, split_k=2, fp8_scale_on_x=False)),
     (17, SkinnyParams(block_n=128, block_k=128)),
     (64, SkinnyParams(block_n=32, block_k=256, split_k=2)),
 ]
@@ -119,10 +119,10 @@ def test_fp8_bf16_scales_and_default_params():
 
 
 # Mosaic GPU twin, in Mosaic GPU interpret mode (TMA, barriers and wgmma simulated on the CPU).
-# TMA needs 16-byte rows, so K and N are multiples of 16 here but not of the tiles.
+# TMA tiles need K % 64 (bf16) / 128 (fp8) and N % 8; N and K are not multiples of the blocks here.
 MGPU_CASES = [
-    (1, 200, 336, MgpuParams(block_n=32, block_k=64, max_concurrent_steps=2)),
-    (17, 136, 528, MgpuParams(block_n=64, block_k=128, split_k=3)),
+    (1, 200, 320, MgpuParams(block_n=32, block_k=128, max_concurrent_steps=2)),
+    (17, 136, 640, MgpuParams(block_n=64, block_k=256, split_k=2)),
 ]
 
 
@@ -136,8 +136,8 @@ def test_bf16_mgpu_interpret(m, n, k, params):
 
 
 @pytest.mark.parametrize("m,n,k,params", [
-    (3, 200, 336, MgpuParams(block_n=64, block_k=128)),
-    (64, 136, 528, MgpuParams(block_n=128, block_k=128, split_k=2)),
+    (3, 200, 384, MgpuParams(block_n=64, block_k=128)),
+    (64, 136, 640, MgpuParams(block_n=128, block_k=128, split_k=2)),
 ])
 def test_fp8_mgpu_interpret(m, n, k, params):
     rng = np.random.default_rng(300 + m)
@@ -149,9 +149,14 @@ def test_fp8_mgpu_interpret(m, n, k, params):
 
 
 def test_mgpu_bad_inputs():
-    x = jnp.ones((2, 100), jnp.bfloat16)
-    with pytest.raises(ValueError, match="16-byte"):
-        skinny_matmul_mgpu(x, jnp.ones((32, 100), jnp.bfloat16), interpret=True)
+    x = jnp.ones((2, 784), jnp.bfloat16)  # K = 784: rejected on the H200 by the 64-element tiling
+    with pytest.raises(ValueError, match="multiple of 64"):
+        skinny_matmul_mgpu(x, jnp.ones((32, 784), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        skinny_matmul_fp8_mgpu(
+            jnp.ones((2, 320), jnp.bfloat16), jnp.ones((32, 320), jnp.float8_e4m3fn), jnp.ones((1, 3), jnp.float32),
+            interpret=True,
+        )
     with pytest.raises(ValueError, match="block_n"):
         skinny_matmul_fp8_mgpu(
             jnp.ones((2, 128), jnp.bfloat16), jnp.ones((32, 128), jnp.float8_e4m3fn), jnp.ones((1, 1), jnp.float32),
@@ -246,11 +251,12 @@ def test_fp8_gpu(m, n, k):
     want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
     y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), _poison=True)
     assert _rows_rel_err(y, want) < 8e-3
-    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=SkinnyParams(block_n=16, split_k=2), _poison=True)
+    p = SkinnyParams(block_n=16, split_k=2, fp8_scale_on_x=False)
+    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=p, _poison=True)
     assert _rows_rel_err(y, want) < 8e-3
 
 
-MGPU_GPU_SHAPES = [(1, 6144, 4096), (8, 4096, 14336), (17, 1000, 784), (64, 28672, 4096), (3, 304, 336)]
+MGPU_GPU_SHAPES = [(1, 6144, 4096), (8, 4096, 14336), (17, 1000, 640), (64, 28672, 4096), (3, 304, 384)]
 
 
 @pytest.mark.gpu

@@ -52,14 +52,16 @@ MIN_ROTATION_BYTES = 256e6
 
 TRITON_SMALL = [SkinnyParams(16, 512, 1, 4, 4), SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4)]
 TRITON_LARGE = [SkinnyParams(32, 256, 1, 4, 3), SkinnyParams(64, 256, 1, 4, 3), SkinnyParams(128, 128, 1, 8, 3)]
-TRITON_FP8 = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 512, 1, 4, 3), SkinnyParams(16, 512, 1, 4, 4)]
+TRITON_FP8 = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4), SkinnyParams(64, 512, 1, 4, 3),
+              SkinnyParams(32, 256, 1, 4, 4, fp8_scale_on_x=False)]
 MGPU_BF16 = [MgpuParams(32, 128, 6), MgpuParams(64, 256, 3)]
 MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
 
 
 def _p(p) -> str:
     if isinstance(p, SkinnyParams):
-        return f"bn{p.block_n}_bk{p.block_k}_s{p.split_k}_w{p.num_warps}_st{p.num_stages}"
+        tag = "" if p.fp8_scale_on_x else "_scale-acc"
+        return f"bn{p.block_n}_bk{p.block_k}_s{p.split_k}_w{p.num_warps}_st{p.num_stages}{tag}"
     return f"bn{p.block_n}_bk{p.block_k}_st{p.max_concurrent_steps}_s{p.split_k}"
 
 

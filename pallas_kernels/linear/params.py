@@ -40,6 +40,12 @@ class SkinnyParams:
       that XLA adds (one more small fusion).
     num_warps / num_stages: Triton launch parameters (stages = software-pipeline depth, i.e. how
       many weight tiles are in flight per program).
+    fp8_scale_on_x: FP8 only. True: each step gathers its per-column block scales f32[block_k]
+      and folds them into the x tile (x * s rounded to bf16; one dot per step, and the scale load
+      feeds the dot, so Triton pipelines it with the tiles). False: one dot per 128-column
+      sub-block, its f32 partial times a scalar scale - the variant measured on 2026-11-29, whose
+      scalar scale loads were not pipelined: every sub-block waited one L2 round trip, and FP8
+      ran at 1.1-2.3 TB/s, slower than bf16 (bench/results/linear.md). NOT YET MEASURED on a GPU.
     """
 
     block_n: int = 32
@@ -47,6 +53,7 @@ class SkinnyParams:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fp8_scale_on_x: bool = True
 
     def __post_init__(self):
         if not _is_pow2(self.block_n) or self.block_n < 16:
@@ -79,16 +86,18 @@ def _tuned_table() -> dict:
 
 
 def default_params(m: int, n: int, k: int, fp8: bool) -> SkinnyParams:
-    """Heuristic: enough programs to cover the SMs, wider tiles as M grows (x is re-read per tile)."""
+    """Heuristic for shapes the table lacks, read off the 2026-11-29 H200 sweep (bench/results/linear.md):
+    block_n 64 when N >= 6144 (enough programs at 64 rows), else 32 (N = 4096 wants 128 programs);
+    128 rows and 8 warps for M > 32 on very wide N; 4 stages at M <= 16, 3 above (SMEM)."""
     mp = m_bucket(m)
-    if mp >= 32:
-        bn = 64
-    else:
-        bn = 32 if n < 8 * _NUM_SMS * 32 else 64
-    bk = 256
+    bn = 64 if n >= 6144 else 32
+    warps = 4
+    if mp >= 64 and n >= 16384:
+        bn, warps = 128, 8
+    stages = 4 if mp <= 16 else 3
     if fp8:
-        bn, bk = min(bn, FP8_BLOCK), 256
-    return SkinnyParams(block_n=bn, block_k=bk, split_k=1, num_warps=4, num_stages=4)
+        return SkinnyParams(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    return SkinnyParams(block_n=bn, block_k=256 if bn <= 64 else 128, num_warps=warps, num_stages=stages)
 
 
 def skinny_params_for(m: int, n: int, k: int, w_dtype) -> SkinnyParams:

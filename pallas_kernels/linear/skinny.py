@@ -5,8 +5,10 @@ stream W from HBM with a deep software pipeline and keep x (tiny) in L2. Two wei
 * `skinny_matmul`: bf16 W [N, K];
 * `skinny_matmul_fp8`: float8_e4m3fn W [N, K] with 128x128 block scales `scale_inv`
   f32[ceil(N/128), ceil(K/128)] (the HF / DeepSeek-V3 `weight_scale_inv` format), dequantized in
-  the kernel: each 128-column sub-block is multiplied (bf16 x, exact fp8->bf16 weights, f32
-  accumulation) and its f32 partial scaled by its block scale.
+  the kernel. A program's block_n (<= 128) rows share one row of scale blocks, so the scale only
+  varies along K: by default each step gathers its per-column scales and folds them into the x
+  tile (x * s in bf16, exact fp8->bf16 weights, one f32-accumulated dot per step); see
+  `SkinnyParams.fp8_scale_on_x` for the measured per-sub-block alternative.
 Activations are bf16, accumulation float32, output bf16.
 
 Layout: W is [N, K], the checkpoint's (torch Linear) layout, so each program streams block_n
@@ -59,6 +61,7 @@ def _skinny_kernel(
     num_steps: int,
     split_k: int,
     fp8: bool,
+    scale_on_x: bool,
 ):
     if fp8:
         s_ref, o_ref = refs
@@ -71,7 +74,7 @@ def _skinny_kernel(
     row_ok = rows < m if mp > m else None
     n_ok = ncols < n if n % block_n else None
     k_partial = k % block_k != 0
-    sub = FP8_BLOCK if fp8 else block_k  # columns per dot
+    sub = FP8_BLOCK if fp8 and not scale_on_x else block_k  # columns per dot
     nb = (pid_n * block_n) // FP8_BLOCK  # scale row of this tile (block_n divides 128 for fp8)
     kblocks = -(-k // FP8_BLOCK)
 
@@ -96,7 +99,14 @@ def _skinny_kernel(
                 w_ref.at[ncols[:, None], kcols[None, :]], mask=w_mask,
                 other=None if w_mask is None else jnp.zeros((), w_ref.dtype), eviction_policy="evict_first",
             )  # [BN, sub]
-            if fp8:
+            if fp8 and scale_on_x:
+                # Per-column scales of this tile's scale row (block_k / 128 distinct values, L1 hits);
+                # past-K columns are clamped to the last block (x is 0 there).
+                kb_cols = jnp.minimum(kcols // FP8_BLOCK, kblocks - 1)  # i32[sub]
+                s_cols = plgpu_triton.load(s_ref.at[jnp.full((sub,), nb, jnp.int32), kb_cols])  # f32[sub]
+                xs = (x.astype(jnp.float32) * s_cols[None, :]).astype(jnp.bfloat16)
+                acc = acc + plgpu_triton.dot(xs, w.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)
+            elif fp8:
                 part = plgpu_triton.dot(x, w.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)  # f32[Mp, BN]
                 kb = k0 // FP8_BLOCK
                 if k_partial:
@@ -143,6 +153,7 @@ def _call(x, w, scale_inv, *, params: SkinnyParams, interpret: bool, poison: boo
     kernel = functools.partial(
         _skinny_kernel, m=m, n=n, k=k, mp=mp, block_n=params.block_n, block_k=params.block_k,
         steps_per_split=steps_per_split, num_steps=num_steps, split_k=split_k, fp8=fp8,
+        scale_on_x=params.fp8_scale_on_x,
     )
     args = [x, w] + ([scale_inv] if fp8 else [])
     if split_k == 1:

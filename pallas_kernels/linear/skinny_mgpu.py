@@ -14,8 +14,9 @@ out, M = 1..64), written with `plgpu.kernel` + `plgpu.emit_pipeline`:
 * the epilogue writes the first M rows of the [64, block_n] accumulator by TMA (columns past N
   are clipped by TMA). split_k > 1 writes f32 partials [split_k, M, N] that XLA adds.
 
-TMA needs 16-byte row strides: K * itemsize and N * 2 must be multiples of 16. Shapes that miss
-that raise ValueError; `skinny.py` (Triton lowering) takes any shape.
+TMA tiles need K to be a multiple of 64 (bf16) / 128 (FP8) and N a multiple of 8 (N and K need
+not be multiples of the block sizes). Other shapes raise ValueError; `skinny.py` (Triton
+lowering) takes any shape.
 
 CI runs these kernels in Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`), which models
 TMA, barriers and wgmma, and cross-lowers them for an H200 on the CPU.
@@ -158,8 +159,12 @@ def _check(x, w, name, w_dtype):
         raise ValueError(f"{name}: {m=} must be in 1..{MAX_M}")
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(w.dtype) != jnp.dtype(w_dtype):
         raise ValueError(f"{name}: x must be bfloat16 and w {jnp.dtype(w_dtype)}; got {x.dtype}, {w.dtype}")
-    if (k * 2) % 16 or (k * jnp.dtype(w.dtype).itemsize) % 16 or (n * 2) % 16:
-        raise ValueError(f"{name}: TMA needs 16-byte rows: K={k} and N={n} must be multiples of 16 / 8")
+    # The swizzled SMEM tiles need K to be a multiple of 128 bytes' worth of W elements (64 bf16,
+    # 128 fp8; seen on the H200: "dimension 1 must have size smaller or a multiple of its tiling
+    # 64, but got 784"), and TMA stores need 16-byte output rows (N % 8).
+    k_mult = 128 // jnp.dtype(w.dtype).itemsize
+    if k % k_mult or n % 8:
+        raise ValueError(f"{name}: K={k} must be a multiple of {k_mult} and N={n} of 8 (TMA tiles)")
 
 
 def _default(fp8: bool) -> MgpuParams:
@@ -168,7 +173,7 @@ def _default(fp8: bool) -> MgpuParams:
 
 @functools.partial(jax.jit, static_argnames=("params", "interpret"))
 def skinny_matmul_mgpu(x, w, *, params: MgpuParams | None = None, interpret: bool = False):
-    """x bf16[M, K] @ w bf16[N, K]^T -> bf16[M, N] (Mosaic GPU; K % 8 == 0 == N % 8)."""
+    """x bf16[M, K] @ w bf16[N, K]^T -> bf16[M, N] (Mosaic GPU; K % 64 == 0 == N % 8)."""
     _check(x, w, "skinny_matmul_mgpu", jnp.bfloat16)
     return _call(x, w, None, params=params or _default(False), interpret=interpret)
 
