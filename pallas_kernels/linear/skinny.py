@@ -22,15 +22,13 @@ Grid: (cdiv(N, block_n), split_k). Program (j, s) loops over its share of the K 
 weight rows beyond N are masked (partial last blocks are fine). With split_k > 1, programs write
 f32 partials [split_k, M, N] and XLA adds them.
 
-Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU (`plgpu.kernel`). Why:
-* the kernel is a plain multi-stage load pipeline with masked partial tiles; Triton lowering
-  gives that with one `fori_loop`, and Pallas' Triton interpret mode runs the very same kernel on
-  the CPU, masks and all. The Mosaic GPU pipeline (`emit_pipeline`, TMA) needs tile-aligned
-  shapes or OOB fill handling, wgmma needs 64-row operands (W as A, x^T as B, then a transposed
-  epilogue), and the FP8 dequantization needs an SMEM->register->SMEM round trip or a
-  register-A wgmma; none of that could be checked on a GPU more than twice in this work (two
-  device runs were available), while the Triton path was known to compile (paged_attention).
-* The Pallas Triton backend is deprecated since jax 0.11 but still the default in 0.11.2.
+Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU. Why: the Mosaic GPU twin
+(`skinny_mgpu.py`: TMA + wgmma via `emit_pipeline`) was measured beside it on the H200
+(2026-11-29, bench/results/linear.md) and was slower at M <= 32 (2.0-2.4 vs 3.2-3.7 TB/s on the
+Llama-3-8B projections; it only wins at M=64 on the down projection), and it needs K % 64 (bf16) /
+K % 128 (FP8) and N % 8, while this kernel takes any shape (masked partial tiles) and runs
+unchanged in Pallas' interpret mode on the CPU. The Pallas Triton backend is deprecated since
+jax 0.11 but still the default in 0.11.2.
 """
 
 from __future__ import annotations
