@@ -210,3 +210,21 @@ def test_gpu(m, k, n, e, out):
         assert np.all(got[int(sizes.sum()):] == 0)
         tol = 1e-2 if out == jnp.bfloat16 else 1e-4
         np.testing.assert_allclose(got, np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max()))
+
+
+def test_bench_script_smoke(tmp_path):
+    """bench/kernels/grouped_matmul.py --smoke (one tiny case, interpret mode) runs and reports."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "kernels" / "grouped_matmul.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_matmul", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--smoke", "--smoke-cases", "smoke_decode", "--out", str(tmp_path)])
+    (res,) = [json.loads(p.read_text()) for p in tmp_path.glob("grouped_matmul_*_smoke.json")]
+    ok = {r["impl"]: r for r in res["rows"] if "error" not in r}
+    assert {"ours", "ours(best)", "ours(f32 out)", "xla ragged_dot", "dense bf16 matmul"} <= set(ok)
+    assert ok["ours"]["max_rel_err"] < 2e-2 and ok["ours(f32 out)"]["max_rel_err"] < 1e-5
+    assert res["tuned"] and not res["errors"]
