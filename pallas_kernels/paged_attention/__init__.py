@@ -1,4 +1,15 @@
-"""Paged attention kernels over the engine's layer-stacked KV pools [L, NB, bs, Hkv, D]."""
+"""Paged attention kernels over the engine's layer-stacked KV pools [L, NB, bs, Hkv, D].
+
+* `paged_decode_attention`: one query token per row, split-K (flash-decoding) for long contexts.
+* `paged_prefill_attention`: ragged causal chunked prefill over B streams (cu_seqlens, kv_lens).
+* `paged_kv_write`: the step's K/V write by slot (slot -1 writes nothing), faster than XLA's scatter.
+* f32 references of both attention kernels (`reference.py`), tuned params as data
+  (`tuned_params.json`, keyed by shape; `params.py`).
+
+Mixed batches: two launches (decode kernel + prefill kernel) measured 1.6x faster than one
+ragged launch; see prefill.py. All kernels lower through Triton (`pl.pallas_call`); decode.py
+says why not Mosaic GPU. Figures: bench/results/paged_attention.md.
+"""
 
 from pallas_kernels.paged_attention.decode import paged_decode_attention
 from pallas_kernels.paged_attention.kv_write import paged_kv_write

@@ -10,8 +10,11 @@ Backend: `pl.pallas_call` lowered through Triton, not Mosaic GPU (`plgpu.kernel`
   SMEM round trip before wgmma.
 * Only a handful of GPU runs were available to this work; Triton lowering can be checked on
   the CPU machine (cross-lowering to the Triton IR) and the interpret mode runs the same code.
-The Pallas Triton backend is deprecated since jax 0.11 but still the default in 0.11.2.
-A Mosaic GPU port is the follow-up once the engine is wired (see the issue notes).
+* Measured on the H200 (bench/results/paged_attention.md), this Triton kernel already reads
+  bf16 pools at 94-99% of a device memcpy, so Mosaic GPU has little to add for bf16 decode;
+  fp8 pools (42%) are where a Mosaic GPU / native-fp8 variant would pay.
+The Pallas Triton backend is deprecated since jax 0.11 but still the default in 0.11.2; a
+Mosaic GPU port becomes necessary when JAX removes it.
 
 Layout: k_pool, v_pool [L, NB, bs, Hkv, D] (bf16, f32 or float8_e4m3fn with per-layer scales),
 indexed by `layer` inside the kernel (the pool is viewed as [L*NB*bs*Hkv, D], a free reshape;

@@ -6,9 +6,10 @@ slot outside the pool writes nothing; for a float8_e4m3fn pool the values are di
 layer's scale before the cast. The pools are aliased to the outputs, so under a jit that
 donates them (the engine's step) the write happens in place.
 
-Why a kernel: XLA's scatter of [T, Hkv, D] rows measured 0.4 TB/s on the H200 (159 us for
-8192 tokens, Hkv=8, D=128, bf16: 25% of the prefill attention it feeds); a row copy runs near
-the memory roofline (bench/results/paged_attention.md).
+Why a kernel: XLA's scatter of [T, Hkv, D] rows measured 0.4 TB/s on the H200 (166-171 us for
+8192 tokens, Hkv=8, D=128, bf16: 27% of the prefill attention it feeds); this kernel took 66-90
+us on the same write, bit-identical (bench/results/paged_attention.md). Not yet tuned
+(block_tokens=8, 4 warps): it reaches only ~1 TB/s of the ~4 TB/s a copy can.
 
 Backend: `pl.pallas_call` lowered through Triton (see decode.py for why). Each program copies
 `block_tokens` whole token rows ([Hkv * D] contiguous in the pool, padded to a power of two

@@ -6,9 +6,17 @@ sits at position kv_lens[b] - (cu[b+1] - cu[b]) + i and attends causally to ever
 itself (its cached prefix and the earlier new tokens), read through the stream's own block
 table and never beyond its own kv_len. Tokens at or after cu[B] are padding and give zeros.
 
-"Step writes, kernel reads": the new tokens' K/V must already be in the pools (the engine's
-step scatters them by slot with `mode="drop"`, slot -1 writing nothing). See the bench notes
-(bench/results/paged_attention.md) for the fused-write measurement.
+"Step writes, kernel reads": the new tokens' K/V must already be in the pools (the step writes
+them by slot, slot -1 writing nothing: `paged_kv_write` in kv_write.py, or the engine's XLA
+scatter). Measured on the H200 at 4 x 2048 new tokens (bench/results/paged_attention.md): the
+XLA scatter takes ~170 us (27% of this kernel's 616 us), `paged_kv_write` 66-90 us; fusing the
+write here could save at most those 66-90 us (<= 11% without cache, 4% with 4096 cached) and
+would need new keys read from the activations rather than the pool, so it is not fused.
+
+Mixed batches (decode rows + prefill chunks): serve them with TWO launches, the decode kernel
+for the decode rows and this kernel for the chunks. Measured (64 decode rows at ctx 4096 + a
+512-token chunk on 4096 cached): 562 us for two launches, 906 us for one launch of this kernel
+with the decode rows as 1-token streams (a 1-token stream fills Gp of a tile's 128 rows).
 
 Backend: `pl.pallas_call` lowered through Triton, for the reasons given in decode.py (gathered
 per-token page lookups, GQA groups smaller than a wgmma tile, CPU-checkable lowering).
