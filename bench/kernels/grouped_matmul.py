@@ -203,9 +203,20 @@ def bench_case(name, m, k, n, e, results, tuned, memcpy, tokamax, deadline):
     run("dense bf16 matmul", jax.jit(lambda x, w, gs: jnp.dot(x, w0)), check=False)  # same FLOPs, one matrix
     if INTERPRET:
         return
-    if tokamax is not None:
+    if tokamax is not None:  # its heuristic config, then a few explicit ones
         run("tokamax mosaic", jax.jit(lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic")))
-        run("tokamax default", jax.jit(lambda x, w, gs: tokamax.ragged_dot(x, w, gs)))
+        try:
+            from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as tk
+
+            for bm, bn, bk, stages, persistent in ((128, 128, 64, 4, False), (128, 128, 64, 4, True),
+                                                   (64, 128, 64, 6, False), (64, 128, 128, 4, True)):
+                cfg = tk.Config(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, split_k=1,
+                                persistent=persistent)
+                op = tk.PallasMosaicGpuRaggedDot(config=cfg)
+                run(f"tokamax {bm}x{bn}x{bk}/{stages}{' persistent' if persistent else ''}",
+                    jax.jit(lambda x, w, gs, op=op: op(x, w, group_sizes=gs)))
+        except Exception as ex:
+            log(f"  tokamax configs unavailable: {type(ex).__name__}: {ex}")
     try:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
