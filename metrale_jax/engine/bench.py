@@ -237,7 +237,9 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
 
     rng = np.random.default_rng(args.seed + batch)
     steps = args.decode_steps
-    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    # rows that finish their prefill early decode while the others prefill: let them run long
+    sp = SamplingParams(temperature=0, max_tokens=max(eng.config.max_model_len - args.context - 1, 1),
+                        ignore_eos=True)
     rids = [f"lat{batch}-{i}" for i in range(batch)]
     for r in rids:
         eng.add_request(r, {"prompt_token_ids": rng.integers(3, eng.vocab_size - 1, args.context).tolist()}, sp)
@@ -251,7 +253,8 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
     engine_dt = (time.perf_counter() - t0) / steps
     # the device alone: the same decode executable, inputs fixed, state fed back
     seqs = [eng.requests[r].seqs[0] for r in rids]
-    rows = [DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
+    # (re-)decode each row's last cached token: its block exists, unlike the next position's
+    rows = [DecodeRow(token=s.token_ids[s.num_computed - 1], position=s.num_computed - 1, block_table=s.blocks,
                       sampling=RowSampling()) for s in seqs]
     bucket = eng.compiler.bucket_for(len(rows), 0, 0)
     dev = eng.compiler.transfer(build_step(eng.builder, bucket, rows, []))

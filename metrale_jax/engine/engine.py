@@ -114,6 +114,11 @@ class LLMEngine:
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
         self.compiler = CompilationManager(model, c, self.builder)
         self.compiler.compile_all(params, self.state)
+        reserve = getattr(self, "_scratch_reserve", None)
+        if reserve is not None and self.compiler.temp_bytes > reserve:
+            log.warning("the largest step needs %.2f GB of scratch but %.2f GB were reserved when sizing the KV "
+                        "pool: lower gpu_memory_utilization or set num_kv_blocks if steps run out of memory",
+                        self.compiler.temp_bytes / 1e9, reserve / 1e9)
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(c.seed)
@@ -174,6 +179,7 @@ class LLMEngine:
             other += c.max_ssm_slots * self.model.ssm_bytes_per_slot()
         free = limit * c.gpu_memory_utilization - used - act - other
         blocks = int(free // per_block)
+        self._scratch_reserve = act
         log.info("KV sizing: device limit %.2f GB, in use %.2f GB, reserved for activations %.2f GB -> %d blocks",
                  limit / 1e9, used / 1e9, act / 1e9, blocks)
         return blocks
