@@ -16,9 +16,9 @@ from metrale_jax.errors import PromptTooLongError
 from metrale_jax.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = fake_engine(use_ssm=True)
+@pytest.fixture(scope="module", params=[True, False], ids=["ssm", "kv-only"])
+def engine(request):
+    eng = fake_engine(use_ssm=request.param)
     yield eng
     eng.scheduler = eng._new_scheduler()
 
@@ -43,7 +43,7 @@ request_st = st.fixed_dictionaries(dict(
 ))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     reqs=st.lists(request_st, min_size=1, max_size=9),
     num_blocks=st.integers(32, 80),
@@ -75,7 +75,7 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
                 eng.add_request(rid, {"prompt_token_ids": prompts[i]}, sp)
                 added[rid] = (step, r)
                 if not r["penalty"]:
-                    expected[rid] = fake_greedy(w, prompts[i], r["max_tokens"], use_ssm=True,
+                    expected[rid] = fake_greedy(w, prompts[i], r["max_tokens"], use_ssm=eng.model.use_ssm,
                                                 ignore_eos=r["ignore_eos"], max_len=mml)
         if too_long and step == 3:
             with pytest.raises(PromptTooLongError):
@@ -122,7 +122,7 @@ def test_preemption_keeps_outputs_exact(engine):
     outs = eng.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert eng.scheduler.num_preemptions > 0
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == fake_greedy(w, p, 60, use_ssm=True, ignore_eos=True,
+        assert o.outputs[0].token_ids == fake_greedy(w, p, 60, use_ssm=eng.model.use_ssm, ignore_eos=True,
                                                      max_len=eng.config.max_model_len)
     _assert_pools_whole(eng.scheduler)
     assert eng.stats().num_preemptions == eng.scheduler.num_preemptions
@@ -154,3 +154,34 @@ def test_budget_streams_and_decode_first(engine):
     _assert_pools_whole(s)
     assert short.status == SeqStatus.FINISHED
     eng.scheduler = eng._new_scheduler()
+
+
+def test_parallel_sampling_shares_the_prompt(engine):
+    """n > 1 without SSM state: followers share the leader's whole prompt blocks (ref counts), and
+    their seeded samples equal those of the same sequences run without sharing."""
+    eng = engine
+    eng.scheduler = eng._new_scheduler()
+    s = eng.scheduler
+    bs = eng.config.block_size
+    p = np.random.default_rng(9).integers(2, 64, 45).tolist()
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=6, n=3, ignore_eos=True)
+    eng.add_request("n3", {"prompt_token_ids": p}, sp)
+    seqs = eng.requests["n3"].seqs
+    peak_refs = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak_refs = max([peak_refs] + [s.blocks.ref_count(b) for b in range(s.blocks.num_blocks)])
+    shared = (len(p) - 1) // bs
+    if eng.model.use_ssm:
+        assert peak_refs == 1 and all(q.leader is None for q in seqs[1:])
+    else:
+        assert peak_refs == 3, "the followers did not share the prompt blocks"
+        assert eng.stats().prompt_tokens_total >= len(p) + 2 * (len(p) - shared * bs)
+    _assert_pools_whole(s)
+    # the same three sequences, each alone as n=1 with its sequence index: same tokens
+    got = None
+    eng.add_request("n3b", {"prompt_token_ids": p}, sp)
+    got = [c.token_ids for c in eng.run_to_completion()["n3b"].outputs]
+    assert len({tuple(g) for g in got}) == 3
+    eng.add_request("n1", {"prompt_token_ids": p}, sp.clone(n=1))
+    assert eng.run_to_completion()["n1"].outputs[0].token_ids == got[0]

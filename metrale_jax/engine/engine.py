@@ -270,6 +270,8 @@ class LLMEngine:
             self._seq_ids += 1
             if params.logprobs is not None:
                 seq.logprobs = []
+            if i > 0 and not params.has_penalties and not self.uses_ssm:
+                seq.leader = req.seqs[0]  # share the prompt's KV blocks with sequence 0
             if self.tokenizer is not None:
                 from metrale_jax.loading.tokenizer import IncrementalDetokenizer
 

@@ -12,6 +12,12 @@ preempted by recompute: their blocks and slots are freed and they go back to the
 (at their original priority) with every token they had, to be prefilled again later. Nothing is
 lost; a preempted sequence's outputs so far are kept and re-read as part of its new prefill.
 
+Parallel sampling (n > 1) shares the prompt: the first sequence (the leader) prefills it; the
+others wait until the leader's cache holds the whole blocks before the last prompt token, take
+references on those blocks (`BlockAllocator.share`) and compute only the remaining prompt tokens
+themselves. Shared blocks are never written again. (Not for penalised requests, whose penalty rows
+count the prompt, nor for models with SSM state, whose state would need a copy.)
+
 A sequence with exactly one pending token is a decode row: its token is written to the cache at
 position `num_computed` and the next token is sampled from it.
 
@@ -74,6 +80,7 @@ class Sequence:
     num_preemptions: int = 0
     inflight: int = 0  # tokens sampled by dispatched steps whose output the host has not read yet
     inflight_row: int = -1  # the sampled row of the newest of them in its step
+    leader: Sequence | None = None  # n > 1: the sequence whose prompt KV blocks this one shares
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
@@ -186,6 +193,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        seq.leader = None  # recompute on its own
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -247,11 +255,17 @@ class Scheduler:
             budget -= length
             prefill += length
 
-        # 3. admissions, first come first served (none in a step that had to preempt)
-        while self.waiting and not step.preempted:
-            seq = self.waiting[0]
+        # 3. admissions, first come first served (none in a step that had to preempt). A follower
+        #    (n > 1) whose leader has not computed the shared prompt blocks yet is stepped over.
+        i = 0
+        while i < len(self.waiting) and not step.preempted:
+            seq = self.waiting[i]
             if seq.inflight:  # preempted with a token in flight: admit once the host has it
                 break
+            shared = self._shared_blocks(seq)
+            if shared is None:  # wait for the leader
+                i += 1
+                continue
             room = min(budget, self.max_prefill_tokens - prefill)
             if (len(step.chunks) >= self.max_streams or room <= 0
                     or len(self.running) >= self.max_num_seqs):
@@ -261,22 +275,42 @@ class Scheduler:
                 break
             if self.uses_ssm and self.ssm_slots.num_free == 0:
                 break
+            start = len(shared) * self.block_size
             spare = self.blocks.num_free - self.watermark
-            length = min(seq.pending, room, spare * self.block_size)
+            length = min(seq.pending - start, room, spare * self.block_size)
             if length < 1:
                 break
-            self.waiting.pop(0)
-            seq.blocks = self.blocks.allocate(self._blocks_needed(seq, length))
+            self.waiting.pop(i)
+            self.blocks.share(shared)
+            seq.blocks = list(shared)
+            seq.num_computed = start
+            seq.blocks += self.blocks.allocate(self._blocks_needed(seq, start + length))
             if wants_pen:
                 seq.pen_row = self.pen_rows.allocate()
             if self.uses_ssm:
                 seq.ssm_slot = self.ssm_slots.allocate()
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.priority)
-            step.chunks.append(Chunk(seq, 0, length))
+            step.chunks.append(Chunk(seq, start, length))
             budget -= length
             prefill += length
         return step
+
+    def _shared_blocks(self, seq: Sequence) -> list[int] | None:
+        """The leader's prompt blocks a follower can share ([] = none), or None = wait for them.
+
+        Only whole blocks before the last prompt token are shared (the follower computes the rest
+        itself, so nobody ever writes into a shared block)."""
+        lead = seq.leader
+        if lead is None:
+            return []
+        k = (seq.prompt_len - 1) // self.block_size
+        if lead.status == SeqStatus.FINISHED or k == 0:
+            seq.leader = None
+            return []
+        if lead.status == SeqStatus.RUNNING and lead.num_computed >= k * self.block_size:
+            return lead.blocks[:k]
+        return None
 
     def complete(self, step: ScheduledStep) -> None:
         """Mark the step's tokens as cached (call after the step ran, before appending samples)."""
