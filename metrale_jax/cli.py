@@ -42,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                    "from free GPU memory, or a small pool on CPU)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--pallas", action="store_true", help="use the Pallas attention kernels (GPU)")
+    g.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
+                   help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/metrale_jax/jax_cache)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (for requests without their own)")
@@ -56,7 +57,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        attention=AttentionConfig(use_pallas=args.pallas),
+        attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
     )
     kw.update(overrides)

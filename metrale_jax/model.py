@@ -64,6 +64,13 @@ class Model:
         """hidden [S, H] -> f32[S, V]."""
         return self.family.compute_logits(self.cfg, params, hidden)
 
+    def pallas_unsupported(self) -> str | None:
+        """Why the Pallas kernels cannot run this model, or None when they can."""
+        d = self.cfg.head_dim
+        if self.num_attention_layers and (d < 16 or d & (d - 1)):
+            return f"head_dim={d} is not a power of two >= 16"
+        return None
+
     @property
     def num_attention_layers(self) -> int:
         return self.family.num_attention_layers(self.cfg)

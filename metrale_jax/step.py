@@ -50,20 +50,7 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
                     penalty_rows: int = 0) -> StepState:
     """Zeroed state: `num_blocks` KV blocks of `block_size` tokens, `penalty_rows` penalty rows."""
     ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots)
-    return StepState(_unalias(ms), init_penalty_state(penalty_rows, model.cfg.vocab_size))
-
-
-def _unalias(tree):
-    """Copy any leaf that appears twice (a donated buffer may be passed only once)."""
-    seen: set[int] = set()
-
-    def one(x):
-        if id(x) in seen:
-            return x.copy()
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(one, tree)
+    return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
 
 
 def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,

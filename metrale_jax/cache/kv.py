@@ -42,8 +42,9 @@ def init_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
 ) -> KVCache:
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    ones = jnp.ones((num_layers,), jnp.float32)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ones, ones)
+    # Four distinct buffers: the state is donated, and one buffer may not be donated twice.
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.ones((num_layers,), jnp.float32),
+                   jnp.ones((num_layers,), jnp.float32))
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:

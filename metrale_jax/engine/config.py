@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.loading.hub import DEFAULT_MODEL
@@ -48,7 +48,7 @@ class EngineConfig:
     max_penalty_rows: int | None = None  # sequences with penalties at once; None = max_num_seqs
     max_ssm_slots: int | None = None  # None = max_num_seqs (only for models with SSM state)
     seed: int = 0  # draws the seeds of requests that give none
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    attention: AttentionConfig | None = None  # None: the Pallas kernels on GPU, the XLA reference on CPU
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX persistent cache; None = off
     compile_workers: int = 4
     show_progress: bool = True
@@ -92,6 +92,7 @@ class EngineConfig:
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
+            attention=self.attention or AttentionConfig(use_pallas=on_gpu),
         )
 
     @property

@@ -28,6 +28,7 @@ from metrale_jax.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata_builder import (
     BuilderConfig,
     DecodeRow,
@@ -86,7 +87,12 @@ class LLMEngine:
         self.params = params
         self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
                                      on_gpu=_on_gpu())
+        why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None
+        if self.config.attention.use_pallas and why_not:
+            log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)
+            self.config = self.config.replace(attention=AttentionConfig(use_pallas=False))
         c = self.config
+        log.info("kernels: %s", "Pallas" if c.attention.use_pallas else "XLA reference")
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
