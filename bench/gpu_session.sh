@@ -17,17 +17,18 @@ python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__ve
 
 if [[ $parts == *tests* ]]; then
   gpu_files=$(grep -l "mark.gpu" tests/test_*.py | grep -v test_server)
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+    $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $parts == *throughput* ]]; then
-  timeout 240 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 --pallas \
-    --batches 1,8,64 --context 512 --num-requests 128 --max-model-len 2048 \
+  timeout 250 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
+    --batches 1,8,64 --context 512 --num-requests 64 --max-model-len 2048 \
     --out "$OUT/throughput_llama3_8b_gpu.json" 2>&1 | tail -30
 fi
 if [[ $parts == *serve* ]]; then
   python3 bench/random_checkpoint.py --shape smollm2-135m --dtype bfloat16 \
     --tokenizer-dir .gpu_carry/smollm2_tok --out /tmp/rand_smollm2 >/dev/null
-  timeout 150 python3 bench/serve.py --launch /tmp/rand_smollm2 --rate 16 --num-requests 128 \
+  timeout 110 python3 bench/serve.py --launch /tmp/rand_smollm2 --rate 16 --num-requests 96 \
     --output-len 64 --label gpu-smollm2-random --out "$OUT/serve_gpu_smollm2.json" \
     -- --dtype bfloat16 --max-num-seqs 64 2>&1 | tail -20
 fi
