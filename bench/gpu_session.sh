@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())" | tee -a "$OUT/device.txt"
 
 if [[ $parts == *tests* ]]; then
-  gpu_files=$(grep -l "mark.gpu" tests/test_*.py | grep -v test_server)
+  gpu_files=${GPU_TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py | grep -v test_server)}
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
     $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
@@ -31,4 +31,5 @@ if [[ $parts == *serve* ]]; then
   timeout 110 python3 bench/serve.py --launch /tmp/rand_smollm2 --rate 16 --num-requests 96 \
     --output-len 64 --label gpu-smollm2-random --out "$OUT/serve_gpu_smollm2.json" \
     -- --dtype bfloat16 --max-num-seqs 64 2>&1 | tail -20
+  cp /tmp/metrale_bench_serve.log "$OUT/serve_server.log" 2>/dev/null; tail -15 /tmp/metrale_bench_serve.log
 fi

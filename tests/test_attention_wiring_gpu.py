@@ -4,6 +4,8 @@ reference path, on SmolLM2- and Qwen3-shaped models with random weights.
 float32: the same greedy ids and logits within 1e-3; bfloat16: logits within bf16 tolerance.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,14 @@ def test_pallas_attention_in_engine_path(shape, dtype):
         assert ids == ref_ids
         np.testing.assert_allclose(got, ref, atol=1e-3, rtol=1e-3)
     else:
-        # bf16 activations: compare the first step's logits only (later steps may pick other tokens).
-        scale = np.abs(ref[0]).max()
-        assert np.abs(got[0] - ref[0]).max() < 0.05 * scale
+        # bf16 error compounds over 30 random layers: hold the kernels to the reference path's own
+        # bf16 error against float32 on the same (bf16-rounded) weights, on the first step's logits.
+        f32_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+        f32_model = dataclasses.replace(model, dtype="float32")
+        with jax.default_matmul_precision("highest"):
+            _, exact = _greedy(f32_model, f32_params, AttentionConfig(), prompt, 1)
+
+        def rel(a):
+            return np.linalg.norm(a[0] - exact[0]) / np.linalg.norm(exact[0])
+
+        assert rel(got) <= 1.5 * rel(ref) + 1e-3, (rel(got), rel(ref))

@@ -33,6 +33,13 @@ def loaded():
 
 @pytest.mark.parametrize("name,impl", CASES)
 def test_chunked_prefill_then_decode(loaded, name, impl):
+    # On GPU, XLA's f32 default is TF32, and the kernels accumulate in another order: looser bound.
+    tol = dict(rtol=2e-3, atol=2e-3) if impl == "pallas-gpu" else TOL
+    with jax.default_matmul_precision("highest"):
+        _check(loaded, name, impl, tol)
+
+
+def _check(loaded, name, impl, TOL):
     if name not in loaded:
         loaded[name] = load_model(FIXTURES / name, dtype="float32", show_progress=False)
     model, params = loaded[name]
