@@ -298,7 +298,9 @@ class LLMEngine:
                 seq.finish_reason = seq.finish_reason or "abort"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while a request runs, or a dispatched step has not been read back yet (stepping
+        until False drains the device, so nothing is left in flight at exit)."""
+        return bool(self.requests) or self._inflight is not None
 
     def stats(self) -> EngineStats:
         s = self.scheduler
