@@ -2,7 +2,9 @@
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
 #   bash bench/gpu_session.sh [tests] [throughput] [serve]      (default: all three)
-# .whl holds the wheels the machine lacks (fastapi, starlette, uvicorn, pydantic, fla-core);
+# .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
+#   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
+#   opentelemetry-api (fastapi >= 0.16x imports it) fla-core;
 # .gpu_carry/smollm2_tok the SmolLM2 tokenizer files (for a random-weight serving checkpoint).
 set -u
 OUT=${OUT:-/tmp/out}
