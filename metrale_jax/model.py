@@ -107,14 +107,17 @@ class Model:
 
 
 def load_model(
-    path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True
+    path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
+    quantization: str | None = None,
 ) -> tuple[Model, dict]:
     """Load a checkpoint (HF safetensors directory, GGUF file, or a known alias) -> (model, params).
 
     dtype: "auto" (the checkpoint's own float dtype; float32 for GGUF), "float32", "bfloat16"
-    or "float16". A GGUF's dequantized parameters are saved with orbax on first load
-    (`cache_converted`), so later loads skip the dequantization. Raises a `LoadError` subclass
-    naming the file or tensor on any problem.
+    or "float16". FP8 block-scaled checkpoints (`quantization_config.quant_method == "fp8"`)
+    keep their FP8 linears; `quantization="fp8"` quantizes every decoder linear of a
+    higher-precision checkpoint to the same 128x128-block format at load. A GGUF's dequantized
+    parameters are saved with orbax on first load (`cache_converted`), so later loads skip the
+    dequantization. Raises a `LoadError` subclass naming the file or tensor on any problem.
     """
     from metrale_jax.loading import orbax_io
     from metrale_jax.loading.checkpoint import open_checkpoint
@@ -133,8 +136,14 @@ def load_model(
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization={quantization!r} must be None or 'fp8'")
+    if ckpt.config.get("quantization_config") is not None:
+        from metrale_jax.quant.fp8 import check_fp8_quantization_config
+
+        check_fp8_quantization_config(ckpt.config["quantization_config"])
     cache_dir = None
-    if cache_converted and ckpt.format == "gguf":
+    if cache_converted and ckpt.format == "gguf" and quantization is None:
         cache_dir = orbax_io.conversion_cache_dir(ckpt.path, np_dtype(dtype))
     try:
         if cache_dir is not None and orbax_io.has_params(cache_dir):
@@ -142,7 +151,8 @@ def load_model(
             params = jax.tree.map(jax.device_put, host)
             log.info("restored converted parameters from %s", cache_dir)
         else:
-            reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress)
+            reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
+                                  quantize_fp8=quantization == "fp8")
             params = fam.load_params(cfg, reader)
             if cache_dir is not None:
                 orbax_io.save_params(params, cache_dir, {"source": str(ckpt.path), "dtype": dtype})

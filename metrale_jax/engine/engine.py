@@ -143,7 +143,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from metrale_jax.model import load_model
 
-        model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress)
+        model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
+                                   quantization=config.quantization)
         return cls(model, params, config)
 
     def _new_scheduler(self, **limits: int) -> Scheduler:

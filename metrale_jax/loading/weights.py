@@ -7,14 +7,18 @@ shows a progress bar, and places the finished tree on the device.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 
 import jax
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from metrale_jax.errors import MissingTensorError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.errors import LoadError, MissingTensorError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 _NP_DTYPES = {
     "float32": np.float32,
@@ -32,13 +36,19 @@ def np_dtype(dtype) -> np.dtype:
 
 
 class WeightReader:
-    """Reads HF-named tensors from a TensorSource into numpy arrays of one dtype."""
+    """Reads HF-named tensors from a TensorSource into numpy arrays of one dtype.
 
-    def __init__(self, source, dtype, origin: str = "", show_progress: bool = True):
+    FP8 block-scaled checkpoints (`weight` float8_e4m3fn + `weight_scale_inv`): `linears` keeps
+    a linear in FP8 when the checkpoint does (or everywhere with `quantize_fp8`), and `get`
+    dequantizes any other FP8 tensor to the model dtype.
+    """
+
+    def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False):
         self.source = source
         self.dtype = np_dtype(dtype)
         self.origin = origin
         self.show_progress = show_progress
+        self.quantize_fp8 = quantize_fp8
         self._names = set(source.names())
         self.used: set[str] = set()
 
@@ -56,11 +66,63 @@ class WeightReader:
             )
         self.used.add(name)
         arr = np.asarray(self.source.load(name))
+        if arr.dtype == FP8:
+            from metrale_jax.quant.fp8 import dequantize_fp8_block
+
+            arr = dequantize_fp8_block(arr, self._scale_of(name))
         if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)):
             raise UnsupportedDtypeError(
                 f"tensor {name!r} in {self.origin} has dtype {arr.dtype}; a float type was expected"
             )
         return self.cast(arr) if cast else arr.astype(np.float32)
+
+    def _scale_of(self, name: str) -> np.ndarray:
+        scale = name + "_scale_inv"
+        if scale not in self._names:
+            raise MissingTensorError(f"FP8 tensor {name!r} in {self.origin} has no {scale!r}")
+        self.used.add(scale)
+        return np.asarray(self.source.load(scale))
+
+    def is_fp8(self, name: str) -> bool:
+        return name in self._names and np.dtype(self.source.dtype(name)) == FP8
+
+    def fp8_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """(w8 f8[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]): as stored, or quantized now."""
+        from metrale_jax.quant.fp8 import check_fp8_weight, quantize_fp8_block
+
+        if not self.is_fp8(name):
+            return quantize_fp8_block(self.get(name, shape))
+        got = tuple(self.source.shape(name))
+        if got != tuple(shape):
+            raise TensorShapeError(f"tensor {name!r} in {self.origin} has shape {got}, expected {tuple(shape)}")
+        self.used.add(name)
+        w8 = np.asarray(self.source.load(name))
+        return w8, check_fp8_weight(w8, self._scale_of(name), name=name)
+
+    def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = ""):
+        """One (possibly fused) linear per layer, stacked: parts(i) lists layer i's checkpoint
+        weights [N_j, K] in output order. -> f[L, K, sum N_j], or an `Fp8Linear` when the
+        checkpoint stores these weights in FP8 (or with quantize_fp8)."""
+        first = [name for name, _ in parts(0)]
+        fp8 = self.quantize_fp8 or self.is_fp8(first[0])
+        if fp8 and not self.quantize_fp8 and not all(self.is_fp8(n) for n in first):
+            raise LoadError(f"{self.origin}: the fused weights {first} mix FP8 and non-FP8 tensors")
+        sizes = [n for _, n in parts(0)]
+        if not fp8:
+            out = self.stacked(num_layers, (k, sum(sizes)))
+            for i in self.progress(range(num_layers), desc):
+                out[i] = np.concatenate([self.get(name, (n, k)) for name, n in parts(i)]).T
+            return out
+        padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
+        starts = np.cumsum([0] + padded[:-1]).tolist()
+        w8 = np.zeros((num_layers, sum(padded), k), FP8)
+        scale = np.ones((num_layers, sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), np.float32)
+        for i in self.progress(range(num_layers), desc):
+            for (name, n), start in zip(parts(i), starts):
+                q, s = self.fp8_weight(name, (n, k))
+                w8[i, start:start + n] = q
+                scale[i, start // FP8_BLOCK:start // FP8_BLOCK + s.shape[0]] = s
+        return Fp8Linear(w8, scale, tuple(zip(starts, sizes)))
 
     def cast(self, arr: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(arr.astype(self.dtype))
@@ -72,4 +134,5 @@ class WeightReader:
         return tqdm(it, desc=f"loading {desc}", disable=not self.show_progress, leave=False)
 
     def to_device(self, tree):
-        return jax.tree.map(lambda a: jax.device_put(np.asarray(a, self.dtype) if a.dtype != self.dtype else a), tree)
+        """Place the tree on the device as built (FP8 weights and their f32 scales keep their dtypes)."""
+        return jax.tree.map(jax.device_put, tree)

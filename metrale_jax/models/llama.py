@@ -46,40 +46,40 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-def load_params(cfg: ModelConfig, reader: WeightReader, mlp_shapes=None, load_mlp=None) -> dict:
+def load_params(cfg: ModelConfig, reader: WeightReader, load_mlp=None) -> dict:
     """Map Hugging Face tensor names to the parameter tree (see the module docstring).
 
-    Families with another MLP (MoE) pass `mlp_shapes(cfg) -> {name: shape}` and
-    `load_mlp(cfg, reader, prefix, layers, i)` for it; attention and norms load the same way.
+    Families with another MLP (MoE) pass `load_mlp(cfg, reader) -> {name: stacked array}`;
+    attention and norms load the same way. Linear weights stay FP8 where the checkpoint has
+    them so (or with quantize-on-load): see `WeightReader.linears`.
     """
-    mlp_shapes = mlp_shapes or dense_mlp_shapes
     load_mlp = load_mlp or load_dense_mlp
-    hq, hkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    hq, hkv, d, h, L = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.num_layers
+    a = "model.layers.{}.self_attn."
+    layers = {
+        "wqkv": reader.linears(L, h, lambda i: [(a.format(i) + f"{x}_proj.weight", s * d)
+                                               for x, s in (("q", hq), ("k", hkv), ("v", hkv))], "qkv"),
+        "wo": reader.linears(L, hq * d, lambda i: [(a.format(i) + "o_proj.weight", h)], "o_proj"),
+        **load_mlp(cfg, reader),
+        "attn_norm": reader.stacked(L, (h,)),
+        "mlp_norm": reader.stacked(L, (h,)),
+    }
     qkv = (hq + 2 * hkv) * d
-    shapes = {"attn_norm": (h,), "wqkv": (h, qkv), "wo": (hq * d, h), "mlp_norm": (h,), **mlp_shapes(cfg)}
     if cfg.attention_bias:
-        shapes["bqkv"] = (qkv,)
+        layers["bqkv"] = reader.stacked(L, (qkv,))
     if cfg.qk_norm:
-        shapes["q_norm"] = (d,)
-        shapes["k_norm"] = (d,)
-    layers = {k: reader.stacked(cfg.num_layers, s, name=k) for k, s in shapes.items()}
-    for i in reader.progress(range(cfg.num_layers), "layers"):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        wq = reader.get(a + "q_proj.weight", (hq * d, h))
-        wk = reader.get(a + "k_proj.weight", (hkv * d, h))
-        wv = reader.get(a + "v_proj.weight", (hkv * d, h))
-        layers["wqkv"][i] = np.concatenate([wq, wk, wv], axis=0).T
-        layers["wo"][i] = reader.get(a + "o_proj.weight", (h, hq * d)).T
+        layers["q_norm"] = reader.stacked(L, (d,))
+        layers["k_norm"] = reader.stacked(L, (d,))
+    for i in reader.progress(range(L), "norms"):
+        p, q = f"model.layers.{i}.", a.format(i)
         if cfg.attention_bias:
             sizes = (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
-            layers["bqkv"][i] = np.concatenate([reader.get(a + f"{n}_proj.bias", (s,)) for n, s in sizes])
+            layers["bqkv"][i] = np.concatenate([reader.get(q + f"{n}_proj.bias", (s,)) for n, s in sizes])
         if cfg.qk_norm:
-            layers["q_norm"][i] = reader.get(a + "q_norm.weight", (d,))
-            layers["k_norm"][i] = reader.get(a + "k_norm.weight", (d,))
+            layers["q_norm"][i] = reader.get(q + "q_norm.weight", (d,))
+            layers["k_norm"][i] = reader.get(q + "k_norm.weight", (d,))
         layers["attn_norm"][i] = reader.get(p + "input_layernorm.weight", (h,))
         layers["mlp_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
-        load_mlp(cfg, reader, p + "mlp.", layers, i)
     params = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
         "layers": layers,
@@ -90,17 +90,14 @@ def load_params(cfg: ModelConfig, reader: WeightReader, mlp_shapes=None, load_ml
     return reader.to_device(params)
 
 
-def dense_mlp_shapes(cfg: ModelConfig) -> dict:
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    return {"w_gate_up": (h, 2 * inter), "w_down": (inter, h)}
-
-
-def load_dense_mlp(cfg: ModelConfig, reader: WeightReader, p: str, layers: dict, i: int) -> None:
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    g = reader.get(p + "gate_proj.weight", (inter, h))
-    u = reader.get(p + "up_proj.weight", (inter, h))
-    layers["w_gate_up"][i] = np.concatenate([g, u], axis=0).T
-    layers["w_down"][i] = reader.get(p + "down_proj.weight", (h, inter)).T
+def load_dense_mlp(cfg: ModelConfig, reader: WeightReader) -> dict:
+    h, inter, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    m = "model.layers.{}.mlp."
+    return {
+        "w_gate_up": reader.linears(L, h, lambda i: [(m.format(i) + "gate_proj.weight", inter),
+                                                     (m.format(i) + "up_proj.weight", inter)], "gate_up"),
+        "w_down": reader.linears(L, inter, lambda i: [(m.format(i) + "down_proj.weight", h)], "down_proj"),
+    }
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------

@@ -26,24 +26,25 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, qk_norm=True, extra=tuple(sorted(extra.items())))
 
 
-def moe_shapes(cfg: ModelConfig) -> dict:
-    e, h, i = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size")
-    return {"router": (h, e), "experts_gate_up": (e, h, 2 * i), "experts_down": (e, i, h)}
-
-
-def load_moe_mlp(cfg: ModelConfig, reader, p: str, layers: dict, i: int) -> None:
-    e, h, inter = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size")
-    layers["router"][i] = reader.get(p + "gate.weight", (e, h)).T
-    for j in range(e):
-        q = f"{p}experts.{j}."
-        g = reader.get(q + "gate_proj.weight", (inter, h))
-        u = reader.get(q + "up_proj.weight", (inter, h))
-        layers["experts_gate_up"][i, j] = np.concatenate([g, u], axis=0).T
-        layers["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, inter)).T
+def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
+    """Router and per-expert weights, stacked over layers (FP8 experts are dequantized at load)."""
+    e, h, inter, L = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size"), cfg.num_layers
+    out = {"router": reader.stacked(L, (h, e)), "experts_gate_up": reader.stacked(L, (e, h, 2 * inter)),
+           "experts_down": reader.stacked(L, (e, inter, h))}
+    for i in reader.progress(range(L), "experts"):
+        p = f"model.layers.{i}.mlp."
+        out["router"][i] = reader.get(p + "gate.weight", (e, h)).T
+        for j in range(e):
+            q = f"{p}experts.{j}."
+            g = reader.get(q + "gate_proj.weight", (inter, h))
+            u = reader.get(q + "up_proj.weight", (inter, h))
+            out["experts_gate_up"][i, j] = np.concatenate([g, u], axis=0).T
+            out["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, inter)).T
+    return out
 
 
 def load_params(cfg: ModelConfig, reader) -> dict:
-    return llama.load_params(cfg, reader, mlp_shapes=moe_shapes, load_mlp=load_moe_mlp)
+    return llama.load_params(cfg, reader, load_mlp=load_moe_mlp)
 
 
 __all__ = ["ARCHITECTURES", "adapt_config", "load_params", "forward", "forward_paged", "compute_logits",

@@ -1,0 +1,137 @@
+"""FP8 block-scaled checkpoints (DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv` format) and
+quantize-on-load, through the model and the engine."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from metrale_jax import LLM, SamplingParams, load_model
+from metrale_jax.errors import MissingTensorError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.layers.linear import Fp8Linear
+from tests.conftest import FIXTURES
+
+FP8 = FIXTURES / "llama_fp8_tiny"
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_fp8_checkpoint_keeps_fp8_and_matches_dequantized_reference():
+    model, params = load_model(FP8, dtype="float32")
+    wqkv = params["layers"]["wqkv"]
+    assert isinstance(wqkv, Fp8Linear) and wqkv.w8.dtype == jnp.float8_e4m3fn
+    # q (160 rows), k and v (32 each), each padded to whole 128-row blocks.
+    assert wqkv.segments == ((0, 160), (256, 32), (384, 32)) and wqkv.w8.shape == (2, 512, 160)
+    g = np.load(FP8 / "golden.npz")
+    logits = np.asarray(jax.jit(model.forward)(params, jnp.asarray(g["input_ids"]), None, jnp.asarray(g["lengths"])))
+    for b, n in enumerate(g["lengths"]):
+        # The golden ran transformers on the dequantized weights: the same function, up to rounding.
+        np.testing.assert_allclose(logits[b, :n], g["logits"][b, :n], rtol=1e-4, atol=1e-4)
+    # Against the unquantized model: within FP8 error (the tiny random net amplifies it, see README).
+    assert _rel(logits[2], g["logits_unquantized"][2]) < 0.3
+
+
+def test_quantize_on_load(tmp_path):
+    """quantization="fp8" equals a dense model whose linears went through the block format's
+    quantize -> dequantize in numpy (quant.fp8), and stays within FP8 error of the original."""
+    from metrale_jax.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+
+    src = FIXTURES / "llama_tiny"
+    model, q = load_model(src, dtype="float32", quantization="fp8")
+    assert isinstance(q["layers"]["w_down"], Fp8Linear) and not isinstance(q["embed"], Fp8Linear)
+    d = tmp_path / "qdq"
+    shutil.copytree(src, d)
+    t = load_file(d / "model.safetensors")
+    for name in t:
+        if name.endswith("_proj.weight"):
+            t[name] = dequantize_fp8_block(*quantize_fp8_block(t[name]))
+    save_file(t, d / "model.safetensors")
+    qdq_model, qdq = load_model(d, dtype="float32")
+    ref_model, ref = load_model(src, dtype="float32")
+    toks = jnp.asarray(np.load(src / "golden.npz")["input_ids"][2:3])
+    got = np.asarray(model.forward(q, toks))
+    np.testing.assert_allclose(got, np.asarray(qdq_model.forward(qdq, toks)), rtol=1e-4, atol=1e-4)
+    assert 0 < _rel(got, np.asarray(ref_model.forward(ref, toks))) < 0.3
+
+
+def test_engine_generates_from_fp8_checkpoint():
+    model, params = load_model(FP8, dtype="float32")
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    fwd = jax.jit(model.forward)
+    ids = list(prompt)
+    for _ in range(8):  # greedy by repeated dense forwards: the reference
+        ids.append(int(jnp.argmax(fwd(params, jnp.asarray([ids]))[0, -1])))
+    llm = LLM(model=str(FP8), dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=16)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == ids[len(prompt):]
+
+
+@pytest.fixture
+def fp8_copy(tmp_path):
+    d = tmp_path / "fp8"
+    shutil.copytree(FP8, d)
+    return d
+
+
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e8m0fnu": "F8_E8M0"}
+
+
+def _edit(d, fn):
+    """Rewrite model.safetensors after fn(tensors) (safetensors' numpy API has no FP8 dtypes,
+    so the file is written by hand: an 8-byte header length, a JSON header, the raw data)."""
+    from metrale_jax.loading.tensors import SafetensorsSource
+
+    src = SafetensorsSource(d / "model.safetensors")
+    t = {name: src.load(name) for name in src.names()}
+    src.close()
+    fn(t)
+    header, blobs, off = {}, [], 0
+    for name, a in t.items():
+        raw = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": _CODES[a.dtype.name], "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+def test_missing_scale_is_an_error(fp8_copy):
+    _edit(fp8_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale_inv"))
+    with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv"):
+        load_model(fp8_copy)
+
+
+def test_wrong_scale_shape_is_an_error(fp8_copy):
+    def cut(t):
+        name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+        t[name] = t[name][:1]
+
+    _edit(fp8_copy, cut)
+    with pytest.raises(TensorShapeError, match="o_proj.weight_scale_inv"):
+        load_model(fp8_copy)
+
+
+def test_e8m0_scales_are_unsupported(fp8_copy):
+    def to_e8m0(t):
+        name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+        t[name] = t[name].astype(ml_dtypes.float8_e8m0fnu)
+
+    _edit(fp8_copy, to_e8m0)
+    with pytest.raises(UnsupportedDtypeError, match="down_proj"):
+        load_model(fp8_copy)
+
+
+def test_unsupported_block_size_is_an_error(fp8_copy):
+    cfg = json.loads((fp8_copy / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    (fp8_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedDtypeError, match=r"\[64, 64\]"):
+        load_model(fp8_copy)
