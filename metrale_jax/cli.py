@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                    help=f"checkpoint path (HF folder or .gguf) or alias (default: {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
+    g.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="quantize the decoder linears at load (fp8: e4m3 with 128x128 block scales)")
     g.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
@@ -54,7 +56,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
     from metrale_jax.layers.attention import AttentionConfig
 
     kw = dict(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas),
@@ -70,7 +73,7 @@ def _load_engine(args: argparse.Namespace, **overrides):
     from metrale_jax.model import load_model
 
     t0 = time.perf_counter()
-    model, params = load_model(args.model, dtype=args.dtype)
+    model, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     cfg = engine_config_from_args(args, **overrides)
     if cfg.max_model_len and cfg.max_model_len > model.cfg.max_position_embeddings:
         cfg = cfg.replace(max_model_len=model.cfg.max_position_embeddings)
