@@ -27,9 +27,8 @@ from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig, rope_inv_freq
 from metrale_jax.layers.attention import (
     AttentionConfig,
-    decode_attention,
     dense_causal_attention,
-    prefill_attention,
+    paged_attention,
 )
 from metrale_jax.layers.mlp import linear, swiglu_mlp
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
@@ -165,7 +164,6 @@ def forward_paged(
     attn: AttentionConfig,
 ):
     """tokens i32[N + T]: N decode rows, then T prefill tokens -> (state, hidden [N + T, H])."""
-    n = dmd.num_seqs if dmd is not None else 0
     parts = [m for m in (dmd, pmd) if m is not None]
     positions = jnp.concatenate([m.positions for m in parts])
     slots = jnp.concatenate([m.slots for m in parts])
@@ -177,12 +175,7 @@ def forward_paged(
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(cfg, lp, h, positions)
         kv = write_kv(kv, i, slots, k, v)
-        outs = []
-        if dmd is not None:
-            outs.append(decode_attention(q[:n], kv, i, dmd, scale, attn))
-        if pmd is not None:
-            outs.append(prefill_attention(q[n:], kv, i, pmd, scale, attn))
-        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+        o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x), kv, i + 1), None
 

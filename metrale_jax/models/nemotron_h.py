@@ -34,7 +34,7 @@ import numpy as np
 
 from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig
-from metrale_jax.layers.attention import decode_attention, dense_causal_attention, prefill_attention
+from metrale_jax.layers.attention import dense_causal_attention, paged_attention
 from metrale_jax.layers.mamba2 import gated_group_rms_norm, softplus, ssd_varlen
 from metrale_jax.layers.mlp import linear
 from metrale_jax.layers.moe import routed_experts
@@ -314,12 +314,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
         q, k, v = jnp.split(linear(h, ap["wqkv"]), [hq * d, (hq + hkv) * d], axis=-1)
         q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
         kv = write_kv(kv, i, slots, k, v)
-        outs = []
-        if dmd is not None:
-            outs.append(decode_attention(q[:n], kv, i, dmd, d**-0.5, attn_cfg))
-        if pmd is not None:
-            outs.append(prefill_attention(q[n:], kv, i, pmd, d**-0.5, attn_cfg))
-        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+        o = paged_attention(q, kv, i, dmd, pmd, d**-0.5, attn_cfg)
         return linear(o.reshape(o.shape[0], -1), ap["wo"]), (kv, ssm)
 
     mixers = {MAMBA: mamba, ATTN: attn, **_ffn_mixers(cfg, params)}

@@ -31,9 +31,8 @@ from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig, rope_inv_freq
 from metrale_jax.layers.attention import (
     AttentionConfig,
-    decode_attention,
     dense_causal_attention,
-    prefill_attention,
+    paged_attention,
 )
 from metrale_jax.layers.mlp import linear, swiglu_mlp
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
@@ -273,7 +272,6 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     GDN layers treat each decode row as a stream of one token and each prefill chunk as a stream
     that starts from its pool row (or from zeros when the chunk starts at position 0).
     """
-    n = dmd.num_seqs if dmd is not None else 0
     parts = [m for m in (dmd, pmd) if m is not None]
     positions = jnp.concatenate([m.positions for m in parts])
     slots = jnp.concatenate([m.slots for m in parts])
@@ -296,12 +294,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         ap = _take(params["attn"], ia)
         q, k, v, gate = _attn_qkv(cfg, ap, h, positions)
         kv = write_kv(kv, ia, slots, k, v)
-        outs = []
-        if dmd is not None:
-            outs.append(decode_attention(q[:n], kv, ia, dmd, scale, attn))
-        if pmd is not None:
-            outs.append(prefill_attention(q[n:], kv, ia, pmd, scale, attn))
-        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+        o = paged_attention(q, kv, ia, dmd, pmd, scale, attn)
         return x + _attn_out(ap, o, gate), kv, ssm
 
     def layer(carry, xs):
