@@ -55,8 +55,8 @@ def assert_pools_whole(eng: LLMEngine):
     st = eng.stats()
     assert st.num_waiting == 0 and st.num_running == 0 and not eng.has_unfinished_requests()
     assert st.kv_blocks_free == st.kv_blocks_total and st.kv_blocks_used == 0
-    assert st.ssm_slots_used == 0 and st.ssm_slots_total == eng.config.max_ssm_slots > 0
     s = eng.scheduler
+    assert st.ssm_slots_used == 0 and st.ssm_slots_total == s.ssm_slots.num_slots > 0
     assert s.ssm_slots.num_free == s.ssm_slots.num_slots and s.pen_rows.num_free == s.pen_rows.num_slots
 
 
@@ -102,6 +102,22 @@ def test_greedy_logprobs_and_chunked_prompt_logprobs(hybrid):
         assert set(np.argsort(-ref[i - 1])[:2].tolist()) <= set(d)
     assert o.outputs[0].token_ids[0] == int(np.argmax(ref[-1]))
     assert_pools_whole(eng)
+
+
+def test_last_prompt_token_alone_goes_through_prefill(hybrid):
+    """A 10-token budget leaves the prompt's last token alone in a chunk: it must still take the
+    prefill path (Nemotron-H's dt clamp binds there; a decode row was off by 9e-4 on this token)."""
+    eng, g = hybrid
+    prompt, ids = g["greedy_prompt"].tolist(), g["greedy_ids"].tolist()
+    eng.scheduler = eng._new_scheduler(max_num_batched_tokens=10)
+    try:
+        o = eng.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, logprobs=1))
+    finally:
+        eng.scheduler = eng._new_scheduler()
+    c = o[0].outputs[0]
+    assert c.token_ids == ids[:4]
+    ref = log_softmax(g["greedy_logits"][len(prompt) - 1])
+    assert abs(c.logprobs[0][ids[0]].logprob - ref[ids[0]]) < 2e-4
 
 
 def test_batch_invariance(hybrid):

@@ -1,7 +1,10 @@
 """Scheduler properties, run through the real engine loop, metadata builder and compiled steps
 over `FakeModel` (whose greedy continuation a host loop computes exactly): random arrivals,
-prompt lengths, budgets, pool sizes, aborts and bad requests. Every request finishes with exactly
-the reference tokens or is rejected cleanly; the pools are whole again afterwards."""
+prompt lengths, budgets, pool sizes (blocks, SSM slots, swap space), aborts and bad requests,
+under preemption by swap and by recompute, with and without SSM state. Every request finishes
+with exactly the reference tokens or is rejected cleanly; the pools are whole again afterwards.
+FakeModel's per-slot state (a running sum, a token count checked against the position, the last
+two tokens) turns a swap that restores the wrong, stale or no state into wrong tokens."""
 
 from __future__ import annotations
 
@@ -15,20 +18,28 @@ from metrale_jax.engine.testing import fake_engine, fake_greedy
 from metrale_jax.errors import PromptTooLongError
 from metrale_jax.sampling import SamplingParams
 
+# (use_ssm, preemption_mode): the defaults ("auto": swap with SSM state, recompute without) and
+# the other two combinations
+ENGINES = {"ssm-swap": (True, "auto"), "kv-only-recompute": (False, "auto"),
+           "ssm-recompute": (True, "recompute"), "kv-only-swap": (False, "swap")}
 
-@pytest.fixture(scope="module", params=[True, False], ids=["ssm", "kv-only"])
+
+@pytest.fixture(scope="module", params=list(ENGINES))
 def engine(request):
-    eng = fake_engine(use_ssm=request.param)
+    use_ssm, mode = ENGINES[request.param]
+    eng = fake_engine(use_ssm=use_ssm, **({} if mode == "auto" else {"preemption_mode": mode}))
+    assert eng.config.preemption_mode == ("swap" if "swap" in request.param else "recompute")
     yield eng
     eng.scheduler = eng._new_scheduler()
 
 
 def _assert_pools_whole(s: Scheduler):
-    assert not s.waiting and not s.running
+    assert not s.waiting and not s.running and not s.swapped
     assert s.blocks.num_free == s.blocks.num_blocks
     assert all(s.blocks.ref_count(b) == 0 for b in range(s.blocks.num_blocks))
     assert s.pen_rows.num_free == s.pen_rows.num_slots
     assert s.ssm_slots.num_free == s.ssm_slots.num_slots
+    assert s.swap_bytes == 0
 
 
 request_st = st.fixed_dictionaries(dict(
@@ -46,19 +57,26 @@ request_st = st.fixed_dictionaries(dict(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     reqs=st.lists(request_st, min_size=1, max_size=9),
-    num_blocks=st.integers(32, 80),
+    num_blocks=st.integers(32, 48),
     budget=st.integers(4, 16),
-    max_seqs=st.integers(1, 4),
+    max_seqs=st.integers(2, 4),
     streams=st.integers(1, 2),
     max_prefill=st.sampled_from([8, 16]),
     too_long=st.booleans(),
+    ssm_slots=st.integers(1, 4),
+    swap_space=st.sampled_from([None, None, None, 0, 400]),  # bytes (a 30-token sequence takes 144)
 )
-def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long):
+def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long,
+                            ssm_slots, swap_space):
     eng = engine
     w = np.asarray(eng.params["w"])
+    limits = dict(num_ssm_slots=ssm_slots) if eng.uses_ssm else {}
+    if swap_space is not None:
+        limits["swap_space_bytes"] = swap_space
     eng.scheduler = eng._new_scheduler(
         num_blocks=num_blocks, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
-        max_prefill_streams=streams, max_prefill_tokens=max_prefill)
+        max_prefill_streams=streams, max_prefill_tokens=max_prefill, **limits)
+    free0 = (eng.scheduler.blocks.num_free, eng.scheduler.ssm_slots.num_free, eng.scheduler.pen_rows.num_free)
     mml = eng.config.max_model_len
     rng = np.random.default_rng(len(reqs) * 1000 + num_blocks)
     prompts = [rng.integers(2, 64, r["prompt_len"]).tolist() for r in reqs]
@@ -68,15 +86,15 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
         for i, r in enumerate(reqs):
             if r["arrival"] == step:
                 rid = f"r{i}"
-                # greedy or penalised-greedy (penalties are checked in test_engine_fake; here they
-                # only take penalty rows) -- the reference applies to the greedy ones
+                # greedy or penalised-greedy (the penalty rows survive a swap, and are recounted
+                # after a recompute)
+                pen = 0.5 if r["penalty"] else 0.0
                 sp = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"],
-                                    n=r["n"], seed=r["seed"], presence_penalty=0.5 if r["penalty"] else 0.0)
+                                    n=r["n"], seed=r["seed"], presence_penalty=pen)
                 eng.add_request(rid, {"prompt_token_ids": prompts[i]}, sp)
                 added[rid] = (step, r)
-                if not r["penalty"]:
-                    expected[rid] = fake_greedy(w, prompts[i], r["max_tokens"], use_ssm=eng.model.use_ssm,
-                                                ignore_eos=r["ignore_eos"], max_len=mml)
+                expected[rid] = fake_greedy(w, prompts[i], r["max_tokens"], use_ssm=eng.model.use_ssm,
+                                            ignore_eos=r["ignore_eos"], max_len=mml, presence_penalty=pen)
         if too_long and step == 3:
             with pytest.raises(PromptTooLongError):
                 eng.add_request("bad", {"prompt_token_ids": [5] * mml}, SamplingParams())
@@ -104,9 +122,20 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
             assert c.finish_reason in ("stop", "length")
             if rid in expected:
                 assert c.token_ids == expected[rid], f"{rid}: {c.token_ids} != {expected[rid]}"
-    _assert_pools_whole(eng.scheduler)
-    target(float(eng.scheduler.num_preemptions), label="preemptions")
-    event(f"preempted: {eng.scheduler.num_preemptions > 0}")
+    s = eng.scheduler
+    _assert_pools_whole(s)
+    assert (s.blocks.num_free, s.ssm_slots.num_free, s.pen_rows.num_free) == free0
+    if eng.config.preemption_mode == "recompute" or swap_space == 0:
+        assert s.num_swaps == 0
+    elif swap_space is None:
+        assert s.num_swaps == s.num_preemptions  # every preemption swapped
+    assert s.num_swap_ins <= s.num_swaps
+    st_ = eng.stats()
+    assert (st_.num_swaps, st_.num_swap_ins, st_.num_swapped, st_.swap_bytes) == (s.num_swaps, s.num_swap_ins, 0, 0)
+    target(float(s.num_preemptions), label="preemptions")
+    target(float(s.num_swaps), label="swaps")
+    event(f"preempted: {s.num_preemptions > 0}")
+    event(f"swapped: {s.num_swaps > 0}")
     event(f"aborted: {bool(aborted)}")
 
 
@@ -119,8 +148,15 @@ def test_preemption_keeps_outputs_exact(engine):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 64, n).tolist() for n in (30, 11, 45, 3)]
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt_tokens0 = eng.stats().prompt_tokens_total
     outs = eng.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert eng.scheduler.num_preemptions > 0
+    if eng.config.preemption_mode == "swap":  # every preemption swapped, and every swap came back
+        assert eng.scheduler.num_swaps == eng.scheduler.num_swap_ins == eng.scheduler.num_preemptions
+        # swapping recomputes nothing: each prompt token went through the model once
+        assert eng.stats().prompt_tokens_total - prompt_tokens0 == sum(map(len, prompts))
+    else:
+        assert eng.scheduler.num_swaps == 0
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == fake_greedy(w, p, 60, use_ssm=eng.model.use_ssm, ignore_eos=True,
                                                      max_len=eng.config.max_model_len)

@@ -245,7 +245,7 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
     for r in rids:
         eng.add_request(r, {"prompt_token_ids": rng.integers(3, eng.vocab_size - 1, args.context).tolist()}, sp)
     # prefill until every row decodes
-    while any(s.pending > 1 or s.status.value == "waiting" for r in rids for s in eng.requests[r].seqs):
+    while any(not s.decoding or s.status.value != "running" for r in rids for s in eng.requests[r].seqs):
         eng.step()
     eng.step()  # one warm decode
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The compilation manager: every (step kind, bucket) the engine can run, compiled ahead of time.
 
-At start-up `compile_all` lowers and compiles each bucket's step once
+At start-up `compile_all` lowers and compiles each bucket's step once (and, when preemption
+swaps, the gather / scatter pair of each swap block bucket, `metrale_jax.engine.swap`)
 (`jax.jit(...).lower(abstract args).compile()`), a few at a time in threads, with a progress bar,
 going through JAX's persistent compilation cache. Serving then only ever calls those executables:
 a shape that is not a listed bucket raises instead of compiling, so a compile while serving
@@ -10,6 +11,7 @@ cannot happen silently. `CompileCounter` counts compilations (for tests and logs
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -95,6 +97,8 @@ class CompilationManager:
         self.buckets = list_buckets(cfg)
         self.max_rows = max(b.num_sample_rows for b in self.buckets)  # width of next_tokens
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
+        self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
+        self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
         self.compile_seconds = 0.0
         self.temp_bytes = 0  # the largest executable's scratch memory
 
@@ -111,12 +115,32 @@ class CompilationManager:
         prev = jax.ShapeDtypeStruct((self.max_rows,), jax.numpy.int32)
         return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout, **self._static())
 
+    def lower_swap(self, kind: str, m: int, state):
+        """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`."""
+        from metrale_jax.engine.swap import jit_gather, jit_scatter
+
+        s = jax.tree.map(_abstract, state)
+        blocks = jax.ShapeDtypeStruct((m,), jax.numpy.int32)
+        slot = jax.ShapeDtypeStruct((), jax.numpy.int32)
+        if kind == "gather":
+            return jit_gather().lower(s, blocks, slot, roles=self.swap_roles)
+        saved = jax.eval_shape(functools.partial(jit_gather(), roles=self.swap_roles), s, blocks, slot)
+        return jit_scatter().lower(s, blocks, slot, saved, roles=self.swap_roles)
+
     def compile_all(self, params, state) -> float:
-        """Compile every bucket; returns the wall time in seconds."""
+        """Compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         todo = [b for b in self.buckets if b not in self.executables]
+        if self.cfg.preemption_mode == "swap":
+            from metrale_jax.engine.swap import swap_roles
 
-        def one(bucket: StepBucket):
+            self.swap_roles = swap_roles(self.model, state.model)
+            todo += [(k, m) for m in self.cfg.swap_block_buckets for k in ("gather", "scatter")
+                     if (k, m) not in self.swap_executables]
+
+        def one(bucket):
+            if isinstance(bucket, tuple):
+                return bucket, self.lower_swap(*bucket, state).compile()
             return bucket, self.lower(bucket, params, state).compile()
 
         workers = max(1, min(self.cfg.compile_workers, len(todo)))
@@ -124,6 +148,10 @@ class CompilationManager:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             for fut in concurrent.futures.as_completed([pool.submit(one, b) for b in todo]):
                 bucket, exe = fut.result()
+                if isinstance(bucket, tuple):
+                    self.swap_executables[bucket] = exe
+                    bar.update(1)
+                    continue
                 self.executables[bucket] = exe
                 try:
                     mem = exe.memory_analysis()
@@ -160,6 +188,36 @@ class CompilationManager:
         if prev_tokens is None:
             prev_tokens = self.zero_tokens()
         return exe(params, state, *dev_inputs, prev_tokens)
+
+    def swap_bucket(self, num_blocks: int) -> int:
+        return _ceil_bucket(self.cfg.swap_block_buckets, num_blocks)
+
+    def swap_out(self, state, blocks: list[int], slot: int):
+        """Start copying one sequence's `blocks` and SSM `slot` (-1 = none) of `state` to the
+        host (not donated). Returns its `SwapData` (device arrays until `.to_host`)."""
+        import numpy as np
+
+        from metrale_jax.engine.swap import SwapData
+
+        m = self.swap_bucket(max(1, len(blocks)))
+        b = np.zeros(m, np.int32)
+        b[: len(blocks)] = blocks
+        arrays = self.swap_executables[("gather", m)](state, b, np.int32(slot))
+        for a in arrays:
+            a.copy_to_host_async()
+        return SwapData(m, len(blocks), tuple(arrays))
+
+    def swap_in(self, state, data, blocks: list[int], slot: int):
+        """Write `data` (a `SwapData`) into new `blocks` (as many as it saved) and SSM `slot` of
+        `state` (donated); returns the new state."""
+        import numpy as np
+
+        if len(blocks) != data.num_blocks:
+            raise ValueError(f"{len(blocks)} blocks to restore {data.num_blocks} saved ones")
+        m = self.swap_bucket(max(1, len(blocks))) if data.on_host else data.bucket
+        b = np.full(m, -1, np.int32)
+        b[: len(blocks)] = blocks
+        return self.swap_executables[("scatter", m)](state, b, np.int32(slot), data.padded(self.swap_roles, m))
 
     def zero_tokens(self):
         import numpy as np

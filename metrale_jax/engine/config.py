@@ -25,6 +25,13 @@ def _pow2_upto(n: int, start: int = 1, factor: int = 2) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _swap_buckets(max_blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """Block counts of the swap copies: `buckets` below max_blocks plus max_blocks itself, or
+    powers of 4 from 4 when empty."""
+    out = [b for b in buckets if b < max_blocks] if buckets else list(_pow2_upto(max_blocks, 4, 4))
+    return tuple(sorted(set(out + [max_blocks])))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine configuration. None = chosen from the model and device at start-up."""
@@ -54,12 +61,19 @@ class EngineConfig:
     compile_workers: int = 4
     show_progress: bool = True
     prompt_logprobs_chunk: int = 64  # prefill rows per LM-head chunk when prompt logprobs are on
+    # Preemption when blocks run out: "swap" (copy the sequence's KV blocks and SSM slot to host
+    # memory, write them back on resume), "recompute" (free them, prefill again), or "auto": swap
+    # for models with SSM state (a recompute replays the whole recurrence), recompute otherwise.
+    preemption_mode: str = "auto"
+    swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
+    swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
 
-    def resolve(self, *, max_position_embeddings: int, on_gpu: bool) -> EngineConfig:
-        """Fill every None/() size; raise ValueError for an inconsistent config."""
+    def resolve(self, *, max_position_embeddings: int, on_gpu: bool, uses_ssm: bool = False) -> EngineConfig:
+        """Fill every None/() size and the "auto" preemption mode; raise ValueError for an
+        inconsistent config."""
         mml = self.max_model_len
         if mml is None:
             mml = min(max_position_embeddings, 4096)
@@ -88,12 +102,23 @@ class EngineConfig:
             raise ValueError(f"max_prefill_streams={self.max_prefill_streams} must be >= 1")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
+        mode = self.preemption_mode
+        if mode == "auto":
+            mode = "swap" if uses_ssm else "recompute"
+        if mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'auto', 'swap' or 'recompute'")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb={self.swap_space_gb} must be >= 0")
+        if any(b < 1 for b in self.swap_block_buckets):
+            raise ValueError(f"swap_block_buckets={self.swap_block_buckets} must be >= 1")
         return dataclasses.replace(
             self, max_model_len=mml, max_num_seqs=seqs, max_num_batched_tokens=budget,
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
-            attention=self.attention or AttentionConfig(use_pallas=on_gpu),
+            attention=self.attention or AttentionConfig(use_pallas=on_gpu), preemption_mode=mode,
+            swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
+            if mode == "swap" else (),
         )
 
     @property

@@ -58,6 +58,10 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     num_steps: int = 0
+    num_swapped: int = 0  # requests with a sequence swapped out to host memory now
+    num_swaps: int = 0  # preemptions by swap (swap-outs) so far
+    num_swap_ins: int = 0
+    swap_bytes: int = 0  # host memory the swapped-out sequences hold now
 
 
 @dataclass
@@ -85,8 +89,9 @@ class LLMEngine:
         config = config or EngineConfig()
         self.model = model
         self.params = params
+        self.uses_ssm = model.ssm_bytes_per_slot() > 0
         self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
-                                     on_gpu=_on_gpu())
+                                     on_gpu=_on_gpu(), uses_ssm=self.uses_ssm)
         why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None
         if self.config.attention.use_pallas and why_not:
             log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)
@@ -97,7 +102,6 @@ class LLMEngine:
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
         self.vocab_size = int(model.cfg.vocab_size)
-        self.uses_ssm = model.ssm_bytes_per_slot() > 0
         self.cache_dir = setup_compilation_cache(c.compilation_cache_dir)
 
         kv_dtype = c.kv_dtype or (c.dtype if c.dtype in _DTYPES else getattr(model, "dtype", None))
@@ -116,6 +120,11 @@ class LLMEngine:
             "token budget %d", self.num_blocks, c.block_size, self.num_blocks * c.block_size,
             self.num_blocks * model.kv_bytes_per_block(c.block_size, kv_dtype) / 1e6, kv_dtype,
             c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens)
+        if self.uses_ssm:
+            log.info("SSM pool: %d slots x %.3f MB (%.1f MB)", ssm_slots, model.ssm_bytes_per_slot() / 1e6,
+                     ssm_slots * model.ssm_bytes_per_slot() / 1e6)
+        log.info("preemption: %s%s", c.preemption_mode, f" (block buckets {c.swap_block_buckets}, host space "
+                 f"{c.swap_space_gb:g} GB)" if c.preemption_mode == "swap" else "")
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
         self.compiler = CompilationManager(model, c, self.builder)
@@ -135,6 +144,7 @@ class LLMEngine:
         self._steps = 0
         self._inflight: _InFlight | None = None  # the dispatched step whose samples are not read yet
         self._next_tokens = self.compiler.zero_tokens()  # its samples, on the device
+        self._swap_pending: list = []  # (Sequence, SwapData) copied out by the last step, not on the host yet
         self.startup_seconds = time.perf_counter() - t0
         log.info("engine ready in %.1fs (compile %.1fs, %d executables, cache %s)", self.startup_seconds,
                  self.compiler.compile_seconds, len(self.compiler.executables), self.cache_dir)
@@ -149,19 +159,24 @@ class LLMEngine:
 
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
-        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens (tests use this)."""
+        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots and
+        swap_space_bytes (tests use this)."""
         c = self.config
         caps = dict(num_blocks=self.num_blocks, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, max_prefill_streams=c.max_prefill_streams,
-                    max_prefill_tokens=c.prefill_buckets[-1])
+                    max_prefill_tokens=c.prefill_buckets[-1], num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0,
+                    swap_space_bytes=int(c.swap_space_gb * 1e9))
         for k, v in limits.items():
             if k not in caps or v > caps[k]:
                 raise ValueError(f"scheduler limit {k}={v} is unknown or above the compiled {caps.get(k)}")
             caps[k] = v
+        if self.uses_ssm and caps["num_ssm_slots"] < 1:
+            raise ValueError("a model with SSM state needs num_ssm_slots >= 1")
         return Scheduler(
-            block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0,
-            num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0, uses_ssm=self.uses_ssm,
-            max_model_len=c.max_model_len, **caps,
+            block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
+            max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
+            swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
+            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -169,6 +184,8 @@ class LLMEngine:
         per_block = self.model.kv_bytes_per_block(c.block_size, kv_dtype)
         if c.num_kv_blocks is not None:
             return int(c.num_kv_blocks)
+        if per_block == 0:  # no attention layer: blocks cost nothing, so they never bind
+            return c.max_num_seqs * c.max_blocks_per_seq
         if not _on_gpu():
             return max(-(-c.cpu_kv_tokens // c.block_size), c.max_blocks_per_seq)
         stats = jax.devices()[0].memory_stats() or {}
@@ -312,7 +329,8 @@ class LLMEngine:
             kv_blocks_free=s.blocks.num_free, ssm_slots_total=s.ssm_slots.num_slots,
             ssm_slots_used=s.ssm_slots.num_used, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._gen_tokens, num_preemptions=s.num_preemptions,
-            num_steps=self._steps,
+            num_steps=self._steps, num_swapped=len({q.request.request_id for q in s.swapped}),
+            num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes,
         )
 
     # ---- one step --------------------------------------------------------------------------------
@@ -347,9 +365,27 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
         """
         sched = self.scheduler.schedule()
+        self._swap(sched)
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
-        return self._finish_step(prev) if prev is not None else []
+        outputs = self._finish_step(prev) if prev is not None else []
+        for seq, d in self._swap_pending:  # copies started before the last step: bring them home
+            if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
+                d.to_host(self.compiler.swap_roles)
+        self._swap_pending = [(seq, seq.swap.data) for seq in sched.swap_out if seq.swap is not None]
+        return outputs
+
+    def _swap(self, sched) -> None:
+        """Copy the swapped-out sequences' blocks and slots to the host, then write the resumed
+        ones' saved state into their new blocks and slots, before the step runs (the freed blocks
+        may be reused by this very step)."""
+        for seq in sched.swap_out:
+            rec = seq.swap
+            rec.data = self.compiler.swap_out(self.state, rec.blocks, rec.slot)
+        for seq in sched.swap_in:
+            rec = seq.swap
+            self.state = self.compiler.swap_in(self.state, rec.data, seq.blocks[: rec.num_blocks], seq.ssm_slot)
+            self.scheduler.swapped_in(seq)
 
     def _dispatch(self, sched) -> _InFlight:
         self._steps += 1

@@ -3,14 +3,28 @@
 Each step gets a token budget (`max_num_batched_tokens`). The scheduler fills it in this order:
 1. every running sequence that is decoding (one pending token) gets a decode row, oldest first;
 2. running sequences in the middle of their prompt get their next prefill chunk;
+1b. swapped-out sequences are resumed (swap mode; not in a step that had to preempt);
 3. waiting sequences are admitted first-come-first-served while the budget, the prefill streams,
-   `max_num_seqs`, free KV blocks (and SSM slots / penalty rows where needed) allow.
+   `max_num_seqs`, free KV blocks (and SSM slots / penalty rows where needed) allow, and no
+   swapped-out sequence is left to resume.
 Chunked prefill thus rides the same step as the decode rows: a long prompt never stalls decoding.
 
 When a running sequence needs a KV block and none is free, the newest running sequences are
-preempted by recompute: their blocks and slots are freed and they go back to the waiting queue
-(at their original priority) with every token they had, to be prefilled again later. Nothing is
-lost; a preempted sequence's outputs so far are kept and re-read as part of its new prefill.
+preempted, in one of two ways (`preemption_mode`):
+- recompute: their blocks and slots are freed and they go back to the waiting queue (at their
+  original priority) with every token they had, to be prefilled again later. Nothing is lost; a
+  preempted sequence's outputs so far are kept and re-read as part of its new prefill.
+- swap (the default for models with SSM state, where a recompute would replay the whole
+  recurrence): the step lists the sequence in `swap_out`, with the blocks and the SSM slot it
+  held (`SwapRecord`), and the engine copies their contents to host memory before the step runs;
+  the blocks and the slot are freed at once, the penalty row (if any) is kept, and `num_computed`
+  stays. Swapped sequences resume before any new admission, oldest first (step 1b below), as soon
+  as `max_num_seqs`, a free slot and the blocks of their cached tokens (plus the watermark while
+  others run) allow: they get new blocks and a new slot, the step lists them in `swap_in`, the
+  engine writes the saved state there, and they carry on decoding (or prefilling) where they
+  stopped. A sequence swapped in and chosen as a victim in the same step goes back to the swapped
+  list untouched. A sequence falls back to recompute when its host copy would exceed
+  `swap_space_bytes`.
 
 Parallel sampling (n > 1) shares the prompt: the first sequence (the leader) prefills it; the
 others wait until the leader's cache holds the whole blocks before the last prompt token, take
@@ -18,8 +32,9 @@ references on those blocks (`BlockAllocator.share`) and compute only the remaini
 themselves. Shared blocks are never written again. (Not for penalised requests, whose penalty rows
 count the prompt, nor for models with SSM state, whose state would need a copy.)
 
-A sequence with exactly one pending token is a decode row: its token is written to the cache at
-position `num_computed` and the next token is sampled from it.
+A sequence whose one pending token is a generated one (`Sequence.decoding`) is a decode row: its
+token is written to the cache at position `num_computed` and the next token is sampled from it.
+Prompt tokens always go through prefill chunks, the last one too.
 
 Overlapped stepping: the engine dispatches step k+1 before it reads step k's samples, so a
 sequence may have one token "in flight" (`Sequence.inflight`) when it is scheduled; that token
@@ -41,7 +56,31 @@ from metrale_jax.sampling import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its cached state lives in host memory
     FINISHED = "finished"
+
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(eq=False)
+class SwapRecord:
+    """A swapped-out sequence's cached state.
+
+    `blocks` (the first `ceil(num_computed / block_size)` blocks it held, in order) and `slot`
+    (its SSM slot, -1 = none) are the device places the engine copies from before the step that
+    preempted it runs; they are free in the allocators already. `data` is the engine's copy (its
+    `metrale_jax.engine.swap.SwapData`), `nbytes` what the host copy takes.
+    """
+
+    blocks: list[int]
+    slot: int
+    nbytes: int
+    data: Any = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
 
 
 @dataclass(eq=False)
@@ -81,6 +120,7 @@ class Sequence:
     inflight: int = 0  # tokens sampled by dispatched steps whose output the host has not read yet
     inflight_row: int = -1  # the sampled row of the newest of them in its step
     leader: Sequence | None = None  # n > 1: the sequence whose prompt KV blocks this one shares
+    swap: SwapRecord | None = None  # set while SWAPPED
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
@@ -99,8 +139,15 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        """Tokens known (or in flight) but not yet in the cache (1 = decoding)."""
+        """Tokens known (or in flight) but not yet in the cache."""
         return len(self.token_ids) + self.inflight - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """Its one pending token is a generated one: a decode row (a prompt's last token, even
+        alone, goes through prefill: the prefill path is what a recurrent layer's reference runs
+        over a prompt, and the token must not count as generated for the penalties)."""
+        return self.pending == 1 and self.num_computed >= self.prompt_len
 
     def at_limit(self, max_model_len: int) -> bool:
         """Its in-flight tokens already reach max_tokens or max_model_len: schedule no more."""
@@ -129,6 +176,8 @@ class ScheduledStep:
     decode: list[Sequence]
     chunks: list[Chunk]
     preempted: list[Sequence]
+    swap_out: list[Sequence] = field(default_factory=list)  # copy seq.swap's blocks/slot to host first
+    swap_in: list[Sequence] = field(default_factory=list)  # then write seq.swap.data into seq.blocks/slot
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -145,8 +194,11 @@ class Scheduler:
         self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
         max_prefill_streams: int, max_prefill_tokens: int, num_penalty_rows: int = 0,
         num_ssm_slots: int = 0, uses_ssm: bool = False, watermark_blocks: int | None = None,
-        max_model_len: int = 1 << 62,
+        max_model_len: int = 1 << 62, preemption_mode: str = "recompute", swap_bytes_per_block: int = 0,
+        swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62,
     ):
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -160,7 +212,15 @@ class Scheduler:
         self.watermark = max(1, num_blocks // 100) if watermark_blocks is None else watermark_blocks
         self.waiting: list[Sequence] = []  # sorted by priority
         self.running: list[Sequence] = []  # sorted by priority
+        self.swapped: list[Sequence] = []  # sorted by priority
+        self.preemption_mode = preemption_mode
+        self.swap_bytes_per_block = swap_bytes_per_block
+        self.swap_bytes_per_slot = swap_bytes_per_slot
+        self.swap_space_bytes = swap_space_bytes
+        self.swap_bytes = 0  # host bytes the swapped sequences hold now
         self.num_preemptions = 0
+        self.num_swaps = 0  # swap-outs
+        self.num_swap_ins = 0
 
     # ---- queue management ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -168,18 +228,30 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.priority)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def _release(self, seq: Sequence) -> None:
+    def _free_device(self, seq: Sequence) -> None:
+        """Free the blocks and the SSM slot (not the penalty row)."""
         self.blocks.free(seq.blocks)
         seq.blocks = []
-        if seq.pen_row >= 0:
-            self.pen_rows.free(seq.pen_row)
-            seq.pen_row = -1
         if seq.ssm_slot >= 0:
             self.ssm_slots.free(seq.ssm_slot)
             seq.ssm_slot = -1
+
+    def _free_pen_row(self, seq: Sequence) -> None:
+        if seq.pen_row >= 0:
+            self.pen_rows.free(seq.pen_row)
+            seq.pen_row = -1
+
+    def _release(self, seq: Sequence) -> None:
+        self._free_device(seq)
+        self._free_pen_row(seq)
         seq.num_computed = 0
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        if seq.swap is not None:
+            self.swap_bytes -= seq.swap.nbytes
+            seq.swap = None
 
     def finish(self, seq: Sequence) -> None:
         """Free everything `seq` holds and drop it from the queues."""
@@ -188,15 +260,48 @@ class Scheduler:
             self._release(seq)
         elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status == SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self._free_pen_row(seq)
+            self._drop_swap(seq)
+            seq.num_computed = 0
         seq.status = SeqStatus.FINISHED
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _swap_record(self, seq: Sequence) -> SwapRecord | None:
+        """What swapping `seq` out would save, or None when it must be recomputed instead."""
+        if self.preemption_mode != "swap" or seq.num_computed == 0:
+            return None
+        nb = -(-seq.num_computed // self.block_size)
+        nbytes = nb * self.swap_bytes_per_block + (self.swap_bytes_per_slot if seq.ssm_slot >= 0 else 0)
+        if self.swap_bytes + nbytes > self.swap_space_bytes:
+            return None
+        return SwapRecord(list(seq.blocks[:nb]), seq.ssm_slot, nbytes)
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)
-        self._release(seq)
-        seq.leader = None  # recompute on its own
+        step.preempted.append(seq)
+        seq.leader = None  # resumes (or recomputes) on its own
+        if seq in step.swap_in:  # resumed in this very step: back to the swapped list, untouched
+            step.swap_in.remove(seq)
+            self.num_swap_ins -= 1
+            self._free_device(seq)
+            seq.status = SeqStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.priority)
+            return
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(seq)
+        rec = self._swap_record(seq)
+        if rec is None:
+            self._release(seq)
+            self.add(seq)
+            return
+        self._free_device(seq)
+        seq.swap = rec
+        self.swap_bytes += rec.nbytes
+        self.num_swaps += 1
+        seq.status = SeqStatus.SWAPPED
+        bisect.insort(self.swapped, seq, key=lambda s: s.priority)
+        step.swap_out.append(seq)
 
     # ---- one step --------------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
@@ -209,33 +314,65 @@ class Scheduler:
         while self.blocks.num_free < need:
             victim = self.running[-1]
             if victim is seq:
-                self._preempt(seq)
-                step.preempted.append(seq)
+                self._preempt(seq, step)
                 return False
             if victim in step.decode:
                 step.decode.remove(victim)
             step.chunks = [c for c in step.chunks if c.seq is not victim]
-            self._preempt(victim)
-            step.preempted.append(victim)
+            self._preempt(victim, step)
         return True
+
+    def _resume_swapped(self, step: ScheduledStep) -> None:
+        """Swap in the swapped-out sequences, oldest first, while rows, slots and blocks allow.
+
+        A resumed sequence gets the blocks of its cached tokens (the engine writes the saved state
+        there) and, when it is decoding, its decode row in this step."""
+        while self.swapped and not step.preempted:
+            seq = self.swapped[0]
+            if seq.inflight or len(self.running) >= self.max_num_seqs:
+                break  # (an in-flight token: resume once the host has it)
+            if self.uses_ssm and self.ssm_slots.num_free == 0:
+                break
+            rec = seq.swap
+            upto = min(seq.num_computed + 1, self.max_model_len)
+            need = -(-upto // self.block_size)
+            if self.blocks.num_free - (self.watermark if self.running else 0) < need:
+                break
+            self.swapped.pop(0)
+            seq.blocks = self.blocks.allocate(rec.num_blocks)
+            if self.uses_ssm:
+                seq.ssm_slot = self.ssm_slots.allocate()
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.priority)
+            step.swap_in.append(seq)
+            self.num_swap_ins += 1
+            if seq.decoding and not seq.at_limit(self.max_model_len):
+                seq.blocks += self.blocks.allocate(self._blocks_needed(seq, seq.num_computed + 1))
+                step.decode.append(seq)
+
+    def swapped_in(self, seq: Sequence) -> None:
+        """The engine wrote `seq`'s saved state back: drop the host copy."""
+        self._drop_swap(seq)
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep([], [], [])
         # 1. decode rows, oldest first
         for seq in list(self.running):
-            if seq.status != SeqStatus.RUNNING or seq.pending != 1 or seq.at_limit(self.max_model_len):
+            if seq.status != SeqStatus.RUNNING or not seq.decoding or seq.at_limit(self.max_model_len):
                 continue
             need = self._blocks_needed(seq, seq.num_computed + 1)
             if need and not self._make_room(seq, need, step):
                 continue
             seq.blocks += self.blocks.allocate(need)
             step.decode.append(seq)
+        # 1b. swapped-out sequences come back before anything new is admitted
+        self._resume_swapped(step)
         budget = self.budget - len(step.decode)
         prefill = 0
 
         # 2. running sequences in the middle of a prefill
         for seq in list(self.running):
-            if seq.status != SeqStatus.RUNNING or seq.pending <= 1:
+            if seq.status != SeqStatus.RUNNING or seq.pending < 1 or seq.decoding:
                 continue
             room = min(budget, self.max_prefill_tokens - prefill)
             if len(step.chunks) >= self.max_streams or room <= 0:
@@ -258,7 +395,7 @@ class Scheduler:
         # 3. admissions, first come first served (none in a step that had to preempt). A follower
         #    (n > 1) whose leader has not computed the shared prompt blocks yet is stepped over.
         i = 0
-        while i < len(self.waiting) and not step.preempted:
+        while i < len(self.waiting) and not step.preempted and not self.swapped:
             seq = self.waiting[i]
             if seq.inflight:  # preempted with a token in flight: admit once the host has it
                 break

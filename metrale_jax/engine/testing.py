@@ -3,15 +3,19 @@
 `FakeModel` compiles in a fraction of a second yet exercises everything the engine relies on:
 the paged cache (it stores each token id at its KV slot and reads the whole sequence back through
 the block tables), chunked prefill (`cu_seqlens`, `kv_lens`), decode rows, padding, and
-optionally the SSM pool (a running sum per slot, carried across chunks and decode steps).
+optionally the SSM pool (per-slot state carried across chunks, decode steps and swaps).
 
 Its next token is a pure function of the sequence so far, `fake_next_token`:
     h = sum_j (ids[j] + 1) * (j + 1)  mod V        (over every token up to the current position)
     logits = W[h]   (W f32[V, V], the params)
 so a host loop gives the exact greedy continuation a correct engine must produce, whatever the
-batching, chunking or preemption. With SSM state on, h is (3 * the same sum) mod V, twice the sum
-coming from the SSM running sum: a missing reset or a wrong slot changes the tokens (V must be
-odd-multiple-free of 3, e.g. 64).
+batching, chunking or preemption. With SSM state on, each slot holds
+    acc   i32[]   the running sum above (h gets 2 * acc on top of the sum read from the cache),
+    count i32[]   the number of tokens it has seen, checked against each token's position,
+    tail  i32[2]  the previous two tokens + 1 (0 = none), like a conv state: h += 5 * t1 + 11 * t2,
+so h = 3 * sum + 5 * (ids[-2] + 1) + 11 * (ids[-3] + 1). A missing reset, a wrong slot, a state
+restored stale, zeroed or into another slot (a swap bug) changes the tokens; a count that does not
+match the position adds 13 to h for good.
 
 `FakeTokenizer` maps token ids to single characters (id 0 "<pad>", 1 "</s>" special), enough for
 detokenization and stop strings.
@@ -36,7 +40,8 @@ ALPHABET = "  abcdefghijklmnopqrstuvwxyz0123456789.,!?ABCDEFGHIJKLMNOPQRSTUVWXYZ
 @dataclass(frozen=True)
 class FakeState:
     cache: jax.Array  # i32[num_blocks, block_size]  the token id at each KV slot
-    ssm: dict = field(default_factory=dict)  # {"fake": {"acc": i32[max_slots]}} when use_ssm
+    # when use_ssm: {"fake": {"acc": i32[max_slots], "count": i32[max_slots], "tail": i32[max_slots, 2]}}
+    ssm: dict = field(default_factory=dict)
 
 
 class FakeTokenizer:
@@ -102,7 +107,14 @@ class FakeModel:
 
     @property
     def ssm_spec(self) -> dict:
-        return {"fake": {"acc": SSMArraySpec((), "int32")}} if self.use_ssm else {}
+        if not self.use_ssm:
+            return {}
+        return {"fake": {"acc": SSMArraySpec((), "int32"), "count": SSMArraySpec((), "int32"),
+                         "tail": SSMArraySpec((2,), "int32")}}
+
+    def swap_roles(self, state: FakeState) -> list:
+        """Per leaf of `state`: the cache is indexed by block (axis 0), the SSM rows by slot."""
+        return [("block", 0)] + [("slot", 0)] * len(jax.tree.leaves(state.ssm))
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0) -> FakeState:
         ssm = init_ssm_pool(self.ssm_spec, max_ssm_slots) if self.use_ssm else {}
@@ -129,10 +141,16 @@ class FakeModel:
             pos = jnp.arange(ctx.shape[1])[None, :]
             h = jnp.sum(jnp.where(pos < dmd.seq_lens[:, None], (ctx + 1) * (pos + 1), 0), axis=1)
             if self.use_ssm:
-                contrib = (tokens[: dmd.num_seqs] + 1) * (dmd.positions + 1)
-                acc = read_slots(ssm["fake"], dmd.ssm_slots)["acc"] + contrib
-                ssm = {"fake": write_slots(ssm["fake"], dmd.ssm_slots, {"acc": acc})}
-                h = h + 2 * acc
+                tok1 = tokens[: dmd.num_seqs] + 1
+                st = read_slots(ssm["fake"], dmd.ssm_slots)
+                fresh = (dmd.seq_lens <= 1)[:, None]
+                st = {k: jnp.where(fresh.reshape((-1,) + (1,) * (v.ndim - 1)), 0, v) for k, v in st.items()}
+                acc = st["acc"] + tok1 * (dmd.positions + 1)
+                ok = st["count"] == dmd.positions
+                h = h + 2 * acc + 5 * st["tail"][:, 1] + 11 * st["tail"][:, 0] + jnp.where(ok, 0, 13)
+                new = {"acc": acc, "count": st["count"] + 1,
+                       "tail": jnp.stack([st["tail"][:, 1], tok1], axis=1)}
+                ssm = {"fake": write_slots(ssm["fake"], dmd.ssm_slots, new)}
             hs.append(h)
         if pmd is not None:
             t_tot = pmd.num_tokens
@@ -147,18 +165,27 @@ class FakeModel:
             pos = jnp.arange(ctx.shape[1])[None, :]
             h = jnp.sum(jnp.where(pos <= qpos[:, None], (ctx + 1) * (pos + 1), 0), axis=1)
             if self.use_ssm:
-                contrib = jnp.where(valid, (tokens[n:] + 1) * (pmd.positions + 1), 0)
+                tok1 = tokens[n:] + 1  # i32[T]
+                contrib = jnp.where(valid, tok1 * (pmd.positions + 1), 0)
                 start = pmd.kv_lens - n_new  # i32[B]; a stream starting at 0 resets its state
-                before = read_slots(ssm["fake"], pmd.ssm_slots)["acc"]
-                before = jnp.where(start == 0, 0, before)
+                st = read_slots(ssm["fake"], pmd.ssm_slots)
+                st = {k: jnp.where((start == 0).reshape((-1,) + (1,) * (v.ndim - 1)), 0, v) for k, v in st.items()}
                 cs = jnp.cumsum(contrib)
                 base = jnp.concatenate([jnp.zeros((1,), cs.dtype), cs])[pmd.cu_seqlens[:-1]]  # [B]
-                acc_tok = before[stream] + cs - base[stream]
+                acc_tok = st["acc"][stream] + cs - base[stream]
+                i = t - pmd.cu_seqlens[stream]  # offset in the chunk
+                prev1 = jnp.concatenate([jnp.zeros((1,), tok1.dtype), tok1[:-1]])
+                prev2 = jnp.concatenate([jnp.zeros((2,), tok1.dtype), tok1[:-2]])
+                tail = st["tail"][stream]  # [T, 2]
+                t1 = jnp.where(i >= 1, prev1, tail[:, 1])
+                t2 = jnp.where(i >= 2, prev2, jnp.where(i == 1, tail[:, 1], tail[:, 0]))
+                ok = st["count"][stream] + i == pmd.positions
+                h = h + 2 * acc_tok + 5 * t1 + 11 * t2 + jnp.where(ok, 0, 13)
                 last = jnp.clip(pmd.cu_seqlens[1:] - 1, 0, t_tot - 1)
-                acc_end = jnp.where(n_new > 0, acc_tok[last], before)
+                new = {"acc": acc_tok[last], "count": st["count"] + n_new,
+                       "tail": jnp.stack([t1[last], tok1[last]], axis=1)}
                 slots_w = jnp.where(n_new > 0, pmd.ssm_slots, -1)
-                ssm = {"fake": write_slots(ssm["fake"], slots_w, {"acc": acc_end})}
-                h = h + 2 * acc_tok
+                ssm = {"fake": write_slots(ssm["fake"], slots_w, new)}
             hs.append(jnp.where(valid, h, 0))
         h = jnp.concatenate(hs) % v
         return FakeState(cache, ssm), jax.nn.one_hot(h, v, dtype=jnp.float32)
@@ -173,7 +200,9 @@ class FakeModel:
 def fake_hash(ids, use_ssm: bool, vocab: int) -> int:
     ids = np.asarray(ids, np.int64)
     h = int(np.sum((ids + 1) * (np.arange(len(ids)) + 1)))
-    return (3 * h if use_ssm else h) % vocab
+    if use_ssm:
+        h = 3 * h + (5 * int(ids[-2] + 1) if len(ids) >= 2 else 0) + (11 * int(ids[-3] + 1) if len(ids) >= 3 else 0)
+    return h % vocab
 
 
 def fake_next_token(w: np.ndarray, ids, use_ssm: bool = False) -> int:
@@ -182,12 +211,18 @@ def fake_next_token(w: np.ndarray, ids, use_ssm: bool = False) -> int:
 
 
 def fake_greedy(w: np.ndarray, prompt, max_tokens: int, eos: tuple[int, ...] = (1,), use_ssm: bool = False,
-                ignore_eos: bool = False, max_len: int | None = None) -> list[int]:
-    """Reference greedy generation of FakeModel (stops on eos unless ignore_eos)."""
+                ignore_eos: bool = False, max_len: int | None = None, presence_penalty: float = 0.0) -> list[int]:
+    """Reference greedy generation of FakeModel (stops on eos unless ignore_eos); with a
+    presence penalty subtracted from the float32 logits of the tokens generated so far."""
     ids = list(prompt)
     out = []
     while len(out) < max_tokens and (max_len is None or len(ids) < max_len):
-        t = fake_next_token(w, ids, use_ssm)
+        if presence_penalty:
+            x = w[fake_hash(ids, use_ssm, w.shape[0])].astype(np.float32).astype(np.float64)
+            x[np.unique(np.asarray(out, np.int64))] -= presence_penalty
+            t = int(np.argmax(x))
+        else:
+            t = fake_next_token(w, ids, use_ssm)
         out.append(t)
         ids.append(t)
         if t in eos and not ignore_eos:

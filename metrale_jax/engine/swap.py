@@ -1,0 +1,145 @@
+"""Preemption by swap: one sequence's whole cached state copied to host memory and back.
+
+A sequence's state is its KV blocks in every attention layer plus its SSM slot row in every
+recurrent layer. Which leaves of the model's state pytree are indexed by block and which by slot
+(and along which axis) are its swap roles: `swap_roles(model, state)`. For the engine's
+`EngineState` they are
+
+    kv.k, kv.v   [L, num_blocks, block_size, Hkv, D]   block axis 1
+    ssm leaves   [max_slots, ...]                      slot axis 0
+    kv scales    (per layer, shared by all sequences)  not swapped
+
+and a model with another state layout defines `model.swap_roles(state)` (one role or None per
+leaf of `jax.tree.leaves(state)`), as `FakeModel` does.
+
+Both directions are jitted with static shapes, one pair per block bucket M (`EngineConfig.swap_block_buckets`):
+`gather` reads the blocks `i32[M]` (padding: block 0) and the slot `i32[]` of the state without
+donating it, `scatter` writes them into new blocks `i32[M]` (padding: -1, dropped) and a new slot,
+donating the state. The compilation manager compiles every pair at start-up with the step buckets,
+so a swap never compiles while serving.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.cache import EngineState
+from metrale_jax.step import replace_model_state
+
+Role = tuple[str, int] | None  # ("block" | "slot", axis) or None (not part of a sequence's state)
+
+
+def _engine_state_roles(state: EngineState) -> tuple[Role, ...]:
+    roles = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if names[0] == "kv":
+            roles.append(("block", 1) if names[1] in ("k", "v") else None)
+        elif names[0] == "ssm":
+            roles.append(("slot", 0))
+        else:
+            roles.append(None)
+    return tuple(roles)
+
+
+def swap_roles(model, state) -> tuple[Role, ...]:
+    """One role per leaf of the model state `state` (see the module docstring)."""
+    hook = getattr(model, "swap_roles", None)
+    if hook is not None:
+        roles = tuple(hook(state))
+    elif isinstance(state, EngineState):
+        roles = _engine_state_roles(state)
+    else:
+        raise TypeError(f"cannot swap a model state of type {type(state).__name__}: define "
+                        "model.swap_roles(state)")
+    if len(roles) != len(jax.tree.leaves(state)):
+        raise ValueError(f"{len(roles)} swap roles for {len(jax.tree.leaves(state))} state leaves")
+    for r in roles:
+        if r is not None and (r[0] not in ("block", "slot") or r[1] < 0):
+            raise ValueError(f"bad swap role {r}")
+    return roles
+
+
+def _index(ax: int, idx):
+    return (slice(None),) * ax + (idx,)
+
+
+def gather(state, blocks, slot, *, roles: tuple[Role, ...]) -> tuple[jax.Array, ...]:
+    """A step state's (`StepState`) saved leaves of one sequence. blocks i32[M] (all in range),
+    slot i32[] -> per role leaf in order: block leaves with axis `ax` of size M, slot leaves
+    without their slot axis."""
+    out = []
+    for a, r in zip(jax.tree.leaves(state.model), roles):
+        if r is None:
+            continue
+        kind, ax = r
+        out.append(jnp.take(a, blocks if kind == "block" else jnp.maximum(slot, 0), axis=ax))
+    return tuple(out)
+
+
+def scatter(state, blocks, slot, saved: tuple, *, roles: tuple[Role, ...]):
+    """Write `saved` (as `gather` returns it) into blocks i32[M] (-1 = padding, not written) and
+    slot i32[] (-1 = none) of the step state; returns the new state."""
+    leaves, treedef = jax.tree.flatten(state.model)
+    it = iter(saved)
+    new = []
+    for a, r in zip(leaves, roles):
+        if r is None:
+            new.append(a)
+            continue
+        kind, ax = r
+        v = next(it)
+        idx = blocks if kind == "block" else slot
+        idx = jnp.where(idx >= 0, idx, a.shape[ax])  # out of range: dropped
+        new.append(a.at[_index(ax, idx)].set(v.astype(a.dtype), mode="drop"))
+    return replace_model_state(state, jax.tree.unflatten(treedef, new))
+
+
+@functools.cache
+def jit_gather():
+    return jax.jit(gather, static_argnames=("roles",))
+
+
+@functools.cache
+def jit_scatter():
+    return jax.jit(scatter, static_argnames=("roles",), donate_argnums=(0,))
+
+
+@dataclass
+class SwapData:
+    """One swapped-out sequence's saved leaves: device arrays until `to_host`, then numpy with
+    the block leaves cut to `num_blocks` (so host memory holds exactly the cached blocks)."""
+
+    bucket: int  # M of the gather that made it
+    num_blocks: int
+    arrays: tuple  # per role leaf: jax.Array (bucket-padded) or np.ndarray (cut)
+    on_host: bool = False
+
+    def to_host(self, roles: tuple[Role, ...]) -> None:
+        if self.on_host:
+            return
+        host = jax.device_get(self.arrays)
+        kinds = [r for r in roles if r is not None]
+        self.arrays = tuple(np.asarray(a)[_index(ax, slice(0, self.num_blocks))] if kind == "block" else np.asarray(a)
+                            for a, (kind, ax) in zip(host, kinds))
+        self.on_host = True
+
+    def padded(self, roles: tuple[Role, ...], bucket: int) -> tuple:
+        """The arrays for a scatter of block bucket `bucket` (host arrays padded with zeros)."""
+        if not self.on_host:
+            assert bucket == self.bucket
+            return self.arrays
+        kinds = [r for r in roles if r is not None]
+        out = []
+        for a, (kind, ax) in zip(self.arrays, kinds):
+            if kind == "block" and a.shape[ax] != bucket:
+                pad = [(0, 0)] * a.ndim
+                pad[ax] = (0, bucket - a.shape[ax])
+                a = np.pad(a, pad)
+            out.append(a)
+        return tuple(out)
