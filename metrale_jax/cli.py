@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/metrale_jax/jax_cache)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (for requests without their own)")
+    g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
+                   help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
+                        "it later (auto: swap for models with SSM state)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
@@ -62,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
+        preemption_mode=args.preemption_mode,
     )
     kw.update(overrides)
     return EngineConfig(**kw)

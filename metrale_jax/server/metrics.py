@@ -50,8 +50,13 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily("metrale_ssm_slots_used", "SSM state pool slots in use.", value=s.ssm_slots_used)
         yield CounterMetricFamily("metrale_prompt_tokens", "Prompt tokens processed.", value=s.prompt_tokens_total)
         yield CounterMetricFamily("metrale_generation_tokens", "Tokens generated.", value=s.generation_tokens_total)
-        yield CounterMetricFamily("metrale_num_preemptions", "Requests preempted (recomputed later).",
+        yield CounterMetricFamily("metrale_num_preemptions",
+                                  "Sequences preempted (swapped to host memory, or recomputed later).",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("metrale_num_swaps", "Sequences swapped out to host memory.",
+                                  value=getattr(s, "num_swaps", 0))
+        yield GaugeMetricFamily("metrale_num_requests_swapped", "Sequences swapped out now.",
+                                value=getattr(s, "num_swapped", 0))
         yield CounterMetricFamily("metrale_engine_steps", "Engine steps run by the server.", value=s.num_steps)
 
 
