@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [throughput] [serve]      (default: all three)
+#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [serve]   (default: tests throughput serve)
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core;
@@ -26,6 +26,11 @@ if [[ $parts == *throughput* ]]; then
   timeout 250 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
     --batches 1,8,64 --context 512 --num-requests 64 --max-model-len 2048 \
     --out "$OUT/throughput_llama3_8b_gpu.json" 2>&1 | tail -30
+fi
+if [[ $parts == *unroll* ]]; then  # the same decode latency with the layer scan unrolled
+  timeout 250 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
+    --batches 1,64 --context 512 --skip-throughput --max-model-len 2048 --unroll-layers \
+    --out "$OUT/throughput_llama3_8b_gpu_unrolled.json" 2>&1 | tail -12
 fi
 if [[ $parts == *serve* ]]; then
   python3 bench/random_checkpoint.py --shape smollm2-135m --dtype bfloat16 \

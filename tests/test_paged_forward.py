@@ -100,3 +100,18 @@ def _check_paged(family, impl, tol):
     toks = np.array([extra, 0, 0, 0], np.int32)
     state, hidden = step(params, state, jnp.asarray(toks), dmd, None, attn)
     np.testing.assert_allclose(logits_of(hidden)[0], want, rtol=tol, atol=tol)
+
+
+def test_unrolled_layers_match_scan():
+    """AttentionConfig.unroll_layers computes the same step as the rolled scan."""
+    model, params = random_model(_cfg(CONFIGS["qwen3"]), dtype="float32", seed=2)
+    lay = Layout(1, num_blocks=NUM_BLOCKS, block_size=4, max_blocks=16)
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, 97, 9).astype(np.int32))
+    pmd = lay.prefill([(0, 0, 9)], 9, 1)
+    outs = []
+    for unroll in (False, True):
+        state = model.init_state(NUM_BLOCKS, lay.bs)
+        _, hidden = jax.jit(model.forward_paged, static_argnums=(5,))(
+            params, state, toks, None, pmd, AttentionConfig(unroll_layers=unroll))
+        outs.append(np.asarray(hidden))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -75,6 +75,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
                    help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
+    p.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan in the steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-latency", action="store_true")
@@ -182,7 +183,8 @@ def _engine_config(args, batches):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=seqs, max_num_batched_tokens=budget,
         decode_buckets=tuple(sorted(set(batches) | {seqs})),
-        attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas),
+        attention=None if args.pallas is None and not args.unroll_layers else AttentionConfig(
+            use_pallas=_on_gpu() if args.pallas is None else args.pallas, unroll_layers=args.unroll_layers),
         compilation_cache_dir=args.cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         cpu_kv_tokens=max(8192, seqs * (args.context + args.decode_steps + 16) + 1024),
         show_progress=not args.startup_probe,
@@ -318,6 +320,7 @@ def measure_startup(args) -> dict:
     argv += ["--random-weights"] * args.random_weights
     if args.pallas is not None:
         argv += ["--pallas" if args.pallas else "--no-pallas"]
+    argv += ["--unroll-layers"] * args.unroll_layers
     with tempfile.TemporaryDirectory() as cache:
         for label in ("cold", "warm"):
             cmd = [sys.executable, "-m", "metrale_jax.engine.bench", *argv, "--startup-probe", "--cache-dir", cache,

@@ -20,11 +20,15 @@ NEG_INF = -1e30
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Static attention choices. use_pallas=False is the XLA reference (CPU default)."""
+    """Static kernel choices of a step. use_pallas=False is the XLA reference (CPU default);
+    True runs the Pallas kernels (attention, and the conv1d / GDN / SSD scans of hybrids)."""
 
     use_pallas: bool = False
     interpret: bool = False  # run the Pallas kernels in interpret mode (CPU tests)
     sliding_window: int | None = None
+    # Unroll the scan over layers in the paged steps (static weight slices instead of a dynamic
+    # slice per iteration). Unmeasured: exposed so the GPU bench can time both forms.
+    unroll_layers: bool = False
 
 
 def _softmax_attend(q, k, v, mask, scale):

@@ -179,7 +179,7 @@ def forward_paged(
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x), kv, i + 1), None
 
-    (x, kv, _), _ = jax.lax.scan(layer, (x, state.kv, jnp.int32(0)), params["layers"])
+    (x, kv, _), _ = jax.lax.scan(layer, (x, state.kv, jnp.int32(0)), params["layers"], unroll=attn.unroll_layers)
     return dataclasses.replace(state, kv=kv), rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 

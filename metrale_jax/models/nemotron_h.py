@@ -230,7 +230,7 @@ def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Arr
     return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
-def _stack(cfg, params, x, mixers, carry_extra):
+def _stack(cfg, params, x, mixers, carry_extra, unroll: bool = False):
     """Scan over layers: x + mixer(norm(x)), the mixer picked by the layer's kind."""
     kinds = _kinds(cfg)
     present = sorted(set(kinds))
@@ -246,7 +246,7 @@ def _stack(cfg, params, x, mixers, carry_extra):
         return (x + out, extra, counters), None
 
     init = (x, carry_extra, jnp.zeros((4,), jnp.int32))
-    (x, extra, _), _ = jax.lax.scan(layer, init, (params["layers"]["norm"], branch, kind_arr))
+    (x, extra, _), _ = jax.lax.scan(layer, init, (params["layers"]["norm"], branch, kind_arr), unroll=unroll)
     return rms_norm(x, params["norm_f"], cfg.rms_norm_eps), extra
 
 
@@ -318,5 +318,5 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
         return linear(o.reshape(o.shape[0], -1), ap["wo"]), (kv, ssm)
 
     mixers = {MAMBA: mamba, ATTN: attn, **_ffn_mixers(cfg, params)}
-    x, (kv, ssm) = _stack(cfg, params, x, mixers, (state.kv, state.ssm))
+    x, (kv, ssm) = _stack(cfg, params, x, mixers, (state.kv, state.ssm), attn_cfg.unroll_layers)
     return dataclasses.replace(state, kv=kv, ssm=ssm), x

@@ -306,5 +306,5 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
 
     init = (x, state.kv, state.ssm, jnp.int32(0), jnp.int32(0))
-    (x, kv, ssm, _, _), _ = jax.lax.scan(layer, init, (params["layers"], kinds))
+    (x, kv, ssm, _, _), _ = jax.lax.scan(layer, init, (params["layers"], kinds), unroll=attn.unroll_layers)
     return dataclasses.replace(state, kv=kv, ssm=ssm), _norm(cfg, x, params["norm"])
