@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.kernels.timing import memcpy_seconds, time_jax, time_torch  # noqa: E402
 from pallas_kernels.conv1d import ConvParams, causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
 from pallas_kernels.gated_delta import (  # noqa: E402
     ChunkParams,
@@ -78,34 +79,8 @@ def left():
     return DEADLINE - time.monotonic()
 
 
-def time_jax(fn, *args, iters=10, reps=3):
-    """Seconds per call: compile + warm-up, then the best of `reps` runs of `iters` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
 
 
-def time_torch(fn, iters=10, reps=3):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / iters)
-    return best
 
 
 def rel_l2(a, b):
@@ -282,12 +257,6 @@ def bench_fla(results, outs, prune):
             log(traceback.format_exc())
 
 
-def memcpy_seconds(nbytes):
-    import torch
-
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    return time_torch(lambda: b.copy_(a), iters=20)
 
 
 def _decode_steps(pool, ins, idx, params, steps):

@@ -38,8 +38,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.kernels import timing  # noqa: E402
 from pallas_kernels.mamba2 import SSDParams, StateUpdateParams, selective_state_update, ssd_chunk_scan  # noqa: E402
 from pallas_kernels.mamba2.params import ssd_key, state_update_key  # noqa: E402
+
+time_jax = functools.partial(timing.time_jax, iters=20)
+time_torch = functools.partial(timing.time_torch, iters=20)
+memcpy_seconds = timing.memcpy_seconds
 
 H, P, N = 128, 64, 128
 T = 8192
@@ -66,35 +71,8 @@ def log(*a):
     print(*a, flush=True)
 
 
-def time_jax(fn, *args, iters=20, reps=3):
-    """Seconds per call: compile + warm-up, then the best of `reps` runs of `iters` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
 
 
-def time_torch(fn, iters=20, reps=3):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / iters)
-    return best
 
 
 def ssd_inputs(ngroups, key):
@@ -284,12 +262,6 @@ def bench_fla(results, prune):
                 log(traceback.format_exc())
 
 
-def memcpy_seconds(nbytes):
-    import torch
-
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    return time_torch(lambda: b.copy_(a))
 
 
 def _ssu_step(pool, *, args, idx, params):
