@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 import traceback
 
@@ -446,6 +447,8 @@ def main():
     if args.chunk_configs:
         CHUNK_SWEEP = [ChunkParams(*map(int, c.split("/"))) for c in args.chunk_configs.split(",")]
     DEADLINE = time.monotonic() + args.budget_s
+    if args.smoke and args.out == "bench/results":  # a smoke run must not overwrite the GPU results
+        args.out = tempfile.mkdtemp(prefix="smoke_")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:

@@ -29,6 +29,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 import traceback
 
@@ -425,6 +426,8 @@ def main():
     if args.render:
         render(pathlib.Path(args.render))
         return
+    if args.smoke and args.out == "bench/results":  # a smoke run must not overwrite the GPU results
+        args.out = tempfile.mkdtemp(prefix="smoke_")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     global BUDGET_S
