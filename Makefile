@@ -22,7 +22,7 @@ test: venv
 	$(PY) -m pytest -q
 
 run: venv
-	$(PY) -m metrale_jax.cli generate --stream "Write one sentence about the sea."
+	$(PY) -m metrale_jax.cli generate --stream --chat "Write one sentence about the sea."
 
 clean:
 	rm -rf $(VENV)
