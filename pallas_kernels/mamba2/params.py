@@ -112,3 +112,25 @@ def state_update_params_for(nheads, headdim, d_state, ngroups, dtype) -> StateUp
     if hit is not None:
         return StateUpdateParams(**hit)
     return StateUpdateParams(block_p=min(64, headdim), num_warps=4, num_stages=1)
+
+
+def check_mixer_inputs(x, dt_raw, A_log, B, C, D, dt_bias, rows_name: str) -> tuple[int, int, int, int, int]:
+    """Validates the per-token SSD inputs shared by the scan and the state update.
+
+    x [R, nheads, headdim], dt_raw [R, nheads], B/C [R, ngroups, d_state], A_log/D/dt_bias f32[nheads]
+    -> (R, nheads, headdim, ngroups, d_state). `rows_name` names R in the messages ("T" or "R").
+    """
+    if x.ndim != 3:
+        raise ValueError(f"{x.shape=} must be [{rows_name}, nheads, headdim]")
+    rows, nheads, headdim = x.shape
+    if B.ndim != 3 or B.shape[0] != rows or C.shape != B.shape:
+        raise ValueError(f"{B.shape=} and {C.shape=} must both be [{rows_name}={rows}, ngroups, d_state]")
+    _, ngroups, d_state = B.shape
+    if nheads % ngroups:
+        raise ValueError(f"{nheads=} must be a multiple of {ngroups=}")
+    if dt_raw.shape != (rows, nheads):
+        raise ValueError(f"{dt_raw.shape=} must be ({rows_name}, nheads) = {(rows, nheads)}")
+    for name, v in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
+        if v.shape != (nheads,):
+            raise ValueError(f"{name}.shape={v.shape} must be ({nheads},)")
+    return rows, nheads, headdim, ngroups, d_state

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.mamba2.params import SSDParams, _is_pow2, ssd_params_for
+from pallas_kernels.mamba2.params import SSDParams, _is_pow2, check_mixer_inputs, ssd_params_for
 from pallas_kernels.mamba2.reference import softplus_dt
 
 Array = jax.Array
@@ -182,19 +182,7 @@ def ssd_chunk_scan(
       cu_seqlens[-1] are 0. final_states f32[S, H, P, N] (aliased to initial_states: in place when
       the caller donates it).
     """
-    if x.ndim != 3:
-        raise ValueError(f"{x.shape=} must be [T, nheads, headdim]")
-    num_tokens, nheads, headdim = x.shape
-    if B.ndim != 3 or B.shape[0] != num_tokens or C.shape != B.shape:
-        raise ValueError(f"{B.shape=} and {C.shape=} must both be [T={num_tokens}, ngroups, d_state]")
-    _, ngroups, d_state = B.shape
-    if nheads % ngroups:
-        raise ValueError(f"{nheads=} must be a multiple of {ngroups=}")
-    if dt_raw.shape != (num_tokens, nheads):
-        raise ValueError(f"{dt_raw.shape=} must be (T, nheads) = {(num_tokens, nheads)}")
-    for name, v in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
-        if v.shape != (nheads,):
-            raise ValueError(f"{name}.shape={v.shape} must be ({nheads},)")
+    num_tokens, nheads, headdim, ngroups, d_state = check_mixer_inputs(x, dt_raw, A_log, B, C, D, dt_bias, "T")
     if cu_seqlens.ndim != 1 or cu_seqlens.dtype != jnp.int32:
         raise ValueError(f"cu_seqlens must be i32[S+1], got {cu_seqlens.dtype}{list(cu_seqlens.shape)}")
     num_streams = cu_seqlens.shape[0] - 1

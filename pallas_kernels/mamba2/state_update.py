@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.mamba2.params import StateUpdateParams, _is_pow2, state_update_params_for
+from pallas_kernels.mamba2.params import StateUpdateParams, _is_pow2, check_mixer_inputs, state_update_params_for
 from pallas_kernels.mamba2.reference import softplus_dt
 
 Array = jax.Array
@@ -106,19 +106,7 @@ def selective_state_update(
       (y [R, H, P], new_state like `state`). new_state aliases `state`: donate it to update the pool
       in place (otherwise XLA copies it first).
     """
-    if x.ndim != 3:
-        raise ValueError(f"{x.shape=} must be [R, nheads, headdim]")
-    rows, nheads, headdim = x.shape
-    if B.ndim != 3 or B.shape[0] != rows or C.shape != B.shape:
-        raise ValueError(f"{B.shape=} and {C.shape=} must both be [R={rows}, ngroups, d_state]")
-    _, ngroups, d_state = B.shape
-    if nheads % ngroups:
-        raise ValueError(f"{nheads=} must be a multiple of {ngroups=}")
-    if dt_raw.shape != (rows, nheads):
-        raise ValueError(f"{dt_raw.shape=} must be (R, nheads) = {(rows, nheads)}")
-    for name, v in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
-        if v.shape != (nheads,):
-            raise ValueError(f"{name}.shape={v.shape} must be ({nheads},)")
+    rows, nheads, headdim, ngroups, d_state = check_mixer_inputs(x, dt_raw, A_log, B, C, D, dt_bias, "R")
     if state.ndim != 4 or state.shape[1:] != (nheads, headdim, d_state) or state.dtype != jnp.float32:
         raise ValueError(f"state must be f32[S, {nheads}, {headdim}, {d_state}], got {state.dtype}{list(state.shape)}")
     if state_indices is None:
