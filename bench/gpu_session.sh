@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [serve]   (default: tests throughput serve)
+#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [profile] [grouped] [linear] [serve]
+#   (default: tests throughput serve)
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core;
@@ -31,6 +32,21 @@ if [[ $parts == *unroll* ]]; then  # the same decode latency with the layer scan
   timeout 250 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
     --batches 1,64 --context 512 --skip-throughput --max-model-len 2048 --unroll-layers \
     --out "$OUT/throughput_llama3_8b_gpu_unrolled.json" 2>&1 | tail -12
+fi
+if [[ $parts == *profile* ]]; then  # decode executables' HLO, cost analysis and per-kernel times
+  for v in scan unroll; do
+    flag=$([[ $v == unroll ]] && echo --unroll-layers)
+    timeout 200 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
+      --batches 1,64 --context 512 --skip-throughput --max-model-len 2048 $flag --decode-steps 8 \
+      --profile "$OUT/profile_$v" --out "$OUT/profile_$v/throughput.json" 2>&1 | grep -v "^ *[0-9.]* us" | tail -8
+    head -30 "$OUT"/profile_$v/decode_b1/kernels.txt
+  done
+fi
+if [[ $parts == *grouped* ]]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 bench/kernels/grouped_matmul.py --out "$OUT" 2>&1 | tail -30
+fi
+if [[ $parts == *linear* ]]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 bench/kernels/linear.py --out "$OUT" 2>&1 | tail -30
 fi
 if [[ $parts == *serve* ]]; then
   python3 bench/random_checkpoint.py --shape smollm2-135m --dtype bfloat16 \

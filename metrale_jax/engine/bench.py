@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="run transformers' generate on the same workload with this interpreter (CPU peer)")
     p.add_argument("--hf-batch", type=int, default=8, help="transformers peer: batch size")
     p.add_argument("--out", default=None, help="write results JSON here (a .md summary next to it)")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="write each decode executable's HLO, cost analysis and per-kernel times here")
     p.add_argument("--startup-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
 
@@ -270,6 +273,10 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
         state, out, _ = eng.compiler.run(bucket, eng.params, state, dev)
     jax.block_until_ready(out.token_ids)
     device_dt = (time.perf_counter() - t0) / steps
+    if args.profile:
+        state = profile_executable(eng.compiler.executables[bucket],
+                                   lambda st: eng.compiler.run(bucket, eng.params, st, dev)[0], state,
+                                   Path(args.profile) / f"decode_b{batch}", steps)
     eng.state = state
     ctx = args.context + steps
     kv = batch * ctx * eng.model.kv_bytes_per_block(1, eng.kv_dtype)
@@ -281,6 +288,49 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
                 device_step_ms=device_dt * 1e3, tok_per_s=batch / engine_dt, device_tok_per_s=batch / device_dt,
                 bytes_per_step=need, roofline_step_ms=ideal * 1e3, roofline_ratio_engine=ideal / engine_dt,
                 roofline_ratio_device=ideal / device_dt)
+
+
+def profile_executable(exe, run_once, state, out: Path, steps: int):
+    """Write `exe`'s optimized HLO and cost analysis under `out`, then run `run_once(state) -> state`
+    `steps` times under the JAX profiler and write the device kernels' total time by name
+    (`kernels.txt`, largest first). Returns the state (the step donates it)."""
+    import gzip
+
+    import jax
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hlo.txt").write_text(exe.as_text())
+    try:
+        (out / "cost.json").write_text(json.dumps(exe.cost_analysis(), indent=1, default=str))
+    except Exception as e:  # noqa: BLE001 - not every backend reports it
+        log.warning("cost analysis unavailable: %s", e)
+    trace_dir = out / "trace"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(steps):
+            state = run_once(state)
+        jax.block_until_ready(state)
+    files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        log.warning("no perfetto trace written under %s", trace_dir)
+        return state
+    events = json.loads(gzip.open(files[-1]).read())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    tot: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e:
+            t = tot.setdefault(e["name"], [0.0, 0])
+            t[0] += e["dur"] / steps
+            t[1] += 1 / steps
+    rows = sorted(tot.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for _, v in rows)
+    lines = [f"device kernels per step: {total:.1f} us in {sum(v[1] for _, v in rows):.0f} launches "
+             f"(processes: {sorted(set(procs.values()))})"]
+    lines += [f"{v[0]:10.1f} us {v[1]:6.1f}x  {k[:160]}" for k, v in rows[:80]]
+    (out / "kernels.txt").write_text("\n".join(lines) + "\n")
+    shutil.rmtree(trace_dir, ignore_errors=True)  # tens of MB; the summary is what we keep
+    log.info("profile %s:\n%s", out, "\n".join(lines[:25]))
+    return state
 
 
 def _startup_probe(args) -> int:
