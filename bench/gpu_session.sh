@@ -38,6 +38,7 @@ if [[ $parts == *profile* ]]; then  # decode executables' HLO, cost analysis and
     flag=$([[ $v == unroll ]] && echo --unroll-layers)
     timeout 200 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
       --batches 1,64 --context 512 --skip-throughput --max-model-len 2048 $flag --decode-steps 8 \
+      --prefill-buckets 2048 --mixed-decode-buckets 64 \
       --profile "$OUT/profile_$v" --out "$OUT/profile_$v/throughput.json" 2>&1 | grep -v "^ *[0-9.]* us" | tail -8
     head -30 "$OUT"/profile_$v/decode_b1/kernels.txt
   done

@@ -166,14 +166,16 @@ def load_model(
     return model, params
 
 
-def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2) -> tuple[Model, dict]:
-    """A model of `config`'s architecture (an HF config.json dict) with random weights."""
+def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2,
+                 repeat_layers: bool = False) -> tuple[Model, dict]:
+    """A model of `config`'s architecture (an HF config.json dict) with random weights
+    (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`)."""
     from metrale_jax.loading.random_weights import RandomWeightReader
 
     cfg = ModelConfig.from_hf(config)
     fam_name, fam = family_for(cfg.architecture)
     cfg = fam.adapt_config(cfg)
-    params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale))
+    params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale, repeat_layers=repeat_layers))
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
                   eos_token_ids=tuple(cfg.eos_token_ids))
     return model, params

@@ -73,6 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefill-buckets", default="", help="comma list of prefill T buckets (default: the engine's)")
+    p.add_argument("--mixed-decode-buckets", default="", help="comma list of mixed-step N buckets")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
                    help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
@@ -164,7 +166,7 @@ def _load(args):
     t0 = time.perf_counter()
     if args.random_weights:
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _on_gpu() else "float32")
-        model, params = random_model(SHAPES[args.shape], dtype=dtype, seed=args.seed)
+        model, params = random_model(SHAPES[args.shape], dtype=dtype, seed=args.seed, repeat_layers=True)
         name = f"random-{args.shape}"
     else:
         model, params = load_model(args.model, dtype=args.dtype, show_progress=False)
@@ -186,6 +188,8 @@ def _engine_config(args, batches):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=seqs, max_num_batched_tokens=budget,
         decode_buckets=tuple(sorted(set(batches) | {seqs})),
+        prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
+        mixed_decode_buckets=tuple(int(x) for x in args.mixed_decode_buckets.split(",") if x),
         attention=None if args.pallas is None and not args.unroll_layers else AttentionConfig(
             use_pallas=_on_gpu() if args.pallas is None else args.pallas, unroll_layers=args.unroll_layers),
         compilation_cache_dir=args.cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
@@ -362,7 +366,8 @@ def measure_startup(args) -> dict:
     argv = ["--model", str(args.model), "--shape", args.shape, "--dtype", args.dtype, "--batches", args.batches,
             "--context", str(args.context), "--max-model-len", str(args.max_model_len), "--block-size",
             str(args.block_size), "--seed", str(args.seed), "--gpu-memory-utilization",
-            str(args.gpu_memory_utilization)]
+            str(args.gpu_memory_utilization), "--prefill-buckets", args.prefill_buckets,
+            "--mixed-decode-buckets", args.mixed_decode_buckets]
     for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--num-kv-blocks", args.num_kv_blocks),
                     ("--max-num-batched-tokens", args.max_num_batched_tokens)):
         if v is not None:

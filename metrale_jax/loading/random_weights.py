@@ -4,7 +4,10 @@
 tensor by name and shape, so random models exercise the same loading code as real ones. Norm
 weights are drawn around 1 and everything else around 0 with std `scale`. Tensors over
 `tile_above` elements repeat one random tile (the numbers don't matter for timing, and drawing
-8 billion normals would take minutes).
+8 billion normals would take minutes). With `repeat_layers`, for multi-GB benchmark models, every
+tensor of one shape is one draw and a stacked linear repeats its first layer (reading and casting
+billions of elements on the host took minutes on the GPU machine); the layers still live in
+distinct memory, so a step reads every byte, but a layer mix-up would go unseen: tests keep it off.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import zlib
 
 import numpy as np
 
+from metrale_jax.layers.linear import Fp8Linear
 from metrale_jax.loading.weights import WeightReader
 
 
@@ -22,16 +26,38 @@ class _NoSource:
 
 
 class RandomWeightReader(WeightReader):
-    def __init__(self, dtype, seed: int = 0, scale: float = 0.2, tile_above: int = 1 << 24, show_progress=False):
+    def __init__(self, dtype, seed: int = 0, scale: float = 0.2, tile_above: int = 1 << 24, show_progress=False,
+                 repeat_layers: bool = False):
         super().__init__(_NoSource(), dtype, origin="<random>", show_progress=show_progress)
         self.seed = seed
         self.scale = scale
         self.tile_above = tile_above
+        self.repeat_layers = repeat_layers
+        self._drawn: dict[tuple, np.ndarray] = {}  # (shape, is_norm) -> read-only draw (repeat_layers)
 
     def has(self, name: str) -> bool:
         return True
 
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
+        if self.repeat_layers:
+            key = (tuple(shape), "norm" in name)
+            if key not in self._drawn:
+                self._drawn[key] = self._draw(name, shape)
+                self._drawn[key].setflags(write=False)
+            arr = self._drawn[key]
+            return self.cast(arr) if cast else arr
+        arr = self._draw(name, shape)
+        return self.cast(arr) if cast else arr
+
+    def linears(self, num_layers: int, k: int, parts, desc: str = ""):
+        if not self.repeat_layers:
+            return super().linears(num_layers, k, parts, desc)
+        one = super().linears(1, k, parts, desc)
+        if isinstance(one, Fp8Linear):
+            return Fp8Linear(np.repeat(one.w8, num_layers, 0), np.repeat(one.scale_inv, num_layers, 0), one.segments)
+        return np.repeat(one, num_layers, 0)
+
+    def _draw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         n = int(np.prod(shape))
         if n > self.tile_above:
@@ -40,5 +66,4 @@ class RandomWeightReader(WeightReader):
         else:
             arr = rng.standard_normal(shape, dtype=np.float32)
         base = 1.0 if "norm" in name else 0.0
-        arr = base + self.scale * arr
-        return self.cast(arr) if cast else arr
+        return (base + self.scale * arr).astype(np.float32)
