@@ -34,9 +34,10 @@ if [[ $parts == *unroll* ]]; then  # the same decode latency with the layer scan
     --out "$OUT/throughput_llama3_8b_gpu_unrolled.json" 2>&1 | tail -12
 fi
 if [[ $parts == *profile* ]]; then  # decode executables' HLO, cost analysis and per-kernel times
-  for v in scan unroll; do
+  for v in ${PROFILE_VARIANTS:-scan unroll}; do  # scan_dsf: XLA's dynamic-slice fusion on
     flag=$([[ $v == unroll ]] && echo --unroll-layers)
-    timeout 200 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
+    xf=$([[ $v == scan_dsf ]] && echo --xla_gpu_enable_dynamic_slice_fusion=true)
+    XLA_FLAGS="${XLA_FLAGS:-} $xf" timeout 200 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
       --batches 1,64 --context 512 --skip-throughput --max-model-len 2048 $flag --decode-steps 8 \
       --prefill-buckets 2048 --mixed-decode-buckets 64 \
       --profile "$OUT/profile_$v" --out "$OUT/profile_$v/throughput.json" 2>&1 | grep -v "^ *[0-9.]* us" | tail -8
