@@ -485,6 +485,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode (checks the script)")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill cases, with a wider sweep")
     args = ap.parse_args()
     t_start = time.time()
     DEADLINE[0] = t_start + args.budget_s
@@ -525,32 +526,40 @@ def main():
 
     bests = {}
     bf16, fp8 = jnp.bfloat16, jnp.float8_e4m3fn
-    log(f"decode B={n1} Hq=32 Hkv=8 D=128 ctx={c1} bs=16 bf16")
-    bests["d1"] = bench_decode(f"decode B{n1} ctx{c1} bf16", n1, 32, 8, 128, c1, 16, bf16, sweep1, memcpy_bw,
-                               layouts=True)
-    log(f"decode B={n2} ctx={c2}")
-    bests["d2"] = bench_decode(f"decode B{n2} ctx{c2} bf16", n2, 32, 8, 128, c2, 16, bf16, sweep2, memcpy_bw)
-    log(f"decode B={n3} Hq=16 Hkv=2 ctx={c3}")
-    bests["d3"] = bench_decode(f"decode B{n3} Hq16 Hkv2 ctx{c3} bf16", n3, 16, 2, 128, c3, 16, bf16, sweep3,
-                               memcpy_bw)
-    log(f"decode fp8 B={n1} ctx={c1}")
-    bests["d4"] = bench_decode(f"decode B{n1} ctx{c1} fp8", n1, 32, 8, 128, c1, 16, fp8, fp8_sweep, memcpy_bw,
-                               bundled=False, layouts=True)
-    DEADLINE[0] = max(DEADLINE[0], time.time() + 40)  # prefill gets some sweep time in any case
-    log(f"prefill {pb}x{pn} new, 0 cached")
-    bests["p1"] = bench_prefill(f"prefill {pb}x{pn} cached0", pb, pn, 0, 32, 8, 128, 16, psweep)
-    DEADLINE[0] = max(DEADLINE[0], time.time() + 20)
-    log(f"prefill {pb}x{pn} new, {pc} cached")
-    p2_sweep = [P(**bests["p1"]["params"])] if bests.get("p1") and bests["p1"].get("params") else []
-    p2_sweep += [P(256, 32, 8, 2), P(128, 128, 8, 2)]
-    bests["p2"] = bench_prefill(f"prefill {pb}x{pn} cached{pc}", pb, pn, pc, 32, 8, 128, 16, p2_sweep)
-    log("mixed batch")
-    dp = D(**bests["d1"]["params"]) if bests.get("d1") and bests["d1"].get("params") else None
-    pp = P(**bests["p2"]["params"]) if bests.get("p2") and bests["p2"].get("params") else None
-    if smoke:
-        bench_mixed(dp, pp, n=2, ctx=128, new=32, cached=64)
-    else:
-        bench_mixed(dp, pp)
+    if args.prefill_only:  # run 3: around run 2's pick (br=128, bk=32, 8 warps, 2 stages)
+        psweep = [P(128, 32, 8, 2), P(128, 64, 4, 3), P(128, 64, 8, 3), P(256, 64, 8, 3), P(128, 128, 8, 2),
+                  P(256, 128, 8, 2), P(64, 64, 4, 3), P(128, 32, 4, 3), P(256, 32, 8, 4)]
+        if smoke:
+            psweep = psweep[:2]
+        bests["p1"] = bench_prefill(f"prefill {pb}x{pn} cached0", pb, pn, 0, 32, 8, 128, 16, psweep)
+        bests["p2"] = bench_prefill(f"prefill {pb}x{pn} cached{pc}", pb, pn, pc, 32, 8, 128, 16, psweep)
+    if not args.prefill_only:
+        log(f"decode B={n1} Hq=32 Hkv=8 D=128 ctx={c1} bs=16 bf16")
+        bests["d1"] = bench_decode(f"decode B{n1} ctx{c1} bf16", n1, 32, 8, 128, c1, 16, bf16, sweep1, memcpy_bw,
+                                   layouts=True)
+        log(f"decode B={n2} ctx={c2}")
+        bests["d2"] = bench_decode(f"decode B{n2} ctx{c2} bf16", n2, 32, 8, 128, c2, 16, bf16, sweep2, memcpy_bw)
+        log(f"decode B={n3} Hq=16 Hkv=2 ctx={c3}")
+        bests["d3"] = bench_decode(f"decode B{n3} Hq16 Hkv2 ctx{c3} bf16", n3, 16, 2, 128, c3, 16, bf16, sweep3,
+                                   memcpy_bw)
+        log(f"decode fp8 B={n1} ctx={c1}")
+        bests["d4"] = bench_decode(f"decode B{n1} ctx{c1} fp8", n1, 32, 8, 128, c1, 16, fp8, fp8_sweep, memcpy_bw,
+                                   bundled=False, layouts=True)
+        DEADLINE[0] = max(DEADLINE[0], time.time() + 40)  # prefill gets some sweep time in any case
+        log(f"prefill {pb}x{pn} new, 0 cached")
+        bests["p1"] = bench_prefill(f"prefill {pb}x{pn} cached0", pb, pn, 0, 32, 8, 128, 16, psweep)
+        DEADLINE[0] = max(DEADLINE[0], time.time() + 20)
+        log(f"prefill {pb}x{pn} new, {pc} cached")
+        p2_sweep = [P(**bests["p1"]["params"])] if bests.get("p1") and bests["p1"].get("params") else []
+        p2_sweep += [P(256, 32, 8, 2), P(128, 128, 8, 2)]
+        bests["p2"] = bench_prefill(f"prefill {pb}x{pn} cached{pc}", pb, pn, pc, 32, 8, 128, 16, p2_sweep)
+        log("mixed batch")
+        dp = D(**bests["d1"]["params"]) if bests.get("d1") and bests["d1"].get("params") else None
+        pp = P(**bests["p2"]["params"]) if bests.get("p2") and bests["p2"].get("params") else None
+        if smoke:
+            bench_mixed(dp, pp, n=2, ctx=128, new=32, cached=64)
+        else:
+            bench_mixed(dp, pp)
 
     tuned = {"decode": {}, "prefill": {}}
     for k, r in bests.items():
