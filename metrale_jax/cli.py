@@ -63,7 +63,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas),
+        attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas, unroll_layers=args.pallas),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         preemption_mode=args.preemption_mode,
     )

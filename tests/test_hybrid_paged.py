@@ -20,10 +20,11 @@ HYBRIDS = ["qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
 TOL = dict(rtol=5e-4, atol=5e-4)
 KERNELS = {
     "reference": AttentionConfig(),
-    "pallas-gpu": AttentionConfig(use_pallas=True),
+    "reference-unrolled": AttentionConfig(unroll_layers=True),  # the Python layer loop (GPU default)
+    "pallas-gpu": AttentionConfig(use_pallas=True, unroll_layers=True),
 }
 # The kernels' interpret-mode runs live in their own tests (a model-level one costs ~45 s on CI).
-CASES = [(h, "reference") for h in HYBRIDS] + [pytest.param(h, "pallas-gpu", marks=pytest.mark.gpu) for h in HYBRIDS]
+CASES = [(h, impl) for h in HYBRIDS for impl in ("reference", "reference-unrolled")] + [pytest.param(h, "pallas-gpu", marks=pytest.mark.gpu) for h in HYBRIDS]
 
 
 @pytest.fixture(scope="module")

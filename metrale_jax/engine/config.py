@@ -116,7 +116,7 @@ class EngineConfig:
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
-            attention=self.attention or AttentionConfig(use_pallas=on_gpu), preemption_mode=mode,
+            attention=self.attention or AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu), preemption_mode=mode,
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
             if mode == "swap" else (),
         )

@@ -9,6 +9,7 @@ incrementally, check stop conditions, free what finished sequences held.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -28,7 +29,6 @@ from metrale_jax.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
-from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata_builder import (
     BuilderConfig,
     DecodeRow,
@@ -95,9 +95,10 @@ class LLMEngine:
         why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None
         if self.config.attention.use_pallas and why_not:
             log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)
-            self.config = self.config.replace(attention=AttentionConfig(use_pallas=False))
+            self.config = self.config.replace(attention=dataclasses.replace(self.config.attention, use_pallas=False))
         c = self.config
-        log.info("kernels: %s", "Pallas" if c.attention.use_pallas else "XLA reference")
+        log.info("kernels: %s; layers: %s", "Pallas" if c.attention.use_pallas else "XLA reference",
+                 "Python loop (static weight slices)" if c.attention.unroll_layers else "lax.scan")
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())

@@ -26,8 +26,9 @@ class AttentionConfig:
     use_pallas: bool = False
     interpret: bool = False  # run the Pallas kernels in interpret mode (CPU tests)
     sliding_window: int | None = None
-    # Unroll the scan over layers in the paged steps (static weight slices instead of a dynamic
-    # slice per iteration). Unmeasured: exposed so the GPU bench can time both forms.
+    # Walk the layers of the paged steps in a Python loop with static weight slices instead of
+    # `lax.scan`, whose per-layer weight slices XLA copies on the GPU (layers/stack.py; the
+    # engine's GPU default).
     unroll_layers: bool = False
 
 

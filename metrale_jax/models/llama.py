@@ -34,6 +34,7 @@ from metrale_jax.layers.mlp import linear, swiglu_mlp
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
+from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 
@@ -179,7 +180,8 @@ def forward_paged(
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x), kv, i + 1), None
 
-    (x, kv, _), _ = jax.lax.scan(layer, (x, state.kv, jnp.int32(0)), params["layers"], unroll=attn.unroll_layers)
+    i0 = 0 if attn.unroll_layers else jnp.int32(0)  # a static layer index under the Python loop
+    x, kv, _ = scan_layers(layer, (x, state.kv, i0), params["layers"], attn.unroll_layers)
     return dataclasses.replace(state, kv=kv), rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 

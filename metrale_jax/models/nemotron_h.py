@@ -40,6 +40,7 @@ from metrale_jax.layers.mlp import linear
 from metrale_jax.layers.moe import routed_experts
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
+from metrale_jax.layers.stack import scan_layers, switch
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.mamba2 import selective_state_update, ssd_chunk_scan
 
@@ -234,19 +235,21 @@ def _stack(cfg, params, x, mixers, carry_extra, unroll: bool = False):
     """Scan over layers: x + mixer(norm(x)), the mixer picked by the layer's kind."""
     kinds = _kinds(cfg)
     present = sorted(set(kinds))
-    branch = jnp.asarray([present.index(k) for k in kinds], jnp.int32)
-    kind_arr = jnp.asarray(kinds, jnp.int32)
+    # numpy under the Python loop (unroll): static branches and layer counters
+    xp = np if unroll else jnp
+    branch = xp.asarray([present.index(k) for k in kinds], np.int32)
+    kind_arr = xp.asarray(kinds, np.int32)
 
     def layer(carry, xs):
         x, extra, counters = carry
         norm_w, b, kind = xs
         h = rms_norm(x, norm_w, cfg.rms_norm_eps)
-        out, extra = jax.lax.switch(b, [mixers[k] for k in present], h, extra, counters)
-        counters = counters + (jnp.arange(4) == kind).astype(jnp.int32)
+        out, extra = switch(b, [mixers[k] for k in present], h, extra, counters)
+        counters = counters + (xp.arange(4) == kind).astype(np.int32)
         return (x + out, extra, counters), None
 
-    init = (x, carry_extra, jnp.zeros((4,), jnp.int32))
-    (x, extra, _), _ = jax.lax.scan(layer, init, (params["layers"]["norm"], branch, kind_arr), unroll=unroll)
+    init = (x, carry_extra, xp.zeros((4,), np.int32))
+    x, extra, _ = scan_layers(layer, init, (params["layers"]["norm"], branch, kind_arr), unroll)
     return rms_norm(x, params["norm_f"], cfg.rms_norm_eps), extra
 
 

@@ -39,6 +39,7 @@ from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
+from metrale_jax.layers.stack import scan_layers, switch
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule
 
@@ -301,10 +302,12 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         x, kv, ssm, ia, ig = carry
         lp, kind = xs
         h = _norm(cfg, x, lp["in_norm"])
-        x, kv, ssm = jax.lax.switch(kind, [gdn_branch, attn_branch], x, h, kv, ssm, ia, ig)
+        x, kv, ssm = switch(kind, [gdn_branch, attn_branch], x, h, kv, ssm, ia, ig)
         x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]))
         return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
 
-    init = (x, state.kv, state.ssm, jnp.int32(0), jnp.int32(0))
-    (x, kv, ssm, _, _), _ = jax.lax.scan(layer, init, (params["layers"], kinds), unroll=attn.unroll_layers)
+    unroll = attn.unroll_layers  # static kinds and layer counters under the Python loop
+    zero = 0 if unroll else jnp.int32(0)
+    kinds = np.asarray(_kinds(cfg), np.int32) if unroll else kinds
+    x, kv, ssm, _, _ = scan_layers(layer, (x, state.kv, state.ssm, zero, zero), (params["layers"], kinds), unroll)
     return dataclasses.replace(state, kv=kv, ssm=ssm), _norm(cfg, x, params["norm"])
