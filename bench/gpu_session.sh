@@ -5,7 +5,8 @@
 #   (default: tests throughput serve)
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
-#   opentelemetry-api (fastapi >= 0.16x imports it) fla-core;
+#   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
+#   jaxtyping wadler_lindig immutabledict tensorboardx;
 # .gpu_carry/smollm2_tok the SmolLM2 tokenizer files (for a random-weight serving checkpoint).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -15,6 +16,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# tokamax imports xprof (its profiler's kernel stats) at import time; the machine lacks xprof and
+# its dependency tree, so a stub module stands in for that one import (nothing here profiles).
+if ! python3 -c "import xprof" 2>/dev/null; then
+  mkdir -p /tmp/site/xprof/cli/tools
+  touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py /tmp/site/xprof/cli/tools/__init__.py
+  echo 'def compute_kernel_stats(*a, **k): raise NotImplementedError("xprof stub")' \
+    > /tmp/site/xprof/cli/tools/get_kernel_stats_tool.py
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())" | tee -a "$OUT/device.txt"
 

@@ -55,15 +55,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
-    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
-    from metrale_jax.layers.attention import AttentionConfig
+    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig, default_kernels
 
     kw = dict(
         model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        attention=None if args.pallas is None else AttentionConfig(use_pallas=args.pallas, unroll_layers=args.pallas),
+        attention=None if args.pallas is None else default_kernels(args.pallas),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         preemption_mode=args.preemption_mode,
     )

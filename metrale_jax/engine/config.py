@@ -32,6 +32,15 @@ def _swap_buckets(max_blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(set(out + [max_blocks])))
 
 
+
+def default_kernels(on_gpu: bool) -> AttentionConfig:
+    """The kernel choices when none are given: on the GPU the Pallas kernels, the Python layer
+    loop and (when installed) tokamax's grouped GEMM for MoE; on the CPU the XLA reference."""
+    from metrale_jax.layers.moe import tokamax_available
+
+    return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu, tokamax_moe=on_gpu and tokamax_available())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine configuration. None = chosen from the model and device at start-up."""
@@ -116,7 +125,7 @@ class EngineConfig:
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
-            attention=self.attention or AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu), preemption_mode=mode,
+            attention=self.attention or default_kernels(on_gpu), preemption_mode=mode,
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
             if mode == "swap" else (),
         )

@@ -30,6 +30,10 @@ class AttentionConfig:
     # `lax.scan`, whose per-layer weight slices XLA copies on the GPU (layers/stack.py; the
     # engine's GPU default).
     unroll_layers: bool = False
+    # MoE experts through tokamax's grouped GEMM (`tokamax.ragged_dot`, Mosaic GPU) instead of
+    # `jax.lax.ragged_dot`: 3-20x faster on the H200 (bench/results/grouped_matmul_2026-11-29.md).
+    # The engine's GPU default when tokamax is installed (the `cuda13` extra).
+    tokamax_moe: bool = False
 
 
 def _softmax_attend(q, k, v, mask, scale):

@@ -1,11 +1,14 @@
 """Sparse mixture-of-experts MLP: routers and the routed experts as a grouped GEMM.
 
-The routed experts run as `jax.lax.ragged_dot` over the (token, expert) pairs sorted by
-expert: the pure-XLA path, which also serves the CPU. A Pallas grouped GEMM for the GPU is
-planned in `pallas_kernels/` (ragged_dot measured 9.5 TFLOP/s on the H200, see DESIGN.md).
+The routed experts run as a grouped GEMM over the (token, expert) pairs sorted by expert:
+`jax.lax.ragged_dot` (pure XLA, the CPU path), or on the GPU tokamax's `ragged_dot` (a Mosaic
+GPU kernel). Measured on the H200 (bench/results/grouped_matmul_2026-11-29.md) tokamax ran
+121-178 us where XLA's ragged_dot took 330-2425 us, and beat our own Pallas kernel (removed).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +26,25 @@ def softmax_topk_router(x, w_router, top_k: int, norm_topk_prob: bool):
     return w.astype(x.dtype).astype(jnp.float32), idx.astype(jnp.int32)
 
 
-def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gated: bool = True):
+def tokamax_available() -> bool:
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def grouped_matmul(x, w, sizes, use_tokamax: bool):
+    """x [M, K] rows sorted by group, w [G, K, N], sizes i32[G] (summing to M) -> f32[M, N]."""
+    if use_tokamax:
+        import tokamax
+
+        return tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation="mosaic")
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gated: bool = True,
+                   use_tokamax: bool = False):
     """Run each token through its k experts and sum the weighted outputs.
 
     x [T, H], weights f32[T, k], experts i32[T, k], w_gate_up [E, H, 2I] (gated) or [E, H, I],
-    w_down [E, I, H] -> [T, H] in x's dtype.
+    w_down [E, I, H] -> [T, H] in x's dtype. use_tokamax: the GPU grouped GEMM (see module doc).
     """
     t, k = experts.shape
     num_experts = w_down.shape[0]
@@ -36,12 +53,12 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
     tok = order // k  # i32[T*k]: the token of each sorted pair
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
     xs = x[tok]
-    h = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    h = grouped_matmul(xs, w_gate_up.astype(x.dtype), sizes, use_tokamax)
     if gated:
         g, u = jnp.split(h, 2, axis=-1)
         a = act(g) * u
     else:
         a = act(h)
-    y = jax.lax.ragged_dot(a.astype(x.dtype), w_down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    y = grouped_matmul(a.astype(x.dtype), w_down.astype(x.dtype), sizes, use_tokamax)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[tok].add(y).astype(x.dtype)

@@ -116,7 +116,7 @@ def _qkv(cfg: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
     return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
 
-def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
     """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "router" not in lp:
@@ -124,7 +124,7 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
     shape = h.shape
     h = h.reshape(-1, shape[-1])
     w, idx = softmax_topk_router(h, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
-    y = routed_experts(h, w, idx, lp["experts_gate_up"], lp["experts_down"])
+    y = routed_experts(h, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe)
     return x + y.reshape(shape)
 
 
@@ -178,7 +178,7 @@ def forward_paged(
         kv = write_kv(kv, i, slots, k, v)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
-        return (_mlp_block(cfg, lp, x), kv, i + 1), None
+        return (_mlp_block(cfg, lp, x, attn.tokamax_moe), kv, i + 1), None
 
     i0 = 0 if attn.unroll_layers else jnp.int32(0)  # a static layer index under the Python loop
     x, kv, _ = scan_layers(layer, (x, state.kv, i0), params["layers"], attn.unroll_layers)

@@ -161,7 +161,7 @@ def _relu2(x):
     return jnp.square(jax.nn.relu(x))
 
 
-def _moe(cfg: ModelConfig, q: dict, x: jax.Array) -> jax.Array:
+def _moe(cfg: ModelConfig, q: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
     """Sigmoid router with correction bias and group-limited top-k; relu² experts + shared expert."""
     e, k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
     n_group, topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
@@ -177,7 +177,8 @@ def _moe(cfg: ModelConfig, q: dict, x: jax.Array) -> jax.Array:
     if cfg.get("norm_topk_prob", False):
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     w = w * cfg.get("routed_scaling_factor", 1.0)
-    y = routed_experts(x, w, idx.astype(jnp.int32), q["experts_up"], q["experts_down"], act=_relu2, gated=False)
+    y = routed_experts(x, w, idx.astype(jnp.int32), q["experts_up"], q["experts_down"], act=_relu2, gated=False,
+                       use_tokamax=tokamax_moe)
     return y + linear(_relu2(linear(x, q["shared_up"])), q["shared_down"])
 
 
@@ -253,11 +254,11 @@ def _stack(cfg, params, x, mixers, carry_extra, unroll: bool = False):
     return rms_norm(x, params["norm_f"], cfg.rms_norm_eps), extra
 
 
-def _ffn_mixers(cfg, params):
+def _ffn_mixers(cfg, params, tokamax_moe: bool = False):
     return {
         MLP: lambda h, extra, c: (linear(_relu2(linear(h, _take(params["mlp"], c[MLP])["up"])),
                                          _take(params["mlp"], c[MLP])["down"]), extra),
-        MOE: lambda h, extra, c: (_moe(cfg, _take(params["moe"], c[MOE]), h), extra),
+        MOE: lambda h, extra, c: (_moe(cfg, _take(params["moe"], c[MOE]), h, tokamax_moe), extra),
     }
 
 
@@ -320,6 +321,6 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
         o = paged_attention(q, kv, i, dmd, pmd, d**-0.5, attn_cfg)
         return linear(o.reshape(o.shape[0], -1), ap["wo"]), (kv, ssm)
 
-    mixers = {MAMBA: mamba, ATTN: attn, **_ffn_mixers(cfg, params)}
+    mixers = {MAMBA: mamba, ATTN: attn, **_ffn_mixers(cfg, params, attn_cfg.tokamax_moe)}
     x, (kv, ssm) = _stack(cfg, params, x, mixers, (state.kv, state.ssm), attn_cfg.unroll_layers)
     return dataclasses.replace(state, kv=kv, ssm=ssm), x

@@ -163,10 +163,10 @@ def _norm(cfg, x, w):
     return rms_norm(x, w, cfg.rms_norm_eps, zero_centered=True)
 
 
-def _moe(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+def _moe(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
     """x [T, H] -> [T, H]: routed experts plus the sigmoid-gated shared expert."""
     w, idx = softmax_topk_router(x, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
-    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"])
+    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe)
     shared = swiglu_mlp(x, lp["shared_gate_up"], lp["shared_down"])
     gate = jax.nn.sigmoid(linear(x, lp["shared_gate"]).astype(jnp.float32))
     return (y.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
@@ -303,7 +303,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         lp, kind = xs
         h = _norm(cfg, x, lp["in_norm"])
         x, kv, ssm = switch(kind, [gdn_branch, attn_branch], x, h, kv, ssm, ia, ig)
-        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]))
+        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]), attn.tokamax_moe)
         return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
 
     unroll = attn.unroll_layers  # static kinds and layer counters under the Python loop
