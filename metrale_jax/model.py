@@ -136,8 +136,7 @@ def load_model(
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization={quantization!r} must be None or 'fp8'")
+    _check_quantization(quantization)
     if ckpt.config.get("quantization_config") is not None:
         from metrale_jax.quant.fp8 import check_fp8_quantization_config
 
@@ -166,16 +165,25 @@ def load_model(
     return model, params
 
 
+def _check_quantization(quantization) -> bool:
+    """True for "fp8" (quantize on load), False for None; anything else is an error."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization={quantization!r} must be None or 'fp8'")
+    return quantization == "fp8"
+
+
 def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2,
-                 repeat_layers: bool = False) -> tuple[Model, dict]:
+                 repeat_layers: bool = False, quantization: str | None = None) -> tuple[Model, dict]:
     """A model of `config`'s architecture (an HF config.json dict) with random weights
-    (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`)."""
+    (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`; quantization: None or
+    "fp8", as in `load_model`)."""
     from metrale_jax.loading.random_weights import RandomWeightReader
 
     cfg = ModelConfig.from_hf(config)
     fam_name, fam = family_for(cfg.architecture)
     cfg = fam.adapt_config(cfg)
-    params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale, repeat_layers=repeat_layers))
+    params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale, repeat_layers=repeat_layers,
+                                                    quantize_fp8=_check_quantization(quantization)))
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
                   eos_token_ids=tuple(cfg.eos_token_ids))
     return model, params
