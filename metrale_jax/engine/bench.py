@@ -14,13 +14,19 @@ Measures, in one run:
 * optionally (`--compare-transformers PYTHON`) transformers' `generate` on the same workload, run
   as a subprocess with another interpreter (the Python 3.11 fixture venv on the dev machine).
 
-`--random-weights --shape llama3-8b|smollm2-135m` builds a model of that shape with random
-weights (for the GPU machine, where the GGUF cannot be carried).
+`--random-weights --shape NAME` builds a model of that shape with random weights (for the GPU
+machine, where checkpoints cannot be carried): dense `llama3-8b`, `smollm2-135m`, and the hybrids
+`qwen3-next-80b-a3b` (Gated DeltaNet + gated attention, 512-expert MoE) and `nemotron-h-8b`
+(Mamba-2 + attention + relu² MLP). `--num-layers N` keeps the widths and cuts the depth to fit
+the device (the layer pattern stays the family's; see `shape_config`). The roofline bytes of a
+decode step are `decode_bytes`: weights (touched MoE experts only, B embedding rows), live KV,
+and the recurrent state read and written.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -52,7 +58,64 @@ SHAPES = {
         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
         eos_token_id=2,
     ),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (the layer pattern comes from
+    # full_attention_interval: 3 Gated DeltaNet layers, then one gated attention layer)
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+        intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=4,
+        norm_topk_prob=True, partial_rotary_factor=0.25, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        hidden_act="silu", attention_bias=False, max_position_embeddings=262144, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    # nvidia/Nemotron-H-8B-Base-8K shapes: 24 Mamba-2, 24 relu² MLP and 4 attention layers
+    "nemotron-h-8b": dict(
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=131072, hidden_size=4096,
+        num_hidden_layers=52, hybrid_override_pattern="M-M-M-M-M-M*-" * 4, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, attention_head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
+        ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2, chunk_size=128, use_conv_bias=True,
+        use_bias=False, mamba_proj_bias=False, mamba_hidden_act="silu", intermediate_size=21504,
+        mlp_hidden_act="relu2", hidden_act="relu2", mlp_bias=False, attention_bias=False,
+        time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, residual_in_fp32=False,
+        rescale_prenorm_residual=True, layer_norm_epsilon=1e-5, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
 }
+
+
+def shape_config(name: str, num_layers: int | None = None) -> dict:
+    """The config.json dict of `SHAPES[name]`, with `num_layers` layers when given.
+
+    Layer patterns follow the family: an interval pattern (Qwen3-Next: attention every
+    `full_attention_interval`-th layer) is rewritten for the new depth; an explicit pattern
+    (Nemotron-H's `hybrid_override_pattern`) keeps its first `num_layers` codes. A hybrid cut so
+    short that it keeps no attention layer is refused.
+    """
+    cfg = copy.deepcopy(SHAPES[name])
+    if num_layers is None:
+        return cfg
+    if num_layers < 1:
+        raise ValueError(f"--num-layers {num_layers} must be >= 1")
+    if "hybrid_override_pattern" in cfg:
+        full = cfg["hybrid_override_pattern"]
+        pattern = full[:num_layers]
+        if num_layers > len(full):
+            raise ValueError(f"--num-layers {num_layers}: shape {name} has a {len(full)}-layer pattern {full!r}; "
+                             f"it can be cut, not grown")
+        if "*" not in pattern:
+            raise ValueError(f"--num-layers {num_layers}: the first {num_layers} layers of {name} ({pattern!r}) "
+                             f"hold no attention layer; the first is layer {full.find('*') + 1} of {full!r}")
+        cfg["hybrid_override_pattern"] = pattern
+    elif "full_attention_interval" in cfg:
+        k = cfg["full_attention_interval"]
+        if num_layers < k:
+            raise ValueError(f"--num-layers {num_layers}: shape {name} puts its first attention layer at layer {k} "
+                             f"(full_attention_interval={k}); use at least {k} layers")
+        cfg["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(num_layers)]
+    cfg["num_hidden_layers"] = num_layers
+    return cfg
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +124,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="checkpoint path or alias")
     p.add_argument("--random-weights", action="store_true", help="random weights of --shape (no checkpoint)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="with --random-weights: this many layers of --shape (the same widths), to fit the device")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-requests", type=int, default=None, help="offline requests (default 256 GPU / 16 CPU)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
@@ -164,10 +229,13 @@ def _load(args):
     from metrale_jax.model import load_model, random_model
 
     t0 = time.perf_counter()
+    if args.num_layers is not None and not args.random_weights:
+        raise SystemExit("--num-layers needs --random-weights (it reshapes --shape)")
     if args.random_weights:
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _on_gpu() else "float32")
-        model, params = random_model(SHAPES[args.shape], dtype=dtype, seed=args.seed, repeat_layers=True)
-        name = f"random-{args.shape}"
+        config = shape_config(args.shape, args.num_layers)
+        model, params = random_model(config, dtype=dtype, seed=args.seed, repeat_layers=True)
+        name = f"random-{args.shape}" + (f"-{args.num_layers}l" if args.num_layers is not None else "")
     else:
         model, params = load_model(args.model, dtype=args.dtype, show_progress=False)
         name = str(args.model)
@@ -214,6 +282,60 @@ def weight_bytes(params) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(params)))
 
 
+def _routing(cfg) -> tuple[int, int]:
+    """(routed experts E, experts per token k) of a MoE config; (0, 0) without experts."""
+    e = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    return (e, int(cfg.get("num_experts_per_tok"))) if e else (0, 0)
+
+
+def decode_bytes(model, params, batch: int, context: int, kv_dtype=None) -> dict:
+    """Bytes a decode step of `batch` rows, each with `context` tokens of context, must move.
+
+    weights: every parameter once, except
+      * routed MoE experts (leaves named `experts_*`, the expert axis second): only the experts the
+        batch touches, in expectation E (1 - (1 - k/E)^B) of E per layer (k experts per token,
+        uniform routing; exactly k at B = 1), times the bytes of one expert;
+      * the input embedding table: only the B rows looked up, when the LM head is a separate
+        matrix (read whole). Tied embeddings are read whole by the LM head.
+      For dense models this is the earlier count (every parameter byte) less the (V - B) embedding
+      rows a step never reads: the only change to their roofline.
+    kv: the live K and V of the attention layers, B * context tokens (recurrent layers have none).
+    ssm: every row's recurrent state (conv + SSM / delta-rule, float32) of every Mamba-2 / GDN
+      layer, read and written once: 2 * B * the engine's SSM pool bytes per slot.
+    -> dict(weights, kv, ssm, total, weights_all, experts_all, experts_touched, experts_per_layer)
+    `params` may hold `jax.ShapeDtypeStruct`s (only shapes and dtypes are read).
+    """
+    import jax
+
+    cfg = model.cfg
+    e, k = _routing(cfg)
+    frac, per_layer = 1.0, float(e)
+    if e:
+        per_layer = e * (1.0 - (1.0 - k / e) ** batch)
+        frac = per_layer / e
+    tied = "lm_head" not in params
+    total = every = experts_all = experts = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(p, "key", getattr(p, "name", ""))) for p in path]
+        n = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        every += n
+        total += n
+        if e and any(x.startswith("experts_") for x in names):
+            if leaf.ndim < 2 or leaf.shape[1] != e:
+                raise ValueError(f"expert weights {'/'.join(names)} {leaf.shape}: the expert axis ({e}) "
+                                 f"should be the second")
+            experts_all += n
+            experts += n * frac
+        elif names == ["embed"] and not tied:
+            total -= n - n // leaf.shape[0] * min(batch, leaf.shape[0])
+    weights = int(round(total - experts_all + experts))
+    kv = batch * context * model.kv_bytes_per_block(1, kv_dtype)
+    ssm = 2 * batch * model.ssm_bytes_per_slot()
+    return dict(weights=weights, kv=int(kv), ssm=int(ssm), total=int(weights + kv + ssm),
+                weights_all=every, experts_all=experts_all, experts_touched=int(round(experts)),
+                experts_per_layer=per_layer if e else 0.0)
+
+
 # ---- measurements --------------------------------------------------------------------------------
 def measure_throughput(eng, args, n: int) -> dict:
     from metrale_jax.sampling import SamplingParams
@@ -238,7 +360,7 @@ def measure_throughput(eng, args, n: int) -> dict:
                 prompt_len=list(args.prompt_len), output_len=list(args.output_len))
 
 
-def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> dict:
+def measure_decode_latency(eng, args, batch: int, bw: float) -> dict:
     """Fill `batch` rows with `args.context` tokens of context, then time pure decode steps."""
     import jax
 
@@ -283,15 +405,15 @@ def measure_decode_latency(eng, args, batch: int, weights: int, bw: float) -> di
                                    Path(args.profile) / f"decode_b{batch}", steps)
     eng.state = state
     ctx = args.context + steps
-    kv = batch * ctx * eng.model.kv_bytes_per_block(1, eng.kv_dtype)
-    need = weights + kv
+    need = decode_bytes(eng.model, eng.params, batch, ctx, eng.kv_dtype)
     for r in rids:
         eng.abort(r)
-    ideal = need / bw
+    ideal = need["total"] / bw
     return dict(batch=batch, bucket=bucket.num_seqs, context=ctx, engine_step_ms=engine_dt * 1e3,
                 device_step_ms=device_dt * 1e3, tok_per_s=batch / engine_dt, device_tok_per_s=batch / device_dt,
-                bytes_per_step=need, roofline_step_ms=ideal * 1e3, roofline_ratio_engine=ideal / engine_dt,
-                roofline_ratio_device=ideal / device_dt)
+                bytes_per_step=need["total"], bytes_weights=need["weights"], bytes_kv=need["kv"],
+                bytes_ssm=need["ssm"], experts_per_layer=need["experts_per_layer"], roofline_step_ms=ideal * 1e3,
+                roofline_ratio_engine=ideal / engine_dt, roofline_ratio_device=ideal / device_dt)
 
 
 def profile_executable(exe, run_once, state, out: Path, steps: int):
@@ -369,7 +491,7 @@ def measure_startup(args) -> dict:
             str(args.gpu_memory_utilization), "--prefill-buckets", args.prefill_buckets,
             "--mixed-decode-buckets", args.mixed_decode_buckets]
     for flag, v in (("--max-num-seqs", args.max_num_seqs), ("--num-kv-blocks", args.num_kv_blocks),
-                    ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+                    ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--num-layers", args.num_layers)):
         if v is not None:
             argv += [flag, str(v)]
     argv += ["--random-weights"] * args.random_weights
@@ -487,6 +609,10 @@ def run(args: argparse.Namespace) -> int:
     model, params, name, load_s = _load(args)
     res["model"] = name
     res["weight_bytes"] = weight_bytes(params)
+    res["model_config"] = dict(architecture=model.cfg.architecture, num_layers=model.cfg.num_layers,
+                               attention_layers=model.num_attention_layers, hidden_size=model.cfg.hidden_size,
+                               vocab_size=model.cfg.vocab_size, experts=list(_routing(model.cfg)),
+                               ssm_bytes_per_slot=model.ssm_bytes_per_slot(), dtype=model.dtype)
     t0 = time.perf_counter()
     eng = LLMEngine(model, params, _engine_config(args, batches))
     res["startup_in_process"] = dict(load_s=load_s, engine_s=time.perf_counter() - t0,
@@ -498,10 +624,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_latency:
         res["decode_latency"] = []
         for b in batches:
-            r = measure_decode_latency(eng, args, b, res["weight_bytes"], bw)
-            log.info("batch %d: engine %.2f ms/step (%.0f tok/s), device %.2f ms, roofline %.2f ms (ratio %.2f)",
-                     b, r["engine_step_ms"], r["tok_per_s"], r["device_step_ms"], r["roofline_step_ms"],
-                     r["roofline_ratio_device"])
+            r = measure_decode_latency(eng, args, b, bw)
+            log.info("batch %d: engine %.2f ms/step (%.0f tok/s), device %.2f ms, roofline %.2f ms (ratio %.2f; "
+                     "bytes: weights %.3f GB, KV %.3f GB, SSM %.3f GB)", b, r["engine_step_ms"], r["tok_per_s"],
+                     r["device_step_ms"], r["roofline_step_ms"], r["roofline_ratio_device"], r["bytes_weights"] / 1e9,
+                     r["bytes_kv"] / 1e9, r["bytes_ssm"] / 1e9)
             res["decode_latency"].append(r)
     if not args.skip_throughput:
         n = args.num_requests or (256 if _on_gpu() else 16)
@@ -546,13 +673,26 @@ def summary(res: dict) -> str:
         else:
             lines.append(f"start-up {label}: ready {st['ready_s']:.1f}s (load {st['load_s']:.1f}s, compile "
                          f"{st['compile_s']:.1f}s), time to first token {st['time_to_first_token_s']:.1f}s")
+    mc = res.get("model_config")
+    if mc:
+        e, k = mc["experts"]
+        lines.append(f"model: {mc['architecture']}, {mc['num_layers']} layers ({mc['attention_layers']} attention), "
+                     f"hidden {mc['hidden_size']}, vocab {mc['vocab_size']}"
+                     + (f", {e} experts top-{k}" if e else "")
+                     + (f", SSM state {mc['ssm_bytes_per_slot'] / 1e6:.2f} MB per sequence"
+                        if mc["ssm_bytes_per_slot"] else "") + f", {mc['dtype']}")
     if "decode_latency" in res:
-        lines += ["", "| batch | context | engine ms/step | tok/s | device ms/step | roofline ms | ratio (device) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "roofline bytes per step: weights (touched experts only; B embedding rows) + live KV + SSM "
+                  "state read and written", "",
+                  "| batch | context | engine ms/step | tok/s | device ms/step | roofline ms | ratio (device) | "
+                  "weights GB | KV GB | SSM GB | experts/layer |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["decode_latency"]:
             lines.append(f"| {r['batch']} | {r['context']} | {r['engine_step_ms']:.2f} | {r['tok_per_s']:.1f} | "
                          f"{r['device_step_ms']:.2f} | {r['roofline_step_ms']:.3f} | "
-                         f"{r['roofline_ratio_device']:.3f} |")
+                         f"{r['roofline_ratio_device']:.3f} | {r.get('bytes_weights', 0) / 1e9:.3f} | "
+                         f"{r.get('bytes_kv', 0) / 1e9:.3f} | {r.get('bytes_ssm', 0) / 1e9:.3f} | "
+                         f"{r.get('experts_per_layer', 0):.1f} |")
     if "throughput" in res:
         t = res["throughput"]
         lines += ["", f"offline throughput: {t['num_requests']} requests (prompt {t['prompt_len']}, output "
