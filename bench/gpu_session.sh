@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [profile] [grouped] [linear] [serve]
+#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve]
 #   (default: tests throughput serve)
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -51,6 +51,19 @@ if [[ $parts == *profile* ]]; then  # decode executables' HLO, cost analysis and
       --prefill-buckets 2048 --mixed-decode-buckets 64 \
       --profile "$OUT/profile_$v" --out "$OUT/profile_$v/throughput.json" 2>&1 | grep -v "^ *[0-9.]* us" | tail -8
     head -30 "$OUT"/profile_$v/decode_b1/kernels.txt
+  done
+fi
+if [[ $parts == *e2e* ]]; then  # end-to-end decode latency against the roofline, per model shape
+  common="--random-weights --dtype bfloat16 --batches 1,64 --context 512 --skip-throughput --max-model-len 2048
+    --prefill-buckets 2048 --mixed-decode-buckets 64"
+  for run in "llama3_8b:150:--shape llama3-8b --profile $OUT/profile_llama3_8b" \
+             "qwen3_next_4l:170:--shape qwen3-next-80b-a3b --num-layers 4" \
+             "nemotron_h_13l:130:--shape nemotron-h-8b --num-layers 13" \
+             "llama3_8b_fp8:130:--shape llama3-8b --quantization fp8"; do
+    IFS=: read -r name limit extra <<< "$run"
+    [[ -n ${E2E_ONLY:-} && " $E2E_ONLY " != *" $name "* ]] && continue
+    timeout "$limit" python3 bench/throughput.py $common $extra --out "$OUT/e2e_$name.json" 2>&1 \
+      | grep -v "^ *[0-9.]* us\|Delay kernel\|compiling steps" | tail -9
   done
 fi
 if [[ $parts == *grouped* ]]; then

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -141,9 +142,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-buckets", default="", help="comma list of prefill T buckets (default: the engine's)")
     p.add_argument("--mixed-decode-buckets", default="", help="comma list of mixed-step N buckets")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the linear weights at load")
     p.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
                    help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
-    p.add_argument("--unroll-layers", action="store_true", help="unroll the layer scan in the steps")
+    p.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="walk the layers in a Python loop, not lax.scan (default: on for GPU, off for CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-latency", action="store_true")
@@ -234,11 +237,14 @@ def _load(args):
     if args.random_weights:
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _on_gpu() else "float32")
         config = shape_config(args.shape, args.num_layers)
-        model, params = random_model(config, dtype=dtype, seed=args.seed, repeat_layers=True)
+        model, params = random_model(config, dtype=dtype, seed=args.seed, repeat_layers=True,
+                                     quantization=args.quantization)
         name = f"random-{args.shape}" + (f"-{args.num_layers}l" if args.num_layers is not None else "")
     else:
-        model, params = load_model(args.model, dtype=args.dtype, show_progress=False)
+        model, params = load_model(args.model, dtype=args.dtype, show_progress=False, quantization=args.quantization)
         name = str(args.model)
+    if args.quantization:
+        name += f" ({args.quantization} weights)"
     import jax
 
     jax.block_until_ready(params)
@@ -246,8 +252,7 @@ def _load(args):
 
 
 def _engine_config(args, batches):
-    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
-    from metrale_jax.layers.attention import AttentionConfig
+    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig, default_kernels
 
     seqs = args.max_num_seqs or max(batches)
     budget = args.max_num_batched_tokens or max(seqs, 2048 if _on_gpu() else 256)
@@ -258,8 +263,9 @@ def _engine_config(args, batches):
         decode_buckets=tuple(sorted(set(batches) | {seqs})),
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
         mixed_decode_buckets=tuple(int(x) for x in args.mixed_decode_buckets.split(",") if x),
-        attention=None if args.pallas is None and not args.unroll_layers else AttentionConfig(
-            use_pallas=_on_gpu() if args.pallas is None else args.pallas, unroll_layers=args.unroll_layers),
+        attention=None if args.pallas is None and args.unroll_layers is None else dataclasses.replace(
+            default_kernels(_on_gpu() if args.pallas is None else args.pallas),
+            unroll_layers=_on_gpu() if args.unroll_layers is None else args.unroll_layers),
         compilation_cache_dir=args.cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         cpu_kv_tokens=max(8192, seqs * (args.context + args.decode_steps + 16) + 1024),
         show_progress=not args.startup_probe,
@@ -495,9 +501,11 @@ def measure_startup(args) -> dict:
         if v is not None:
             argv += [flag, str(v)]
     argv += ["--random-weights"] * args.random_weights
+    argv += ["--quantization", args.quantization] if args.quantization else []
     if args.pallas is not None:
         argv += ["--pallas" if args.pallas else "--no-pallas"]
-    argv += ["--unroll-layers"] * args.unroll_layers
+    if args.unroll_layers is not None:
+        argv += ["--unroll-layers" if args.unroll_layers else "--no-unroll-layers"]
     with tempfile.TemporaryDirectory() as cache:
         for label in ("cold", "warm"):
             cmd = [sys.executable, "-m", "metrale_jax.engine.bench", *argv, "--startup-probe", "--cache-dir", cache,
