@@ -62,8 +62,10 @@ if [[ $parts == *e2e* ]]; then  # end-to-end decode latency against the roofline
              "llama3_8b_fp8:130:--shape llama3-8b --quantization fp8"; do
     IFS=: read -r name limit extra <<< "$run"
     [[ -n ${E2E_ONLY:-} && " $E2E_ONLY " != *" $name "* ]] && continue
-    timeout "$limit" python3 bench/throughput.py $common $extra --out "$OUT/e2e_$name.json" 2>&1 \
-      | grep -v "^ *[0-9.]* us\|Delay kernel\|compiling steps" | tail -9
+    # each run logs to its own file, so a run that `timeout` kills still leaves its log
+    timeout "$limit" python3 bench/throughput.py $common $extra --out "$OUT/e2e_$name.json" \
+      > "$OUT/e2e_$name.log" 2>&1
+    grep -v "^ *[0-9.]* us\|Delay kernel\|compiling steps" "$OUT/e2e_$name.log" | tail -9
   done
 fi
 if [[ $parts == *grouped* ]]; then
