@@ -15,6 +15,7 @@ taking the argparse subparsers object (each sets `func` with `set_defaults`);
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
@@ -46,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
                    help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
+    g.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="walk the layers in a Python loop (fast decode, slower first compile) or in lax.scan "
+                        "(default: the loop on GPU, the scan on CPU)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/metrale_jax/jax_cache)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (for requests without their own)")
@@ -54,15 +58,30 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                         "it later (auto: swap for models with SSM state)")
 
 
+def kernels_from_args(args: argparse.Namespace):
+    """The AttentionConfig that --pallas / --unroll-layers ask for, or None for the engine's default."""
+    from metrale_jax.engine.config import default_kernels
+
+    pallas, unroll = getattr(args, "pallas", None), getattr(args, "unroll_layers", None)
+    if pallas is None and unroll is None:
+        return None
+    if pallas is None:
+        import jax
+
+        pallas = jax.devices()[0].platform == "gpu"
+    kernels = default_kernels(pallas)
+    return kernels if unroll is None else dataclasses.replace(kernels, unroll_layers=unroll)
+
+
 def engine_config_from_args(args: argparse.Namespace, **overrides):
-    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig, default_kernels
+    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
 
     kw = dict(
         model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        attention=None if args.pallas is None else default_kernels(args.pallas),
+        attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         preemption_mode=args.preemption_mode,
     )

@@ -3,6 +3,7 @@ examples/custom_decode_loop.py script (run in-process, checked against transform
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 import sys
 
@@ -108,3 +109,20 @@ def test_example_custom_decode_loop(capsys, monkeypatch):
     assert e.value.code == 0
     line = capsys.readouterr().out.strip().splitlines()[0]
     assert line == "ids: " + " ".join(str(t) for t in g["greedy_ids"])
+
+
+def test_kernel_defaults_and_cli_overrides():
+    """GPU default: Pallas kernels and the Python layer loop (tokamax MoE when installed); CPU
+    default: the XLA reference in lax.scan; the CLI flags override either part."""
+    import argparse
+
+    from metrale_jax.cli import kernels_from_args
+    from metrale_jax.engine.config import default_kernels
+
+    gpu, cpu = default_kernels(True), default_kernels(False)
+    assert gpu.use_pallas and gpu.unroll_layers and not gpu.interpret
+    assert not (cpu.use_pallas or cpu.unroll_layers or cpu.tokamax_moe)
+    ns = argparse.Namespace
+    assert kernels_from_args(ns(pallas=None, unroll_layers=None)) is None
+    assert kernels_from_args(ns(pallas=True, unroll_layers=False)) == dataclasses.replace(gpu, unroll_layers=False)
+    assert kernels_from_args(ns(pallas=False, unroll_layers=True)) == dataclasses.replace(cpu, unroll_layers=True)

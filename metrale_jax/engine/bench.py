@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import logging
 import os
@@ -252,7 +251,8 @@ def _load(args):
 
 
 def _engine_config(args, batches):
-    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig, default_kernels
+    from metrale_jax.cli import kernels_from_args
+    from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
 
     seqs = args.max_num_seqs or max(batches)
     budget = args.max_num_batched_tokens or max(seqs, 2048 if _on_gpu() else 256)
@@ -263,9 +263,7 @@ def _engine_config(args, batches):
         decode_buckets=tuple(sorted(set(batches) | {seqs})),
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
         mixed_decode_buckets=tuple(int(x) for x in args.mixed_decode_buckets.split(",") if x),
-        attention=None if args.pallas is None and args.unroll_layers is None else dataclasses.replace(
-            default_kernels(_on_gpu() if args.pallas is None else args.pallas),
-            unroll_layers=_on_gpu() if args.unroll_layers is None else args.unroll_layers),
+        attention=kernels_from_args(args),
         compilation_cache_dir=args.cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         cpu_kv_tokens=max(8192, seqs * (args.context + args.decode_steps + 16) + 1024),
         show_progress=not args.startup_probe,
