@@ -24,7 +24,8 @@ KERNELS = {
     "pallas-gpu": AttentionConfig(use_pallas=True, unroll_layers=True),
 }
 # The kernels' interpret-mode runs live in their own tests (a model-level one costs ~45 s on CI).
-CASES = [(h, impl) for h in HYBRIDS for impl in ("reference", "reference-unrolled")] + [pytest.param(h, "pallas-gpu", marks=pytest.mark.gpu) for h in HYBRIDS]
+CASES = [(h, impl) for h in HYBRIDS for impl in ("reference", "reference-unrolled")]
+CASES += [pytest.param(h, "pallas-gpu", marks=pytest.mark.gpu) for h in HYBRIDS]
 
 
 @pytest.fixture(scope="module")
