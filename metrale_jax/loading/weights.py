@@ -111,7 +111,8 @@ class WeightReader:
         if not fp8:
             out = self.stacked(num_layers, (k, sum(sizes)))
             for i in self.progress(range(num_layers), desc):
-                out[i] = np.concatenate([self.get(name, (n, k)) for name, n in parts(i)]).T
+                # cast, then transpose: a same-dtype strided copy (4x faster than a casting one)
+                out[i] = np.concatenate([self.get(name, (n, k), cast=True) for name, n in parts(i)]).T
             return out
         padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
         starts = np.cumsum([0] + padded[:-1]).tolist()

@@ -33,13 +33,13 @@ def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
            "experts_down": reader.stacked(L, (e, inter, h))}
     for i in reader.progress(range(L), "experts"):
         p = f"model.layers.{i}.mlp."
-        out["router"][i] = reader.get(p + "gate.weight", (e, h)).T
+        out["router"][i] = reader.get(p + "gate.weight", (e, h), cast=True).T
         for j in range(e):
             q = f"{p}experts.{j}."
-            g = reader.get(q + "gate_proj.weight", (inter, h))
-            u = reader.get(q + "up_proj.weight", (inter, h))
+            g = reader.get(q + "gate_proj.weight", (inter, h), cast=True)
+            u = reader.get(q + "up_proj.weight", (inter, h), cast=True)
             out["experts_gate_up"][i, j] = np.concatenate([g, u], axis=0).T
-            out["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, inter)).T
+            out["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, inter), cast=True).T
     return out
 
 

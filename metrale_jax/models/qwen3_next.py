@@ -110,23 +110,25 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         layers["in_norm"][i] = reader.get(p + "input_layernorm.weight", (h,))
         layers["post_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
         m = p + "mlp."
-        layers["router"][i] = reader.get(m + "gate.weight", (e, h)).T
+        layers["router"][i] = reader.get(m + "gate.weight", (e, h), cast=True).T
         for j in range(e):
             q = f"{m}experts.{j}."
-            g_, u_ = reader.get(q + "gate_proj.weight", (im, h)), reader.get(q + "up_proj.weight", (im, h))
+            g_ = reader.get(q + "gate_proj.weight", (im, h), cast=True)
+            u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)
             layers["experts_gate_up"][i, j] = np.concatenate([g_, u_]).T
-            layers["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, im)).T
+            layers["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, im), cast=True).T
         s = m + "shared_expert."
-        g_, u_ = reader.get(s + "gate_proj.weight", (ish, h)), reader.get(s + "up_proj.weight", (ish, h))
+        g_ = reader.get(s + "gate_proj.weight", (ish, h), cast=True)
+        u_ = reader.get(s + "up_proj.weight", (ish, h), cast=True)
         layers["shared_gate_up"][i] = np.concatenate([g_, u_]).T
-        layers["shared_down"][i] = reader.get(s + "down_proj.weight", (h, ish)).T
-        layers["shared_gate"][i] = reader.get(m + "shared_expert_gate.weight", (1, h)).T
+        layers["shared_down"][i] = reader.get(s + "down_proj.weight", (h, ish), cast=True).T
+        layers["shared_gate"][i] = reader.get(m + "shared_expert_gate.weight", (1, h), cast=True).T
         if kinds[i] == ATTN:
             a = p + "self_attn."
-            attn["wq"][ia] = reader.get(a + "q_proj.weight", (hq * 2 * d, h)).T
+            attn["wq"][ia] = reader.get(a + "q_proj.weight", (hq * 2 * d, h), cast=True).T
             wk, wv = reader.get(a + "k_proj.weight", (hkv * d, h)), reader.get(a + "v_proj.weight", (hkv * d, h))
             attn["wkv"][ia] = np.concatenate([wk, wv]).T
-            attn["wo"][ia] = reader.get(a + "o_proj.weight", (h, hq * d)).T
+            attn["wo"][ia] = reader.get(a + "o_proj.weight", (h, hq * d), cast=True).T
             attn["q_norm"][ia] = reader.get(a + "q_norm.weight", (d,))
             attn["k_norm"][ia] = reader.get(a + "k_norm.weight", (d,))
             ia += 1
@@ -142,7 +144,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
             gdn["dt_bias"][ig] = reader.get(a + "dt_bias", (nv,))
             gdn["A_log"][ig] = reader.get(a + "A_log", (nv,))
             gdn["norm"][ig] = reader.get(a + "norm.weight", (dv,))
-            gdn["wo"][ig] = reader.get(a + "out_proj.weight", (h, vd)).T
+            gdn["wo"][ig] = reader.get(a + "out_proj.weight", (h, vd), cast=True).T
             ig += 1
     params = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
@@ -150,7 +152,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         "norm": reader.get("model.norm.weight", (h,), cast=True),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = reader.cast(reader.get("lm_head.weight", (cfg.vocab_size, h)).T)
+        params["lm_head"] = np.ascontiguousarray(reader.get("lm_head.weight", (cfg.vocab_size, h), cast=True).T)
     if any(n.startswith("mtp.") for n in getattr(reader.source, "names", lambda: [])()):
         import logging
 
