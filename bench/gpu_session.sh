@@ -60,7 +60,7 @@ if [[ $parts == *e2e* ]]; then  # end-to-end decode latency against the roofline
   # the four runs exceed one 600 s call: split them with E2E_ONLY="name ..."
   for run in "llama3_8b:280:--shape llama3-8b --profile $OUT/profile_llama3_8b" \
              "qwen3_next_4l:200:--shape qwen3-next-80b-a3b --num-layers 4" \
-             "nemotron_h_13l:130:--shape nemotron-h-8b --num-layers 13" \
+             "nemotron_h_13l:150:--shape nemotron-h-8b --num-layers 13 --profile $OUT/profile_nemotron_h" \
              "llama3_8b_fp8:130:--shape llama3-8b --quantization fp8"; do
     IFS=: read -r name limit extra <<< "$run"
     [[ -n ${E2E_ONLY:-} && " $E2E_ONLY " != *" $name "* ]] && continue
