@@ -15,8 +15,9 @@ def _case(t=37, h=48, inter=40, e=8, k=3, seed=0, dtype=jnp.float32):
     router = rng.standard_normal((h, e)).astype(np.float32)
     wgu = (rng.standard_normal((e, h, 2 * inter)) / np.sqrt(h)).astype(np.float32)
     wd = (rng.standard_normal((e, inter, h)) / np.sqrt(inter)).astype(np.float32)
-    w, idx = softmax_topk_router(jnp.asarray(x, dtype), jnp.asarray(router, dtype), k, True)
-    return [jnp.asarray(a, dtype) for a in (x,)] + [w, idx] + [jnp.asarray(a, dtype) for a in (wgu, wd)]
+    x, router, wgu, wd = (jnp.asarray(a, dtype) for a in (x, router, wgu, wd))
+    w, idx = softmax_topk_router(x, router, k, True)
+    return x, w, idx, wgu, wd
 
 
 def _loop_reference(x, w, idx, wgu, wd):

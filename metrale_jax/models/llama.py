@@ -180,8 +180,7 @@ def forward_paged(
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x, attn.tokamax_moe), kv, i + 1), None
 
-    i0 = 0 if attn.unroll_layers else jnp.int32(0)  # a static layer index under the Python loop
-    x, kv, _ = scan_layers(layer, (x, state.kv, i0), params["layers"], attn.unroll_layers)
+    x, kv, _ = scan_layers(layer, (x, state.kv, np.int32(0)), params["layers"], attn.unroll_layers)
     return dataclasses.replace(state, kv=kv), rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 

@@ -40,7 +40,7 @@ from metrale_jax.layers.mlp import linear
 from metrale_jax.layers.moe import routed_experts
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
-from metrale_jax.layers.stack import scan_layers, switch
+from metrale_jax.layers.stack import scan_layers, switch, take_layer
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.mamba2 import selective_state_update, ssd_chunk_scan
 
@@ -223,10 +223,6 @@ def _mamba(cfg: ModelConfig, q: dict, h, cu_seqlens, conv0, ssm0, n_decode: int 
     return linear(y, q["out"]), conv, ssm
 
 
-def _take(tree, i):
-    return jax.tree.map(lambda a: a[i], tree)
-
-
 def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
@@ -236,29 +232,27 @@ def _stack(cfg, params, x, mixers, carry_extra, unroll: bool = False):
     """Scan over layers: x + mixer(norm(x)), the mixer picked by the layer's kind."""
     kinds = _kinds(cfg)
     present = sorted(set(kinds))
-    # numpy under the Python loop (unroll): static branches and layer counters
-    xp = np if unroll else jnp
-    branch = xp.asarray([present.index(k) for k in kinds], np.int32)
-    kind_arr = xp.asarray(kinds, np.int32)
+    branch = np.asarray([present.index(k) for k in kinds], np.int32)  # numpy: see layers/stack.py
+    kind_arr = np.asarray(kinds, np.int32)
 
     def layer(carry, xs):
         x, extra, counters = carry
         norm_w, b, kind = xs
         h = rms_norm(x, norm_w, cfg.rms_norm_eps)
         out, extra = switch(b, [mixers[k] for k in present], h, extra, counters)
-        counters = counters + (xp.arange(4) == kind).astype(np.int32)
+        counters = counters + (np.arange(4) == kind).astype(np.int32)
         return (x + out, extra, counters), None
 
-    init = (x, carry_extra, xp.zeros((4,), np.int32))
+    init = (x, carry_extra, np.zeros((4,), np.int32))
     x, extra, _ = scan_layers(layer, init, (params["layers"]["norm"], branch, kind_arr), unroll)
     return rms_norm(x, params["norm_f"], cfg.rms_norm_eps), extra
 
 
 def _ffn_mixers(cfg, params, tokamax_moe: bool = False):
     return {
-        MLP: lambda h, extra, c: (linear(_relu2(linear(h, _take(params["mlp"], c[MLP])["up"])),
-                                         _take(params["mlp"], c[MLP])["down"]), extra),
-        MOE: lambda h, extra, c: (_moe(cfg, _take(params["moe"], c[MOE]), h, tokamax_moe), extra),
+        MLP: lambda h, extra, c: (linear(_relu2(linear(h, take_layer(params["mlp"], c[MLP])["up"])),
+                                         take_layer(params["mlp"], c[MLP])["down"]), extra),
+        MOE: lambda h, extra, c: (_moe(cfg, take_layer(params["moe"], c[MOE]), h, tokamax_moe), extra),
     }
 
 
@@ -274,11 +268,11 @@ def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
 
     def mamba(h, extra, c):
         zeros = (jnp.zeros((bsz, cd, w - 1), jnp.float32), jnp.zeros((bsz, nh, p, n), jnp.float32))
-        out, _, _ = _mamba(cfg, _take(params["mamba"], c[MAMBA]), h, cu, *zeros)
+        out, _, _ = _mamba(cfg, take_layer(params["mamba"], c[MAMBA]), h, cu, *zeros)
         return out, extra
 
     def attn(h, extra, c):
-        ap = _take(params["attn"], c[ATTN])
+        ap = take_layer(params["attn"], c[ATTN])
         q, k, v = jnp.split(linear(h, ap["wqkv"]), [hq * d, (hq + hkv) * d], axis=-1)
         o = dense_causal_attention(q.reshape(bsz, t, hq, d), k.reshape(bsz, t, hkv, d), v.reshape(bsz, t, hkv, d),
                                    lengths, d**-0.5)
@@ -308,13 +302,13 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
         pool, i = ssm["mamba"], c[MAMBA]
         conv0 = read_layer(pool["conv"], ssm_slots, i, fresh)
         ssm0 = read_layer(pool["ssm"], ssm_slots, i, fresh)
-        out, conv, s = _mamba(cfg, _take(params["mamba"], i), h, cu, conv0, ssm0, n, attn_cfg)
+        out, conv, s = _mamba(cfg, take_layer(params["mamba"], i), h, cu, conv0, ssm0, n, attn_cfg)
         pool = {"conv": write_layer(pool["conv"], ssm_slots, i, conv), "ssm": write_layer(pool["ssm"], ssm_slots, i, s)}
         return out, (kv, {**ssm, "mamba": pool})
 
     def attn(h, extra, c):
         kv, ssm = extra
-        ap, i = _take(params["attn"], c[ATTN]), c[ATTN]
+        ap, i = take_layer(params["attn"], c[ATTN]), c[ATTN]
         q, k, v = jnp.split(linear(h, ap["wqkv"]), [hq * d, (hq + hkv) * d], axis=-1)
         q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
         kv = write_kv(kv, i, slots, k, v)

@@ -39,7 +39,7 @@ from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
-from metrale_jax.layers.stack import scan_layers, switch
+from metrale_jax.layers.stack import scan_layers, switch, take_layer
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule
 
@@ -222,10 +222,6 @@ def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0, kern
     return linear(o.reshape(-1, vd).astype(h.dtype), gp["wo"]), conv, rec
 
 
-def _take(tree, i):
-    return jax.tree.map(lambda a: a[i], tree)
-
-
 def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
@@ -243,14 +239,14 @@ def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
     kinds = jnp.asarray(_kinds(cfg), jnp.int32)
 
     def gdn_branch(x, h, ia, ig):
-        gp = _take(params["gdn"], ig)
+        gp = take_layer(params["gdn"], ig)
         conv0 = jnp.zeros((bsz, c, w - 1), jnp.float32)
         rec0 = jnp.zeros((bsz, nv, dk, dv), jnp.float32)
         out, _, _ = _gdn(cfg, gp, h, cu, conv0, rec0)
         return x + out
 
     def attn_branch(x, h, ia, ig):
-        ap = _take(params["attn"], ia)
+        ap = take_layer(params["attn"], ia)
         q, k, v, gate = _attn_qkv(cfg, ap, h, positions.reshape(-1))
         o = dense_causal_attention(*(a.reshape((bsz, t) + a.shape[1:]) for a in (q, k, v)), lengths, scale)
         return x + _attn_out(ap, o.reshape(bsz * t, -1, cfg.head_dim), gate)
@@ -281,10 +277,10 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     cu, ssm_slots, fresh = recurrent_streams(dmd, pmd)
     x = params["embed"][tokens]
     scale = cfg.head_dim**-0.5
-    kinds = jnp.asarray(_kinds(cfg), jnp.int32)
+    kinds = np.asarray(_kinds(cfg), np.int32)  # numpy: static under the Python layer loop
 
     def gdn_branch(x, h, kv, ssm, ia, ig):
-        gp = _take(params["gdn"], ig)
+        gp = take_layer(params["gdn"], ig)
         pool = ssm["gdn"]
         conv0 = read_layer(pool["conv"], ssm_slots, ig, fresh)
         rec0 = read_layer(pool["rec"], ssm_slots, ig, fresh)
@@ -294,7 +290,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         return x + out, kv, {**ssm, "gdn": pool}
 
     def attn_branch(x, h, kv, ssm, ia, ig):
-        ap = _take(params["attn"], ia)
+        ap = take_layer(params["attn"], ia)
         q, k, v, gate = _attn_qkv(cfg, ap, h, positions)
         kv = write_kv(kv, ia, slots, k, v)
         o = paged_attention(q, kv, ia, dmd, pmd, scale, attn)
@@ -308,8 +304,6 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]), attn.tokamax_moe)
         return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
 
-    unroll = attn.unroll_layers  # static kinds and layer counters under the Python loop
-    zero = 0 if unroll else jnp.int32(0)
-    kinds = np.asarray(_kinds(cfg), np.int32) if unroll else kinds
-    x, kv, ssm, _, _ = scan_layers(layer, (x, state.kv, state.ssm, zero, zero), (params["layers"], kinds), unroll)
+    init = (x, state.kv, state.ssm, np.int32(0), np.int32(0))
+    x, kv, ssm, _, _ = scan_layers(layer, init, (params["layers"], kinds), attn.unroll_layers)
     return dataclasses.replace(state, kv=kv, ssm=ssm), _norm(cfg, x, params["norm"])
