@@ -33,7 +33,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 import traceback
 import types
 
@@ -42,6 +41,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from bench.kernels.timing import median_seconds  # noqa: E402
 
 CASES = {  # name: (M, K, N, E)
     "prefill_e64": (8192, 2048, 768, 64),
@@ -61,20 +62,9 @@ def log(*a):
     print(*a, flush=True)
 
 
-def time_fn(fn, *args, group=10, groups=7):
-    """Median seconds per call over `groups` groups of `group` back-to-back calls (after warm-up)."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    if SMOKE:
-        group, groups = 1, 1
-    per = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        for _ in range(group):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - t0) / group)
-    return statistics.median(per)
+def time_fn(fn, *args):
+    """Median seconds per call over 7 groups of 10 back-to-back calls (one call in --smoke)."""
+    return median_seconds(fn, *args, group=1, groups=1) if SMOKE else median_seconds(fn, *args)
 
 
 def router_sizes(rng, m, e):

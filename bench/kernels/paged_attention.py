@@ -33,6 +33,7 @@ warnings.filterwarnings("ignore")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.kernels.timing import median_seconds  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402  # noqa: E402
     DecodeParams,
     PrefillParams,
@@ -57,20 +58,6 @@ DEADLINE = [float("inf")]
 
 def log(*a):
     print(*a, flush=True)
-
-
-def time_fn(fn, *args, group=10, groups=7, warmup=2):
-    """Median seconds per call: `groups` groups of `group` back-to-back calls each."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    per = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        for _ in range(group):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - t0) / group)
-    return statistics.median(per)
 
 
 def record(**kw):
@@ -147,7 +134,7 @@ def bench_decode(name, n, hq, hkv, d, ctx, bs, kv_dtype, sweep, memcpy_bw, bundl
                                                                    **scales))
             out = fn(q, kp, vp, layer, tables, lens)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            t = time_fn(fn, q, kp, vp, layer, tables, lens)
+            t = median_seconds(fn, q, kp, vp, layer, tables, lens)
             r = record(case=name, impl=label, params=None if params is None else params.__dict__, key=key,
                        time_us=t * 1e6, tb_s=nbytes / t / 1e12, frac_memcpy=nbytes / t / 1e12 / memcpy_bw,
                        max_rel_err=err, **shape)
@@ -179,7 +166,7 @@ def bench_decode(name, n, hq, hkv, d, ctx, bs, kv_dtype, sweep, memcpy_bw, bundl
                                                          head_major=True, interpret=INTERPRET[0]))
             out = fn(q, kph, vph, layer_arr, sc, tables, lens)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            t = time_fn(fn, q, kph, vph, layer_arr, sc, tables, lens)
+            t = median_seconds(fn, q, kph, vph, layer_arr, sc, tables, lens)
             record(case=name, impl="ours(head-major layout)", params=best["params"], time_us=t * 1e6,
                    tb_s=nbytes / t / 1e12, frac_memcpy=nbytes / t / 1e12 / memcpy_bw, max_rel_err=err, **shape)
             log(f"  {name} head-major: {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s err {err:.2e}")
@@ -198,7 +185,7 @@ def bench_decode(name, n, hq, hkv, d, ctx, bs, kv_dtype, sweep, memcpy_bw, bundl
             fn = jax.jit(lambda *a: bundled_pa.paged_attention(*a, interpret=INTERPRET[0]))
             out = fn(qs, k_pages, v_pages, tables, lens)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            t = time_fn(fn, qs, k_pages, v_pages, tables, lens)
+            t = median_seconds(fn, qs, k_pages, v_pages, tables, lens)
             record(case=name, impl="jax bundled paged_attention", time_us=t * 1e6, tb_s=nbytes / t / 1e12,
                    frac_memcpy=nbytes / t / 1e12 / memcpy_bw, max_rel_err=err, **shape)
             log(f"  {name} bundled: {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s err {err:.2e}")
@@ -209,7 +196,7 @@ def bench_decode(name, n, hq, hkv, d, ctx, bs, kv_dtype, sweep, memcpy_bw, bundl
     if xla_ref:
         try:
             fn = jax.jit(lambda *a: paged_decode_attention_reference(*a, sm_scale=sm, **scales))
-            t = time_fn(fn, q, kp, vp, layer, tables, lens, group=3, groups=5, warmup=1)
+            t = median_seconds(fn, q, kp, vp, layer, tables, lens, group=3, groups=5, warmup=1)
             record(case=name, impl="XLA gather reference (f32)", time_us=t * 1e6, tb_s=nbytes / t / 1e12,
                    frac_memcpy=nbytes / t / 1e12 / memcpy_bw, **shape)
             log(f"  {name} xla ref: {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s")
@@ -275,7 +262,7 @@ def bench_prefill(name, b, new, cached, hq, hkv, d, bs, sweep):
                                                                     interpret=INTERPRET[0]))
             out = fn(q, kp, vp, layer, tables, cu, kvl)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out)) / jnp.max(jnp.abs(ref_out)))
-            t = time_fn(fn, q, kp, vp, layer, tables, cu, kvl, group=5, groups=5)
+            t = median_seconds(fn, q, kp, vp, layer, tables, cu, kvl, group=5, groups=5)
             r = record(case=name, impl=label, params=None if params is None else params.__dict__, key=key,
                        time_us=t * 1e6, tflops=flops / t / 1e12, max_rel_err=err, **shape)
             if err < 3e-2 and (best is None or t < best["time_us"] / 1e6):
@@ -297,7 +284,7 @@ def bench_prefill(name, b, new, cached, hq, hkv, d, bs, sweep):
         best["impl"] = "ours(best)"
         RESULTS.append(best)
     try:
-        t = time_fn(ref, q, kp, vp, layer, tables, cu, kvl, group=2, groups=3, warmup=1)
+        t = median_seconds(ref, q, kp, vp, layer, tables, cu, kvl, group=2, groups=3, warmup=1)
         record(case=name, impl="XLA gather + dense attention", time_us=t * 1e6, tflops=flops / t / 1e12, **shape)
         log(f"  {name} xla: {t * 1e6:.1f} us {flops / t / 1e12:.1f} TFLOP/s")
     except Exception as e:
@@ -312,7 +299,7 @@ def bench_prefill(name, b, new, cached, hq, hkv, d, bs, sweep):
         causal = cached == 0
         fn = jax.jit(lambda a, k_, v_: jax.nn.dot_product_attention(a, k_, v_, scale=sm, is_causal=causal,
                                                                     implementation="cudnn"))
-        t = time_fn(fn, qq, kk, vv, group=5, groups=5)
+        t = median_seconds(fn, qq, kk, vv, group=5, groups=5)
         cflops = causal_flops(b, new, 0, hq, d) if causal else 4 * b * new * (new + cached) * hq * d
         record(case=name, impl="cuDNN " + ("causal" if causal else "non-causal new x kv"), time_us=t * 1e6,
                tflops=cflops / t / 1e12, **shape)
@@ -332,7 +319,7 @@ def bench_prefill(name, b, new, cached, hq, hkv, d, bs, sweep):
                 o2 = jax.nn.dot_product_attention(a, kn_, kn_, scale=sm, is_causal=True, implementation="cudnn")
                 return o1, o2
 
-            t = time_fn(two_part, qq, kc, kn, group=5, groups=5)
+            t = median_seconds(two_part, qq, kc, kn, group=5, groups=5)
             record(case=name, impl="cuDNN equivalent: prefix non-causal + chunk causal (2 calls, no merge)",
                    time_us=t * 1e6, tflops=flops / t / 1e12, **shape)
             log(f"  {name} cudnn two-part: {t * 1e6:.1f} us {flops / t / 1e12:.1f} TFLOP/s")
@@ -443,7 +430,7 @@ def bench_mixed(decode_params, prefill_params, n=64, ctx=4096, new=512, cached=4
     for label, fn in (("mixed: two launches (decode + prefill)", two), ("mixed: one ragged-prefill launch", one)):
         try:
             od, op = fn(*args)
-            t = time_fn(fn, *args, group=5, groups=5)
+            t = median_seconds(fn, *args, group=5, groups=5)
             out[label] = (od, op)
             record(case=f"mixed {n} decode x {ctx} + {new}-token chunk ({cached} cached)", impl=label, time_us=t * 1e6)
             log(f"  {label}: {t * 1e6:.1f} us")

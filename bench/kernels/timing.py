@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -19,6 +20,21 @@ def time_jax(fn, *args, iters=10, reps=3):
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t0) / iters)
     return best
+
+
+def median_seconds(fn, *args, group=10, groups=7, warmup=2):
+    """Seconds per call: the median over `groups` groups of `group` back-to-back calls (after
+    `warmup` calls), each group closed by block_until_ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    per = []
+    for _ in range(groups):
+        t0 = time.perf_counter()
+        for _ in range(group):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t0) / group)
+    return statistics.median(per)
 
 
 def time_torch(fn, iters=10, reps=3):
