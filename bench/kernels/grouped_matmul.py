@@ -33,6 +33,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import traceback
 import types
 
@@ -233,6 +234,8 @@ def main(argv=None):
         cases = {c: SMOKE_CASES[c] for c in args.smoke_cases.split(",")}
     else:
         cases = {c: CASES[c] for c in args.cases.split(",")}
+    if args.smoke and args.out == "bench/results":  # a smoke run must not overwrite the GPU results
+        args.out = tempfile.mkdtemp(prefix="smoke_")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
