@@ -58,8 +58,8 @@ if [[ $parts == *e2e* ]]; then  # end-to-end decode latency against the roofline
     --prefill-buckets 2048 --mixed-decode-buckets 64"
   # limits from 2026-11-29: 150 s was too short for Llama-3-8B (random load + 4 unrolled compiles);
   # the four runs exceed one 600 s call: split them with E2E_ONLY="name ..."
-  for run in "llama3_8b:280:--shape llama3-8b --profile $OUT/profile_llama3_8b" \
-             "qwen3_next_4l:200:--shape qwen3-next-80b-a3b --num-layers 4" \
+  for run in "llama3_8b:320:--shape llama3-8b --profile $OUT/profile_llama3_8b" \
+             "qwen3_next_4l:220:--shape qwen3-next-80b-a3b --num-layers 4" \
              "nemotron_h_13l:150:--shape nemotron-h-8b --num-layers 13 --profile $OUT/profile_nemotron_h" \
              "llama3_8b_fp8:130:--shape llama3-8b --quantization fp8"; do
     IFS=: read -r name limit extra <<< "$run"

@@ -4,6 +4,7 @@ logprobs (float32, 1e-3) for the tiny fixtures and the real SmolLM2 GGUF, and ba
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 from metrale_jax import load_model
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import LLMEngine
+from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.layers.stack import Unstacked
 from metrale_jax.sampling import SamplingParams
 from tests.conftest import FIXTURES
 
@@ -35,7 +38,11 @@ def _log_softmax(x):
 def tiny(request):
     path = FIXTURES / request.param
     model, params = load_model(path, dtype="float32", show_progress=False)
-    eng = LLMEngine(model, params, TINY_CONFIG)
+    # two of the four walk the layers in Python over per-layer arrays, as on the GPU
+    unroll = request.param in ("qwen3_tiny", "llama_tied_sharded")
+    cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(unroll_layers=unroll))
+    eng = LLMEngine(model, params, cfg)
+    assert isinstance(params["layers"]["wo"], Unstacked) == unroll  # split in place
     return eng, dict(np.load(path / "golden.npz"))
 
 

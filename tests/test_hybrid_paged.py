@@ -13,6 +13,7 @@ import pytest
 
 from metrale_jax import load_model
 from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.layers.stack import split_layers
 from tests._paged import Layout
 from tests.conftest import FIXTURES
 
@@ -20,7 +21,7 @@ HYBRIDS = ["qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
 TOL = dict(rtol=5e-4, atol=5e-4)
 KERNELS = {
     "reference": AttentionConfig(),
-    "reference-unrolled": AttentionConfig(unroll_layers=True),  # the Python layer loop (GPU default)
+    "reference-unrolled": AttentionConfig(unroll_layers=True),  # Python layer loop, split params (GPU default)
     "pallas-gpu": AttentionConfig(use_pallas=True, unroll_layers=True),
 }
 # The kernels' interpret-mode runs live in their own tests (a model-level one costs ~45 s on CI).
@@ -53,6 +54,8 @@ def _check(loaded, name, impl, TOL):
     state = model.init_state(128, lay.bs, max_ssm_slots=4)
     state = jax.tree.map(lambda a: a + 3.0 if a.ndim > 2 else a, state)  # stale, non-zero pools
     attn = KERNELS[impl]
+    if attn.unroll_layers:  # as the engine does: per-layer arrays (a new top-level dict, `loaded` stays stacked)
+        params = split_layers(dict(params))
     step = jax.jit(model.forward_paged, static_argnums=(5,))
 
     def run(dmd, pmd, toks):

@@ -40,11 +40,12 @@ def test_routed_experts_match_per_token_loop():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 15, 300])
-def test_tokamax_grouped_gemm_matches_ragged_dot(t):
+@pytest.mark.parametrize("t,k", [(1, 8), (15, 8), (300, 8), (1, 10), (15, 10), (13, 3)])
+def test_tokamax_grouped_gemm_matches_ragged_dot(t, k):
+    """T*k rows: 8, 120, 2400, then 10, 150 and 39 (not multiples of 8: padded for tokamax)."""
     if not tokamax_available():
         pytest.skip("tokamax is not installed")
-    x, w, idx, wgu, wd = _case(t=t, h=256, inter=128, e=64, k=8, seed=t, dtype=jnp.bfloat16)
+    x, w, idx, wgu, wd = _case(t=t, h=256, inter=128, e=64, k=k, seed=t, dtype=jnp.bfloat16)
     f = jax.jit(routed_experts, static_argnames=("use_tokamax",))
     want = np.asarray(f(x, w, idx, wgu, wd, use_tokamax=False), np.float32)
     got = np.asarray(f(x, w, idx, wgu, wd, use_tokamax=True), np.float32)

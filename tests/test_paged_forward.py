@@ -11,6 +11,7 @@ import pytest
 
 from metrale_jax import random_model
 from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.layers.stack import Unstacked, split_layers
 from tests._paged import Layout
 
 NUM_BLOCKS = 64
@@ -103,15 +104,25 @@ def _check_paged(family, impl, tol):
 
 
 def test_unrolled_layers_match_scan():
-    """AttentionConfig.unroll_layers computes the same step as the rolled scan."""
+    """AttentionConfig.unroll_layers computes the same step as the rolled scan, on layer-stacked
+    params and on params split per layer (`split_layers`, the engine's GPU form), and the dense
+    forward takes the split tree too."""
     model, params = random_model(_cfg(CONFIGS["qwen3"]), dtype="float32", seed=2)
+    split = split_layers(dict(params))  # a new top-level dict: `params` stays stacked
+    assert isinstance(split["layers"]["wqkv"], Unstacked) and len(split["layers"]["wqkv"]) == 2
+    assert not isinstance(params["layers"]["wqkv"], Unstacked)
+    np.testing.assert_array_equal(np.asarray(split["layers"]["wo"].parts[1]), np.asarray(params["layers"]["wo"][1]))
     lay = Layout(1, num_blocks=NUM_BLOCKS, block_size=4, max_blocks=16)
     toks = jnp.asarray(np.random.default_rng(3).integers(0, 97, 9).astype(np.int32))
     pmd = lay.prefill([(0, 0, 9)], 9, 1)
     outs = []
-    for unroll in (False, True):
+    for p, unroll in ((params, False), (params, True), (split, True), (split, False)):
         state = model.init_state(NUM_BLOCKS, lay.bs)
         _, hidden = jax.jit(model.forward_paged, static_argnums=(5,))(
-            params, state, toks, None, pmd, AttentionConfig(unroll_layers=unroll))
+            p, state, toks, None, pmd, AttentionConfig(unroll_layers=unroll))
         outs.append(np.asarray(hidden))
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-5)
+    pos = jnp.arange(9, dtype=jnp.int32)[None]
+    dense = [np.asarray(jax.jit(model.forward)(p, toks[None], pos, jnp.array([9], jnp.int32))) for p in (params, split)]
+    np.testing.assert_allclose(dense[1], dense[0], rtol=1e-6, atol=1e-6)

@@ -311,6 +311,11 @@ def decode_bytes(model, params, batch: int, context: int, kv_dtype=None) -> dict
     """
     import jax
 
+    from metrale_jax.layers.stack import Unstacked
+
+    params = jax.tree.map(  # per-layer parts (split_layers) count as their stacked array
+        lambda a: jax.ShapeDtypeStruct((len(a),) + a.parts[0].shape, a.parts[0].dtype)
+        if isinstance(a, Unstacked) else a, params, is_leaf=lambda a: isinstance(a, Unstacked))
     cfg = model.cfg
     e, k = _routing(cfg)
     frac, per_layer = 1.0, float(e)

@@ -29,6 +29,7 @@ from metrale_jax.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from metrale_jax.layers.stack import split_layers
 from metrale_jax.metadata_builder import (
     BuilderConfig,
     DecodeRow,
@@ -82,7 +83,12 @@ def _on_gpu() -> bool:
 
 
 class LLMEngine:
-    """The serving engine. `LLMEngine(model, params, config)` or `LLMEngine.from_config(config)`."""
+    """The serving engine. `LLMEngine(model, params, config)` or `LLMEngine.from_config(config)`.
+
+    With `AttentionConfig.unroll_layers` (the GPU default) the engine splits the layer-stacked
+    arrays of `params` into per-layer arrays IN PLACE (`layers.stack.split_layers`); the split
+    tree still works everywhere a stacked one does (`model.forward`, other engines).
+    """
 
     def __init__(self, model, params, config: EngineConfig | None = None):
         t0 = time.perf_counter()
@@ -98,7 +104,11 @@ class LLMEngine:
             self.config = self.config.replace(attention=dataclasses.replace(self.config.attention, use_pallas=False))
         c = self.config
         log.info("kernels: %s; layers: %s", "Pallas" if c.attention.use_pallas else "XLA reference",
-                 "Python loop (static weight slices)" if c.attention.unroll_layers else "lax.scan")
+                 "Python loop over per-layer arrays" if c.attention.unroll_layers else "lax.scan")
+        if c.attention.unroll_layers:
+            # in place, so that the layer-stacked arrays are freed before the KV pool is sized
+            # (unless the caller keeps other references to them); see layers/stack.py
+            self.params = split_layers(params)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
@@ -129,7 +139,7 @@ class LLMEngine:
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
         self.compiler = CompilationManager(model, c, self.builder)
-        self.compiler.compile_all(params, self.state)
+        self.compiler.compile_all(self.params, self.state)
         reserve = getattr(self, "_scratch_reserve", None)
         if reserve is not None and self.compiler.temp_bytes > reserve:
             log.warning("the largest step needs %.2f GB of scratch but %.2f GB were reserved when sizing the KV "

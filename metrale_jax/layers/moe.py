@@ -35,7 +35,15 @@ def grouped_matmul(x, w, sizes, use_tokamax: bool):
     if use_tokamax:
         import tokamax
 
-        return tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation="mosaic")
+        # tokamax's TMA tiling takes M <= 8 or a multiple of 8 rows (M = 10 for one token routed
+        # to 10 experts failed on the H200): pad with rows of the last group, dropped after.
+        m = x.shape[0]
+        pad = -m % 8 if m > 8 else 0
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            sizes = sizes.at[-1].add(pad)
+        y = tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation="mosaic")
+        return y[:m]
     return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
 
 

@@ -11,31 +11,105 @@ Python with constant indices instead: the engine's GPU default. Compile time gro
 Give per-layer scalars (layer kinds, counters) as numpy: under the Python loop they stay numpy
 (static: `switch` becomes a Python call and `take_layer` a constant slice), under the scan
 `lax.scan` traces them. The same body serves both.
+
+Static slices of stacked arrays are not free everywhere, though: where a slice feeds a cuBLAS
+GEMM or a Pallas custom call (prefill-sized dots, the FP8 kernels), XLA materializes it, and on
+the H200 XLA hoisted all 32 layers' copies of a Llama-3-8B prefill step into 17.7 GB of scratch
+(out of memory). So the engine, when it walks layers in Python, first splits every layer-stacked
+leaf into per-layer arrays (`split_layers`, in place): an `Unstacked` leaf holds them, layer i is
+then a plain buffer, and nothing is sliced. Every function here also takes split trees under
+`lax.scan` (the parts are re-stacked inside the trace: a copy, correct but not fast).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+# top-level parameter subtrees that are NOT stacked over layers (every family's names)
+GLOBAL_KEYS = frozenset({"embed", "norm", "norm_f", "lm_head"})
+
+
+@jax.tree_util.register_pytree_node_class
+class Unstacked:
+    """One layer-stacked parameter kept as per-layer arrays: parts[i] is layer i's [...] array."""
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+
+    def tree_flatten(self):
+        return self.parts, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, parts):
+        return cls(parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __repr__(self) -> str:
+        p = self.parts[0] if self.parts else None
+        return f"Unstacked({len(self.parts)} x {getattr(p, 'shape', '?')} {getattr(p, 'dtype', '')})"
+
+
+def _is_unstacked(x) -> bool:
+    return isinstance(x, Unstacked)
+
+
+def split_layers(params: dict) -> dict:
+    """Replace, in place, every layer-stacked leaf of `params` (all top-level subtrees but
+    `GLOBAL_KEYS`) by an `Unstacked` of its per-layer slices; returns `params`.
+
+    Leaf by leaf, so a stacked array is freed as soon as its parts exist (when nothing else holds
+    it): the peak is the parameters plus one leaf. Already split leaves are left alone.
+    """
+    for key in list(params):
+        if key in GLOBAL_KEYS:
+            continue
+        leaves, treedef = jax.tree.flatten(params[key], is_leaf=_is_unstacked)
+        for j, a in enumerate(leaves):
+            if not _is_unstacked(a):
+                leaves[j] = Unstacked(a[i] for i in range(a.shape[0]))
+        params[key] = jax.tree.unflatten(treedef, leaves)
+        del leaves
+    return params
+
+
+def restack(tree):
+    """`tree` with every `Unstacked` leaf stacked back into one array (inside a trace: a copy)."""
+    return jax.tree.map(lambda a: jnp.stack(a.parts) if _is_unstacked(a) else a, tree, is_leaf=_is_unstacked)
+
+
+def num_layers(tree) -> int:
+    first = jax.tree.leaves(tree, is_leaf=_is_unstacked)[0]
+    return len(first) if _is_unstacked(first) else first.shape[0]
 
 
 def scan_layers(body, carry, xs, unroll: bool):
     """carry after `body(carry, xs[i]) -> (carry, None)` for each layer i.
 
-    xs: a pytree of arrays stacked on axis 0 (jax or numpy). unroll: Python loop with static
-    slices (numpy leaves stay numpy) instead of `lax.scan`.
+    xs: a pytree of arrays stacked on axis 0 (jax or numpy) or `Unstacked`. unroll: Python loop
+    with static layer indices (numpy leaves stay numpy) instead of `lax.scan`.
     """
     if not unroll:
-        return jax.lax.scan(body, carry, xs)[0]
-    n = jax.tree.leaves(xs)[0].shape[0]
-    for i in range(n):
+        return jax.lax.scan(body, carry, restack(xs))[0]
+    for i in range(num_layers(xs)):
         carry, _ = body(carry, take_layer(xs, i))
     return carry
 
 
 def take_layer(tree, i):
-    """Layer i of a tree of layer-stacked arrays (a constant slice when i is static)."""
-    return jax.tree.map(lambda a: a[i], tree)
+    """Layer i of a tree of layer-stacked (or `Unstacked`) arrays: a plain per-layer array or a
+    constant slice when i is static, a dynamic slice when it is traced."""
+    static = isinstance(i, (int, np.integer))
+
+    def one(a):
+        if _is_unstacked(a):
+            return a.parts[int(i)] if static else jnp.stack(a.parts)[i]
+        return a[i]
+
+    return jax.tree.map(one, tree, is_leaf=_is_unstacked)
 
 
 def switch(index, branches, *args):

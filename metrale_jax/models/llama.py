@@ -2,7 +2,8 @@
 
 Qwen2 is this model with q/k/v biases, Qwen3 with a per-head RMSNorm on q and k; their files
 only set those flags. Parameters are one pytree with the decoder layers stacked on a leading
-axis, and every forward runs `lax.scan` over them, so compile time does not grow with depth.
+axis; forwards walk them with `layers/stack.py` (`lax.scan`, whose compile time does not grow
+with depth, or on the GPU a Python loop over per-layer arrays, see there).
 
 Parameter tree (L layers, H hidden, D head_dim, I intermediate):
     embed      [V, H]
@@ -150,7 +151,7 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
         x = x + linear(o.reshape(o.shape[:2] + (-1,)), lp["wo"])
         return _mlp_block(cfg, lp, x), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    x = scan_layers(layer, x, params["layers"], unroll=False)
     return compute_logits(cfg, params, rms_norm(x, params["norm"], cfg.rms_norm_eps))
 
 

@@ -259,7 +259,7 @@ def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
         x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]))
         return (x, ia + (kind == ATTN), ig + (kind == GDN)), None
 
-    (x, _, _), _ = jax.lax.scan(layer, (x, jnp.int32(0), jnp.int32(0)), (params["layers"], kinds))
+    x, _, _ = scan_layers(layer, (x, jnp.int32(0), jnp.int32(0)), (params["layers"], kinds), unroll=False)
     x = _norm(cfg, x, params["norm"]).reshape(bsz, t, -1)
     return compute_logits(cfg, params, x)
 
