@@ -346,7 +346,7 @@ def paged_prefill_attention_mgpu(
     k_scale=None,
     v_scale=None,
     params: PrefillMgpuParams | None = None,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
     _poison: bool = False,
 ):
     """Causal ragged prefill attention over paged, layer-stacked KV pools (Mosaic GPU).
@@ -362,7 +362,8 @@ def paged_prefill_attention_mgpu(
       sliding_window: keep keys k with position - k < sliding_window; None = full causal.
       k_scale, v_scale: must be None (bf16 pools only).
       params: static `PrefillMgpuParams`; None = defaults for the shape.
-      interpret: run on the CPU under `plgpu.InterpretGPUParams` (NaN-filled uninitialized memory).
+      interpret: True runs on the CPU under `plgpu.InterpretGPUParams(uninitialized_memory="nan")`;
+        an `InterpretGPUParams` instance (e.g. with detect_races=True) is used as given.
       _poison: accepted for parity with `paged_prefill_attention` (see the module docstring).
 
     Returns:
@@ -391,7 +392,8 @@ def paged_prefill_attention_mgpu(
     layer_row = (jnp.asarray(layer, jnp.int32).reshape(1) * num_blocks).astype(jnp.int32)  # i32[1]
     kp = k_pool.reshape(num_layers * num_blocks, block_size, hkv, d)  # bf16[L*NB, bs, Hkv, D]
     vp = v_pool.reshape(num_layers * num_blocks, block_size, hkv, d)
-    p_in_smem = params.p_in_smem or interpret
+    interpret = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
+    p_in_smem = params.p_in_smem or interpret is not False
     swz = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 128 // q.dtype.itemsize)), swz)
     ppt = bk // block_size
@@ -408,13 +410,15 @@ def paged_prefill_attention_mgpu(
     body = functools.partial(
         _kernel, num_tiles=nt, group=g, bq=bq, block_m=bm, block_k=bk, block_size=block_size,
         num_stages=stages, sm_scale_log2=float(sm_scale * common.LOG2E), sliding_window=sliding_window,
-        accumulate_in_place=not interpret,
+        accumulate_in_place=interpret is False,
     )
     kw = {}
-    if interpret:
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        kw["interpret"] = interpret
+    elif interpret:
         kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="nan")
     else:
-        kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
+        kw["compiler_params"] = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((tp, hq, d), q.dtype),
