@@ -13,7 +13,9 @@ from safetensors.numpy import load_file, save_file
 
 from metrale_jax import LLM, SamplingParams, load_model
 from metrale_jax.errors import MissingTensorError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.layers.linear import Fp8Linear
+from metrale_jax.layers.stack import Unstacked
 from tests.conftest import FIXTURES
 
 FP8 = FIXTURES / "llama_fp8_tiny"
@@ -68,9 +70,13 @@ def test_engine_generates_from_fp8_checkpoint():
     ids = list(prompt)
     for _ in range(8):  # greedy by repeated dense forwards: the reference
         ids.append(int(jnp.argmax(fwd(params, jnp.asarray([ids]))[0, -1])))
-    llm = LLM(model=str(FP8), dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=16)
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == ids[len(prompt):]
+    for unroll in (False, True):  # True: the GPU's layer loop over per-layer arrays (Fp8Linear fields split)
+        llm = LLM(model=str(FP8), dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=16,
+                  attention=AttentionConfig(unroll_layers=unroll))
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == ids[len(prompt):]
+    w = llm.llm_engine.params["layers"]["wqkv"]
+    assert isinstance(w, Fp8Linear) and isinstance(w.w8, Unstacked) and isinstance(w.scale_inv, Unstacked)
 
 
 @pytest.fixture

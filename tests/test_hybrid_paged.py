@@ -54,8 +54,8 @@ def _check(loaded, name, impl, TOL):
     state = model.init_state(128, lay.bs, max_ssm_slots=4)
     state = jax.tree.map(lambda a: a + 3.0 if a.ndim > 2 else a, state)  # stale, non-zero pools
     attn = KERNELS[impl]
-    if attn.unroll_layers:  # as the engine does: per-layer arrays (a new top-level dict, `loaded` stays stacked)
-        params = split_layers(dict(params))
+    if attn.unroll_layers:  # as the engine does: per-layer arrays (new containers: `loaded` stays stacked)
+        params = split_layers(jax.tree.map(lambda a: a, params))
     step = jax.jit(model.forward_paged, static_argnums=(5,))
 
     def run(dmd, pmd, toks):

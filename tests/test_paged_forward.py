@@ -108,7 +108,7 @@ def test_unrolled_layers_match_scan():
     params and on params split per layer (`split_layers`, the engine's GPU form), and the dense
     forward takes the split tree too."""
     model, params = random_model(_cfg(CONFIGS["qwen3"]), dtype="float32", seed=2)
-    split = split_layers(dict(params))  # a new top-level dict: `params` stays stacked
+    split = split_layers(jax.tree.map(lambda a: a, params))  # new containers: `params` stays stacked
     assert isinstance(split["layers"]["wqkv"], Unstacked) and len(split["layers"]["wqkv"]) == 2
     assert not isinstance(params["layers"]["wqkv"], Unstacked)
     np.testing.assert_array_equal(np.asarray(split["layers"]["wo"].parts[1]), np.asarray(params["layers"]["wo"][1]))

@@ -23,6 +23,8 @@ then a plain buffer, and nothing is sliced. Every function here also takes split
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,21 +61,41 @@ def _is_unstacked(x) -> bool:
 
 def split_layers(params: dict) -> dict:
     """Replace, in place, every layer-stacked leaf of `params` (all top-level subtrees but
-    `GLOBAL_KEYS`) by an `Unstacked` of its per-layer slices; returns `params`.
+    `GLOBAL_KEYS`) by an `Unstacked` of its per-layer arrays; returns `params`.
 
-    Leaf by leaf, so a stacked array is freed as soon as its parts exist (when nothing else holds
-    it): the peak is the parameters plus one leaf. Already split leaves are left alone.
+    Leaf by leaf through host memory: a stacked device array is copied out, freed (when nothing
+    else holds it), and its parts put back into the hole it left. Splitting on the device instead
+    left the freed stacked arrays as holes below the parts, and on the H200 the KV pool, sized to
+    fill the rest of memory, then found no contiguous room (out of memory at 38.9 GiB).
+    Already split leaves are left alone; nested dicts are updated in place.
     """
     for key in list(params):
-        if key in GLOBAL_KEYS:
-            continue
-        leaves, treedef = jax.tree.flatten(params[key], is_leaf=_is_unstacked)
-        for j, a in enumerate(leaves):
-            if not _is_unstacked(a):
-                leaves[j] = Unstacked(a[i] for i in range(a.shape[0]))
-        params[key] = jax.tree.unflatten(treedef, leaves)
-        del leaves
+        if key not in GLOBAL_KEYS:
+            _split_in(params, key)
     return params
+
+
+def _split_in(parent, key) -> None:
+    """Split parent[key] (a dict, a dataclass of arrays such as `Fp8Linear`, or an array)."""
+    node = parent[key]
+    if isinstance(node, dict):
+        del node
+        for k in list(parent[key]):
+            _split_in(parent[key], k)
+    elif dataclasses.is_dataclass(node):  # frozen: rebuild it from its fields, split one by one
+        fields = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+        cls = type(node)
+        parent[key] = node = None
+        for name in list(fields):
+            if isinstance(fields[name], (jax.Array, np.ndarray, dict)) or dataclasses.is_dataclass(fields[name]):
+                _split_in(fields, name)
+        parent[key] = cls(**fields)
+    elif isinstance(node, (jax.Array, np.ndarray)):
+        sharding = getattr(node, "sharding", None)
+        parent[key] = None
+        host = np.asarray(node)
+        del node  # the device copy goes here, before its parts are allocated
+        parent[key] = Unstacked(jax.device_put(host[i], sharding) for i in range(host.shape[0]))
 
 
 def restack(tree):
