@@ -14,8 +14,9 @@ from safetensors.numpy import load_file, save_file
 from metrale_jax import LLM, SamplingParams, load_model
 from metrale_jax.errors import MissingTensorError, TensorShapeError, UnsupportedDtypeError
 from metrale_jax.layers.attention import AttentionConfig
-from metrale_jax.layers.linear import Fp8Linear
+from metrale_jax.layers.linear import Fp8Linear, use_fp8_kernel
 from metrale_jax.layers.stack import Unstacked
+from tests._paged import Layout
 from tests.conftest import FIXTURES
 
 FP8 = FIXTURES / "llama_fp8_tiny"
@@ -38,6 +39,33 @@ def test_fp8_checkpoint_keeps_fp8_and_matches_dequantized_reference():
         np.testing.assert_allclose(logits[b, :n], g["logits"][b, :n], rtol=1e-4, atol=1e-4)
     # Against the unquantized model: within FP8 error (the tiny random net amplifies it, see README).
     assert _rel(logits[2], g["logits_unquantized"][2]) < 0.3
+
+
+def test_fp8_kernel_in_decode_steps_matches_xla_dequant():
+    """use_fp8_kernel: the decode rows' FP8 linears (fused q|k|v with padded parts, gate|up, o,
+    down) go through the Pallas kernel (interpret mode here), the prefill rows stay on XLA."""
+    model, params = load_model(FP8, dtype="bfloat16")
+    marked = use_fp8_kernel(params, interpret=True)
+    assert marked["layers"]["wqkv"].use_kernel and not params["layers"]["wqkv"].use_kernel
+    lay = Layout(2, num_blocks=32, block_size=4, max_blocks=8, seed=1)
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(3, 250, 16).astype(np.int32))
+    for p in (params, marked):
+        state = model.init_state(32, lay.bs)
+        # prefill 9 + 7 tokens of two sequences (XLA path: 16 rows), then 3 decode rows (kernel)
+        state, _ = jax.jit(model.forward_paged, static_argnums=(5,))(
+            p, state, prompt, None, lay.prefill([(0, 0, 9), (1, 0, 7)], 16, 2), AttentionConfig())
+        dmd = lay.decode([(0, 9), (1, 7)], 3)
+        toks = jnp.asarray([11, 12, 0], jnp.int32)
+        _, hidden = jax.jit(model.forward_paged, static_argnums=(5,))(p, state, toks, dmd, None, AttentionConfig())
+        logits = np.asarray(model.compute_logits(p, hidden)[:2], np.float32)
+        if p is params:
+            want = logits
+        # the kernel is on the decode path of the marked weights only
+        jaxpr = str(jax.make_jaxpr(model.forward_paged, static_argnums=(5,))(p, state, toks, dmd, None,
+                                                                            AttentionConfig()))
+        assert ("skinny_matmul_fp8" in jaxpr) == (p is marked)
+    assert np.isfinite(logits).all() and _rel(logits, want) < 2e-2, _rel(logits, want)
 
 
 def test_quantize_on_load(tmp_path):

@@ -90,6 +90,8 @@ FP8_CASES = [
     (8, SkinnyParams(block_n=16, block_k=128, split_k=2, fp8_scale_on_x=False)),
     (17, SkinnyParams(block_n=128, block_k=128)),
     (64, SkinnyParams(block_n=32, block_k=256, split_k=2)),
+    (1, SkinnyParams(block_n=64, block_k=256, fp8_f16_dot=True)),
+    (17, SkinnyParams(block_n=32, block_k=128, split_k=2, fp8_f16_dot=True)),
 ]
 
 
@@ -105,6 +107,21 @@ def test_fp8_interpret(m, params):
     assert _rows_rel_err(y, want) < 8e-3
     ref = skinny_matmul_fp8_reference(x, jnp.asarray(w8), jnp.asarray(s))
     np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_fp8_f16_dot_keeps_large_activations():
+    """x * s far past f16's range (65504) and tiny rows: the per-row power-of-two keeps both."""
+    rng = np.random.default_rng(9)
+    m, n, k = 3, 160, 300
+    x = np.asarray(rng.standard_normal((m, k)), np.float32)
+    x[0] *= 3e4  # |x * s| up to ~5e5
+    x[2] *= 1e-6
+    x = jnp.asarray(x, jnp.bfloat16)
+    w8, s = _fp8_weight(rng, n, k)
+    want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
+    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=SkinnyParams(block_n=32, block_k=128,
+                          fp8_f16_dot=True), interpret=True, _poison=True)
+    assert _rows_rel_err(y, want) < 8e-3
 
 
 def test_fp8_bf16_scales_and_default_params():
@@ -214,7 +231,7 @@ def test_lowers_for_h200():
             assert "__gpu$xla.gpu.triton" in low.as_text()
             low = skinny_matmul_fp8.trace(
                 sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32),
-                params=SkinnyParams(block_n=64, block_k=256, split_k=2),
+                params=SkinnyParams(block_n=64, block_k=256, split_k=2, fp8_f16_dot=m == 1),
             ).lower(lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in low.as_text()
             # Mosaic GPU: lowering runs layout inference and the TMA checks.
@@ -251,9 +268,10 @@ def test_fp8_gpu(m, n, k):
     want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
     y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), _poison=True)
     assert _rows_rel_err(y, want) < 8e-3
-    p = SkinnyParams(block_n=16, split_k=2, fp8_scale_on_x=False)
-    y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=p, _poison=True)
-    assert _rows_rel_err(y, want) < 8e-3
+    for p in (SkinnyParams(block_n=16, split_k=2, fp8_scale_on_x=False),
+              SkinnyParams(block_n=64, block_k=512, fp8_f16_dot=True)):
+        y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=p, _poison=True)
+        assert _rows_rel_err(y, want) < 8e-3, p
 
 
 MGPU_GPU_SHAPES = [(1, 6144, 4096), (8, 4096, 14336), (64, 28672, 4096)]

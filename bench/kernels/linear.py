@@ -54,13 +54,18 @@ TRITON_SMALL = [SkinnyParams(16, 512, 1, 4, 4), SkinnyParams(32, 256, 1, 4, 4), 
 TRITON_LARGE = [SkinnyParams(32, 256, 1, 4, 3), SkinnyParams(64, 256, 1, 4, 3), SkinnyParams(128, 128, 1, 8, 3)]
 TRITON_FP8 = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4), SkinnyParams(64, 512, 1, 4, 3),
               SkinnyParams(32, 256, 1, 4, 4, fp8_scale_on_x=False)]
+# --fp8: M = 1 and 8 only, no Mosaic twin, and this wider FP8 sweep (f16 dot, more bytes in flight)
+TRITON_FP8_WIDE = [SkinnyParams(32, 256, 1, 4, 4)] + [
+    SkinnyParams(bn, bk, 1, w, st, fp8_f16_dot=True)
+    for bn, bk, w, st in ((32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 4), (64, 512, 4, 3), (64, 512, 4, 4),
+                          (64, 512, 8, 4), (128, 256, 8, 4), (128, 512, 8, 3))]
 MGPU_BF16 = [MgpuParams(32, 128, 6), MgpuParams(64, 256, 3)]
 MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
 
 
 def _p(p) -> str:
     if isinstance(p, SkinnyParams):
-        tag = "" if p.fp8_scale_on_x else "_scale-acc"
+        tag = ("" if p.fp8_scale_on_x else "_scale-acc") + ("_f16" if p.fp8_f16_dot else "")
         return f"bn{p.block_n}_bk{p.block_k}_s{p.split_k}_w{p.num_warps}_st{p.num_stages}{tag}"
     return f"bn{p.block_n}_bk{p.block_k}_st{p.max_concurrent_steps}_s{p.split_k}"
 
@@ -259,7 +264,11 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting new cells after this")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, no torch (plumbing check)")
+    ap.add_argument("--fp8", action="store_true", help="M = 1, 8; the wide FP8 sweep; no Mosaic twin")
     args = ap.parse_args(argv)
+    if args.fp8:
+        global MS, TRITON_FP8, MGPU_BF16, MGPU_FP8
+        MS, TRITON_FP8, MGPU_BF16, MGPU_FP8 = FP8_MS, TRITON_FP8_WIDE, [], []
     if args.cpu_smoke:
         _cpu_smoke()
     t_start = time.perf_counter()

@@ -34,11 +34,13 @@ def _swap_buckets(max_blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def default_kernels(on_gpu: bool) -> AttentionConfig:
-    """The kernel choices when none are given: on the GPU the Pallas kernels, the Python layer
-    loop and (when installed) tokamax's grouped GEMM for MoE; on the CPU the XLA reference."""
+    """The kernel choices when none are given: on the GPU the Pallas kernels (attention, scans,
+    FP8 decode linears), the Python layer loop and (when installed) tokamax's grouped GEMM for
+    MoE; on the CPU the XLA reference."""
     from metrale_jax.layers.moe import tokamax_available
 
-    return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu, tokamax_moe=on_gpu and tokamax_available())
+    return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu, tokamax_moe=on_gpu and tokamax_available(),
+                           fp8_kernel=on_gpu)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from metrale_jax.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from metrale_jax.layers.linear import use_fp8_kernel
 from metrale_jax.layers.stack import split_layers
 from metrale_jax.metadata_builder import (
     BuilderConfig,
@@ -109,6 +110,8 @@ class LLMEngine:
             # in place, so that the layer-stacked arrays are freed before the KV pool is sized
             # (unless the caller keeps other references to them); see layers/stack.py
             self.params = split_layers(params)
+        if c.attention.fp8_kernel:
+            self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())

@@ -26,7 +26,7 @@ class AttentionConfig:
     use_pallas: bool = False
     interpret: bool = False  # run the Pallas kernels in interpret mode (CPU tests)
     sliding_window: int | None = None
-    # Walk the layers of the paged steps in a Python loop with static weight slices instead of
+    # Walk the layers of the paged steps in a Python loop over per-layer arrays instead of
     # `lax.scan`, whose per-layer weight slices XLA copies on the GPU (layers/stack.py; the
     # engine's GPU default).
     unroll_layers: bool = False
@@ -34,6 +34,10 @@ class AttentionConfig:
     # `jax.lax.ragged_dot`: 3-20x faster on the H200 (bench/results/grouped_matmul_2026-11-29.md).
     # The engine's GPU default when tokamax is installed (the `cuda13` extra).
     tokamax_moe: bool = False
+    # FP8 linears (`Fp8Linear`) at decode sizes (<= 64 rows, bf16 activations) through the Pallas
+    # weight-streaming kernel (pallas_kernels/linear) instead of XLA's dequantize-and-dot. The engine
+    # marks the weights (`layers.linear.use_fp8_kernel`); the GPU default.
+    fp8_kernel: bool = False
 
 
 def _softmax_attend(q, k, v, mask, scale):

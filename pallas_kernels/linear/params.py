@@ -45,7 +45,12 @@ class SkinnyParams:
       feeds the dot, so Triton pipelines it with the tiles). False: one dot per 128-column
       sub-block, its f32 partial times a scalar scale - the variant measured on 2026-11-29, whose
       scalar scale loads were not pipelined: every sub-block waited one L2 round trip, and FP8
-      ran at 1.1-2.3 TB/s, slower than bf16 (bench/results/linear.md). NOT YET MEASURED on a GPU.
+      ran at 1.1-2.3 TB/s, slower than bf16 (bench/results/linear.md). Measured 2026-11-29
+      (session 2): a layer in 134.7 us against 149.5 us for bf16 (1.11x).
+    fp8_f16_dot: FP8 with fp8_scale_on_x only. The weights convert fp8 -> f16 (one packed
+      instruction per two values on sm_89+; to bf16 the conversion goes through f16 and f32) and
+      the dot runs in f16; x * s is divided per row by a power of two >= its max first (exact),
+      which keeps it in f16's range, and the f32 partial is multiplied back.
     """
 
     block_n: int = 32
@@ -54,6 +59,7 @@ class SkinnyParams:
     num_warps: int = 4
     num_stages: int = 4
     fp8_scale_on_x: bool = True
+    fp8_f16_dot: bool = False
 
     def __post_init__(self):
         if not _is_pow2(self.block_n) or self.block_n < 16:
@@ -72,6 +78,8 @@ class SkinnyParams:
             raise ValueError(f"FP8 weights need block_n dividing {FP8_BLOCK}; got {self.block_n}")
         if self.block_k % FP8_BLOCK:
             raise ValueError(f"FP8 weights need block_k a multiple of {FP8_BLOCK}; got {self.block_k}")
+        if self.fp8_f16_dot and not self.fp8_scale_on_x:
+            raise ValueError("fp8_f16_dot needs fp8_scale_on_x")
 
 
 def tuned_key(m: int, n: int, k: int, w_dtype) -> str:

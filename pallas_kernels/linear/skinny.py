@@ -7,8 +7,9 @@ stream W from HBM with a deep software pipeline and keep x (tiny) in L2. Two wei
   f32[ceil(N/128), ceil(K/128)] (the HF / DeepSeek-V3 `weight_scale_inv` format), dequantized in
   the kernel. A program's block_n (<= 128) rows share one row of scale blocks, so the scale only
   varies along K: by default each step gathers its per-column scales and folds them into the x
-  tile (x * s in bf16, exact fp8->bf16 weights, one f32-accumulated dot per step); see
-  `SkinnyParams.fp8_scale_on_x` for the measured per-sub-block alternative.
+  tile (x * s in bf16, exact fp8->bf16 weights, one f32-accumulated dot per step), or with
+  `SkinnyParams.fp8_f16_dot` runs the dot in f16 (cheaper conversion, rows normalized by a power
+  of two); see `SkinnyParams.fp8_scale_on_x` for the measured per-sub-block alternative.
 Activations are bf16, accumulation float32, output bf16.
 
 Layout: W is [N, K], the checkpoint's (torch Linear) layout, so each program streams block_n
@@ -60,6 +61,7 @@ def _skinny_kernel(
     split_k: int,
     fp8: bool,
     scale_on_x: bool,
+    f16_dot: bool,
 ):
     if fp8:
         s_ref, o_ref = refs
@@ -102,8 +104,20 @@ def _skinny_kernel(
                 # past-K columns are clamped to the last block (x is 0 there).
                 kb_cols = jnp.minimum(kcols // FP8_BLOCK, kblocks - 1)  # i32[sub]
                 s_cols = plgpu_triton.load(s_ref.at[jnp.full((sub,), nb, jnp.int32), kb_cols])  # f32[sub]
-                xs = (x.astype(jnp.float32) * s_cols[None, :]).astype(jnp.bfloat16)
-                acc = acc + plgpu_triton.dot(xs, w.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)
+                xs = x.astype(jnp.float32) * s_cols[None, :]  # f32[Mp, sub]
+                if f16_dot:
+                    # fp8 -> f16 is one packed cvt per 2 weights (-> bf16 goes through f16 and f32).
+                    # f16's range is narrow, so each x row is divided by a power of two >= its
+                    # max |x * s| first (exact) and the f32 partial multiplied back.
+                    bits = jax.lax.bitcast_convert_type(jnp.max(jnp.abs(xs), axis=1), jnp.int32)
+                    p2 = jax.lax.bitcast_convert_type(bits & 0x7F800000, jnp.float32)  # f32[Mp] 2^floor(log2)
+                    r = jnp.where(p2 > 0, 2.0 * p2, 1.0)  # f32[Mp]
+                    xh = (xs * (1.0 / r)[:, None]).astype(jnp.float16)  # |xh| < 1
+                    part = plgpu_triton.dot(xh, w.astype(jnp.float16), trans_b=True).astype(jnp.float32)
+                    acc = acc + part * r[:, None]
+                else:
+                    acc = acc + plgpu_triton.dot(xs.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                                 trans_b=True).astype(jnp.float32)
             elif fp8:
                 part = plgpu_triton.dot(x, w.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)  # f32[Mp, BN]
                 kb = k0 // FP8_BLOCK
@@ -151,7 +165,7 @@ def _call(x, w, scale_inv, *, params: SkinnyParams, interpret: bool, poison: boo
     kernel = functools.partial(
         _skinny_kernel, m=m, n=n, k=k, mp=mp, block_n=params.block_n, block_k=params.block_k,
         steps_per_split=steps_per_split, num_steps=num_steps, split_k=split_k, fp8=fp8,
-        scale_on_x=params.fp8_scale_on_x,
+        scale_on_x=params.fp8_scale_on_x, f16_dot=params.fp8_f16_dot,
     )
     args = [x, w] + ([scale_inv] if fp8 else [])
     if split_k == 1:
