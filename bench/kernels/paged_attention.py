@@ -269,7 +269,8 @@ def bench_prefill(name, b, new, cached, hq, hkv, d, bs, sweep, mgpu_sweep=()):
             fn = jax.jit(lambda *a: kernel(*a, sm_scale=sm, params=params, interpret=INTERPRET[0]))
             out = fn(q, kp, vp, layer, tables, cu, kvl)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out)) / jnp.max(jnp.abs(ref_out)))
-            t = median_seconds(fn, q, kp, vp, layer, tables, cu, kvl, group=5, groups=5)
+            reps = dict(group=1, groups=1, warmup=0) if INTERPRET[0] else dict(group=5, groups=5)  # smoke: once
+            t = median_seconds(fn, q, kp, vp, layer, tables, cu, kvl, **reps)
             r = record(case=name, impl=label, params=None if params is None else params.__dict__, key=key,
                        time_us=t * 1e6, tflops=flops / t / 1e12, max_rel_err=err, **shape)
             if label.startswith("mgpu"):  # Mosaic GPU twin: its own best, kept out of the tuned table
