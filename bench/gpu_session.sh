@@ -70,11 +70,16 @@ if [[ $parts == *e2e* ]]; then  # end-to-end decode latency against the roofline
     grep -v "^ *[0-9.]* us\|Delay kernel\|compiling steps" "$OUT/e2e_$name.log" | tail -9
   done
 fi
+if [[ $parts == *gdn* ]]; then  # GDN prefill/decode/conv kernels beside FLA in the same process
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GDN_LIMIT:-200} python3 bench/kernels/gated_delta.py --out "$OUT/gdn" \
+    --fla-prune-autotune --budget-s 150 2>&1 | tail -25
+fi
 if [[ $parts == *grouped* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 bench/kernels/grouped_matmul.py --out "$OUT" 2>&1 | tail -30
 fi
 if [[ $parts == *linear* ]]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 bench/kernels/linear.py --out "$OUT" 2>&1 | tail -30
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${LINEAR_LIMIT:-200} python3 bench/kernels/linear.py --out "$OUT/linear" \
+    ${LINEAR_ARGS:-} 2>&1 | tail -30
 fi
 if [[ $parts == *serve* ]]; then
   python3 bench/random_checkpoint.py --shape smollm2-135m --dtype bfloat16 \
@@ -84,3 +89,5 @@ if [[ $parts == *serve* ]]; then
     -- --dtype bfloat16 --max-num-seqs 64 2>&1 | tail -20
   cp /tmp/metrale_bench_serve.log "$OUT/serve_server.log" 2>/dev/null; tail -15 /tmp/metrale_bench_serve.log
 fi
+# at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
+(cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

@@ -34,9 +34,9 @@ class AttentionConfig:
     # `jax.lax.ragged_dot`: 3-20x faster on the H200 (bench/results/grouped_matmul_2026-11-29.md).
     # The engine's GPU default when tokamax is installed (the `cuda13` extra).
     tokamax_moe: bool = False
-    # FP8 linears (`Fp8Linear`) at decode sizes (<= 64 rows, bf16 activations) through the Pallas
-    # weight-streaming kernel (pallas_kernels/linear) instead of XLA's dequantize-and-dot. The engine
-    # marks the weights (`layers.linear.use_fp8_kernel`); the GPU default.
+    # FP8 linears (`Fp8Linear`) at small decode sizes (layers.linear.KERNEL_MAX_M rows, bf16)
+    # through the Pallas weight-streaming kernel (pallas_kernels/linear) instead of XLA's
+    # dequantize-and-dot. The engine marks the weights (`layers.linear.use_fp8_kernel`); GPU default.
     fp8_kernel: bool = False
 
 

@@ -5,7 +5,7 @@ DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv` format). A fused projection (q|k|v, g
 its parts along N, each padded to a multiple of 128 rows so every part keeps its own scale
 blocks; `segments` names the valid output columns. The XLA path here dequantizes in the dot's
 operand; with `use_kernel` (set by `use_fp8_kernel`, the engine's GPU default), inputs of at most
-64 rows in bf16 (decode steps) go through the weight-streaming Pallas kernel of
+`KERNEL_MAX_M` rows in bf16 (small decode steps) go through the weight-streaming Pallas kernel of
 `pallas_kernels/linear` instead, which reads the FP8 bytes once.
 
 bf16 weights stay on XLA's dot at every size: on the H200 the Pallas bf16 kernel read a
@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 
 FP8_BLOCK = 128
-MAX_M = 64  # rows the FP8 decode kernel takes (pallas_kernels.linear.skinny.MAX_M)
+# rows up to which FP8 linears use the decode kernel: on the H200 (2026-11-29) its default tiles ran
+# a Llama-3-8B decode step at 64 rows 2.1x slower than bf16 (they are sized for M <= 8)
+KERNEL_MAX_M = 16
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +56,7 @@ def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
     """
     if isinstance(w, Fp8Linear):
         m = math.prod(x.shape[:-1])
-        if w.use_kernel and w.w8.ndim == 2 and 1 <= m <= MAX_M and x.dtype == jnp.bfloat16:
+        if w.use_kernel and w.w8.ndim == 2 and 1 <= m <= KERNEL_MAX_M and x.dtype == jnp.bfloat16:
             from pallas_kernels.linear import skinny_matmul_fp8
 
             y = skinny_matmul_fp8(x.reshape(m, x.shape[-1]), w.w8, w.scale_inv, interpret=w.interpret)
