@@ -65,6 +65,7 @@ def _rows_rel_err(got, want):
 # N and K are not multiples of block_n / block_k (nor of the 128 scale block): partial last tiles.
 CASES = [
     (1, SkinnyParams(block_n=32, block_k=64)),
+    (1, SkinnyParams(block_n=16, block_k=128, split_k=2, gemv=True)),
     (3, SkinnyParams(block_n=16, block_k=128, num_stages=2)),
     (8, SkinnyParams(block_n=64, block_k=64, split_k=3)),
     (17, SkinnyParams(block_n=32, block_k=128)),
@@ -91,6 +92,9 @@ FP8_CASES = [
     (17, SkinnyParams(block_n=128, block_k=128)),
     (64, SkinnyParams(block_n=32, block_k=256, split_k=2)),
     (1, SkinnyParams(block_n=64, block_k=256, fp8_f16_dot=True)),
+    (1, SkinnyParams(block_n=32, block_k=256, gemv=True)),
+    (1, SkinnyParams(block_n=64, block_k=128, split_k=2, gemv=True)),
+    (3, SkinnyParams(block_n=32, block_k=128, gemv=True)),  # gemv only applies at M = 1
     (17, SkinnyParams(block_n=32, block_k=128, split_k=2, fp8_f16_dot=True)),
 ]
 
@@ -231,7 +235,7 @@ def test_lowers_for_h200():
             assert "__gpu$xla.gpu.triton" in low.as_text()
             low = skinny_matmul_fp8.trace(
                 sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32),
-                params=SkinnyParams(block_n=64, block_k=256, split_k=2, fp8_f16_dot=m == 1),
+                params=SkinnyParams(block_n=64, block_k=256, split_k=2, fp8_f16_dot=m == 1, gemv=m == 1),
             ).lower(lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in low.as_text()
             # Mosaic GPU: lowering runs layout inference and the TMA checks.
@@ -269,7 +273,8 @@ def test_fp8_gpu(m, n, k):
     y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), _poison=True)
     assert _rows_rel_err(y, want) < 8e-3
     for p in (SkinnyParams(block_n=16, split_k=2, fp8_scale_on_x=False),
-              SkinnyParams(block_n=64, block_k=256, num_stages=3, fp8_f16_dot=True)):  # M=64 fits 3 stages
+              SkinnyParams(block_n=64, block_k=256, num_stages=3, fp8_f16_dot=True),  # M=64 fits 3 stages
+              SkinnyParams(block_n=64, block_k=512, gemv=True)):
         y = skinny_matmul_fp8(x, jnp.asarray(w8), jnp.asarray(s), params=p, _poison=True)
         assert _rows_rel_err(y, want) < 8e-3, p
 

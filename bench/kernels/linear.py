@@ -54,18 +54,22 @@ TRITON_SMALL = [SkinnyParams(16, 512, 1, 4, 4), SkinnyParams(32, 256, 1, 4, 4), 
 TRITON_LARGE = [SkinnyParams(32, 256, 1, 4, 3), SkinnyParams(64, 256, 1, 4, 3), SkinnyParams(128, 128, 1, 8, 3)]
 TRITON_FP8 = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4), SkinnyParams(64, 512, 1, 4, 3),
               SkinnyParams(32, 256, 1, 4, 4, fp8_scale_on_x=False)]
-# --fp8: M = 1 and 8 only, no Mosaic twin, and this wider FP8 sweep (f16 dot, more bytes in flight)
-TRITON_FP8_WIDE = [SkinnyParams(32, 256, 1, 4, 4)] + [
-    SkinnyParams(bn, bk, 1, w, st, fp8_f16_dot=True)
-    for bn, bk, w, st in ((32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 4), (64, 512, 4, 3), (64, 512, 4, 4),
-                          (64, 512, 8, 4), (128, 256, 8, 4), (128, 512, 8, 3))]
+# --fp8: M = 1 and 8 only, no Mosaic twin, and this wider FP8 sweep: the dot (tensor cores, x padded
+# to 16 rows; bf16 or f16 operands) and, at M = 1, the CUDA-core gemv; more bytes in flight
+TRITON_FP8_WIDE = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4, fp8_f16_dot=True),
+                   SkinnyParams(128, 512, 1, 8, 3, fp8_f16_dot=True)] + [
+    SkinnyParams(bn, bk, 1, w, st, gemv=True)
+    for bn, bk, w, st in ((16, 1024, 4, 4), (32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 4), (64, 1024, 8, 3),
+                          (128, 512, 8, 3))]
+TRITON_GEMV = [SkinnyParams(32, 512, 1, 4, 4, gemv=True), SkinnyParams(64, 512, 1, 8, 3, gemv=True)]
 MGPU_BF16 = [MgpuParams(32, 128, 6), MgpuParams(64, 256, 3)]
 MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
 
 
 def _p(p) -> str:
     if isinstance(p, SkinnyParams):
-        tag = ("" if p.fp8_scale_on_x else "_scale-acc") + ("_f16" if p.fp8_f16_dot else "")
+        tag = "".join(t for t, on in (("_scale-acc", not p.fp8_scale_on_x), ("_f16", p.fp8_f16_dot),
+                                      ("_gemv", p.gemv)) if on)
         return f"bn{p.block_n}_bk{p.block_k}_s{p.split_k}_w{p.num_warps}_st{p.num_stages}{tag}"
     return f"bn{p.block_n}_bk{p.block_k}_st{p.max_concurrent_steps}_s{p.split_k}"
 
@@ -188,13 +192,13 @@ def _jobs(m, weights):
         no_extra = [()] * len(wd["nk"])
         jobs.append((name, "xla_nk", None, _xla_nk, wd["nk"], no_extra))
         jobs.append((name, "xla_kn", None, _xla_kn, wd["kn"], no_extra))
-        for p in (TRITON_SMALL if m <= 8 else TRITON_LARGE):
+        for p in (TRITON_SMALL + TRITON_GEMV * (m == 1) if m <= 8 else TRITON_LARGE):
             jobs.append((name, "triton", p, lambda x, w, p=p: skinny_matmul(x, w, params=p), wd["nk"], no_extra))
         for p in (MGPU_BF16 if m <= 8 else MGPU_BF16[:1]):
             jobs.append((name, "mgpu", p, lambda x, w, p=p: skinny_matmul_mgpu(x, w, params=p), wd["nk"], no_extra))
         if m in FP8_MS:
             ex8 = [(s,) for s in wd["s8"]]
-            for p in TRITON_FP8:
+            for p in (p for p in TRITON_FP8 if m == 1 or not p.gemv):
                 jobs.append((name, "triton_fp8", p, lambda x, w, s, p=p: skinny_matmul_fp8(x, w, s, params=p),
                              wd["w8"], ex8))
             for p in MGPU_FP8:

@@ -50,7 +50,10 @@ class SkinnyParams:
     fp8_f16_dot: FP8 with fp8_scale_on_x only. The weights convert fp8 -> f16 (one packed
       instruction per two values on sm_89+; to bf16 the conversion goes through f16 and f32) and
       the dot runs in f16; x * s is divided per row by a power of two >= its max first (exact),
-      which keeps it in f16's range, and the f32 partial is multiplied back.
+      which keeps it in f16's range, and the f32 partial is multiplied back. Measured 2026-11-30:
+      no faster than the bf16 dot (bench/results/linear_fp8_2026-11-30.md).
+    gemv: at M = 1 only, multiply-and-reduce on the CUDA cores instead of a dot (which pads x to
+      16 rows: for FP8 weights the padded x tiles were as many bytes per step as the weight tiles).
     """
 
     block_n: int = 32
@@ -60,6 +63,7 @@ class SkinnyParams:
     num_stages: int = 4
     fp8_scale_on_x: bool = True
     fp8_f16_dot: bool = False
+    gemv: bool = False
 
     def __post_init__(self):
         if not _is_pow2(self.block_n) or self.block_n < 16:

@@ -62,6 +62,7 @@ def _skinny_kernel(
     fp8: bool,
     scale_on_x: bool,
     f16_dot: bool,
+    gemv: bool,
 ):
     if fp8:
         s_ref, o_ref = refs
@@ -84,6 +85,21 @@ def _skinny_kernel(
         if b is None:
             return a
         return a & b
+
+    def gemv_body(i, acc):  # M = 1 on the CUDA cores: x is one row, no padding to a dot's 16 rows
+        kcols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # i32[BK]
+        k_ok = kcols < k if k_partial else None
+        x = plgpu_triton.load(x_ref.at[jnp.zeros_like(kcols), kcols], mask=k_ok,
+                              other=None if k_ok is None else 0.0).astype(jnp.float32)  # f32[BK]
+        w_mask = and_(None if n_ok is None else n_ok[:, None], None if k_ok is None else k_ok[None, :])
+        w = plgpu_triton.load(
+            w_ref.at[ncols[:, None], kcols[None, :]], mask=w_mask,
+            other=None if w_mask is None else jnp.zeros((), w_ref.dtype), eviction_policy="evict_first",
+        )  # [BN, BK]
+        if fp8:
+            kb_cols = jnp.minimum(kcols // FP8_BLOCK, kblocks - 1)  # i32[BK]
+            x = x * plgpu_triton.load(s_ref.at[jnp.full((block_k,), nb, jnp.int32), kb_cols])  # f32[BK]
+        return acc + jnp.sum(w.astype(jnp.float32) * x[None, :], axis=1)  # f32[BN]
 
     def body(i, acc):
         for j in range(block_k // sub):
@@ -133,6 +149,14 @@ def _skinny_kernel(
         step1 = num_steps
     else:
         step1 = jnp.minimum(step0 + steps_per_split, num_steps)
+    if gemv:
+        acc = jax.lax.fori_loop(step0, step1, gemv_body, jnp.zeros((block_n,), jnp.float32))
+        zero = jnp.zeros_like(ncols)
+        if split_k == 1:
+            plgpu_triton.store(o_ref.at[zero, ncols], acc.astype(o_ref.dtype), mask=n_ok)
+        else:
+            plgpu_triton.store(o_ref.at[pid_s + zero, zero, ncols], acc, mask=n_ok)
+        return
     acc = jax.lax.fori_loop(step0, step1, body, jnp.zeros((mp, block_n), jnp.float32))
     out_mask = and_(None if row_ok is None else row_ok[:, None], None if n_ok is None else n_ok[None, :])
     if split_k == 1:
@@ -156,7 +180,8 @@ def _call(x, w, scale_inv, *, params: SkinnyParams, interpret: bool, poison: boo
     m, k = x.shape
     n = w.shape[0]
     fp8 = scale_inv is not None
-    mp = m_bucket(m)
+    gemv = params.gemv and m == 1
+    mp = 1 if gemv else m_bucket(m)
     num_steps = -(-k // params.block_k)
     split_k = min(params.split_k, num_steps)
     steps_per_split = -(-num_steps // split_k)
@@ -165,7 +190,7 @@ def _call(x, w, scale_inv, *, params: SkinnyParams, interpret: bool, poison: boo
     kernel = functools.partial(
         _skinny_kernel, m=m, n=n, k=k, mp=mp, block_n=params.block_n, block_k=params.block_k,
         steps_per_split=steps_per_split, num_steps=num_steps, split_k=split_k, fp8=fp8,
-        scale_on_x=params.fp8_scale_on_x, f16_dot=params.fp8_f16_dot,
+        scale_on_x=params.fp8_scale_on_x, f16_dot=params.fp8_f16_dot, gemv=gemv,
     )
     args = [x, w] + ([scale_inv] if fp8 else [])
     if split_k == 1:
