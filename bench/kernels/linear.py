@@ -54,13 +54,13 @@ TRITON_SMALL = [SkinnyParams(16, 512, 1, 4, 4), SkinnyParams(32, 256, 1, 4, 4), 
 TRITON_LARGE = [SkinnyParams(32, 256, 1, 4, 3), SkinnyParams(64, 256, 1, 4, 3), SkinnyParams(128, 128, 1, 8, 3)]
 TRITON_FP8 = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4), SkinnyParams(64, 512, 1, 4, 3),
               SkinnyParams(32, 256, 1, 4, 4, fp8_scale_on_x=False)]
-# --fp8: M = 1 and 8 only, no Mosaic twin, and this wider FP8 sweep: the dot (tensor cores, x padded
-# to 16 rows; bf16 or f16 operands) and, at M = 1, the CUDA-core gemv; more bytes in flight
-TRITON_FP8_WIDE = [SkinnyParams(32, 256, 1, 4, 4), SkinnyParams(64, 256, 1, 4, 4, fp8_f16_dot=True),
-                   SkinnyParams(128, 512, 1, 8, 3, fp8_f16_dot=True)] + [
-    SkinnyParams(bn, bk, 1, w, st, gemv=True)
-    for bn, bk, w, st in ((16, 1024, 4, 4), (32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 4), (64, 1024, 8, 3),
-                          (128, 512, 8, 3))]
+# --fp8: M = 1 only, no Mosaic twin, and this FP8 sweep around the 2026-11-30 runs' picks: the
+# CUDA-core gemv with narrow tiles (more programs), long K steps and split-K, beside the dot
+TRITON_FP8_WIDE = [SkinnyParams(32, 256, 1, 4, 4)] + [
+    SkinnyParams(bn, bk, sk, w, st, gemv=True)
+    for bn, bk, sk, w, st in ((16, 1024, 1, 4, 4), (16, 1024, 2, 4, 4), (16, 1024, 4, 4, 4), (16, 2048, 1, 4, 3),
+                              (16, 2048, 2, 4, 3), (16, 512, 2, 4, 4), (16, 512, 1, 4, 6), (16, 1024, 1, 8, 4),
+                              (32, 512, 1, 4, 4), (32, 1024, 2, 4, 3))]
 TRITON_GEMV = [SkinnyParams(32, 512, 1, 4, 4, gemv=True), SkinnyParams(64, 512, 1, 8, 3, gemv=True)]
 MGPU_BF16 = [MgpuParams(32, 128, 6), MgpuParams(64, 256, 3)]
 MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
@@ -268,11 +268,11 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting new cells after this")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, no torch (plumbing check)")
-    ap.add_argument("--fp8", action="store_true", help="M = 1, 8; the wide FP8 sweep; no Mosaic twin")
+    ap.add_argument("--fp8", action="store_true", help="M = 1 only; the wide FP8 sweep; no Mosaic twin")
     args = ap.parse_args(argv)
     if args.fp8:
-        global MS, TRITON_FP8, MGPU_BF16, MGPU_FP8
-        MS, TRITON_FP8, MGPU_BF16, MGPU_FP8 = FP8_MS, TRITON_FP8_WIDE, [], []
+        global MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8
+        MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8 = (1,), (1,), TRITON_FP8_WIDE, [], [], []
     if args.cpu_smoke:
         _cpu_smoke()
     t_start = time.perf_counter()
