@@ -98,7 +98,7 @@ def _tuned_table() -> dict:
 
 
 def default_params(m: int, n: int, k: int, fp8: bool) -> SkinnyParams:
-    """Heuristic for shapes the table lacks, read off the 2026-11-29 H200 sweep (bench/results/linear.md):
+    """Heuristic for shapes the table lacks, read off the H200 sweeps (bench/results/linear*.md):
     block_n 64 when N >= 6144 (enough programs at 64 rows), else 32 (N = 4096 wants 128 programs);
     128 rows and 8 warps for M > 32 on very wide N; 4 stages at M <= 16, 3 above (SMEM)."""
     mp = m_bucket(m)
@@ -107,6 +107,8 @@ def default_params(m: int, n: int, k: int, fp8: bool) -> SkinnyParams:
     if mp >= 64 and n >= 16384:
         bn, warps = 128, 8
     stages = 4 if mp <= 16 else 3
+    if fp8 and m == 1:  # the 2026-11-30 sweep: the CUDA-core gemv on narrow tiles and long K steps
+        return SkinnyParams(block_n=16, block_k=1024, num_warps=4, num_stages=4, gemv=True)
     if fp8:
         return SkinnyParams(block_n=32, block_k=256, num_warps=4, num_stages=4)
     return SkinnyParams(block_n=bn, block_k=256 if bn <= 64 else 128, num_warps=warps, num_stages=stages)
@@ -123,5 +125,7 @@ def skinny_params_for(m: int, n: int, k: int, w_dtype) -> SkinnyParams:
     ms = sorted(int(key[len(prefix):]) for key in table if key.startswith(prefix))
     if ms:
         pick = next((t for t in ms if t >= m), ms[-1])
-        return SkinnyParams(**table[prefix + str(pick)])
+        params = SkinnyParams(**table[prefix + str(pick)])
+        if not (params.gemv and m > 1):  # a gemv pick (M = 1) says nothing about the dot's tiles
+            return params
     return default_params(m, n, k, np.dtype(w_dtype).itemsize == 1)
