@@ -471,7 +471,7 @@ def table(memcpy_bw):
             continue
         p = r.get("params")
         short = dict(block_k="bk", num_splits="S", num_warps="w", num_stages="st", block_rows="br", block_m="bm",
-                     p_in_smem="psmem")
+                     p_in_smem="psmem", num_compute_wgs="wg")
         ps = "" if not p else ",".join(f"{short.get(k, k)}={v}" for k, v in p.items())
         def f(k, fmt, r=r):
             return (fmt % r[k]) if r.get(k) is not None else ""
@@ -491,6 +491,7 @@ def main():
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill cases, with a wider sweep")
     ap.add_argument("--mgpu", action="store_true",
                     help="prefill cases also time the Mosaic GPU twin (paged_prefill_attention_mgpu), small sweep")
+    ap.add_argument("--mgpu-ws", action="store_true", help="with --mgpu: add its warp-specialized variants")
     args = ap.parse_args()
     t_start = time.time()
     DEADLINE[0] = t_start + args.budget_s
@@ -526,6 +527,8 @@ def main():
     n1, n2, n3, pb = 64, 8, 256, 4
     M = PrefillMgpuParams
     msweep = [M(64, 64, 2), M(64, 64, 2, True), M(64, 128, 2), M(64, 64, 3), M(128, 64, 2), M(128, 128, 2)]
+    if args.mgpu_ws:  # warp-specialized variants (not checked on a GPU before their first run: opt-in)
+        msweep += [M(64, 64, 2, num_compute_wgs=2), M(64, 128, 2, num_compute_wgs=2), M(64, 64, 3, num_compute_wgs=2)]
     msweep = msweep if args.mgpu else []
     if smoke:
         sweep1, sweep2, sweep3, fp8_sweep, psweep = sweep1[:2], sweep2[:1], sweep3[:1], fp8_sweep[:2], psweep[:1]

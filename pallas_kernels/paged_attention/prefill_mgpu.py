@@ -74,12 +74,16 @@ class PrefillMgpuParams:
     block_k: KV tokens per inner step (64 or 128), a multiple of the pool's block_size.
     num_stages: depth of the K/V TMA ring (>= 2).
     p_in_smem: feed P to the PV wgmma from SMEM instead of registers (forced in interpret mode).
+    num_compute_wgs: 1 = one warpgroup per CTA computes and issues its own TMA copies; 2 = two
+      compute warpgroups (block_m rows each, 2 * block_m // G tokens per CTA) share the K/V ring
+      that a third, TMA-only warpgroup fills (warp specialization, as FlashAttention-3).
     """
 
     block_m: int = 64
     block_k: int = 64
     num_stages: int = 2
     p_in_smem: bool = False
+    num_compute_wgs: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -88,6 +92,8 @@ class PrefillMgpuParams:
             raise ValueError(f"{self.block_k=} must be 64 or 128")
         if self.num_stages < 2:
             raise ValueError(f"{self.num_stages=} must be >= 2")
+        if self.num_compute_wgs not in (1, 2):
+            raise ValueError(f"{self.num_compute_wgs=} must be 1 or 2")
 
 
 def check_supported(q, k_pool, v_pool, params: PrefillMgpuParams, k_scale=None, v_scale=None):
@@ -154,14 +160,17 @@ def _kernel(
     k_ref,  # bf16[L * NB, bs, Hkv, D]
     v_ref,  # bf16[L * NB, bs, Hkv, D]
     o_ref,  # bf16[T, Hq, D] (output)
-    q_smem,  # bf16[M, D] swizzled
+    q_smem,  # bf16[W, M, D] swizzled (one [M, D] tile per compute warpgroup)
     k_smem,  # bf16[S, BK, D] swizzled
     v_smem,  # bf16[S, BK, D] swizzled
-    p_smem,  # bf16[M, BK] swizzled, or None
-    o_smem,  # bf16[M, D] plain
-    q_bar,  # G barriers
-    k_bar,  # S * ppt barriers
-    v_bar,  # S * ppt barriers
+    p_smem,  # bf16[W, M, BK] swizzled, or None
+    o_smem,  # bf16[W, M, D] plain
+    q_bar,  # W * G barriers
+    k_bar,  # S * ppt barriers (TMA)
+    v_bar,  # S * ppt barriers (TMA)
+    k_free,  # S barriers with W arrivals (K slot consumed), None when W == 1
+    v_free,  # S barriers with W arrivals (V slot consumed), None when W == 1
+    zero_bar,  # 1 barrier: compute warpgroup 0 zeroed the V tail, None when W == 1
     *,
     num_tiles: int,
     group: int,
@@ -170,6 +179,7 @@ def _kernel(
     block_k: int,
     block_size: int,
     num_stages: int,
+    num_wgs: int,
     sm_scale_log2: float,
     sliding_window: int | None,
     accumulate_in_place: bool,
@@ -182,6 +192,7 @@ def _kernel(
     f32 = jnp.float32
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    specialized = num_wgs > 1  # W compute warpgroups + 1 TMA warpgroup
 
     @pl.when(b >= 0)
     def _():
@@ -189,7 +200,7 @@ def _kernel(
         t0 = sched_ref[j, _T0]
         e0 = sched_ref[j, _E0]
         kl = sched_ref[j, _KL]
-        pos0 = sched_ref[j, _POS0]  # position of SMEM row token 0
+        pos0 = sched_ref[j, _POS0]  # position of the tile's first SMEM row token
         k_lo = sched_ref[j, _KLO]
         kb0 = sched_ref[j, _KB0]
         kba = sched_ref[j, _KBA]
@@ -199,14 +210,9 @@ def _kernel(
         layer_row = layer_ref[0]
         last_page = jnp.maximum(kl - 1, 0) // block_size
 
-        # Q: G copies of [bq, D] (query head h * G + g, tokens qs .. qs + bq).
-        for g in range(group):
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qs, bq), h * group + g], q_smem.at[pl.ds(g * bq, bq)],
-                                    q_bar.at[g])
-
         def issue(pool_ref, smem, bar, kb, slot):
             for p in range(ppt):
-                page = jnp.minimum(kb * ppt + p, last_page)
+                page = jnp.minimum(kb * ppt + p, last_page)  # never past the stream's last page
                 blk = bt_ref[b, page]
                 plgpu.copy_gmem_to_smem(pool_ref.at[layer_row + blk, :, h, :],
                                         smem.at[slot, pl.ds(p * block_size, block_size)],
@@ -216,119 +222,176 @@ def _kernel(
             for p in range(ppt):
                 plgpu.barrier_wait(bar.at[slot * ppt + p])
 
-        for s in range(num_stages):
-            @pl.when(s < nsteps)
-            def _(s=s):
-                issue(k_ref, k_smem, k_bar, kb0 + s, s)
-                issue(v_ref, v_smem, v_bar, kb0 + s, s)
+        def prologue():
+            for s in range(num_stages):
+                @pl.when(s < nsteps)
+                def _(s=s):
+                    issue(k_ref, k_smem, k_bar, kb0 + s, s)
+                    issue(v_ref, v_smem, v_bar, kb0 + s, s)
 
-        for g in range(group):
-            plgpu.barrier_wait(q_bar.at[g])
+        def compute(w):  # w: this compute warpgroup (0 when W == 1); its rows are tokens qs + w * bq ...
+            qw = qs + w * bq
+            q_w, o_w = q_smem.at[w], o_smem.at[w]
+            p_w = None if p_smem is None else p_smem.at[w]
+            for g in range(group):  # Q: G copies of [bq, D] (query head h * G + g)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qw, bq), h * group + g], q_w.at[pl.ds(g * bq, bq)],
+                                        q_bar.at[w * group + g])
+            if not specialized:
+                prologue()
+            for g in range(group):
+                plgpu.barrier_wait(q_bar.at[w * group + g])
 
-        def step(kb, carry, *, masked: bool):
-            o, m, l = carry  # f32[M, D], f32[M], f32[M]
-            i = kb - kb0
-            slot = lax.rem(i, num_stages)
-            wait(k_bar, slot)
+            def step(kb, carry, *, masked: bool):
+                o, m, l = carry  # f32[M, D], f32[M], f32[M]
+                i = kb - kb0
+                slot = lax.rem(i, num_stages)
+                wait(k_bar, slot)
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((block_m, block_k), f32))  # f32[M, BK]
-
-            @pl.when(i + num_stages < nsteps)
-            def _():
-                issue(k_ref, k_smem, k_bar, kb + num_stages, slot)
-
-            s = s * sm_scale_log2  # log2 domain
-            if masked:
-                row = plgpu.broadcasted_iota(jnp.int32, (block_m, block_k), 0, layout=wgmma_layout)
-                col = plgpu.broadcasted_iota(jnp.int32, (block_m, block_k), 1, layout=wgmma_layout)
-                pos = lax.rem(row, bq) + pos0
-                key = col + kb * block_k
-                vis = (key <= pos) & (key < kl)
-                if sliding_window is not None:
-                    vis = vis & (key >= k_lo) & (pos - key < sliding_window)
-                s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-            p16 = p.astype(q_smem.dtype)  # explicit bf16 P for the PV wgmma
-            wait(v_bar, slot)
-            if masked:
-                # The step holding kv_len: V rows at or past it may be unwritten (NaN in tests);
-                # P is 0 there but 0 * NaN is not, so zero them in SMEM.
-                @pl.when((kb + 1) * block_k > kl)
-                def _():
-                    vs = v_smem.at[slot]
-                    vrow = plgpu.broadcasted_iota(jnp.int32, (block_k, d), 0, layout=wgmma_layout)
-                    vals = vs[...]
-                    vs[...] = jnp.where(vrow + kb * block_k < kl, vals, jnp.zeros_like(vals))
-                    plgpu.commit_smem()
-
-            if p_smem is not None:
-                p_smem[...] = p16
-                plgpu.commit_smem()
-                a = p_smem
-            else:
-                a = p16
-
-            if accumulate_in_place:  # o += P V inside the wgmma accumulator
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, a, v_smem.at[slot])
-
-                o = pl.run_state(pv)(plgpu.ACC.init(o))
-            else:  # interpret mode does not run wgmma inside run_state: fresh accumulator, then add
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, a, v_smem.at[slot])
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return acc_ref[...]
 
-                o = o + pl.run_scoped(pv, plgpu.ACC((block_m, d), f32))
+                s = pl.run_scoped(qk, plgpu.ACC((block_m, block_k), f32))  # f32[M, BK]
+                if specialized:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                else:
+                    @pl.when(i + num_stages < nsteps)
+                    def _():
+                        issue(k_ref, k_smem, k_bar, kb + num_stages, slot)
 
-            @pl.when(i + num_stages < nsteps)
+                s = s * sm_scale_log2  # log2 domain
+                if masked:
+                    row = plgpu.broadcasted_iota(jnp.int32, (block_m, block_k), 0, layout=wgmma_layout)
+                    col = plgpu.broadcasted_iota(jnp.int32, (block_m, block_k), 1, layout=wgmma_layout)
+                    pos = lax.rem(row, bq) + (pos0 + w * bq)
+                    key = col + kb * block_k
+                    vis = (key <= pos) & (key < kl)
+                    if sliding_window is not None:
+                        vis = vis & (key >= k_lo) & (pos - key < sliding_window)
+                    s = jnp.where(vis, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                p16 = p.astype(q_smem.dtype)  # explicit bf16 P for the PV wgmma
+                wait(v_bar, slot)
+                if masked:
+                    # The step holding kv_len: V rows at or past it may be unwritten (NaN in tests);
+                    # P is 0 there but 0 * NaN is not, so zero them in SMEM (one warpgroup does it).
+                    def zero_tail():
+                        vs = v_smem.at[slot]
+                        vrow = plgpu.broadcasted_iota(jnp.int32, (block_k, d), 0, layout=wgmma_layout)
+                        vals = vs[...]
+                        vs[...] = jnp.where(vrow + kb * block_k < kl, vals, jnp.zeros_like(vals))
+                        plgpu.commit_smem()
+
+                    @pl.when((kb + 1) * block_k > kl)
+                    def _():
+                        if not specialized:
+                            zero_tail()
+                        else:
+                            @pl.when(w == 0)
+                            def _():
+                                zero_tail()
+                                plgpu.barrier_arrive(zero_bar.at[0])
+
+                            @pl.when(w != 0)
+                            def _():
+                                plgpu.barrier_wait(zero_bar.at[0])
+
+                if p_w is not None:
+                    p_w[...] = p16
+                    plgpu.commit_smem()
+                    a = p_w
+                else:
+                    a = p16
+                if accumulate_in_place:  # o += P V inside the wgmma accumulator
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, a, v_smem.at[slot])
+
+                    o = pl.run_state(pv)(plgpu.ACC.init(o))
+                else:  # interpret mode does not run wgmma inside run_state: fresh accumulator, then add
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, a, v_smem.at[slot])
+                        return acc_ref[...]
+
+                    o = o + pl.run_scoped(pv, plgpu.ACC((block_m, d), f32))
+                if specialized:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                else:
+                    @pl.when(i + num_stages < nsteps)
+                    def _():
+                        issue(v_ref, v_smem, v_bar, kb + num_stages, slot)
+
+                return o, m_new, l
+
+            carry = (
+                plgpu.layout_cast(jnp.full((block_m, d), 0.0, f32), wgmma_layout),
+                plgpu.layout_cast(jnp.full((block_m,), common.NEG_BIG, f32), row_layout),
+                plgpu.layout_cast(jnp.full((block_m,), 0.0, f32), row_layout),
+            )
+            if sliding_window is not None:
+                carry = lax.fori_loop(kb0, kba, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(kba, kbb, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(kbb, kbe, functools.partial(step, masked=True), carry)
+            o, _, l = carry
+            nonempty = l > 0.0
+            inv_l = jnp.where(nonempty, 1.0 / jnp.where(nonempty, l, 1.0), 0.0)
+            o = o * lax.broadcast_in_dim(inv_l, o.shape, [0])
+            o_w[...] = o.astype(o_w.dtype)
+            plgpu.commit_smem()
+
+            full = (qs == t0) & (qw + bq <= e0)
+
+            @pl.when(full)
             def _():
-                issue(v_ref, v_smem, v_bar, kb + num_stages, slot)
+                for g in range(group):
+                    plgpu.copy_smem_to_gmem(o_w.at[pl.ds(g * bq, bq)], o_ref.at[pl.ds(qw, bq), h * group + g])
 
-            return o, m_new, l
+            @pl.when(jnp.logical_not(full))
+            def _():
+                @pl.loop(0, block_m)
+                def _(r):
+                    tok = qw + lax.rem(r, bq)
 
-        carry = (
-            plgpu.layout_cast(jnp.full((block_m, d), 0.0, f32), wgmma_layout),
-            plgpu.layout_cast(jnp.full((block_m,), common.NEG_BIG, f32), row_layout),
-            plgpu.layout_cast(jnp.full((block_m,), 0.0, f32), row_layout),
-        )
-        if sliding_window is not None:
-            carry = lax.fori_loop(kb0, kba, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(kba, kbb, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(kbb, kbe, functools.partial(step, masked=True), carry)
-        o, _, l = carry
-        nonempty = l > 0.0
-        inv_l = jnp.where(nonempty, 1.0 / jnp.where(nonempty, l, 1.0), 0.0)
-        o = o * lax.broadcast_in_dim(inv_l, o.shape, [0])
-        o_smem[...] = o.astype(o_smem.dtype)
-        plgpu.commit_smem()
+                    @pl.when((tok >= t0) & (tok < e0))
+                    def _():
+                        plgpu.copy_smem_to_gmem(o_w.at[pl.ds(r, 1)],
+                                                o_ref.at[pl.ds(tok, 1), h * group + lax.div(r, bq)])
 
-        full = (qs == t0) & (t0 + bq <= e0)
+            plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(full)
+        if not specialized:
+            compute(0)
+            return
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < num_wgs)
         def _():
-            for g in range(group):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(g * bq, bq)], o_ref.at[pl.ds(t0, bq), h * group + g])
+            plgpu.set_max_registers(232, action="increase")
+            compute(wg)
 
-        @pl.when(jnp.logical_not(full))
-        def _():
-            @pl.loop(0, block_m)
-            def _(r):
-                tok = qs + lax.rem(r, bq)
+        @pl.when(wg == num_wgs)
+        def _():  # TMA warpgroup: refills a slot once every compute warpgroup has consumed it
+            plgpu.set_max_registers(40, action="decrease")
+            prologue()
 
-                @pl.when((tok >= t0) & (tok < e0))
-                def _():
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)],
-                                            o_ref.at[pl.ds(tok, 1), h * group + lax.div(r, bq)])
+            @pl.loop(num_stages, jnp.maximum(nsteps, num_stages))
+            def _(i):
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                issue(k_ref, k_smem, k_bar, kb0 + i, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                issue(v_ref, v_smem, v_bar, kb0 + i, slot)
 
-        plgpu.wait_smem_to_gmem(0)
+            # Observe the last consumptions too: every barrier phase is waited for (interpret mode
+            # checks that at deallocation; on the GPU this only idles the TMA warpgroup).
+            @pl.loop(jnp.maximum(nsteps - num_stages, 0), nsteps)
+            def _(i):
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "params", "interpret", "_poison"))
@@ -385,10 +448,11 @@ def paged_prefill_attention_mgpu(
         raise ValueError(f"{sliding_window=} must be >= 1 or None")
     t, hq, _ = q.shape
     bm, bk, stages = params.block_m, params.block_k, params.num_stages
-    bq = bm // g
-    tp = max(t, bq)  # the Q/O tiles stay in bounds
+    nw = params.num_compute_wgs
+    bq = bm // g  # tokens per compute warpgroup; a CTA tile holds nw * bq tokens
+    tp = max(t, nw * bq)  # the Q/O tiles stay in bounds
     qp = q if tp == t else jnp.pad(q, ((0, tp - t), (0, 0), (0, 0)))  # bf16[Tp, Hq, D]
-    sched, nt = _schedule(cu_seqlens, kv_lens, tp, bq, bk, sliding_window)  # i32[NT, 16]
+    sched, nt = _schedule(cu_seqlens, kv_lens, tp, nw * bq, bk, sliding_window)  # i32[NT, 16]
     layer_row = (jnp.asarray(layer, jnp.int32).reshape(1) * num_blocks).astype(jnp.int32)  # i32[1]
     kp = k_pool.reshape(num_layers * num_blocks, block_size, hkv, d)  # bf16[L*NB, bs, Hkv, D]
     vp = v_pool.reshape(num_layers * num_blocks, block_size, hkv, d)
@@ -397,22 +461,26 @@ def paged_prefill_attention_mgpu(
     swz = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 128 // q.dtype.itemsize)), swz)
     ppt = bk // block_size
+    spec = nw > 1
     scratch = [
-        plgpu.SMEM((bm, d), q.dtype, transforms=tiled),  # q
+        plgpu.SMEM((nw, bm, d), q.dtype, transforms=tiled),  # q
         plgpu.SMEM((stages, bk, d), q.dtype, transforms=tiled),  # k ring
         plgpu.SMEM((stages, bk, d), q.dtype, transforms=tiled),  # v ring
-        plgpu.SMEM((bm, bk), q.dtype, transforms=tiled) if p_in_smem else None,  # p
-        plgpu.SMEM((bm, d), q.dtype),  # o staging (plain: single rows are TMA-stored)
-        plgpu.Barrier(num_barriers=g),
-        plgpu.Barrier(num_barriers=stages * ppt),
-        plgpu.Barrier(num_barriers=stages * ppt),
+        plgpu.SMEM((nw, bm, bk), q.dtype, transforms=tiled) if p_in_smem else None,  # p
+        plgpu.SMEM((nw, bm, d), q.dtype),  # o staging (plain: single rows are TMA-stored)
+        plgpu.Barrier(num_barriers=nw * g),  # q
+        plgpu.Barrier(num_barriers=stages * ppt),  # k landed
+        plgpu.Barrier(num_barriers=stages * ppt),  # v landed
+        plgpu.Barrier(num_arrivals=nw, num_barriers=stages) if spec else None,  # k slot free
+        plgpu.Barrier(num_arrivals=nw, num_barriers=stages) if spec else None,  # v slot free
+        plgpu.Barrier(num_barriers=1) if spec else None,  # V tail zeroed
     ]
     body = functools.partial(
         _kernel, num_tiles=nt, group=g, bq=bq, block_m=bm, block_k=bk, block_size=block_size,
-        num_stages=stages, sm_scale_log2=float(sm_scale * common.LOG2E), sliding_window=sliding_window,
+        num_stages=stages, num_wgs=nw, sm_scale_log2=float(sm_scale * common.LOG2E), sliding_window=sliding_window,
         accumulate_in_place=interpret is False,
     )
-    kw = {}
+    kw = dict(num_threads=nw + 1, thread_name="wg") if spec else {}
     if isinstance(interpret, plgpu.InterpretGPUParams):
         kw["interpret"] = interpret
     elif interpret:
