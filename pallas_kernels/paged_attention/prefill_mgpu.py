@@ -12,14 +12,18 @@ Restrictions (a `ValueError` says which; the caller can fall back to the Triton 
 * GQA group G = Hq / Hkv a power of two with block_m / G >= 8 (G <= 8 at block_m 64,
   G <= 16 at block_m 128).
 
-Kernel (`plgpu.kernel`, one warpgroup per CTA, grid (tiles, Hkv)):
-* A tile is block_m // G consecutive tokens (bq) of ONE stream times the G query heads of one
-  KV head. Rows are ordered (head-in-group, token): row r is token r % bq of query head
-  h * G + r // bq, so the Q tile arrives as G TMA copies of [bq, D] (row stride Hq * D) into a
-  swizzled [block_m, D] SMEM tile, and one wgmma of M = block_m serves the whole group.
+Kernel (`plgpu.kernel`, Lane lowering semantics, grid (tiles, Hkv)):
+* A compute warpgroup's tile is block_m // G consecutive tokens (bq) of ONE stream times the G
+  query heads of one KV head (a CTA has num_compute_wgs of them, 1 by default). Rows are
+  ordered (head-in-group, token): row r is token r % bq of query head h * G + r // bq, so the
+  Q tile arrives as G TMA copies of [bq, D] (row stride Hq * D) into a swizzled [block_m, D] SMEM
+  tile, and one wgmma of M = block_m serves the whole group.
 * K/V tiles of block_k tokens are assembled from pages: one TMA copy per page of
   k_pool[layer, page, :, h, :] ([block_size, D], row stride Hkv * D), each with its own
-  barrier, num_stages-deep ring of K and V buffers. Pages past the stream's last page are
+  barrier, into a num_stages-deep ring of K and V buffers. With one warpgroup per CTA it refills
+  a slot itself right after its wgmma has read it; with num_compute_wgs == 2 (FlashAttention-3
+  style warp specialization) two compute warpgroups share the ring and a third warpgroup only
+  issues TMA, refilling a slot once both released it (k_free / v_free barriers). Pages past the stream's last page are
   replaced by its last page (never read another stream's or an unowned block); keys past
   kv_len are masked in S and their V rows zeroed in SMEM on the (single) step that holds them,
   so unwritten pool slots (even NaN) never leak in.
@@ -29,10 +33,18 @@ Kernel (`plgpu.kernel`, one warpgroup per CTA, grid (tiles, Hkv)):
   Keys are visited in three phases as in prefill.py: window-edge steps (masked), fully
   visible steps (no mask), diagonal steps (masked).
 * The output goes registers -> SMEM -> GMEM: one TMA store per head of the group for a full
-  tile, or one predicated TMA store per row for a tile that ends inside its stream.
+  tile, or one TMA store per valid row (under pl.when) for a tile that ends inside its stream.
 
 The tile schedule (a few tiny XLA ops on cu_seqlens / kv_lens) is precomputed in the wrapper
 into i32[NT, 16], so the kernel only reads scalars.
+
+Status (2026-11-29): checked on the CPU only: interpret mode against the f32 reference (one
+compute warpgroup), and lowering to Mosaic GPU MLIR for cuda (`.lower(lowering_platforms=
+("cuda",))`) for every param combination that fits SMEM. Not yet compiled or timed on the H200.
+The warp-specialized variant (num_compute_wgs=2) deadlocks the CPU interpreter on 2 host cores
+(its blocking barrier waits starve XLA's host-callback threads), so it is unverified until its
+gpu test runs. Not done: overlapping the next step's QK wgmma with this step's softmax (FA3's
+intra-warpgroup pipelining), a persistent grid.
 
 bf16 note: jax 0.11.2's bundled attention_mgpu fails with bf16 ("Expected dtypes to match but
 src had type bfloat16 and dst had type float16") because its SMEM scratch is hard-coded
