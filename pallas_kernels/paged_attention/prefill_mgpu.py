@@ -222,10 +222,13 @@ def _kernel(
         layer_row = layer_ref[0]
         last_page = jnp.maximum(kl - 1, 0) // block_size
 
-        def issue(pool_ref, smem, bar, kb, slot):
-            for p in range(ppt):
-                page = jnp.minimum(kb * ppt + p, last_page)  # never past the stream's last page
-                blk = bt_ref[b, page]
+        def blocks(kb):  # pool blocks of step kb's ppt pages: scalar GMEM loads (i32 each)
+            # Pages past the stream's last one re-read its last page (never an unowned block).
+            return [bt_ref[b, jnp.minimum(kb * ppt + p, last_page)] for p in range(ppt)]
+
+        def issue(pool_ref, smem, bar, kb, slot, blks=None):
+            blks = blocks(kb) if blks is None else blks
+            for p, blk in enumerate(blks):
                 plgpu.copy_gmem_to_smem(pool_ref.at[layer_row + blk, :, h, :],
                                         smem.at[slot, pl.ds(p * block_size, block_size)],
                                         bar.at[slot * ppt + p])
@@ -257,6 +260,9 @@ def _kernel(
                 o, m, l = carry  # f32[M, D], f32[M], f32[M]
                 i = kb - kb0
                 slot = lax.rem(i, num_stages)
+                # The refill's block ids are loaded now and used after the QK wgmma, which hides
+                # their global-load latency (one warpgroup: it issues its own refills).
+                nxt = None if specialized else blocks(kb + num_stages)
                 wait(k_bar, slot)
 
                 def qk(acc_ref):
@@ -269,7 +275,7 @@ def _kernel(
                 else:
                     @pl.when(i + num_stages < nsteps)
                     def _():
-                        issue(k_ref, k_smem, k_bar, kb + num_stages, slot)
+                        issue(k_ref, k_smem, k_bar, kb + num_stages, slot, nxt)
 
                 s = s * sm_scale_log2  # log2 domain
                 if masked:
@@ -334,7 +340,7 @@ def _kernel(
                 else:
                     @pl.when(i + num_stages < nsteps)
                     def _():
-                        issue(v_ref, v_smem, v_bar, kb + num_stages, slot)
+                        issue(v_ref, v_smem, v_bar, kb + num_stages, slot, nxt)
 
                 return o, m_new, l
 
