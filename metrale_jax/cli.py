@@ -50,8 +50,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="walk the layers in a Python loop (fast decode, slower first compile) or in lax.scan "
                         "(default: the loop on GPU, the scan on CPU)")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each step as CUDA graphs (XLA command buffers; default: on for GPU)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/metrale_jax/jax_cache)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (for requests without their own)")
@@ -85,7 +83,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
-        preemption_mode=args.preemption_mode, cuda_graphs=args.cuda_graphs,
+        preemption_mode=args.preemption_mode,
     )
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -144,8 +144,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the linear weights at load")
     p.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
                    help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="steps as CUDA graphs (XLA command buffers; default: on for GPU)")
     p.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="walk the layers in a Python loop, not lax.scan (default: on for GPU, off for CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -265,7 +263,7 @@ def _engine_config(args, batches):
         decode_buckets=tuple(sorted(set(batches) | {seqs})),
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
         mixed_decode_buckets=tuple(int(x) for x in args.mixed_decode_buckets.split(",") if x),
-        attention=kernels_from_args(args), cuda_graphs=args.cuda_graphs,
+        attention=kernels_from_args(args),
         compilation_cache_dir=args.cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         cpu_kv_tokens=max(8192, seqs * (args.context + args.decode_steps + 16) + 1024),
         show_progress=not args.startup_probe,
@@ -513,8 +511,6 @@ def measure_startup(args) -> dict:
         argv += ["--pallas" if args.pallas else "--no-pallas"]
     if args.unroll_layers is not None:
         argv += ["--unroll-layers" if args.unroll_layers else "--no-unroll-layers"]
-    if args.cuda_graphs is not None:
-        argv += ["--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"]
     with tempfile.TemporaryDirectory() as cache:
         for label in ("cold", "warm"):
             cmd = [sys.executable, "-m", "metrale_jax.engine.bench", *argv, "--startup-probe", "--cache-dir", cache,

@@ -83,15 +83,6 @@ def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
     return out
 
 
-# XLA compile options for `EngineConfig.cuda_graphs`: capture fusions, cuBLAS/cuDNN calls, custom
-# calls (the Pallas kernels) and conditionals (the sampler's lax.cond on host flags, which would
-# otherwise copy each predicate to the host and stall the launches) into CUDA graphs.
-CUDA_GRAPH_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL",
-    "xla_gpu_graph_min_graph_size": 1,
-}
-
-
 def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
@@ -147,12 +138,10 @@ class CompilationManager:
             todo += [(k, m) for m in self.cfg.swap_block_buckets for k in ("gather", "scatter")
                      if (k, m) not in self.swap_executables]
 
-        opts = CUDA_GRAPH_OPTIONS if self.cfg.cuda_graphs else None
-
         def one(bucket):
             if isinstance(bucket, tuple):
-                return bucket, self.lower_swap(*bucket, state).compile(compiler_options=opts)
-            return bucket, self.lower(bucket, params, state).compile(compiler_options=opts)
+                return bucket, self.lower_swap(*bucket, state).compile()
+            return bucket, self.lower(bucket, params, state).compile()
 
         workers = max(1, min(self.cfg.compile_workers, len(todo)))
         bar = tqdm(total=len(todo), desc="compiling steps", unit="exe", disable=not self.cfg.show_progress)

@@ -70,10 +70,6 @@ class EngineConfig:
     attention: AttentionConfig | None = None  # None: the Pallas kernels on GPU, the XLA reference on CPU
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX persistent cache; None = off
     compile_workers: int = 4
-    # Run each GPU step as CUDA graphs (XLA command buffers, conditionals included, see
-    # engine/compile.py): the Llama-3-8B decode step was bound by its ~840 kernel launches from
-    # the host (8.0 ms a step against 6.1 ms of kernels, H200). None = on for the GPU.
-    cuda_graphs: bool | None = None
     show_progress: bool = True
     prompt_logprobs_chunk: int = 64  # prefill rows per LM-head chunk when prompt logprobs are on
     # Preemption when blocks run out: "swap" (copy the sequence's KV blocks and SSM slot to host
@@ -132,7 +128,6 @@ class EngineConfig:
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
             attention=self.attention or default_kernels(on_gpu), preemption_mode=mode,
-            cuda_graphs=on_gpu if self.cuda_graphs is None else self.cuda_graphs,
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
             if mode == "swap" else (),
         )

@@ -104,9 +104,8 @@ class LLMEngine:
             log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)
             self.config = self.config.replace(attention=dataclasses.replace(self.config.attention, use_pallas=False))
         c = self.config
-        log.info("kernels: %s; layers: %s; CUDA graphs %s", "Pallas" if c.attention.use_pallas else "XLA reference",
-                 "Python loop over per-layer arrays" if c.attention.unroll_layers else "lax.scan",
-                 "on" if c.cuda_graphs else "off")
+        log.info("kernels: %s; layers: %s", "Pallas" if c.attention.use_pallas else "XLA reference",
+                 "Python loop over per-layer arrays" if c.attention.unroll_layers else "lax.scan")
         if c.attention.unroll_layers:
             # in place, so that the layer-stacked arrays are freed before the KV pool is sized
             # (unless the caller keeps other references to them); see layers/stack.py
