@@ -86,20 +86,27 @@ def _skinny_kernel(
             return a
         return a & b
 
+    def w_tile(kcols, k_ok):  # [BN, len(kcols)] weights, streamed once (evict first)
+        w_mask = and_(None if n_ok is None else n_ok[:, None], None if k_ok is None else k_ok[None, :])
+        return plgpu_triton.load(
+            w_ref.at[ncols[:, None], kcols[None, :]], mask=w_mask,
+            other=None if w_mask is None else jnp.zeros((), w_ref.dtype), eviction_policy="evict_first",
+        )
+
+    def col_scales(kcols):
+        # f32[len(kcols)]: per-column scales of this tile's scale row (a few distinct values, L1
+        # hits); past-K columns are clamped to the last block (x is 0 there).
+        kb_cols = jnp.minimum(kcols // FP8_BLOCK, kblocks - 1)
+        return plgpu_triton.load(s_ref.at[jnp.full(kcols.shape, nb, jnp.int32), kb_cols])
+
     def gemv_body(i, acc):  # M = 1 on the CUDA cores: x is one row, no padding to a dot's 16 rows
         kcols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # i32[BK]
         k_ok = kcols < k if k_partial else None
         x = plgpu_triton.load(x_ref.at[jnp.zeros_like(kcols), kcols], mask=k_ok,
                               other=None if k_ok is None else 0.0).astype(jnp.float32)  # f32[BK]
-        w_mask = and_(None if n_ok is None else n_ok[:, None], None if k_ok is None else k_ok[None, :])
-        w = plgpu_triton.load(
-            w_ref.at[ncols[:, None], kcols[None, :]], mask=w_mask,
-            other=None if w_mask is None else jnp.zeros((), w_ref.dtype), eviction_policy="evict_first",
-        )  # [BN, BK]
         if fp8:
-            kb_cols = jnp.minimum(kcols // FP8_BLOCK, kblocks - 1)  # i32[BK]
-            x = x * plgpu_triton.load(s_ref.at[jnp.full((block_k,), nb, jnp.int32), kb_cols])  # f32[BK]
-        return acc + jnp.sum(w.astype(jnp.float32) * x[None, :], axis=1)  # f32[BN]
+            x = x * col_scales(kcols)
+        return acc + jnp.sum(w_tile(kcols, k_ok).astype(jnp.float32) * x[None, :], axis=1)  # f32[BN]
 
     def body(i, acc):
         for j in range(block_k // sub):
@@ -107,20 +114,12 @@ def _skinny_kernel(
             kcols = k0 + jnp.arange(sub, dtype=jnp.int32)  # i32[sub]
             k_ok = kcols < k if k_partial else None
             x_mask = and_(None if row_ok is None else row_ok[:, None], None if k_ok is None else k_ok[None, :])
-            w_mask = and_(None if n_ok is None else n_ok[:, None], None if k_ok is None else k_ok[None, :])
             x = plgpu_triton.load(
                 x_ref.at[rows[:, None], kcols[None, :]], mask=x_mask, other=None if x_mask is None else 0.0
             )  # bf16[Mp, sub]
-            w = plgpu_triton.load(
-                w_ref.at[ncols[:, None], kcols[None, :]], mask=w_mask,
-                other=None if w_mask is None else jnp.zeros((), w_ref.dtype), eviction_policy="evict_first",
-            )  # [BN, sub]
+            w = w_tile(kcols, k_ok)  # [BN, sub]
             if fp8 and scale_on_x:
-                # Per-column scales of this tile's scale row (block_k / 128 distinct values, L1 hits);
-                # past-K columns are clamped to the last block (x is 0 there).
-                kb_cols = jnp.minimum(kcols // FP8_BLOCK, kblocks - 1)  # i32[sub]
-                s_cols = plgpu_triton.load(s_ref.at[jnp.full((sub,), nb, jnp.int32), kb_cols])  # f32[sub]
-                xs = x.astype(jnp.float32) * s_cols[None, :]  # f32[Mp, sub]
+                xs = x.astype(jnp.float32) * col_scales(kcols)[None, :]  # f32[Mp, sub]
                 if f16_dot:
                     # fp8 -> f16 is one packed cvt per 2 weights (-> bf16 goes through f16 and f32).
                     # f16's range is narrow, so each x row is divided by a power of two >= its

@@ -46,6 +46,21 @@ def check_pools(q, k_pool, v_pool, k_scale, v_scale):
     return num_layers, num_blocks, block_size, hkv, d
 
 
+def check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window):
+    """Validates the ragged-prefill arguments: q [T, Hq, D], block_tables [B, MB], cu_seqlens
+    [B+1], kv_lens [B], sliding_window None or >= 1."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D]; got {q.shape}")
+    b = block_tables.shape[0]
+    if block_tables.ndim != 2 or cu_seqlens.shape != (b + 1,) or kv_lens.shape != (b,):
+        raise ValueError(
+            f"block_tables {block_tables.shape}, cu_seqlens {cu_seqlens.shape}, kv_lens {kv_lens.shape} "
+            f"must be [B, MB], [B+1], [B]"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be >= 1 or None")
+
+
 def pack_scalars(layer, sm_scale, k_scale, v_scale):
     """-> (layer i32[1], scales f32[2] = [sm_scale * k_scale * log2(e), v_scale])."""
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)

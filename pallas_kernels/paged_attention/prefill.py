@@ -261,16 +261,7 @@ def paged_prefill_attention(
       [T, Hq, D] in q's dtype; zeros for padding tokens.
     """
     num_layers, num_blocks, block_size, hkv, d = common.check_pools(q, k_pool, v_pool, k_scale, v_scale)
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, Hq, D]; got {q.shape}")
-    b = block_tables.shape[0]
-    if block_tables.ndim != 2 or cu_seqlens.shape != (b + 1,) or kv_lens.shape != (b,):
-        raise ValueError(
-            f"block_tables {block_tables.shape}, cu_seqlens {cu_seqlens.shape}, kv_lens {kv_lens.shape} "
-            f"must be [B, MB], [B+1], [B]"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be >= 1 or None")
+    common.check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window)
     if params is None:
         params = prefill_params_for(q.shape[0], q.shape[1], hkv, d, block_size, k_pool.dtype)
     layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)

@@ -451,19 +451,10 @@ def paged_prefill_attention_mgpu(
       bf16[T, Hq, D]; zeros for padding tokens.
     """
     del _poison
+    common.check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window)
     if params is None:
         params = default_params(q.shape[-2], k_pool.shape[-2], k_pool.shape[2])
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, Hq, D]; got {q.shape}")
     num_layers, num_blocks, block_size, hkv, d, g = check_supported(q, k_pool, v_pool, params, k_scale, v_scale)
-    b = block_tables.shape[0]
-    if block_tables.ndim != 2 or cu_seqlens.shape != (b + 1,) or kv_lens.shape != (b,):
-        raise ValueError(
-            f"block_tables {block_tables.shape}, cu_seqlens {cu_seqlens.shape}, kv_lens {kv_lens.shape} "
-            f"must be [B, MB], [B+1], [B]"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be >= 1 or None")
     t, hq, _ = q.shape
     bm, bk, stages = params.block_m, params.block_k, params.num_stages
     nw = params.num_compute_wgs
