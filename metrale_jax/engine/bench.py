@@ -463,11 +463,45 @@ def profile_executable(exe, run_once, state, out: Path, steps: int):
     total = sum(v[0] for _, v in rows)
     lines = [f"device kernels per step: {total:.1f} us in {sum(v[1] for _, v in rows):.0f} launches "
              f"(processes: {sorted(set(procs.values()))})"]
+    lines += _timeline_lines(events, procs, steps)
     lines += [f"{v[0]:10.1f} us {v[1]:6.1f}x  {k[:160]}" for k, v in rows[:80]]
     (out / "kernels.txt").write_text("\n".join(lines) + "\n")
     shutil.rmtree(trace_dir, ignore_errors=True)  # tens of MB; the summary is what we keep
     log.info("profile %s:\n%s", out, "\n".join(lines[:25]))
     return state
+
+
+def _timeline_lines(events, procs, steps: int) -> list[str]:
+    """Where a step's wall time goes besides kernels: the GPU's idle gaps between consecutive
+    kernels (all streams merged), bucketed by length, with the kernels around the largest ones,
+    and the host-side events that take the most time per step."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                 if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e)
+    if len(gpu) < 2:
+        return []
+    gaps, end, prev = [], gpu[0][1], gpu[0][2]
+    for t0, t1, name in gpu[1:]:
+        if t0 > end:
+            gaps.append((t0 - end, prev, name))
+        if t1 > end:
+            end, prev = t1, name
+    span = (gpu[-1][1] - gpu[0][0]) / steps
+    buckets = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 1e12)]
+    out = [f"GPU span per step {span:.1f} us (first kernel start to last kernel end over {steps} steps); "
+           f"idle gaps per step: {sum(g for g, _, _ in gaps) / steps:.1f} us in {len(gaps) / steps:.0f} gaps"]
+    for lo, hi in buckets:
+        sel = [g for g, _, _ in gaps if lo <= g < hi]
+        out.append(f"  gaps {lo}-{hi if hi < 1e12 else 'inf'} us: {len(sel) / steps:.1f} per step, "
+                   f"{sum(sel) / steps:.1f} us")
+    for g, a, b in sorted(gaps, reverse=True)[:8]:
+        out.append(f"  gap {g:.1f} us after {a[:60]} before {b[:60]}")
+    host: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and "GPU" not in procs.get(e.get("pid"), "") and "dur" in e:
+            host[e["name"]] = host.get(e["name"], 0.0) + e["dur"] / steps
+    out.append("host events, us per step (largest):")
+    out += [f"  {v:10.1f}  {k[:120]}" for k, v in sorted(host.items(), key=lambda kv: -kv[1])[:15]]
+    return out
 
 
 def _startup_probe(args) -> int:

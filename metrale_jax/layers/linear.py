@@ -49,10 +49,11 @@ def dequantize(w: Fp8Linear, dtype) -> jax.Array:
     return (w.w8.astype(jnp.float32) * s).astype(dtype)
 
 
-def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ w (+ b [N]) with float32 accumulation, result in x's dtype.
+def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ w (* row_scale) (+ b [N]) with float32 accumulation, result in x's dtype.
 
     w: [K, N], or an `Fp8Linear` whose valid output columns are N.
+    row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
     """
     if isinstance(w, Fp8Linear):
         m = math.prod(x.shape[:-1])
@@ -67,6 +68,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
             y = jnp.concatenate([y[..., s:s + n] for s, n in w.segments], axis=-1)
     else:
         y = jnp.einsum("...k,kn->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if row_scale is not None:
+        y = y * row_scale
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -31,9 +31,9 @@ from metrale_jax.layers.attention import (
     dense_causal_attention,
     paged_attention,
 )
-from metrale_jax.layers.mlp import linear, swiglu_mlp
+from metrale_jax.layers.mlp import linear, silu_mul
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
-from metrale_jax.layers.norms import rms_norm
+from metrale_jax.layers.norms import rms_norm, rms_norm_linear
 from metrale_jax.layers.rope import apply_rope
 from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
@@ -102,10 +102,14 @@ def load_dense_mlp(cfg: ModelConfig, reader: WeightReader) -> dict:
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------
-def _qkv(cfg: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
-    """h [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D], with q/k norm and RoPE applied."""
+def _qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array):
+    """x [..., T, H] (the residual stream, before attn_norm) -> q [..., T, Hq, D], k/v [..., T, Hkv, D],
+    with q/k norm and RoPE applied."""
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(h, lp["wqkv"], lp.get("bqkv"))
+    qkv = rms_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp["wqkv"], lp.get("bqkv"))
+    # The barrier keeps q|k|v one GEMM: without it XLA on the GPU fuses the three slices' users
+    # into three copies of the dot (H200, Llama-3-8B decode: 52.7 us per layer instead of 17.5).
+    qkv = jax.lax.optimization_barrier(qkv)
     q, k, v = jnp.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
     q = q.reshape(q.shape[:-1] + (hq, d))
     k = k.reshape(k.shape[:-1] + (hkv, d))
@@ -119,9 +123,10 @@ def _qkv(cfg: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
 
 def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
     """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router."""
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "router" not in lp:
-        return x + swiglu_mlp(h, lp["w_gate_up"], lp["w_down"])
+        gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
+        return x + linear(silu_mul(gate_up), lp["w_down"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape
     h = h.reshape(-1, shape[-1])
     w, idx = softmax_topk_router(h, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
@@ -145,8 +150,7 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
     scale = cfg.head_dim**-0.5
 
     def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(cfg, lp, h, positions)
+        q, k, v = _qkv(cfg, lp, x, positions)
         o = dense_causal_attention(q, k, v, lengths, scale)
         x = x + linear(o.reshape(o.shape[:2] + (-1,)), lp["wo"])
         return _mlp_block(cfg, lp, x), None
@@ -174,9 +178,8 @@ def forward_paged(
 
     def layer(carry, lp):
         x, kv, i = carry
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(cfg, lp, h, positions)
-        kv = write_kv(kv, i, slots, k, v)
+        q, k, v = _qkv(cfg, lp, x, positions)
+        kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x, attn.tokamax_moe), kv, i + 1), None

@@ -292,7 +292,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     def attn_branch(x, h, kv, ssm, ia, ig):
         ap = take_layer(params["attn"], ia)
         q, k, v, gate = _attn_qkv(cfg, ap, h, positions)
-        kv = write_kv(kv, ia, slots, k, v)
+        kv = write_kv(kv, ia, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, ia, dmd, pmd, scale, attn)
         return x + _attn_out(ap, o, gate), kv, ssm
 

@@ -459,7 +459,8 @@ def paged_prefill_attention_mgpu(
     bm, bk, stages = params.block_m, params.block_k, params.num_stages
     nw = params.num_compute_wgs
     bq = bm // g  # tokens per compute warpgroup; a CTA tile holds nw * bq tokens
-    tp = max(t, nw * bq)  # the Q/O tiles stay in bounds
+    # The Q/O tiles stay in bounds, and TMA wants the token dim a multiple of its 8-row tiling.
+    tp = -(-max(t, nw * bq) // 8) * 8
     qp = q if tp == t else jnp.pad(q, ((0, tp - t), (0, 0), (0, 0)))  # bf16[Tp, Hq, D]
     sched, nt = _schedule(cu_seqlens, kv_lens, tp, nw * bq, bk, sliding_window)  # i32[NT, 16]
     layer_row = (jnp.asarray(layer, jnp.int32).reshape(1) * num_blocks).astype(jnp.int32)  # i32[1]
