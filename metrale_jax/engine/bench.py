@@ -397,8 +397,9 @@ def measure_decode_latency(eng, args, batch: int, bw: float) -> dict:
     # (re-)decode each row's last cached token: its block exists, unlike the next position's
     rows = [DecodeRow(token=s.token_ids[s.num_computed - 1], position=s.num_computed - 1, block_table=s.blocks,
                       sampling=RowSampling()) for s in seqs]
-    bucket = eng.compiler.bucket_for(len(rows), 0, 0)
-    dev = eng.compiler.transfer(build_step(eng.builder, bucket, rows, []))
+    inputs = build_step(eng.builder, eng.compiler.bucket_for(len(rows), 0, 0), rows, [])
+    bucket = eng.compiler.runnable(inputs)  # what the engine runs: the lean twin when compiled
+    dev = eng.compiler.transfer(inputs)
     state = eng.state
     for _ in range(2):
         state, out, _ = eng.compiler.run(bucket, eng.params, state, dev)

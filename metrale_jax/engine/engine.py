@@ -415,8 +415,8 @@ class LLMEngine:
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         dev = self.compiler.transfer(inputs)
-        self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params, self.state, dev,
-                                                               self._next_tokens)
+        self.state, out, self._next_tokens = self.compiler.run(self.compiler.runnable(inputs), self.params,
+                                                               self.state, dev, self._next_tokens)
         self.scheduler.complete(sched)
         self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
         # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples

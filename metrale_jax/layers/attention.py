@@ -38,6 +38,11 @@ class AttentionConfig:
     # through the Pallas weight-streaming kernel (pallas_kernels/linear) instead of XLA's
     # dequantize-and-dot. The engine marks the weights (`layers.linear.use_fp8_kernel`); GPU default.
     fp8_kernel: bool = False
+    # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
+    # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,
+    # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.3-1.5x the
+    # Triton kernel (bench/results/).
+    mosaic_prefill: bool = False
 
 
 def _softmax_attend(q, k, v, mask, scale):
@@ -142,8 +147,12 @@ def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
 
 def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
     if cfg.use_pallas:
-        from pallas_kernels.paged_attention import paged_prefill_attention
+        from pallas_kernels.paged_attention import paged_prefill_attention, prefill_mgpu
 
+        if cfg.mosaic_prefill and prefill_mgpu.supports(q, cache.k, cache.v):
+            return prefill_mgpu.paged_prefill_attention_mgpu(
+                q, cache.k, cache.v, layer, md.block_tables, md.cu_seqlens, md.kv_lens, sm_scale=scale,
+                sliding_window=cfg.sliding_window, interpret=cfg.interpret)
         fp8 = cache.k.dtype == jnp.float8_e4m3fn
         return paged_prefill_attention(
             q, cache.k, cache.v, layer, md.block_tables, md.cu_seqlens, md.kv_lens, sm_scale=scale,

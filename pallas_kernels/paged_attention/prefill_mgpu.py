@@ -33,7 +33,8 @@ Kernel (`plgpu.kernel`, Lane lowering semantics, grid (tiles, Hkv)):
   Keys are visited in three phases as in prefill.py: window-edge steps (masked), fully
   visible steps (no mask), diagonal steps (masked).
 * The output goes registers -> SMEM -> GMEM: one TMA store per head of the group for a full
-  tile, or one TMA store per valid row (under pl.when) for a tile that ends inside its stream.
+  tile, or one TMA store per valid row (under pl.when) for a tile that starts or ends inside its
+  stream (tiles sit on a grid of whole CTA windows: TMA copies Q in 8-row tiles, `_grid_tiles`).
 
 The tile schedule (a few tiny XLA ops on cu_seqlens / kv_lens) is precomputed in the wrapper
 into i32[NT, 16], so the kernel only reads scalars.
@@ -68,7 +69,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import common
-from pallas_kernels.paged_attention.prefill import tile_schedule
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -125,20 +125,45 @@ def check_supported(q, k_pool, v_pool, params: PrefillMgpuParams, k_scale=None, 
     return num_layers, num_blocks, block_size, hkv, d, g
 
 
+def _grid_tiles(cu_seqlens, num_tokens: int, tile: int):
+    """Tiles on the grid of multiples of `tile`, each inside one stream; the pad region is stream B.
+
+    TMA copies Q in 8-row tiles, so a tile's Q window must start at a multiple of 8 (a copy
+    from an unaligned row silently lands rows of the aligned window: seen on the H200). A stream
+    [s, e) gets the windows [a + k * tile, a + (k + 1) * tile) from a = floor(s / tile) * tile
+    that overlap it; rows of a window outside the stream are computed and not stored.
+    num_tokens must be a multiple of tile. Returns (tile_b i32[NT] (-1 = unused), tile_t0
+    i32[NT] (first token of the stream in the window), tile_qs i32[NT] (window start), ends
+    i32[B+1], NT) with NT = num_tokens / tile + 2 (B + 1) bounding the count.
+    """
+    b = cu_seqlens.shape[0] - 1
+    starts = cu_seqlens.astype(jnp.int32)  # the pad stream B starts at cu[B]
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), num_tokens, jnp.int32)])  # i32[B+1]
+    first = starts // tile * tile  # i32[B+1] first window of each stream
+    tiles = jnp.where(ends > starts, (ends - first + tile - 1) // tile, 0)  # i32[B+1]
+    cum = jnp.cumsum(tiles)
+    nt = num_tokens // tile + 2 * (b + 1)
+    j = jnp.arange(nt, dtype=jnp.int32)
+    stream = jnp.searchsorted(cum, j, side="right").astype(jnp.int32)  # > B: unused
+    used = stream <= b
+    sc = jnp.minimum(stream, b)
+    qs = first[sc] + (j - (cum[sc] - tiles[sc])) * tile
+    t0 = jnp.maximum(qs, starts[sc])
+    return jnp.where(used, stream, -1), jnp.where(used, t0, 0), jnp.where(used, qs, 0), ends, nt
+
+
 def _schedule(cu_seqlens, kv_lens, num_tokens: int, bq: int, block_k: int, sliding_window):
-    """Per-tile scalars i32[NT, _NCOL] (see the column names above) and NT.
+    """Per-tile scalars i32[NT, _NCOL] (see the column names above) and NT; bq = tokens per CTA.
 
     The pad region [cu[B], T) is one more stream with kv_len 0 (its tiles write zeros);
     unused tiles have b = -1.
     """
-    tile_b, tile_t0, ends, nt = tile_schedule(cu_seqlens, num_tokens, bq)  # i32[NT], i32[NT], i32[B+1]
+    tile_b, t0, qs, ends, nt = _grid_tiles(cu_seqlens, num_tokens, bq)  # i32[NT] x 3, i32[B+1]
     kvl = jnp.concatenate([kv_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])  # i32[B+1]
     bc = jnp.maximum(tile_b, 0)
-    t0 = tile_t0
     e0 = ends[bc]
     kl = kvl[bc]
-    qs = jnp.minimum(t0, num_tokens - bq)  # first token in the Q/O SMEM tile (clamped in bounds)
-    ntok = jnp.maximum(jnp.minimum(bq, e0 - t0), 1)
+    ntok = jnp.maximum(jnp.minimum(qs + bq - t0, e0 - t0), 1)  # the stream's tokens in the window
     shift = kl - e0  # position = token index + shift
     p_lo = t0 + shift
     p_hi = t0 + ntok - 1 + shift
@@ -454,13 +479,14 @@ def paged_prefill_attention_mgpu(
     common.check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window)
     if params is None:
         params = default_params(q.shape[-2], k_pool.shape[-2], k_pool.shape[2])
+        if interpret is not False:  # warp specialization starves the CPU interpreter's threads
+            params = dataclasses.replace(params, num_compute_wgs=1)
     num_layers, num_blocks, block_size, hkv, d, g = check_supported(q, k_pool, v_pool, params, k_scale, v_scale)
     t, hq, _ = q.shape
     bm, bk, stages = params.block_m, params.block_k, params.num_stages
     nw = params.num_compute_wgs
     bq = bm // g  # tokens per compute warpgroup; a CTA tile holds nw * bq tokens
-    # The Q/O tiles stay in bounds, and TMA wants the token dim a multiple of its 8-row tiling.
-    tp = -(-max(t, nw * bq) // 8) * 8
+    tp = -(-t // (nw * bq)) * nw * bq  # whole CTA windows (a multiple of TMA's 8-row tiling)
     qp = q if tp == t else jnp.pad(q, ((0, tp - t), (0, 0), (0, 0)))  # bf16[Tp, Hq, D]
     sched, nt = _schedule(cu_seqlens, kv_lens, tp, nw * bq, bk, sliding_window)  # i32[NT, 16]
     layer_row = (jnp.asarray(layer, jnp.int32).reshape(1) * num_blocks).astype(jnp.int32)  # i32[1]
@@ -509,7 +535,21 @@ def paged_prefill_attention_mgpu(
 
 
 def default_params(hq: int, hkv: int, block_size: int) -> PrefillMgpuParams:
-    """Untuned default: 64 query rows (128 when the GQA group needs it), block_k 64."""
+    """The H200 sweep's winner (bench/results/, 4x2048 tokens, Hq 32 / Hkv 8, D 128, with and
+    without 4096 cached tokens): 64 query rows per warpgroup, two compute warpgroups fed by a TMA
+    warpgroup, block_k 128, two stages. A GQA group of 16 needs 128 rows, and then block_k 64
+    keeps the SMEM (Q, K/V ring, O staging) within the 227 KB."""
     g = hq // max(hkv, 1)
     bm = 64 if g <= 8 else 128
-    return PrefillMgpuParams(block_m=bm, block_k=max(64, block_size), num_stages=2)
+    return PrefillMgpuParams(block_m=bm, block_k=128 if bm == 64 else 64, num_stages=2, num_compute_wgs=2)
+
+
+def supports(q, k_pool, v_pool, params: PrefillMgpuParams | None = None) -> bool:
+    """Whether this kernel takes the problem (else the caller uses the Triton kernel)."""
+    if params is None:
+        params = default_params(q.shape[-2], k_pool.shape[-2], k_pool.shape[2])
+    try:
+        check_supported(q, k_pool, v_pool, params)
+    except ValueError:
+        return False
+    return True
