@@ -365,3 +365,73 @@ def test_kv_write_matches_engine_scatter(kv_dtype, hkv, d, interpret):
             assert (got != ref).mean() < 0.01
         else:
             np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("kv_dtype,hq,hkv,d,rot,t", [(BF16, 8, 2, 128, 128, 1), (BF16, 6, 3, 64, 40, 65),
+                                                     (FP8, 4, 4, 128, 64, 15), (F32, 16, 1, 64, 64, 63)],
+                         ids=["bf16-g4-full-t1", "bf16-g2-partial-t65", "fp8-mha-t15", "f32-g16-t63"])
+def test_rope_and_write_kv_matches_xla(kv_dtype, hq, hkv, d, rot, t, interpret):
+    """`rope_and_write_kv` (the decode path's fused RoPE + K/V write) against XLA's apply_rope and
+    the engine's scatter: q rotated, k rotated and written, v written, padding and out-of-range
+    slots writing nothing, every other pool row untouched (random, never zeros); full and
+    partial rotary dims (40: a rotary half that is not a power of two), fp8 pools with scales."""
+    from metrale_jax.cache.kv import KVCache, write_kv
+    from metrale_jax.layers.rope import apply_rope, rope_cos_sin
+    from pallas_kernels.paged_attention import rope_and_write_kv
+
+    rng = np.random.default_rng(7)
+    nl, nb, bs = 2, 7, 16
+    shape = (nl, nb, bs, hkv, d)
+    k_pool = jnp.asarray(rng.standard_normal(shape), kv_dtype)
+    v_pool = jnp.asarray(rng.standard_normal(shape), kv_dtype)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    if t > 3:
+        slots[[1, t - 1]] = -1
+        slots[2] = nb * bs + 3
+    qkv_dtype = F32 if kv_dtype == F32 else BF16
+    qkv = jnp.asarray(rng.standard_normal((t, (hq + 2 * hkv) * d)), qkv_dtype)
+    positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
+    inv = tuple(float(x) for x in 1.0 / 10000.0 ** (np.arange(0, rot, 2) / rot))
+    is_fp8 = kv_dtype == FP8
+    ks = jnp.full((nl,), 0.05 if is_fp8 else 1.0, F32)
+    vs = jnp.full((nl,), 0.03 if is_fp8 else 1.0, F32)
+    q_ref = apply_rope(qkv[:, :hq * d].reshape(t, hq, d), positions, inv)
+    k_ref = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), positions, inv)
+    v_ref = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    want = write_kv(KVCache(k_pool, v_pool, ks, vs), jnp.int32(1), jnp.asarray(slots), k_ref, v_ref)
+    q, got_k, got_v = rope_and_write_kv(qkv, rope_cos_sin(positions, inv), k_pool, v_pool, jnp.int32(1),
+                                        jnp.asarray(slots), num_q_heads=hq, k_scale=ks[1] if is_fp8 else None,
+                                        v_scale=vs[1] if is_fp8 else None, interpret=interpret)
+    tol = 1e-5 if qkv_dtype == F32 else 1e-2
+    np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(q_ref, np.float32), rtol=tol, atol=tol)
+    for got, ref in ((got_k, want.k), (got_v, want.v)):
+        got, ref = np.asarray(got.astype(F32)), np.asarray(ref.astype(F32))
+        if is_fp8:
+            np.testing.assert_allclose(got, ref, rtol=0.13, atol=0)
+            assert (got != ref).mean() < 0.01
+        else:
+            np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def test_kv_write_kernels_lower_for_h200():
+    """Cross-lowers both K/V write kernels to Triton IR for an H200 on the CPU machine (bf16 and
+    fp8 pools, full and partial rotary dims): unsupported indexing shows here without a GPU."""
+    from pallas_kernels.paged_attention import rope_and_write_kv
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132,
+                                                                                               "gpu"))
+    sds = jax.ShapeDtypeStruct
+    with jax.sharding.use_abstract_mesh(mesh):
+        for hq, hkv, d, rot, kv_dtype in ((32, 8, 128, 128, BF16), (6, 3, 64, 40, FP8)):
+            pool, slots = sds((2, 7, 16, hkv, d), kv_dtype), sds((5,), jnp.int32)
+            scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.5)) if kv_dtype == FP8 else {}
+            low = jax.jit(lambda qkv, cs, kp, vp, sl, hq=hq, scales=scales: rope_and_write_kv(
+                qkv, cs, kp, vp, jnp.int32(1), sl, num_q_heads=hq, **scales)).trace(
+                sds((5, (hq + 2 * hkv) * d), BF16), sds((5, rot), F32), pool, pool, slots).lower(
+                lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in low.as_text()
+            low = jax.jit(lambda kp, vp, sl, k, scales=scales: paged_kv_write(kp, vp, jnp.int32(1), sl, k, k,
+                                                                               **scales)).trace(
+                pool, pool, slots, sds((5, hkv, d), BF16)).lower(lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in low.as_text()

@@ -63,8 +63,8 @@ def write_kv(cache: KVCache, layer: Array, slots: Array, k: Array, v: Array, *, 
     if kernel:
         from pallas_kernels.paged_attention import paged_kv_write
 
-        new_k, new_v = paged_kv_write(cache.k, cache.v, layer, slots, k, v, k_scale=cache.k_scale[layer],
-                                      v_scale=cache.v_scale[layer], interpret=interpret)
+        new_k, new_v = paged_kv_write(cache.k, cache.v, layer, slots, k, v, **_scales(cache, layer),
+                                      interpret=interpret)
         return dataclasses.replace(cache, k=new_k, v=new_v)
     bs = cache.block_size
     oob = cache.num_blocks  # out of range: mode="drop" discards the write
@@ -77,6 +77,28 @@ def write_kv(cache: KVCache, layer: Array, slots: Array, k: Array, v: Array, *, 
     new_k = cache.k.at[layer, blk, off].set(k.astype(kd), mode="drop")
     new_v = cache.v.at[layer, blk, off].set(v.astype(vd), mode="drop")
     return dataclasses.replace(cache, k=new_k, v=new_v)
+
+
+def rope_and_write_kv(cache: KVCache, layer: Array, slots: Array, qkv: Array, cos_sin: Array, num_q_heads: int,
+                      interpret: bool = False) -> tuple[KVCache, Array]:
+    """RoPE on the q and k parts of a fused projection and the K/V write, in one Pallas kernel
+    (`pallas_kernels/paged_attention/kv_write.py`; the GPU decode path of the Llama family).
+
+    qkv: [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads)   cos_sin: f32[T, rotary_dim] (cos | sin,
+    `layers.rope.rope_cos_sin`)   slots: i32[T] (-1 = padding). Returns (cache, q [T, Hq, D] rotated).
+    """
+    from pallas_kernels.paged_attention import rope_and_write_kv as kernel
+
+    q, new_k, new_v = kernel(qkv, cos_sin, cache.k, cache.v, layer, slots, num_q_heads=num_q_heads,
+                             **_scales(cache, layer), interpret=interpret)
+    return dataclasses.replace(cache, k=new_k, v=new_v), q
+
+
+def _scales(cache: KVCache, layer: Array) -> dict:
+    """The kernels' k_scale / v_scale arguments: the layer's scales for an fp8 pool, else none."""
+    if cache.k.dtype != jnp.float8_e4m3fn:
+        return {}
+    return dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
 
 
 def gather_kv(cache: KVCache, layer: Array, block_tables: Array) -> tuple[Array, Array]:

@@ -14,3 +14,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...]) 
     x1, x2, rest = xf[..., : rot // 2], xf[..., rot // 2 : rot], xf[..., rot:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
     return out.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: tuple[float, ...]) -> jax.Array:
+    """positions i32[T] -> f32[T, rot]: the cosines of the T x rot/2 angles, then their sines
+    (the table `pallas_kernels.paged_attention.rope_and_write_kv` rotates with)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.cache import EngineState
-from metrale_jax.cache.kv import write_kv
+from metrale_jax.cache.kv import rope_and_write_kv, write_kv
 from metrale_jax.config import ModelConfig, rope_inv_freq
 from metrale_jax.layers.attention import (
     AttentionConfig,
@@ -34,7 +34,7 @@ from metrale_jax.layers.attention import (
 from metrale_jax.layers.mlp import linear, silu_mul
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm, rms_norm_linear
-from metrale_jax.layers.rope import apply_rope
+from metrale_jax.layers.rope import apply_rope, rope_cos_sin
 from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
@@ -102,14 +102,19 @@ def load_dense_mlp(cfg: ModelConfig, reader: WeightReader) -> dict:
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------
+def _qkv_proj(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+    """x [..., T, H] (the residual stream, before attn_norm) -> the fused projection [..., T, (Hq + 2 Hkv) D]."""
+    qkv = rms_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp["wqkv"], lp.get("bqkv"))
+    # The barrier keeps q|k|v one GEMM: without it XLA on the GPU fuses the three slices' users
+    # into three copies of the dot (H200, Llama-3-8B decode: 52.7 us per layer instead of 17.5).
+    return jax.lax.optimization_barrier(qkv)
+
+
 def _qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array):
     """x [..., T, H] (the residual stream, before attn_norm) -> q [..., T, Hq, D], k/v [..., T, Hkv, D],
     with q/k norm and RoPE applied."""
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = rms_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp["wqkv"], lp.get("bqkv"))
-    # The barrier keeps q|k|v one GEMM: without it XLA on the GPU fuses the three slices' users
-    # into three copies of the dot (H200, Llama-3-8B decode: 52.7 us per layer instead of 17.5).
-    qkv = jax.lax.optimization_barrier(qkv)
+    qkv = _qkv_proj(cfg, lp, x)
     q, k, v = jnp.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
     q = q.reshape(q.shape[:-1] + (hq, d))
     k = k.reshape(k.shape[:-1] + (hkv, d))
@@ -175,11 +180,18 @@ def forward_paged(
     slots = jnp.concatenate([m.slots for m in parts])
     x = params["embed"][tokens]
     scale = cfg.head_dim**-0.5
+    # With the Pallas kernels, RoPE and the K/V write are one kernel (no per-head q/k norm between
+    # the projection and RoPE, as Qwen3 has): three launches fewer per layer at a decode step.
+    fused_rope = attn.use_pallas and not cfg.qk_norm
+    cos_sin = rope_cos_sin(positions, rope_inv_freq(cfg)) if fused_rope else None  # f32[N + T, rot]
 
     def layer(carry, lp):
         x, kv, i = carry
-        q, k, v = _qkv(cfg, lp, x, positions)
-        kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
+        if fused_rope:
+            kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x), cos_sin, cfg.num_heads, attn.interpret)
+        else:
+            q, k, v = _qkv(cfg, lp, x, positions)
+            kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
         return (_mlp_block(cfg, lp, x, attn.tokamax_moe), kv, i + 1), None

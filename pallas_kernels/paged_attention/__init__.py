@@ -2,7 +2,8 @@
 
 * `paged_decode_attention`: one query token per row, split-K (flash-decoding) for long contexts.
 * `paged_prefill_attention`: ragged causal chunked prefill over B streams (cu_seqlens, kv_lens).
-* `paged_kv_write`: the step's K/V write by slot (slot -1 writes nothing), faster than XLA's scatter.
+* `paged_kv_write`: the step's K/V write by slot (slot -1 writes nothing), faster than XLA's scatter;
+  `rope_and_write_kv` the same with RoPE of q and k applied from a fused q|k|v projection.
 * f32 references of both attention kernels (`reference.py`), tuned params as data
   (`tuned_params.json`, keyed by shape; `params.py`).
 
@@ -12,7 +13,7 @@ says why not Mosaic GPU. Figures: bench/results/paged_attention.md.
 """
 
 from pallas_kernels.paged_attention.decode import paged_decode_attention
-from pallas_kernels.paged_attention.kv_write import paged_kv_write
+from pallas_kernels.paged_attention.kv_write import paged_kv_write, rope_and_write_kv
 from pallas_kernels.paged_attention.params import DecodeParams, PrefillParams
 from pallas_kernels.paged_attention.prefill import paged_prefill_attention
 from pallas_kernels.paged_attention.reference import (
@@ -28,4 +29,5 @@ __all__ = [
     "paged_kv_write",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "rope_and_write_kv",
 ]
