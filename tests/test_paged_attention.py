@@ -422,10 +422,11 @@ def test_kv_write_kernels_lower_for_h200():
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132,
                                                                                                "gpu"))
     sds = jax.ShapeDtypeStruct
+    fp8_scales = dict(k_scale=np.float32(0.5), v_scale=np.float32(0.5))
     with jax.sharding.use_abstract_mesh(mesh):
         for hq, hkv, d, rot, kv_dtype in ((32, 8, 128, 128, BF16), (6, 3, 64, 40, FP8)):
             pool, slots = sds((2, 7, 16, hkv, d), kv_dtype), sds((5,), jnp.int32)
-            scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.5)) if kv_dtype == FP8 else {}
+            scales = fp8_scales if kv_dtype == FP8 else {}
             low = jax.jit(lambda qkv, cs, kp, vp, sl, hq=hq, scales=scales: rope_and_write_kv(
                 qkv, cs, kp, vp, jnp.int32(1), sl, num_q_heads=hq, **scales)).trace(
                 sds((5, (hq + 2 * hkv) * d), BF16), sds((5, rot), F32), pool, pool, slots).lower(
