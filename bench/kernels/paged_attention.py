@@ -578,6 +578,7 @@ def main():
         if r and r.get("params") and r.get("key"):
             tuned["decode" if k.startswith("d") else "prefill"][r["key"]] = r["params"]
     blob = dict(env=env, memcpy_tb_s=memcpy_bw, results=RESULTS, tuned=tuned, wall_s=time.time() - t_start)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "paged_attention.json").write_text(json.dumps(blob, indent=1, default=str))
     md = table(memcpy_bw)
     (out_dir / "paged_attention.md").write_text(md + "\n")

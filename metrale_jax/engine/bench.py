@@ -468,7 +468,7 @@ def profile_executable(exe, run_once, state, out: Path, steps: int):
     lines += [f"{v[0]:10.1f} us {v[1]:6.1f}x  {k[:160]}" for k, v in rows[:80]]
     (out / "kernels.txt").write_text("\n".join(lines) + "\n")
     shutil.rmtree(trace_dir, ignore_errors=True)  # tens of MB; the summary is what we keep
-    log.info("profile %s:\n%s", out, "\n".join(lines[:25]))
+    log.info("profile %s:\n%s", out, "\n".join(lines[:50]))
     return state
 
 

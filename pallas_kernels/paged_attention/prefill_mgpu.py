@@ -39,13 +39,15 @@ Kernel (`plgpu.kernel`, Lane lowering semantics, grid (tiles, Hkv)):
 The tile schedule (a few tiny XLA ops on cu_seqlens / kv_lens) is precomputed in the wrapper
 into i32[NT, 16], so the kernel only reads scalars.
 
-Status (2026-11-29): checked on the CPU only: interpret mode against the f32 reference (one
-compute warpgroup), and lowering to Mosaic GPU MLIR for cuda (`.lower(lowering_platforms=
-("cuda",))`) for every param combination that fits SMEM. Not yet compiled or timed on the H200.
-The warp-specialized variant (num_compute_wgs=2) deadlocks the CPU interpreter on 2 host cores
-(its blocking barrier waits starve XLA's host-callback threads), so it is unverified until its
-gpu test runs. Not done: overlapping the next step's QK wgmma with this step's softmax (FA3's
-intra-warpgroup pipelining), a persistent grid.
+Status (2026-11-30): the engine's GPU prefill attention where it applies
+(`AttentionConfig.mosaic_prefill`; `supports` says where). On the H200, 4x2048 tokens, Hq 32 /
+Hkv 8, D 128: 268-295 TFLOP/s without a cache and 428 with 4096 cached tokens, 0.66-0.73x /
+0.69-0.73x cuDNN on the equivalent dense problems and 1.2-1.5x the Triton kernel
+(bench/results/session4_2026-11-30.md); gpu tests compare it with the reference and the Triton
+kernel. The warp-specialized variant (num_compute_wgs=2, the default) deadlocks the CPU
+interpreter on 2 host cores (its blocking barrier waits starve XLA's host-callback threads), so
+interpret mode runs one compute warpgroup. Not done: overlapping the next step's QK wgmma with
+this step's softmax (FA3's intra-warpgroup pipelining), a persistent grid.
 
 bf16 note: jax 0.11.2's bundled attention_mgpu fails with bf16 ("Expected dtypes to match but
 src had type bfloat16 and dst had type float16") because its SMEM scratch is hard-coded
