@@ -40,8 +40,8 @@ class AttentionConfig:
     fp8_kernel: bool = False
     # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
     # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,
-    # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.3-1.5x the
-    # Triton kernel (bench/results/).
+    # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.2-1.5x the
+    # Triton kernel (bench/results/session4_2026-11-30.md).
     mosaic_prefill: bool = False
 
 

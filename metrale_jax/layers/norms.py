@@ -19,10 +19,10 @@ def rms_norm_linear(x: jax.Array, w: jax.Array, eps: float, proj, b: jax.Array |
     """`linear(rms_norm(x, w, eps), proj, b)`, with the row's 1/rms applied to the product.
 
     x [..., H], w [H], proj [H, N] (or an `Fp8Linear`) -> [..., N]. (x * w) @ proj * r equals
-    (x * r * w) @ proj: the matmul's input needs no broadcast of the row reduction, so XLA fuses
-    x * w into the GEMM's operand and r into its epilogue, and the reduction joins the residual
-    add before it: one kernel per norm instead of three at decode sizes (measured on the H200,
-    bench/results/). Rounding: x * w is rounded to x's dtype, as HF rounds x * r.
+    (x * r * w) @ proj: the matmul's input needs no broadcast of the row reduction, so XLA computes
+    the reduction and x * w in one kernel and folds r into the GEMM's consumers (H200 decode
+    profile, bench/results/session4_2026-11-30.md: two kernels per norm with the residual add,
+    three before). Rounding: x * w is rounded to x's dtype, as HF rounds x * r.
     """
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # f32[..., 1]
