@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, pack, packed_layout
+from metrale_jax.sampling import F_FILTER, F_LOGPROBS
 from metrale_jax.step import jit_packed_step
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,6 @@ class CompilationManager:
     def runnable(self, inputs: StepInputs) -> StepBucket:
         """The executable's bucket for built step `inputs`: its decode bucket's lean twin when
         compiled and no row needs top-k/top-p or logprobs (`sampling.sample`), else its own."""
-        from metrale_jax.sampling import F_FILTER, F_LOGPROBS
-
         b = inputs.bucket
         flags = inputs.smd.flags
         if b.kind == "decode" and self.cfg.lean_decode_steps and not (flags[F_FILTER] or flags[F_LOGPROBS]):

@@ -296,13 +296,16 @@ def _kernel(
                     plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return acc_ref[...]
 
+                def release(free, pool_ref, smem, bar):  # this step is done with its `smem` slot
+                    if specialized:  # the TMA warpgroup refills it once every compute warpgroup arrived
+                        plgpu.barrier_arrive(free.at[slot])
+                    else:
+                        @pl.when(i + num_stages < nsteps)
+                        def _():
+                            issue(pool_ref, smem, bar, kb + num_stages, slot, nxt)
+
                 s = pl.run_scoped(qk, plgpu.ACC((block_m, block_k), f32))  # f32[M, BK]
-                if specialized:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                else:
-                    @pl.when(i + num_stages < nsteps)
-                    def _():
-                        issue(k_ref, k_smem, k_bar, kb + num_stages, slot, nxt)
+                release(k_free, k_ref, k_smem, k_bar)
 
                 s = s * sm_scale_log2  # log2 domain
                 if masked:
@@ -362,12 +365,7 @@ def _kernel(
                         return acc_ref[...]
 
                     o = o + pl.run_scoped(pv, plgpu.ACC((block_m, d), f32))
-                if specialized:
-                    plgpu.barrier_arrive(v_free.at[slot])
-                else:
-                    @pl.when(i + num_stages < nsteps)
-                    def _():
-                        issue(v_ref, v_smem, v_bar, kb + num_stages, slot, nxt)
+                release(v_free, v_ref, v_smem, v_bar)
 
                 return o, m_new, l
 
