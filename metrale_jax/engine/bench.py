@@ -82,6 +82,24 @@ SHAPES = {
         rescale_prenorm_residual=True, layer_norm_epsilon=1e-5, rms_norm_eps=1e-5, max_position_embeddings=8192,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # Qwen/Qwen3-30B-A3B's config.json: 48 all-MoE layers (128 experts, top-8, norm_topk_prob), q/k norm
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    # state-spaces/mamba2-2.7b in transformers' Mamba2Config names: d_model 2560, 64 layers, expand 2
+    # (80 heads x 64), d_state 128, one group, vocab 50277 padded to 50288, tied embeddings
+    "mamba2-2.7b": dict(
+        architectures=["Mamba2ForCausalLM"], model_type="mamba2", vocab_size=50288, hidden_size=2560,
+        num_hidden_layers=64, expand=2, num_heads=80, head_dim=64, state_size=128, n_groups=1, conv_kernel=4,
+        chunk_size=256, use_conv_bias=True, use_bias=False, hidden_act="silu", layer_norm_epsilon=1e-5,
+        residual_in_fp32=True, rms_norm=True, time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4,
+        time_step_limit=[0.0, float("inf")], tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    ),
 }
 
 
