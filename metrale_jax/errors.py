@@ -1,13 +1,21 @@
-"""Exception types. Every load or request error the engine raises is one of these."""
+"""Exception types. Every load or request error the engine raises is one of these.
+
+Each class carries `code`, a snake_case string the HTTP server reports as the OpenAI error
+object's `code` (server/app.py lists the whole mapping).
+"""
 
 
 class MetraleError(Exception):
     """Base class of every error metrale-jax raises on purpose."""
 
+    code: str = "metrale_error"
+
 
 # ---- loading -------------------------------------------------------------------------------------
 class LoadError(MetraleError):
     """A checkpoint could not be loaded. The message names the file or tensor."""
+
+    code = "load_error"
 
 
 class UnknownArchitectureError(LoadError):
@@ -33,19 +41,55 @@ class CorruptCheckpointError(LoadError):
 class ModelNotFoundError(LoadError, FileNotFoundError):
     """An unknown model path or alias."""
 
+    code = "model_not_found"
+
 
 # ---- requests ------------------------------------------------------------------------------------
 class InvalidRequestError(MetraleError, ValueError):
     """A request was rejected before anything was queued (bad prompt or sampling value)."""
 
+    code = "invalid_request"
+
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus at least one generated token) does not fit in max_model_len."""
+
+    code = "context_length_exceeded"
+
+
+class MaxTokensTooLargeError(InvalidRequestError):
+    """The prompt's tokens plus max_tokens exceed max_model_len (vLLM's 400 for the same)."""
+
+    code = "context_length_exceeded"
 
 
 class EmptyPromptError(InvalidRequestError):
     """The prompt has no tokens."""
 
+    code = "empty_prompt"
+
+
+class InvalidPromptError(InvalidRequestError):
+    """The prompt cannot be tokenized (text that is not valid UTF-8, a token id outside the
+    vocabulary, a value that is no prompt at all)."""
+
+    code = "invalid_prompt"
+
+
+class InvalidMessagesError(InvalidRequestError):
+    """Chat messages that are not a list of {"role": str, "content": str | content parts}."""
+
+    code = "invalid_messages"
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The chat template failed to render these messages (a jinja2 error, or the template's own
+    raise_exception)."""
+
+    code = "chat_template_error"
+
 
 class InvalidSamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range."""
+
+    code = "invalid_sampling_params"

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import EngineStats, LLMEngine
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from metrale_jax.errors import InvalidRequestError
+from metrale_jax.errors import ChatTemplateError, InvalidMessagesError, InvalidPromptError, InvalidRequestError
 from metrale_jax.loading.hub import DEFAULT_MODEL
 from metrale_jax.sampling import SamplingParams
 
@@ -131,18 +131,78 @@ class LLM:
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError("this model has no tokenizer, so no chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, list | tuple) or not messages:
+            raise InvalidMessagesError("messages must be a non-empty list of {'role', 'content'} dicts "
+                                       "(or a list of such lists)")
+        single = isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        convs = [_check_messages(conv, "messages" if single else f"messages[{i}]") for i, conv in enumerate(convs)]
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise InvalidRequestError("this tokenizer has no chat template; pass chat_template= or use generate()")
         prompts = []
         for conv in convs:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                           chat_template=chat_template, **template_kwargs)
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          chat_template=chat_template, **template_kwargs)
+            try:
+                text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               chat_template=chat_template, **template_kwargs)
+            except InvalidRequestError:
+                raise
+            except Exception as e:  # noqa: BLE001 - jinja2 errors, the template's raise_exception, its ops' TypeErrors
+                raise ChatTemplateError(chat_template_error_message(e)) from e
+            try:
+                text.encode("utf-8")
+                # as apply_chat_template(tokenize=True): the template writes its own special tokens
+                ids = tok.encode(text, add_special_tokens=False)
+            except Exception as e:  # noqa: BLE001 - lone surrogates, or what else the tokenizer refuses
+                raise InvalidPromptError(f"the rendered chat prompt cannot be tokenized (text that is not valid "
+                                         f"UTF-8?): {type(e).__name__}: {e}") from e
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self._run(prompts, sampling_params, use_tqdm)
 
     def abort(self, request_id: str) -> None:
         self.llm_engine.abort(request_id)
+
+
+def chat_template_error_message(e: BaseException) -> str:
+    """What a chat template's failure says: the jinja2 error (with its template line) or the
+    template's own raise_exception message."""
+    line = getattr(e, "lineno", None)
+    where = f" (template line {line})" if line else ""
+    return f"the chat template cannot render these messages{where}: {type(e).__name__}: {e}"
+
+
+def _check_messages(conv: Any, where: str) -> list[dict]:
+    """One conversation as the chat template takes it: a non-empty list of dicts with a string
+    `role` and a `content` that is a string (None: "") or a list of OpenAI text content parts
+    ({"type": "text", "text": str}, joined with newlines as the server joins them). Other keys
+    (name, tool_calls, ...) pass through. Raises InvalidMessagesError naming the bad message."""
+    if not isinstance(conv, list | tuple) or not conv:
+        raise InvalidMessagesError(f"{where} must be a non-empty list of message dicts, got {type(conv).__name__}")
+    out = []
+    for i, m in enumerate(conv):
+        at = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidMessagesError(f"{at} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise InvalidMessagesError(f"{at} needs a string 'role' (e.g. 'user'), got {m.get('role')!r}")
+        if "content" not in m:
+            raise InvalidMessagesError(f"{at} (role {m['role']!r}) has no 'content'")
+        content = m["content"]
+        if content is None:
+            content = ""
+        elif isinstance(content, list | tuple):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InvalidMessagesError(f"{at}.content[{j}]: only {{'type': 'text', 'text': str}} content "
+                                               f"parts are supported, got {kind!r}")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif not isinstance(content, str):
+            raise InvalidMessagesError(f"{at}.content must be a string or a list of content parts, got "
+                                       f"{type(content).__name__}")
+        out.append({**m, "content": content})
+    return out
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "LLMEngine"]

@@ -366,7 +366,8 @@ def test_fuzzed_bodies_never_break_the_server(http, path, body, garble):
 
 
 _SERVE_SCRIPT = """
-import sys
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 sys.path.insert(0, {tests!r})
 from test_server_support import FakeEngine
 from metrale_jax.server import ServerConfig, serve
@@ -397,7 +398,9 @@ def _start_subprocess_server(delay: float, timeout: float) -> tuple[subprocess.P
 
 
 def test_sigterm_finishes_running_requests_then_exits_in_bounded_time():
-    # Steps of 50 ms: a 10-token request finishes within the 2 s grace period, a 90-token one cannot.
+    # Steps of 50 ms: a 10-token request finishes within the 2 s grace period, a 90-token one cannot:
+    # it is aborted then, and its stream still ends properly (a finish_reason "abort" chunk, [DONE]).
+    # The log: one access line per request, one line for the abort, no traceback.
     proc, url = _start_subprocess_server(delay=0.05, timeout=2)
     results: dict[str, list] = {}
 
@@ -432,8 +435,21 @@ def test_sigterm_finishes_running_requests_then_exits_in_bounded_time():
         assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
         assert "".join(e["choices"][0]["text"] for e in short[:-1]) == expected_fake_text(
             FakeTokenizer().encode("bye"), 0, 10)
-        assert results["long"][-1] != "[DONE]"  # cut off at the grace period
+        long = results["long"]
+        assert long[-1] == "[DONE]" and long[-2]["choices"][0]["finish_reason"] == "abort"
+        assert all(e["choices"][0]["finish_reason"] is None for e in long[:-2])
+        text = "".join(e["choices"][0]["text"] for e in long[:-1])
+        assert 10 <= len(text) < 90 and expected_fake_text(FakeTokenizer().encode("slow"), 0, 90).startswith(text)
         assert proc.wait(timeout=20) == 0
         assert time.monotonic() - t0 < 4.5  # 90 tokens would take 4.5 s
+        log = proc.stdout.read()
+        assert "Traceback" not in log and "CancelledError" not in log and "Cancel " not in log, log
+        assert len(re.findall(r"drain limit of 2 s passed; aborted 1 running request", log)) == 1, log
+        access = re.findall(r"metrale_jax\.server\.access: POST /v1/completions 200 id=cmpl-\w+ "
+                            r"prompt_tokens=(\d+) completion_tokens=(\d+) [0-9.]+s", log)
+        assert len(access) == 2 and ("3", "10") in access, log
+        n_long = int(next(c for p, c in access if p == "4"))  # what the aborted stream had been sent
+        assert 5 <= n_long < 90 and expected_fake_text(FakeTokenizer().encode("slow"), 0, n_long) == text
+        assert "GET /health" not in log  # probes are DEBUG
     finally:
         proc.kill()

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from metrale_jax.errors import EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError
+from metrale_jax.errors import EmptyPromptError, InvalidSamplingParamsError, MaxTokensTooLargeError, PromptTooLongError
 from metrale_jax.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
@@ -111,6 +111,8 @@ class FakeEngine:
             raise EmptyPromptError("the prompt is empty")
         if len(ids) >= self.config.max_model_len:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit max_model_len")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.config.max_model_len:
+            raise MaxTokensTooLargeError(f"{len(ids)} prompt + {params.max_tokens} tokens exceed max_model_len")
         if any(not 0 <= i < VOCAB for i in ids):
             raise InvalidSamplingParamsError("token id out of range")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:

@@ -8,6 +8,39 @@ Streaming follows the OpenAI wire format: `data: {json}\\n\\n` server-sent event
 `data: [DONE]`. Engine outputs are cumulative, so each chunk is the difference from the last
 one sent. When a request has stop strings the last `max(len(stop)) - 1` characters are held
 back until the request finishes, so text that a stop string later swallows is never streamed.
+A stream that the server ends early ends like any other: a stream whose request the shutdown drain
+aborted gets a last chunk with finish_reason "abort" per unfinished choice (then the usage chunk
+when asked for, then `[DONE]`); one whose engine died gets an error event, then `[DONE]`.
+
+Errors are OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`: `type` is
+the kind, `code` always a snake_case string (never a class name, never null), `param` the
+request field at fault or null.
+
+    status  type                   code: when
+    400     invalid_request_error  invalid_json: the body is not JSON, or not a JSON object
+                                   invalid_value: a field of the wrong type or out of range (`param`)
+                                   unsupported_parameter, unsupported_value: logit_bias, suffix,
+                                     tools, a non-text content part, best_of != n, ...
+                                   context_length_exceeded: the prompt does not fit max_model_len,
+                                     or prompt tokens + max_tokens exceed it
+                                   empty_prompt, invalid_prompt: no tokens; text that cannot be
+                                     tokenized; a token id outside the vocabulary
+                                   invalid_sampling_params: a value the engine refuses
+                                   chat_template_error, no_chat_template, invalid_messages
+                                   (any other InvalidRequestError: its class's `code`, errors.py)
+    401     authentication_error   invalid_api_key
+    404     not_found_error        model_not_found (an unknown `model`), not_found (an unknown path)
+    405     invalid_request_error  method_not_allowed
+    413     invalid_request_error  request_too_large: the body exceeds max_request_bytes
+    500     server_error           engine_dead: the engine thread died
+                                   internal_error: an unexpected exception (logged)
+                                   (any other MetraleError, e.g. a LoadError: its class's `code`)
+    503     server_error           queue_full (with Retry-After), shutting_down
+
+Access log: one INFO line per finished request on the `metrale_jax.server.access` logger (method,
+path, status, request id, prompt and completion tokens, seconds until the response ended),
+`GET /health` and `/metrics` at DEBUG only; uvicorn's own access log is off, so there is one line
+per request. `ServerConfig(log_requests=False)` (`--disable-log-requests`) turns it off.
 """
 
 from __future__ import annotations
@@ -28,9 +61,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metrale_jax.errors import InvalidRequestError, MetraleError
+from metrale_jax.errors import InvalidPromptError, InvalidRequestError, MetraleError
+from metrale_jax.llm import chat_template_error_message
 from metrale_jax.sampling import SamplingParams
 from metrale_jax.server.engine_loop import (
+    DrainTimeoutError,
     EngineDeadError,
     EngineLoop,
     QueueFullError,
@@ -47,6 +82,8 @@ from metrale_jax.server.protocol import (
 )
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".access")
+_QUIET_PATHS = ("/health", "/metrics")  # probes: their access lines are DEBUG
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
 
@@ -61,6 +98,7 @@ class ServerConfig:
     max_request_bytes: the body size limit (413 past it).
     retry_after_s: the Retry-After value sent with 503s.
     engine_stop_timeout_s: how long the lifespan shutdown waits for the engine thread.
+    log_requests: one access-log line per finished request (see the module docstring).
     """
 
     model_names: tuple[str, ...] = ("model",)
@@ -69,6 +107,7 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     retry_after_s: int = 1
     engine_stop_timeout_s: float = 10.0
+    log_requests: bool = True
 
 
 def _now() -> int:
@@ -248,6 +287,16 @@ class _Generation:
                 chunks.append(_sse(self._chunk(ch.index, payload, lp_obj, finish)))
         return chunks
 
+    def abort_chunks(self) -> list[str]:
+        """The last chunk of every unfinished choice: finish_reason "abort" (text held back for
+        stop strings is dropped: the request did not finish)."""
+        out = []
+        for ch in self.choices.values():
+            if not ch.finished:
+                ch.finished = True
+                out.append(_sse(self._chunk(ch.index, {} if self.chat else "", None, "abort")))
+        return out
+
     def usage_chunk(self) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
@@ -297,13 +346,50 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
+class _AccessLog:
+    """ASGI middleware: one access-log line per HTTP request once its response has ended.
+    Handlers put their request id and `_Generation` (for the token counts) in
+    `scope["metrale.access"]`."""
+
+    def __init__(self, app: Any, enabled: bool):
+        self.app = app
+        self.enabled = enabled
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.enabled:
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        info: dict[str, Any] = {"status": None}
+        scope["metrale.access"] = info
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                info["status"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            level = logging.DEBUG if path in _QUIET_PATHS else logging.INFO
+            if access_log.isEnabledFor(level):
+                gen = info.get("gen")
+                usage = gen.usage() if gen is not None else {"prompt_tokens": 0, "completion_tokens": 0}
+                # 499: the client went away before any response (nginx's code for it)
+                status = info["status"] if info["status"] is not None else 499
+                access_log.log(level, "%s %s %d id=%s prompt_tokens=%d completion_tokens=%d %.3fs",
+                               scope.get("method", "-"), path, status, info.get("request_id", "-"),
+                               usage["prompt_tokens"], usage["completion_tokens"], time.perf_counter() - t0)
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
             declared = int(cl)
         except ValueError:
-            raise RequestError("invalid Content-Length header") from None
+            raise RequestError("invalid Content-Length header", code="invalid_request") from None
         if declared > limit:
             raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                                status=413, code="request_too_large")
@@ -347,12 +433,13 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             await loop_.stop(config.engine_stop_timeout_s)
 
     app = FastAPI(title="metrale-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_AccessLog, enabled=config.log_requests)
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = config
     app.state.shutting_down = False
 
-    def err(status: int, message: str, err_type: str, param: str | None = None, code: Any = None,
+    def err(status: int, message: str, err_type: str, param: str | None, code: str,
             headers: dict | None = None) -> JSONResponse:
         return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
 
@@ -364,37 +451,41 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.exception_handler(InvalidRequestError)
     async def _on_invalid(_: Request, e: InvalidRequestError):
-        return err(400, str(e), "invalid_request_error", None, type(e).__name__)
+        return err(400, str(e), "invalid_request_error", None, e.code)
 
     @app.exception_handler(QueueFullError)
     async def _on_full(_: Request, e: QueueFullError):
         metrics.rejected.labels(reason="queue_full").inc()
-        return err(503, f"server overloaded: {e}; retry later", "server_overloaded", None, "queue_full",
+        return err(503, f"server overloaded: {e}; retry later", "server_error", None, "queue_full",
                    headers={"Retry-After": str(config.retry_after_s)})
 
     @app.exception_handler(ServerStoppingError)
     async def _on_stopping(_: Request, e: ServerStoppingError):
-        metrics.rejected.labels(reason="shutting_down").inc()
-        return err(503, str(e), "server_unavailable", None, "shutting_down",
+        if not isinstance(e, DrainTimeoutError):  # (a drain abort was a running request, not a rejection)
+            metrics.rejected.labels(reason="shutting_down").inc()
+        return err(503, str(e), "server_error", None, "shutting_down",
                    headers={"Retry-After": str(config.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
     async def _on_dead(_: Request, e: EngineDeadError):
-        return err(500, str(e), "internal_error", None, "engine_dead")
+        return err(500, str(e), "server_error", None, "engine_dead")
 
     @app.exception_handler(MetraleError)
     async def _on_metrale(_: Request, e: MetraleError):
-        return err(400, str(e), "invalid_request_error", None, type(e).__name__)
+        # not a request error (those are InvalidRequestError): a server-side problem, e.g. a load error
+        log.error("request failed: %s: %s", type(e).__name__, e)
+        return err(500, str(e), "server_error", None, e.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, e: StarletteHTTPException):
-        return err(e.status_code, str(e.detail), "invalid_request_error", None, e.status_code,
-                   headers=getattr(e, "headers", None))
+        err_type, code = _HTTP_ERRORS.get(e.status_code, ("invalid_request_error", "invalid_request") if
+                                          e.status_code < 500 else ("server_error", "internal_error"))
+        return err(e.status_code, str(e.detail), err_type, None, code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _on_any(_: Request, e: Exception):
         log.exception("unhandled error")
-        return err(500, f"internal error: {type(e).__name__}", "internal_error", None, None)
+        return err(500, f"internal error: {type(e).__name__}", "server_error", None, "internal_error")
 
     def check_auth(request: Request) -> None:
         if config.api_key is None:
@@ -408,7 +499,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.model_names:
             raise RequestError(f"the model {name!r} does not exist; this server serves {model_name!r}",
-                               param="model", status=404, code="model_not_found")
+                               param="model", status=404, err_type="not_found_error", code="model_not_found")
 
     def check_serving() -> None:
         if app.state.shutting_down or loop_.stopping:
@@ -418,9 +509,9 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.get("/health")
     async def health():
         if not loop_.alive:
-            return err(500, f"engine is not running: {loop_.error!r}", "internal_error", None, "engine_dead")
+            return err(500, f"engine is not running: {loop_.error!r}", "server_error", None, "engine_dead")
         if app.state.shutting_down:
-            return err(503, "shutting down", "server_unavailable", None, "shutting_down")
+            return err(503, "shutting down", "server_error", None, "shutting_down")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -446,8 +537,13 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                             yield c
                     if include_usage:
                         yield gen.usage_chunk()
-                except (EngineDeadError, ServerStoppingError) as e:
-                    yield _sse(error_body(str(e), "internal_error", None, type(e).__name__))
+                except ServerStoppingError:  # the shutdown drain aborted it: end it as an abort
+                    for c in gen.abort_chunks():
+                        yield c
+                    if include_usage:
+                        yield gen.usage_chunk()
+                except EngineDeadError as e:
+                    yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
                 finally:
                     sub.abort()  # a no-op once finished; frees everything on disconnect
                 yield "data: [DONE]\n\n"
@@ -476,7 +572,12 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         consumer.result()  # re-raises EngineDeadError / ServerStoppingError
         return JSONResponse(gen.response())
 
-    async def submit(gen: _Generation, prompts: list[Any], kwargs: dict[str, Any]) -> Subscription:
+    async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any]
+                     ) -> Subscription:
+        access = request.scope.get("metrale.access")
+        if access is not None:
+            access["request_id"] = gen.id
+            access["gen"] = gen
         params = SamplingParams(**kwargs)
         reqs = [(rid, p, params) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
         return await loop_.submit(reqs)
@@ -497,7 +598,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo)
-        sub = await submit(gen, prompts, kwargs)
+        sub = await submit(request, gen, prompts, kwargs)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -509,21 +610,31 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         check_model(req.model)
         kwargs = req.to_sampling_params_kwargs(max_model_len)
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("this model has no chat template; use /v1/completions")
+            raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
         messages = req.template_messages()
         try:
-            ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
-                                          add_generation_prompt=req.add_generation_prompt is not False,
-                                          tokenize=True)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=req.add_generation_prompt is not False,
+                                           tokenize=False)
         except Exception as e:  # noqa: BLE001 - jinja2 errors from the model's template are the caller's
-            raise RequestError(f"chat template error: {e}", param="messages") from None
+            raise RequestError(chat_template_error_message(e), param="messages", code="chat_template_error") from None
+        try:  # as apply_chat_template(tokenize=True): the template writes its own special tokens
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises bare TypeError / Exception
+            raise InvalidPromptError(f"the rendered chat prompt cannot be tokenized: {type(e).__name__}: {e}") from None
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None)
-        sub = await submit(gen, [{"prompt_token_ids": list(ids)}], kwargs)
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     return app
+
+
+_HTTP_ERRORS = {  # Starlette's own HTTP errors: status -> (type, code)
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+}
 
 
 def _holdback(kwargs: dict[str, Any]) -> int:

@@ -105,6 +105,8 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no access-log line per finished request (method, path, status, id, tokens, time)")
     (add_engine_options or add_engine_args)(p)
 
 
@@ -120,7 +122,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if engine.model_name and engine.model_name not in names:
         names = (*names, engine.model_name)
     config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                          max_request_bytes=args.max_request_bytes)
+                          max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests)
     serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
           log_level=args.log_level)
     return 0

@@ -10,6 +10,11 @@ two places only:
 Engine outputs are cumulative (full text and token ids so far), so a subscription only keeps the
 latest output per request: a slow client gets coalesced updates instead of a growing backlog.
 
+Shutdown: `begin_drain(limit_s)` (from the signal handler, any thread) stops new submissions and
+gives the running requests `limit_s` seconds; then every one still running is aborted in the
+engine and its subscription ends with `DrainTimeoutError`, so each HTTP handler can still send a
+final chunk (finish_reason "abort") and `[DONE]` before the server closes. One log line says so.
+
 Backpressure: the number of waiting requests (added but not yet running in the engine, plus those
 still in the command queue) is bounded by `max_waiting`; past it `submit` raises `QueueFullError`
 at once, and the HTTP layer answers 503 with Retry-After.
@@ -36,6 +41,10 @@ class QueueFullError(Exception):
 
 class ServerStoppingError(Exception):
     """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+class DrainTimeoutError(ServerStoppingError):
+    """The shutdown drain limit passed while the request ran; it was aborted."""
 
 
 class EngineDeadError(Exception):
@@ -157,6 +166,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._steps = 0
         self._live: set[str] = set()  # request ids added to the engine and not finished; engine thread only
+        self._drain_timer: asyncio.TimerHandle | None = None
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -261,6 +271,34 @@ class EngineLoop:
                     for o in out.outputs:
                         m.finished.labels(finish_reason=str(o.finish_reason or "abort")).inc()
 
+    def begin_drain(self, limit_s: float) -> None:
+        """Shutdown began: take no new requests, and abort those still running after `limit_s`
+        seconds (`DrainTimeoutError` to their subscribers). Callable from any thread, once or more."""
+        self._stopping = True
+        if self._loop is None or self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._arm_drain, limit_s)
+        except RuntimeError:
+            pass  # the event loop is closing already
+
+    def _arm_drain(self, limit_s: float) -> None:
+        if self._drain_timer is None:
+            self._drain_timer = asyncio.get_running_loop().call_later(limit_s, self._drain_expired, limit_s)
+
+    def _drain_expired(self, limit_s: float) -> None:
+        """Abort every running request (on the event loop; one log line)."""
+        subs = set(self._subs.values())
+        rids = sorted(r for sub in subs for r in sub._unfinished)
+        if not rids:
+            return
+        err = DrainTimeoutError(f"the server is shutting down: the request was aborted after the drain limit of "
+                                f"{limit_s:g} s")
+        for sub in subs:
+            sub._fail(err)
+        self._abort(rids)
+        log.warning("shutdown: the drain limit of %g s passed; aborted %d running request(s)", limit_s, len(rids))
+
     def _fail_all(self, err: BaseException) -> None:
         for sub in set(self._subs.values()):
             sub._fail(err)
@@ -270,6 +308,8 @@ class EngineLoop:
     async def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is still running, stop the engine thread and wait for it (bounded)."""
         self._stopping = True
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         if self._thread is None:
             return
         self._fail_all(ServerStoppingError("the server is shutting down"))

@@ -32,10 +32,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class RequestError(InvalidRequestError):
-    """A request the server rejects with a 4xx status. `param` names the field, when one is at fault."""
+    """A request the server rejects with a 4xx status. `param` names the field, when one is at fault;
+    `code` is a snake_case string (the table in app.py's docstring)."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 err_type: str = "invalid_request_error", code: str | None = None):
+                 err_type: str = "invalid_request_error", code: str = "invalid_value"):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -44,8 +45,8 @@ class RequestError(InvalidRequestError):
         self.code = code
 
 
-def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
-    """The OpenAI error object."""
+def error_body(message: str, err_type: str, param: str | None, code: str) -> dict:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
@@ -96,18 +97,17 @@ class _SamplingFields(_Base):
 
     def _common_checks(self) -> None:
         if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
+            raise RequestError("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         for s in stops:
             if not s:
                 raise RequestError("stop strings must be non-empty", param="stop")
 
     def _sampling_kwargs(self, max_tokens: int | None, max_model_len: int, logprobs: int | None) -> dict[str, Any]:
-        """SamplingParams keyword arguments; `max_tokens` None means "up to max_model_len"."""
+        """SamplingParams keyword arguments; `max_tokens` None means "up to max_model_len". A
+        max_tokens that does not fit beside the prompt is the engine's 400 (context_length_exceeded),
+        never silently capped."""
         self._common_checks()
-        if max_tokens is not None:
-            # The engine stops at max_model_len anyway; clamping keeps absurd values out of its arrays.
-            max_tokens = min(max_tokens, max_model_len)
         min_tokens = self.min_tokens or 0
         if min_tokens > (max_tokens if max_tokens is not None else max_model_len):
             raise RequestError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
@@ -162,11 +162,12 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
         if self.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
+            raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise RequestError("best_of must equal n (or be omitted)", param="best_of")
+            raise RequestError("best_of must equal n (or be omitted)", param="best_of", code="unsupported_value")
         if self.echo and self.logprobs is not None:
-            raise RequestError("echo together with logprobs is not supported", param="echo")
+            raise RequestError("echo together with logprobs is not supported", param="echo",
+                               code="unsupported_parameter")
         return self._sampling_kwargs(self.max_tokens, max_model_len, self.logprobs)
 
 
@@ -189,7 +190,7 @@ class ChatMessage(_Base):
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 raise RequestError(f"only text content parts are supported, got type {part.type!r}",
-                                   param=f"{where}.content[{j}]")
+                                   param=f"{where}.content[{j}]", code="unsupported_value")
             parts.append(part.text)
         return "\n".join(parts)
 
@@ -224,12 +225,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
         if self.tools:
-            raise RequestError("tools are not supported", param="tools")
+            raise RequestError("tools are not supported", param="tools", code="unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice is not supported", param="tool_choice")
+            raise RequestError("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
         if self.response_format is not None and self.response_format.type != "text":
             raise RequestError(f"response_format type {self.response_format.type!r} is not supported",
-                               param="response_format")
+                               param="response_format", code="unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -247,7 +248,7 @@ def parse_request[T: _Base](model: type[T], body: bytes) -> T:
         if err.get("type") == "json_invalid":
             raise RequestError(f"malformed JSON: {err.get('msg')}", code="invalid_json") from None
         if err.get("type") == "model_type":
-            raise RequestError("the request body must be a JSON object") from None
+            raise RequestError("the request body must be a JSON object", code="invalid_json") from None
         msg = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
         raise RequestError(msg, param=loc or None) from None
     unknown = req.unknown_fields()

@@ -1,5 +1,12 @@
 """Running the app under uvicorn: in the foreground (`serve`, with graceful SIGTERM) or on a
-background thread (`BackgroundServer`, for tests, benchmarks and notebooks)."""
+background thread (`BackgroundServer`, for tests, benchmarks and notebooks).
+
+Shutdown (SIGTERM/SIGINT, or `BackgroundServer.stop`): stop accepting, let running requests run
+for up to `shutdown_timeout_s`, then abort those left (`EngineLoop.begin_drain`): each gets its
+final chunk or error response and `[DONE]`, and one log line says how many were aborted. uvicorn's
+own limit, after which it cancels the handlers (with a traceback each), is `_FLUSH_S` later, so
+it only fires for a client that stopped reading.
+"""
 
 from __future__ import annotations
 
@@ -18,20 +25,28 @@ from metrale_jax.server.app import ServerConfig, create_app
 
 log = logging.getLogger(__name__)
 
+_FLUSH_S = 2.0  # after the drain limit: time for the aborted requests' last chunks to reach their clients
+
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the app when shutdown starts (so /health and new requests say 503)
     and exiting with status 0 after a graceful shutdown instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, app: Any):
+    def __init__(self, config: uvicorn.Config, app: Any, drain_s: float):
         super().__init__(config)
         self._app = app
+        self.drain_s = drain_s
+
+    def begin_shutdown(self) -> None:
+        """Say 503 to new requests, and abort the running ones after the drain limit."""
+        self._app.state.shutting_down = True
+        self._app.state.engine_loop.begin_drain(self.drain_s)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self._app.state.shutting_down = True
         if not self.should_exit:
-            log.info("received signal %d: stop accepting, finish running requests (up to %s s), exit",
-                     sig, self.config.timeout_graceful_shutdown)
+            log.info("received signal %d: stop accepting, finish running requests (up to %g s), exit",
+                     sig, self.drain_s)
+            self.begin_shutdown()
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -50,8 +65,9 @@ class _Server(uvicorn.Server):
 
 def _uvicorn_config(app: Any, host: str, port: int, shutdown_timeout_s: float, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s,
-        access_log=False, lifespan="on", timeout_keep_alive=5,
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s + _FLUSH_S,
+        access_log=False,  # the app writes one access line per request itself (app.py)
+        lifespan="on", timeout_keep_alive=5,
         # More simultaneous connections than the waiting bound, so overload gets a 503, not a refusal.
         backlog=4096,
     )
@@ -60,9 +76,10 @@ def _uvicorn_config(app: Any, host: str, port: int, shutdown_timeout_s: float, l
 def serve(engine: Any, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout_s: float = 30.0, log_level: str = "info") -> None:
     """Serve `engine` until SIGINT/SIGTERM: stop accepting, let running requests finish for up to
-    `shutdown_timeout_s` seconds (then cancel them), stop the engine thread, return."""
+    `shutdown_timeout_s` seconds (then abort them, each stream ending with a finish_reason "abort"
+    chunk and `[DONE]`), stop the engine thread, return."""
     app = create_app(engine, config)
-    server = _Server(_uvicorn_config(app, host, port, shutdown_timeout_s, log_level), app)
+    server = _Server(_uvicorn_config(app, host, port, shutdown_timeout_s, log_level), app, shutdown_timeout_s)
     server.run()
 
 
@@ -84,7 +101,8 @@ class BackgroundServer:
         self.app = create_app(engine, config)
         self.host = host
         self.port = port or free_port(host)
-        self.server = _Server(_uvicorn_config(self.app, host, self.port, shutdown_timeout_s, log_level), self.app)
+        self.server = _Server(_uvicorn_config(self.app, host, self.port, shutdown_timeout_s, log_level), self.app,
+                              shutdown_timeout_s)
         self._thread: threading.Thread | None = None
 
     @property
@@ -109,7 +127,7 @@ class BackgroundServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         if self._thread is None:
             return
-        self.app.state.shutting_down = True
+        self.server.begin_shutdown()
         self.server.should_exit = True
         self._thread.join(timeout_s)
         self._thread = None
