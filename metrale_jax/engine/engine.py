@@ -25,8 +25,10 @@ from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale_jax.engine.scheduler import Chunk, Request, Scheduler, SeqStatus, Sequence
 from metrale_jax.errors import (
     EmptyPromptError,
+    InvalidPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
+    MaxTokensTooLargeError,
     PromptTooLongError,
 )
 from metrale_jax.layers.linear import use_fp8_kernel
@@ -237,18 +239,31 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send {'prompt_token_ids': [...]}")
             text = prompt
-            ids = self.tokenizer.encode(prompt) if prompt else []
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                # A str with lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
+                # (how Python hands over a command-line argument such as $'bad \xff byte').
+                raise InvalidPromptError(
+                    f"the prompt is not valid UTF-8 text: {prompt[e.start:e.end]!r} at character {e.start} is a "
+                    f"lone surrogate (a byte that is not UTF-8, decoded with surrogateescape?)") from None
+            try:
+                ids = self.tokenizer.encode(prompt) if prompt else []
+            except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises bare TypeError / Exception
+                raise InvalidPromptError(f"the tokenizer cannot encode the prompt: {type(e).__name__}: {e}") from e
         elif isinstance(prompt, list | tuple | np.ndarray):
             ids = prompt
         else:
-            raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+            raise InvalidPromptError(f"unsupported prompt type {type(prompt).__name__}")
+        if isinstance(ids, str | bytes):
+            raise InvalidPromptError("prompt_token_ids must be a list of integers, got a string")
         try:
             ids = [int(i) for i in ids]
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"prompt_token_ids must be integers: {e}") from e
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidPromptError(f"prompt_token_ids must be integers: {e}") from e
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidPromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return text, ids
 
     def validate(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -264,6 +279,13 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; max_model_len={mml} leaves room for at most "
                 f"{mml - 1} prompt tokens plus one generated token")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > mml:
+            # vLLM's check and message (None means "up to max_model_len", never an error)
+            raise MaxTokensTooLargeError(
+                f"This model's maximum context length is {mml} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
+                f"completion). Please reduce the length of the prompt or completion (max_tokens <= "
+                f"{mml - len(ids)}, or None for up to the context).")
         k = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
