@@ -108,9 +108,10 @@ class Model:
 
 def load_model(
     path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
-    quantization: str | None = None,
+    quantization: str | None = None, revision: str | None = None,
 ) -> tuple[Model, dict]:
-    """Load a checkpoint (HF safetensors directory, GGUF file, or a known alias) -> (model, params).
+    """Load a checkpoint (HF safetensors directory, GGUF file, a known alias, or a Hugging Face
+    repo id `org/name` at `revision`, fetched with huggingface_hub: `loading/hub.py`) -> (model, params).
 
     dtype: "auto" (the checkpoint's own float dtype; float32 for GGUF), "float32", "bfloat16"
     or "float16". FP8 block-scaled checkpoints (`quantization_config.quant_method == "fp8"`)
@@ -125,7 +126,7 @@ def load_model(
     from metrale_jax.loading.weights import WeightReader, np_dtype
 
     t0 = time.perf_counter()
-    resolved = resolve_model(path)
+    resolved = resolve_model(path, revision=revision, show_progress=show_progress)
     ckpt = open_checkpoint(resolved)
     cfg = ModelConfig.from_hf(ckpt.config)
     fam_name, fam = family_for(cfg.architecture)
