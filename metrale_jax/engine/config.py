@@ -48,6 +48,7 @@ class EngineConfig:
     """Engine configuration. None = chosen from the model and device at start-up."""
 
     model: str = DEFAULT_MODEL  # path or alias (see metrale_jax.loading.hub)
+    revision: str | None = None  # Hugging Face revision (branch, tag or commit) of a hub model id
     dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
     kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
     quantization: str | None = None  # "fp8": quantize the decoder linears to FP8 (128x128 blocks) at load
