@@ -4,16 +4,50 @@ The routed experts run as a grouped GEMM over the (token, expert) pairs sorted b
 `jax.lax.ragged_dot` (pure XLA, the CPU path), or on the GPU tokamax's `ragged_dot` (a Mosaic
 GPU kernel). Measured on the H200 (bench/results/grouped_matmul_2026-11-29.md) tokamax ran
 121-178 us where XLA's ragged_dot took 330-2425 us, and beat our own Pallas kernel (removed).
+
+tokamax, how we call it (read from the tokamax 0.0.17 source, the GPU machine's version):
+* Availability is decided once per process by importing tokamax for real and reading
+  `tokamax.ragged_dot` and its Mosaic GPU op (`tokamax._src.ops.ragged_dot.pallas_mosaic_gpu`,
+  the module that `tokamax.ops.gpu` re-exports; that public module also imports triton and
+  jax_triton, which the Mosaic path does not need). `find_spec` alone said yes when tokamax's
+  dependency pydantic was missing, and the step then failed. On any failure the experts run
+  through `jax.lax.ragged_dot`, with one warning that gives the error.
+* Config choice inside tokamax: `Op.__call__` asks `BoundArguments.default_config`, which returns
+  `op.config` when set; otherwise it looks the shape up in the autotuning cache shipped in the
+  wheel (`tokamax/data/autotuning/<device kind>/...json`: A100, B200 and TPUs, no H200 file),
+  logs `Autotuning cache miss for <op> on <device> with key <json>` through absl at WARNING for
+  every traced call that misses, and then falls back as the absl flag
+  `--tokamax_autotuning_cache_miss_fallback` says: "heuristics" (the default: the op's
+  `_get_heuristics_config`), "autotune" (benchmark every candidate config, at trace time) or
+  "error". The context manager `tokamax.config.autotuning_cache_miss_fallback(...)` sets the
+  same per scope. So with default flags 0.0.17 does not autotune on a miss: the hundreds of
+  warning lines on the H200 were the cache misses, one per MoE GEMM per traced step, each
+  followed by the heuristic config (the same config `_tokamax_op` now passes).
+* What we do: resolve tokamax's own heuristic config at trace time
+  (`op.bind(x, w, group_sizes=..., preferred_element_type=f32).heuristics_config`: on Hopper
+  bf16 block 64x64x128, 2 stages, not persistent, M-minor grid; other chips get their own) and
+  pass it explicitly (`op.replace(config=cfg)` as the `implementation`), so neither the cache
+  lookup, nor its warning, nor autotuning can happen, whatever the flags say. The H200 bench
+  found that heuristic within 7% of the best of four other configs on every case (one prefill
+  shape ran 6% faster at 64x128x64/6 stages, but slower on both decode shapes), so no tuned
+  table ships.
+* Logs: a filter on absl's logger lets each distinct tokamax message template through once at
+  WARNING or below and drops the repeats (errors and other libraries' absl records pass).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import logging
+import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from metrale_jax.layers.mlp import linear
+
+log = logging.getLogger(__name__)
 
 
 def softmax_topk_router(x, w_router, top_k: int, norm_topk_prob: bool):
@@ -26,25 +60,85 @@ def softmax_topk_router(x, w_router, top_k: int, norm_topk_prob: bool):
     return w.astype(x.dtype).astype(jnp.float32), idx.astype(jnp.int32)
 
 
+class _Tokamax(NamedTuple):
+    ragged_dot: Any  # tokamax.ragged_dot
+    op: Any  # a PallasMosaicGpuRaggedDot without config: `op.bind(...)`, `op.replace(config=...)`
+
+
+class _TokamaxLogFilter(logging.Filter):
+    """On absl's logger: a record at WARNING or below logged from tokamax's source passes the
+    first time its message template is seen; repeats are dropped. Errors and the absl records of
+    other libraries (orbax, ...) pass untouched."""
+
+    def __init__(self, source_dir: str):
+        super().__init__()
+        self.source_dir = source_dir
+        self.seen: set[tuple[int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR or not record.pathname.startswith(self.source_dir):
+            return True
+        key = (record.levelno, str(record.msg))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def _install_log_filter(source_dir: str) -> None:
+    absl_log = logging.getLogger("absl")
+    for f in [f for f in absl_log.filters if isinstance(f, _TokamaxLogFilter)]:
+        absl_log.removeFilter(f)
+    absl_log.addFilter(_TokamaxLogFilter(source_dir))
+
+
+@functools.cache
+def _load_tokamax() -> _Tokamax | None:
+    """tokamax's ragged_dot and Mosaic GPU op, imported for real once per process; None (after
+    one warning that says why) when tokamax is missing or broken."""
+    try:
+        import tokamax
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
+
+        found = _Tokamax(tokamax.ragged_dot, pallas_mosaic_gpu.PallasMosaicGpuRaggedDot())
+    except Exception as e:  # ImportError of a dependency, an AttributeError, a flag clash: all mean "unusable"
+        log.warning("tokamax unavailable (%s: %s): MoE experts run through jax.lax.ragged_dot (slower on the GPU)",
+                    type(e).__name__, e)
+        return None
+    _install_log_filter(os.path.dirname(os.path.abspath(tokamax.__file__)) + os.sep)
+    return found
+
+
 def tokamax_available() -> bool:
-    return importlib.util.find_spec("tokamax") is not None
+    """Whether tokamax imports and has `ragged_dot` (decided once; see the module docstring)."""
+    return _load_tokamax() is not None
+
+
+def _tokamax_op(tk: _Tokamax, x, w, sizes):
+    """tokamax's Mosaic GPU op with its own heuristic config for these shapes bound in (no cache
+    lookup, no autotuning). x [M, K], w [G, K, N], sizes i32[G]; abstract values suffice."""
+    cfg = tk.op.bind(x, w, group_sizes=sizes, preferred_element_type=jnp.float32).heuristics_config
+    return tk.op.replace(config=cfg)
 
 
 def grouped_matmul(x, w, sizes, use_tokamax: bool):
-    """x [M, K] rows sorted by group, w [G, K, N], sizes i32[G] (summing to M) -> f32[M, N]."""
-    if use_tokamax:
-        import tokamax
+    """x [M, K] rows sorted by group, w [G, K, N], sizes i32[G] (summing to M) -> f32[M, N].
 
-        # tokamax's TMA tiling takes M <= 8 or a multiple of 8 rows (M = 10 for one token routed
-        # to 10 experts failed on the H200): pad with rows of the last group, dropped after.
-        m = x.shape[0]
-        pad = -m % 8 if m > 8 else 0
-        if pad:
-            x = jnp.pad(x, ((0, pad), (0, 0)))
-            sizes = sizes.at[-1].add(pad)
-        y = tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation="mosaic")
-        return y[:m]
-    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    use_tokamax: tokamax's Mosaic GPU kernel; falls back to `jax.lax.ragged_dot` when tokamax is
+    unusable (one warning per process)."""
+    tk = _load_tokamax() if use_tokamax else None
+    if tk is None:
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    # tokamax's TMA tiling takes M <= 8 or a multiple of 8 rows (M = 10 for one token routed
+    # to 10 experts failed on the H200): pad with rows of the last group, dropped after.
+    m = x.shape[0]
+    pad = -m % 8 if m > 8 else 0
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))  # [M + pad, K]
+        sizes = sizes.at[-1].add(pad)
+    op = _tokamax_op(tk, x, w, sizes)
+    y = tk.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation=(op,))  # f32[M + pad, N]
+    return y[:m]
 
 
 def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gated: bool = True,
