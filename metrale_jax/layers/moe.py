@@ -98,9 +98,11 @@ def _load_tokamax() -> _Tokamax | None:
     one warning that says why) when tokamax is missing or broken."""
     try:
         import tokamax
+
+        ragged_dot = tokamax.ragged_dot  # first: a half-imported tokamax fails here, and says so
         from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
 
-        found = _Tokamax(tokamax.ragged_dot, pallas_mosaic_gpu.PallasMosaicGpuRaggedDot())
+        found = _Tokamax(ragged_dot, pallas_mosaic_gpu.PallasMosaicGpuRaggedDot())
     except Exception as e:  # ImportError of a dependency, an AttributeError, a flag clash: all mean "unusable"
         log.warning("tokamax unavailable (%s: %s): MoE experts run through jax.lax.ragged_dot (slower on the GPU)",
                     type(e).__name__, e)
