@@ -11,12 +11,18 @@ Order of operations per row (vLLM v1):
 
 Seeds: the random key of a row is derived from (request seed, sequence index, output index), never
 from the row's position in the batch, so a seeded request samples the same tokens whatever else
-is in the batch. The expensive parts (penalties, top-k/top-p sort, top logprobs, prompt logprobs)
-run under `lax.cond` on host-computed flags, so a batch that needs none of them pays nothing.
-`sample(..., lean=True)` is the variant without conditionals, for batches that need no top-k/top-p
-and no logprobs (the engine's decode steps run it when the batch allows): on the GPU XLA runs a
-conditional from the host, which waits for the predicate, i.e. for the whole forward pass, so
-the next step cannot be queued behind this one (H200, Llama-3-8B batch 1: ~2 ms idle per step).
+is in the batch.
+
+One graph samples every batch: no `lax.cond` (on the GPU XLA runs a conditional from the host,
+which waits for the predicate, i.e. for the whole forward pass, so the next step could not be
+queued behind this one) and no sort over the vocabulary. Penalties, the filters, the random draw
+and the logprobs are computed for every row and selected per row. `filter_logits` applies
+min_p / top_k / top_p with thresholds found by a fixed number of passes over [R, V] (a k-ary
+search over float32 bit patterns: 8 passes of 15 thresholds on a GPU); the top logprobs come
+from `lax.top_k` in rounds of <= 16.
+Only `prompt_logprobs` keeps a `lax.cond` (it runs the LM head over prefill tokens, so computing
+it unasked would cost a prefill's worth of LM head; decode steps have no prompt tokens and skip it
+statically).
 
 Penalties need to know which tokens a sequence has seen. That lives on the device in
 `PenaltyState` (a row per penalised sequence, part of the donated engine state): each step counts
@@ -181,7 +187,8 @@ class SamplingMetadata:
     seeds: Array  # u32[S, 3]  (seed low 32 bits, seed high 32 bits, sequence index)
     out_index: Array  # i32[S]  index of the token being sampled among the sequence's outputs
     suppress_ids: Array  # i32[S, M]  ids that may not be sampled (min_tokens); -1 = none
-    flags: Array  # bool[4]  any (penalties, top-k/top-p, random rows, logprobs) among the rows
+    flags: Array  # bool[4]  any (penalties, top-k/top-p, random rows, logprobs) among the rows;
+    #               `sample` no longer reads it (one graph for every batch)
     tok_pen_rows: Array  # i32[T]  PenaltyState row of each input token; -1 = not counted
     tok_is_output: Array  # bool[T]  input token is a generated token (count) vs prompt (presence)
     reset_rows: Array  # i32[B]  PenaltyState rows cleared before this step's tokens are counted
@@ -283,81 +290,188 @@ def row_gumbel(smd: SamplingMetadata, vocab: int) -> Array:
     return -jnp.log(-jnp.log(u))
 
 
-def _top_k_top_p_mask(x: Array, top_k: Array, top_p: Array) -> Array:
-    """Mask f32[S, V] scaled logits outside each row's top-k, then outside its top-p nucleus."""
+# ---- filtering: temperature, min_p, top_k, top_p without a sort -----------------------------------
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class FilterParams:
+    """Per-row parameters of `filter_logits`, R rows (vLLM's names and "off" values)."""
+
+    temperature: Array  # f32[R]  0 = greedy: the row's logits are not scaled
+    top_k: Array  # i32[R]  0 (or >= V) = off
+    top_p: Array  # f32[R]  1 = off
+    min_p: Array  # f32[R]  0 = off
+
+    @staticmethod
+    def of(smd: SamplingMetadata) -> FilterParams:
+        return FilterParams(smd.temperature, smd.top_k, smd.top_p, smd.min_p)
+
+
+# Threshold searches look at `ways - 1` thresholds per pass over [R, V], so each pass divides the
+# interval of candidate thresholds by `ways`; the interval starts as the 2**32 float32 bit patterns,
+# so a search takes `search_passes(ways)` = ceil(32 / log2(ways)) passes. On a GPU a pass is one
+# fused reduction whatever `ways` is (16 ways: 8 passes, ~launch-bound); the CPU backend writes the
+# [R, ways - 1, V] comparison out before reducing it, so there 2 ways (32 passes) is fastest.
+SEARCH_WAYS = 16
+CPU_SEARCH_WAYS = 2
+
+
+def default_search_ways() -> int:
+    """`CPU_SEARCH_WAYS` when JAX's default backend is the CPU, else `SEARCH_WAYS`."""
+    return CPU_SEARCH_WAYS if jax.default_backend() == "cpu" else SEARCH_WAYS
+
+
+def search_passes(ways: int) -> int:
+    """Passes over [R, V] that one threshold search of `ways` ways takes (ways**passes >= 2**32)."""
+    if ways < 2:
+        raise ValueError(f"{ways=} must be >= 2")
+    passes = 1
+    while ways**passes < 2**32:
+        passes += 1
+    return passes
+
+
+def _key(x: Array) -> Array:
+    """f32 -> u32 with the same order (-inf < ... < -0 < +0 < ... < +inf; NaNs beyond)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _unkey(k: Array) -> Array:
+    """Inverse of `_key`."""
+    b = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+_KEY_NEG_INF = 0x007FFFFF  # _key(-inf)
+
+
+def _largest_threshold(holds, lo: Array, hi: Array, ways: int) -> Array:
+    """Largest f32[R] threshold t (by bit pattern, within [_unkey(lo), _unkey(hi)]) for which
+    `holds(t f32[R, W]) -> bool[R, W]` is true, for a `holds` that is true up to some t and false
+    above it; `holds(lo)` is taken as true. A fixed number of passes, each evaluating `ways - 1`
+    thresholds of every row in one reduction over [R, V]: no loop, no conditional."""
+    j = jnp.arange(1, ways, dtype=jnp.uint32)[None, :]  # u32[1, W-1]
+    for _ in range(search_passes(ways)):
+        step = (hi - lo) // jnp.uint32(ways) + jnp.uint32(1)  # u32[R] >= 1
+        t = jnp.minimum(lo[:, None] + j * step[:, None], hi[:, None])  # u32[R, W-1] (no overflow)
+        ok = holds(_unkey(t))  # bool[R, W-1]
+        lo = jnp.max(jnp.where(ok, t, lo[:, None]), axis=-1)
+        hi = jnp.maximum(jnp.min(jnp.where(ok, hi[:, None], t - jnp.uint32(1)), axis=-1), lo)
+    return _unkey(lo)
+
+
+def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = None) -> Array:
+    """vLLM v1's sampling filters on f32[R, V] logits, per row, without a sort and without a branch:
+    temperature -> min_p -> top_k -> top_p. Returns the temperature-scaled logits f32[R, V] with
+    every dropped token set to -inf; softmax of a row is the distribution that row samples from.
+
+    - temperature: logits / temperature (rows with temperature 0 are left unscaled).
+    - min_p: drop p < min_p * max(p) (p = softmax of the scaled logits).
+    - top_k: keep x >= the k-th largest scaled logit: ties with it are all kept (vLLM keeps them too).
+    - top_p (renormalised inside top-k, as vLLM): keep x >= t, t the largest value such that the
+      probability mass of {x >= t} is >= top_p * (mass kept by top-k); i.e. a token is kept iff
+      the mass of the tokens strictly above it is < top_p. vLLM's sort splits a group of tokens
+      tied at the boundary by their place in the sort; here the whole tied group is kept. The
+      largest token is always kept.
+    top_k and top_p thresholds come from a search over float32 bit patterns (`_largest_threshold`,
+    `search_passes(ways)` passes each), so the kept set is exact up to the float rounding of the
+    mass sums. Rows whose parameters are off come out as logits / temperature, bit for bit, and
+    the cost does not depend on the parameters. Any number of rows; no row depends on another.
+    ways (static): thresholds per pass + 1; None = `default_search_ways()`.
+    """
+    ways = default_search_ways() if ways is None else ways
+    x = logits.astype(jnp.float32)
     v = x.shape[-1]
-    srt = -jnp.sort(-x, axis=-1)  # f32[S, V] descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # i32[S]
-    pos = jnp.arange(v)[None, :]
-    srt = jnp.where(pos < k[:, None], srt, -jnp.inf)
-    probs = jax.nn.softmax(srt, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (before < top_p[:, None]) & (pos < k[:, None])
-    keep = keep.at[:, 0].set(True)
-    n_keep = jnp.sum(keep, axis=-1)  # i32[S] >= 1
-    thresh = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)  # f32[S, 1]
-    return jnp.where(x < thresh, -jnp.inf, x)
+    neg_inf = jnp.float32(-jnp.inf)
+    t = jnp.where(params.temperature > 0, params.temperature, 1.0).astype(jnp.float32)
+    x = x / t[:, None]
+    m = jnp.max(x, axis=-1)  # f32[R]
+    # min_p (p / max p = exp(x - max)); min_p 0 drops nothing
+    x = jnp.where(jnp.exp(x - m[:, None]) < params.min_p[:, None], neg_inf, x)
+    # top_k: the largest t with count(x >= t) >= k
+    k_on = (params.top_k > 0) & (params.top_k < v)
+    k = jnp.where(k_on, params.top_k, 1)[:, None, None]  # i32[R, 1, 1]
+
+    def enough_tokens(th: Array) -> Array:  # th f32[R, W-1]
+        return jnp.sum(x[:, None, :] >= th[:, :, None], axis=-1, dtype=jnp.int32) >= k[:, :, 0]
+
+    lo = jnp.full(m.shape, _KEY_NEG_INF, jnp.uint32)
+    t_k = _largest_threshold(enough_tokens, lo, _key(m), ways)
+    t_k = jnp.where(k_on, t_k, neg_inf)  # f32[R]
+    x = jnp.where(x >= t_k[:, None], x, neg_inf)
+    # top_p: the largest t with mass(x >= t) >= top_p * mass(top-k set)
+    e = jnp.exp(x - m[:, None])  # f32[R, V]  unnormalised probabilities, 0 where dropped
+    p_on = params.top_p < 1
+    need = (jnp.where(p_on, params.top_p, 1.0) * jnp.sum(e, axis=-1))[:, None]  # f32[R, 1]
+
+    def enough_mass(th: Array) -> Array:  # th f32[R, W-1]
+        mass = jnp.sum(jnp.where(x[:, None, :] >= th[:, :, None], e[:, None, :], 0.0), axis=-1)
+        return mass >= need
+
+    t_p = _largest_threshold(enough_mass, _key(t_k), _key(m), ways)
+    t_p = jnp.where(p_on, t_p, neg_inf)  # f32[R]
+    return jnp.where(x >= t_p[:, None], x, neg_inf)
 
 
-def _random_sample(x: Array, smd: SamplingMetadata, filter_logits: bool = True) -> Array:
-    """Gumbel-max sample of i32[S] from processed logits f32[S, V] (top-k/top-p under a
-    `lax.cond` on flags[F_FILTER] unless filter_logits=False)."""
-    t = jnp.where(smd.temperature > 0, smd.temperature, 1.0)[:, None]
-    x = x / t
-    # min_p: drop tokens whose probability is below min_p * the top probability.
-    top = jnp.max(x, axis=-1, keepdims=True)
-    x = jnp.where((smd.min_p[:, None] > 0) & (x - top < jnp.log(smd.min_p[:, None])), -jnp.inf, x)
-    if filter_logits:
-        x = jax.lax.cond(smd.flags[F_FILTER], _top_k_top_p_mask, lambda x, *_: x, x, smd.top_k, smd.top_p)
-    return jnp.argmax(x + row_gumbel(smd, x.shape[-1]), axis=-1).astype(jnp.int32)
+# ---- top logprobs without a sort -----------------------------------------------------------------
+# XLA's GPU TopK kernel (one read of the row, the k best kept in registers) takes k <= 16 for
+# rows of >= 1024 elements; a larger k can fall back to a sort of the whole row. So the top K
+# logprobs are taken 16 at a time, each round masking the ids the earlier rounds took.
+_TOP_K_ROUND = 16
+
+
+def _top_logprobs(lp: Array, k: int) -> tuple[Array, Array]:
+    """(ids i32[R, k], values f32[R, k]) of the k largest of f32[R, V], best first, ties in id
+    order (as `lax.top_k`), in rounds of at most 16."""
+    rows = jnp.arange(lp.shape[0])[:, None]
+    ids, vals = [], []
+    for start in range(0, k, _TOP_K_ROUND):
+        n = min(_TOP_K_ROUND, k - start)
+        val, idx = jax.lax.top_k(lp, n)
+        ids.append(idx.astype(jnp.int32))
+        vals.append(val)
+        if start + n < k:
+            lp = lp.at[rows, idx].set(-jnp.inf)
+    return jnp.concatenate(ids, axis=-1), jnp.concatenate(vals, axis=-1)
 
 
 def _rank_and_top(lp: Array, target: Array, k: int) -> tuple[Array, Array, Array]:
     """Rank (1-based, vLLM: count of logprobs >= the target's) and top-k of f32[R, V] logprobs."""
     tl = jnp.take_along_axis(lp, jnp.maximum(target, 0)[:, None], axis=-1)  # f32[R, 1]
     rank = jnp.sum(lp >= tl, axis=-1).astype(jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(lp, k)
-    return rank, top_ids.astype(jnp.int32), top_lp
+    top_ids, top_lp = _top_logprobs(lp, k)
+    return rank, top_ids, top_lp
 
 
+# ---- sampling ------------------------------------------------------------------------------------
 def sample(
     logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, lean: bool = False
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
 
-    lean (static): no `lax.cond`: penalties and the random draw are computed for every row (rows
-    without them keep their logits / take the greedy token), top-k/top-p and logprobs are left out
-    (ranks / top_ids / top_logprobs are zeros). Only for batches whose flags[F_FILTER] and
-    flags[F_LOGPROBS] are off; the tokens are then the same as without `lean`.
+    One graph for every batch: penalties, the filters, the random draw, ranks and top logprobs are
+    computed for every row and selected per row (no `lax.cond`, so nothing waits on the host).
+    Greedy rows (temperature 0) take the argmax of the penalised logits. Ranks and top logprobs
+    are of the raw log-softmax and are computed whatever the rows asked for (the host reads them
+    only for rows that asked).
+
+    lean: ignored (kept until the engine's "lean twin" plumbing is removed; there is one sampler).
     """
+    del lean
     logits = logits.astype(jnp.float32)
     s, v = logits.shape
     k = max(max_logprobs, 1)
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
-    if lean:
-        x = _apply_penalties(logits, ps, smd)
-    else:
-        x = jax.lax.cond(smd.flags[F_PENALTY], _apply_penalties, lambda x, *_: x, logits, ps, smd)
+    x = _apply_penalties(logits, ps, smd)  # rows with pen_rows -1: the logits, bit for bit
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], smd.suppress_ids.shape)
     x = x.at[rows, _oob(smd.suppress_ids, v)].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    if lean:
-        sampled = _random_sample(x, smd, filter_logits=False)
-    else:
-        sampled = jax.lax.cond(smd.flags[F_RANDOM], _random_sample, lambda x, _: greedy, x, smd)
+    filtered = filter_logits(x, FilterParams.of(smd))
+    sampled = jnp.argmax(filtered + row_gumbel(smd, v), axis=-1).astype(jnp.int32)
     tok = jnp.where(smd.temperature > 0, sampled, greedy)
     chosen = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
-    if lean:
-        return tok, chosen, jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
-
-    def lp_parts(raw_lp: Array, tok: Array):
-        return _rank_and_top(raw_lp, tok, k)
-
-    def no_lp(raw_lp: Array, tok: Array):
-        return jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
-
-    ranks, top_ids, top_lp = jax.lax.cond(smd.flags[F_LOGPROBS], lp_parts, no_lp, raw_lp, tok)
+    ranks, top_ids, top_lp = _rank_and_top(raw_lp, tok, k)
     return tok, chosen, ranks, top_ids, top_lp
 
 
@@ -407,5 +521,6 @@ def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:
 
 __all__ = [
     "SamplingParams", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
-    "update_penalty_state", "sample", "prompt_logprobs", "row_keys", "row_gumbel", "seed_words",
+    "update_penalty_state", "sample", "prompt_logprobs", "FilterParams", "filter_logits", "search_passes",
+    "SEARCH_WAYS", "CPU_SEARCH_WAYS", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
 ]
