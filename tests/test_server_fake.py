@@ -5,6 +5,7 @@ engine failure and SIGTERM. Fast: no model, no compilation. The real engine is i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -229,6 +230,46 @@ def test_bad_requests(http, path, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param, err
+    assert isinstance(err["code"], str) and re.fullmatch(r"[a-z]+(_[a-z]+)*", err["code"]), err
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), err
+
+
+# (method, path, body, status, type, code): one style, OpenAI's (the table in server/app.py)
+ERROR_CODES = [
+    ("POST", "/v1/completions", b"{not json", 400, "invalid_request_error", "invalid_json"),
+    ("POST", "/v1/completions", b"[1]", 400, "invalid_request_error", "invalid_json"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, "invalid_request_error", "invalid_value"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 1}}', 400, "invalid_request_error",
+     "unsupported_parameter"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "invalid_request_error",
+     "context_length_exceeded"),
+    ("POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 94}', 400, "invalid_request_error",
+     "context_length_exceeded"),  # 3 + 94 > 96
+    ("POST", "/v1/completions", b'{"prompt": "' + b"y" * 200 + b'"}', 400, "invalid_request_error",
+     "context_length_exceeded"),
+    ("POST", "/v1/completions", b'{"prompt": ""}', 400, "invalid_request_error", "empty_prompt"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "logprobs": 9}', 400, "invalid_request_error",
+     "invalid_sampling_params"),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "tool", "content": "x"}]}', 400,
+     "invalid_request_error", "chat_template_error"),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 95}', 400,
+     "invalid_request_error", "context_length_exceeded"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "model": "nope"}', 404, "not_found_error", "model_not_found"),
+    ("GET", "/v1/nothing", None, 404, "not_found_error", "not_found"),
+    ("GET", "/v1/completions", None, 405, "invalid_request_error", "method_not_allowed"),
+    ("POST", "/v1/completions", b'{"prompt": "' + b"a" * (40 << 10) + b'"}', 413, "invalid_request_error",
+     "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,err_type,code", ERROR_CODES)
+def test_error_codes(http, method, path, body, status, err_type, code):
+    r = http.request(method, path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == (err_type, code), err
+    if code == "context_length_exceeded" and b"max_tokens" in body:
+        assert err["message"].startswith("This model") or "exceed max_model_len" in err["message"]
 
 
 def test_unknown_fields_are_ignored_and_limits(http, caplog):
@@ -329,6 +370,7 @@ def test_engine_failure_fails_requests_not_the_server():
         assert c.get("/health").status_code == 500
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+        assert r.json()["error"]["type"] == "server_error" and ev[-2]["error"]["code"] == "engine_dead"
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
@@ -358,11 +400,105 @@ def test_fuzzed_bodies_never_break_the_server(http, path, body, garble):
     if r.status_code != 200:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["type"]
+        assert isinstance(err["code"], str) and re.fullmatch(r"[a-z]+(_[a-z]+)*", err["code"]), err
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]")
     # The server still answers promptly.
     r = http.post("/v1/completions", json={"prompt": "canary", "max_tokens": 2}, timeout=10)
     assert r.status_code == 200
+
+
+def _access_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "metrale_jax.server.access" and r.levelno >= logging.INFO]
+
+
+def test_access_log_one_line_per_request(caplog):
+    with caplog.at_level(logging.DEBUG, logger="metrale_jax.server.access"):
+        with BackgroundServer(FakeEngine(step_delay_s=0.001), ServerConfig(model_names=(MODEL,))) as srv, \
+                httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5}).status_code == 200
+            ev = stream_post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 4, "n": 2, "stream": True})
+            assert ev[-1] == "[DONE]"
+            assert c.post("/v1/completions", json={"prompt": "", "max_tokens": 5}).status_code == 400  # the engine's
+            assert c.post("/v1/completions", json={"prompt": "a", "n": 0}).status_code == 400  # the schema's
+            for path in ("/health", "/metrics", "/v1/models"):
+                assert c.get(path).status_code == 200
+    lines = _access_lines(caplog)
+    assert len(lines) == 5, lines
+    pat = r"{} {} {} id={} prompt_tokens={} completion_tokens={} \d+\.\d{{3}}s"
+    chat_prompt = len(FakeTokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True))
+    for line, want in zip(lines, [("POST", "/v1/completions", 200, r"cmpl-[0-9a-f]{32}", 3, 5),
+                                  ("POST", "/v1/chat/completions", 200, r"chatcmpl-[0-9a-f]{32}", chat_prompt, 8),
+                                  ("POST", "/v1/completions", 400, r"cmpl-[0-9a-f]{32}", 0, 0),
+                                  ("POST", "/v1/completions", 400, "-", 0, 0),
+                                  ("GET", "/v1/models", 200, "-", 0, 0)]):
+        assert re.fullmatch(pat.format(*want), line), (line, want)
+    debug = [r.getMessage() for r in caplog.records if r.name == "metrale_jax.server.access"
+             and r.levelno == logging.DEBUG]
+    assert [x.split(" id=")[0] for x in debug] == ["GET /health 200", "GET /metrics 200"]
+    assert not [r for r in caplog.records if r.name.startswith("uvicorn.access")]
+    # --disable-log-requests
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="metrale_jax.server.access"):
+        with BackgroundServer(FakeEngine(), ServerConfig(model_names=(MODEL,), log_requests=False)) as srv:
+            assert httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200
+    assert not [r for r in caplog.records if r.name == "metrale_jax.server.access"]
+
+
+def test_shutdown_drain_ends_streams_with_abort_chunks(caplog):
+    """Past the drain limit every running request is aborted in the engine; a stream gets a
+    finish_reason "abort" chunk per unfinished choice (then usage, [DONE]), a non-streaming
+    request a 503; one warning line, no error."""
+    eng = FakeEngine(max_num_seqs=4, step_delay_s=0.02)  # 80 tokens take 1.6 s, the drain limit is 0.5 s
+    srv = BackgroundServer(eng, ServerConfig(model_names=(MODEL,)), shutdown_timeout_s=0.5).start()
+    results: dict = {}
+    started = threading.Event()
+
+    def stream(name, path, body):
+        with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream("POST", path, json=body) as r:
+            events = []
+            for line in r.iter_lines():
+                events.extend(sse_events([line]))
+                started.set()
+            results[name] = events
+
+    def plain():
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            results["plain"] = c.post("/v1/completions", json={"prompt": "xyz", "max_tokens": 80})
+
+    threads = [threading.Thread(target=stream, args=("chat", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "n": 2, "stop": ["zzz"],
+        "stream": True, "stream_options": {"include_usage": True}})),
+        threading.Thread(target=stream, args=("cmpl", "/v1/completions", {"prompt": "abc", "max_tokens": 80,
+                                                                           "stream": True})),
+        threading.Thread(target=plain)]
+    with caplog.at_level(logging.INFO):
+        for t in threads:
+            t.start()
+        assert started.wait(20)
+        wait_until(lambda: len(eng.reqs) == 3 and all(r.running for r in eng.reqs.values()), what="3 running")
+        t0 = time.monotonic()
+        srv.stop()
+        for t in threads:
+            t.join(20)
+    assert time.monotonic() - t0 < 3
+    chat, cmpl = results["chat"], results["cmpl"]
+    assert chat[-1] == "[DONE]" and chat[-2]["choices"] == [] and chat[-2]["usage"]["completion_tokens"] > 0
+    assert sorted((c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chat[-4:-2]) == [
+        (0, "abort"), (1, "abort")]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chat[:-4])
+    assert cmpl[-1] == "[DONE]" and cmpl[-2]["choices"][0]["finish_reason"] == "abort"
+    text = "".join(e["choices"][0]["text"] for e in cmpl[:-1])
+    assert text and expected_fake_text(ids_of("abc"), 0, 80).startswith(text) and len(text) < len(
+        expected_fake_text(ids_of("abc"), 0, 80))
+    r = results["plain"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert r.json()["error"]["type"] == "server_error" and "drain limit" in r.json()["error"]["message"]
+    assert len(eng.aborted) == 3 and not eng.reqs  # aborted in the engine
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["shutdown: the drain limit of 0.5 s passed; aborted 3 running request(s)"], warnings
 
 
 _SERVE_SCRIPT = """
