@@ -186,6 +186,23 @@ def test_n_seed_and_stop_strings(client, refs):
     assert "".join(c.choices[0].text for c in chunks) == full[:cut]
 
 
+def test_max_tokens_beyond_the_context_is_a_400_like_vllm(client, refs):
+    n = len(refs["greedy"][0].prompt_token_ids)
+    for mt in (MAX_MODEL_LEN - n + 1, 100_000):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=mt)
+        err = e.value.body
+        assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
+        assert err["message"].startswith(
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {n + mt} tokens "
+            f"({n} in the prompt, {mt} for the completion).")
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_MODEL_LEN - n, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - n and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=MAX_MODEL_LEN)
+
+
 def test_200_concurrent_streams_each_get_their_own_output(srv, refs, http):
     prompts = _load_prompts()
 
@@ -229,7 +246,7 @@ def slow_steps(srv, monkeypatch, delay_s: float) -> None:
 
 
 def test_disconnect_frees_blocks(srv, http, monkeypatch):
-    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 80, "ignore_eos": True, "stream": True}
     aborted = metric(http, "metrale_requests_aborted_total")
     slow_steps(srv, monkeypatch, 0.02)
     try:
