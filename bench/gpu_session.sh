@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve]
-#   (default: tests throughput serve)
+#   bash bench/gpu_session.sh [tests] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance]
+#   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
@@ -88,6 +88,10 @@ if [[ $parts == *serve* ]]; then
     --output-len 64 --label gpu-smollm2-random --out "$OUT/serve_gpu_smollm2.json" \
     -- --dtype bfloat16 --max-num-seqs 64 2>&1 | tail -20
   cp /tmp/metrale_bench_serve.log "$OUT/serve_server.log" 2>/dev/null; tail -15 /tmp/metrale_bench_serve.log
+fi
+if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM.generate + HTTP server, twins
+  timeout ${ACCEPTANCE_LIMIT:-570} python3 bench/gpu_acceptance.py --out "$OUT/acceptance" ${ACCEPTANCE_ARGS:-} 2>&1 \
+    | grep -v "^ *[0-9.]* us" | tail -40
 fi
 # at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
