@@ -25,6 +25,7 @@ def _forget_tokamax():
     for name in [n for n in sys.modules if n == "tokamax" or n.startswith("tokamax.")]:
         del sys.modules[name]
     moe._load_tokamax.cache_clear()
+    moe._tokamax_grouped_matmul.clear_cache()  # its traces hold the tokamax of the test before
     absl_log = logging.getLogger("absl")
     for f in [f for f in absl_log.filters if isinstance(f, moe._TokamaxLogFilter)]:
         absl_log.removeFilter(f)
@@ -171,11 +172,10 @@ def test_working_tokamax_gets_padded_rows_and_a_fixed_config(fake_tokamax, caplo
 def test_repeated_tokamax_log_lines_shown_once(fake_tokamax, caplog):
     """tokamax's per-call warning passes once; absl warnings from elsewhere and tokamax errors pass
     every time."""
-    x, w, sizes = _gmm_case(m=16)
     with caplog.at_level(logging.INFO):
         assert moe.tokamax_available()
-        for _ in range(6):
-            moe.grouped_matmul(x, w, sizes, use_tokamax=True)
+        for m in range(9, 57, 8):  # six shapes: six traces of the jitted tokamax call
+            moe.grouped_matmul(*_gmm_case(m=m), use_tokamax=True)
         for _ in range(3):
             absl_logging.warning("not from tokamax")
         tk = sys.modules["tokamax"]
@@ -193,3 +193,25 @@ def test_without_use_tokamax_tokamax_is_not_imported(fake_tokamax):
     got = np.asarray(moe.grouped_matmul(x, w, sizes, use_tokamax=False))
     np.testing.assert_allclose(got, _numpy_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
     assert "tokamax" not in sys.modules
+
+
+def test_moe_layers_share_one_traced_tokamax_call(fake_tokamax):
+    """Three MoE layers in one step trace tokamax once per GEMM shape (gate_up, down), not per
+    layer: the kernel is lowered and compiled once per step (start-up, see moe.py)."""
+    rng = np.random.default_rng(3)
+    t, h, inter, e, k = 11, 16, 12, 6, 2
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    wr = jnp.asarray(rng.standard_normal((h, e)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((e, h, 2 * inter)) / 4, jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((e, inter, h)) / 4, jnp.float32)
+
+    def three_layers(x, use_tokamax):
+        for _ in range(3):
+            w, idx = moe.softmax_topk_router(x, wr, k, True)
+            x = x + moe.routed_experts(x, w, idx, wgu, wd, use_tokamax=use_tokamax)
+        return x
+
+    f = jax.jit(three_layers, static_argnames="use_tokamax")
+    got, want = np.asarray(f(x, use_tokamax=True)), np.asarray(f(x, use_tokamax=False))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert [c["rhs"] for c in sys.modules["tokamax"].CALLS] == [(e, h, 2 * inter), (e, inter, h)]
