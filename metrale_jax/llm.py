@@ -137,8 +137,6 @@ class LLM:
         single = isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
         convs = [_check_messages(conv, "messages" if single else f"messages[{i}]") for i, conv in enumerate(convs)]
-        if chat_template is None and getattr(tok, "chat_template", None) is None:
-            raise InvalidRequestError("this tokenizer has no chat template; pass chat_template= or use generate()")
         prompts = []
         for conv in convs:
             try:
