@@ -84,7 +84,8 @@ def add_serve_subcommand(subparsers: Any, add_engine_options: Callable[[argparse
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL over HTTP: POST /v1/completions, /v1/chat/completions (streamed as SSE or "
                     "not), GET /v1/models, /health, /metrics (Prometheus). SIGTERM/SIGINT stop accepting, "
-                    "let running requests finish (up to --shutdown-timeout seconds) and exit.",
+                    "let running requests finish (up to --shutdown-timeout seconds, then abort them: streams end with "
+                    "finish_reason 'abort' and [DONE]) and exit.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_arguments(p, add_engine_options)
     p.set_defaults(func=serve_main)
@@ -103,7 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
                    help="bound on waiting requests; past it requests get 503 with Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="request body size limit (413 past it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM")
+                   help="seconds running requests get to finish after SIGTERM (then they are aborted)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
