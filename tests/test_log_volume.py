@@ -1,8 +1,8 @@
 """What a user sees while an engine starts and generates: a few lines, no floods.
 
 The tiny Qwen3-MoE fixture (the routed-experts path, traced once per step executable) with the
-default `EngineConfig` except `show_progress=False` and two sizes (max_num_seqs=4,
-max_num_batched_tokens=64: 6 step executables instead of 11, for a fast test; the default
+default `EngineConfig` except `show_progress=False` and two sizes (max_num_seqs=2,
+max_num_batched_tokens=32: 4 step executables instead of 11, for a fast test; the default
 buckets would only add more of the same compiles). Counted as the CLI shows them (cli.py: the
 root logger at WARNING, `metrale_jax` at INFO): every log record that passes those levels, every
 line written to the stderr file descriptor (C++ logs, prints, progress bars) and every Python
@@ -71,7 +71,7 @@ def _start_and_generate(capfd) -> list[str]:
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             warnings.filterwarnings("ignore", category=PendingDeprecationWarning)
             model, params = load_model(FIXTURES / "qwen3_moe_tiny", dtype="float32", show_progress=False)
-            eng = LLMEngine(model, params, EngineConfig(show_progress=False, max_num_seqs=4, max_num_batched_tokens=64))
+            eng = LLMEngine(model, params, EngineConfig(show_progress=False, max_num_seqs=2, max_num_batched_tokens=32))
             outs = eng.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 50))}],
                                 SamplingParams(temperature=0, max_tokens=5))
     finally:
