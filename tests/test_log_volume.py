@@ -2,7 +2,7 @@
 
 The tiny Qwen3-MoE fixture (the routed-experts path, traced once per step executable) with the
 default `EngineConfig` except `show_progress=False` and two sizes (max_num_seqs=2,
-max_num_batched_tokens=32: 4 step executables instead of 11, for a fast test; the default
+max_num_batched_tokens=32: fewer step executables than the 11 of the defaults, for a fast test; the default
 buckets would only add more of the same compiles). Counted as the CLI shows them (cli.py: the
 root logger at WARNING, `metrale_jax` at INFO): every log record that passes those levels, every
 line written to the stderr file descriptor (C++ logs, prints, progress bars) and every Python
