@@ -342,6 +342,17 @@ class PackedLayout:
     num_f32: int
 
 
+# Every leaf starts on a 256-byte boundary of its buffer. Inside the step a leaf is a slice of
+# the packed parameter, and XLA may hand such a slice to a custom call as a sub-buffer without a
+# copy: the Mosaic GPU prefill kernel rejects operands that are not 256-byte aligned ("Input buffer
+# 2 is not 256-byte aligned": the block tables of a mixed step, H200, 2026-12-01).
+ALIGN = 64  # elements of 4 bytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def _layout(tree) -> PackedLayout:
     leaves, treedef = jax.tree.flatten(tree)
     entries, oi, of = [], 0, 0
@@ -350,11 +361,11 @@ def _layout(tree) -> PackedLayout:
         n = int(a.size)
         if a.dtype == np.float32:
             entries.append(("f", of, tuple(a.shape), "float32"))
-            of += n
+            of = _aligned(of + n)
         else:
             entries.append(("i", oi, tuple(a.shape), a.dtype.name))
-            oi += n
-    return PackedLayout(treedef, tuple(entries), oi, of)
+            oi = _aligned(oi + n)
+    return PackedLayout(treedef, tuple(entries), max(oi, ALIGN), max(of, ALIGN))
 
 
 _LAYOUTS: dict = {}
@@ -372,17 +383,16 @@ def pack(cfg: BuilderConfig, inputs: StepInputs) -> tuple[PackedLayout, np.ndarr
     """Flatten a step's inputs into (layout, i32[num_i32], f32[num_f32])."""
     layout = packed_layout(cfg, inputs.bucket)
     leaves = jax.tree.leaves((inputs.dmd, inputs.pmd, inputs.tokens, inputs.smd))
-    ints, floats = [], []
-    for leaf, (buf, _, _, dt) in zip(leaves, layout.entries):
+    ibuf = np.zeros(layout.num_i32, np.int32)
+    fbuf = np.zeros(layout.num_f32, np.float32)
+    for leaf, (buf, off, _, dt) in zip(leaves, layout.entries):
         a = np.asarray(leaf).reshape(-1)
         if buf == "f":
-            floats.append(a)
+            fbuf[off : off + a.size] = a
         elif dt == "uint32":
-            ints.append(a.view(np.int32))
+            ibuf[off : off + a.size] = a.view(np.int32)
         else:
-            ints.append(a.astype(np.int32, copy=False))
-    ibuf = np.concatenate(ints) if ints else np.zeros(0, np.int32)
-    fbuf = np.concatenate(floats) if floats else np.zeros(0, np.float32)
+            ibuf[off : off + a.size] = a
     return layout, ibuf, fbuf
 
 

@@ -6,6 +6,16 @@ swaps, the gather / scatter pair of each swap block bucket, `metrale_jax.engine.
 going through JAX's persistent compilation cache. Serving then only ever calls those executables:
 a shape that is not a listed bucket raises instead of compiling, so a compile while serving
 cannot happen silently. `CompileCounter` counts compilations (for tests and logs).
+
+Warm starts skip tracing too. JAX's persistent cache is keyed by the lowered module, so a warm
+start still traces and lowers every bucket (about 1-1.5 s of Python each for a 32-layer step,
+under the GIL). `ExecutableCache` keeps each compiled step serialized under a key computed
+without tracing: the source files of `metrale_jax` and `pallas_kernels`, the jax/jaxlib (and
+tokamax) versions, the device, XLA_FLAGS, the model config, the resolved engine config, the
+bucket and the shapes, dtypes and shardings of every argument. A changed input is a new key.
+
+`warm_up` then runs each executable once on padding inputs (which write nothing), so the first
+requests pay no first-execution costs and a step that cannot run fails at start-up.
 """
 
 from __future__ import annotations
@@ -13,10 +23,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
+import pickle
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jax
 from tqdm.auto import tqdm
@@ -75,6 +89,95 @@ def setup_compilation_cache(cache_dir: str | None) -> str | None:
     return path
 
 
+@functools.cache
+def _source_digest() -> str:
+    """sha256 over the engine's and the kernels' source files (and tuned tables)."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]
+    for pkg in ("metrale_jax", "pallas_kernels"):
+        for f in sorted((root / pkg).rglob("*")):
+            if f.suffix in (".py", ".json") and f.is_file():
+                h.update(str(f.relative_to(root)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _versions() -> str:
+    import jaxlib
+
+    mods = [f"jax={jax.__version__}", f"jaxlib={jaxlib.__version__}"]
+    tk = sys.modules.get("tokamax")
+    if tk is not None:
+        mods.append(f"tokamax={getattr(tk, '__version__', '?')}")
+    return ",".join(mods)
+
+
+def _tree_signature(tree) -> str:
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = ";".join(f"{x.shape}{x.dtype}{getattr(x, 'sharding', '')}" for x in leaves)
+    return f"{treedef}|{shapes}"
+
+
+# Platforms whose executables round-trip through `jax.experimental.serialize_executable`. Not the
+# CPU: in jax 0.11.2 a deserialized XLA:CPU step fails at its first run ("Function
+# add_select_fusion.2 not found"), so the CPU relies on JAX's persistent cache alone.
+EXE_CACHE_PLATFORMS = ("gpu",)
+
+
+class ExecutableCache:
+    """Compiled steps serialized on disk (`<dir>/<key>.exe`), keyed without tracing (module doc).
+
+    Loading is best effort: an unreadable or incompatible entry is a miss (and is replaced).
+    Off (every call a miss, nothing written) without a directory or on other platforms than
+    `EXE_CACHE_PLATFORMS`."""
+
+    def __init__(self, directory: str | None):
+        on = directory and jax.devices()[0].platform in EXE_CACHE_PLATFORMS
+        self.dir = Path(directory) if on else None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def key(*parts) -> str:
+        dev = jax.devices()[0]
+        h = hashlib.sha256()
+        for p in (_source_digest(), _versions(), dev.platform, getattr(dev, "device_kind", ""),
+                  os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64),
+                  str(jax.config.jax_default_matmul_precision), *parts):
+            h.update(str(p).encode())
+            h.update(b"\0")
+        return h.hexdigest()[:40]
+
+    def load(self, key: str):
+        if self.dir is None:
+            return None
+        path = self.dir / f"{key}.exe"
+        if not path.is_file():
+            return None
+        from jax.experimental import serialize_executable
+
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - a stale or broken entry is a miss
+            log.debug("executable cache entry %s unusable (%s): recompiling", path.name, e)
+            return None
+
+    def save(self, key: str, exe) -> None:
+        if self.dir is None:
+            return
+        from jax.experimental import serialize_executable
+
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(exe))
+        except Exception as e:  # noqa: BLE001 - e.g. executables with constants cannot be serialized
+            log.debug("executable not cached (%s)", e)
+            return
+        tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_bytes(blob)
+        os.replace(tmp, self.dir / f"{key}.exe")
+
+
 def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
     """Every bucket of a resolved config: decode N's (and their lean twins when
     `cfg.lean_decode_steps`), prefill T's, and mixed (N, T) pairs."""
@@ -105,7 +208,11 @@ class CompilationManager:
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
         self.compile_seconds = 0.0
+        self.warmup_seconds = 0.0
+        self.cache_hits = 0  # executables loaded from the ExecutableCache at start-up
         self.temp_bytes = 0  # the largest executable's scratch memory
+        cache_root = jax.config.jax_compilation_cache_dir
+        self.exe_cache = ExecutableCache(os.path.join(cache_root, "metrale_executables") if cache_root else None)
 
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
@@ -133,8 +240,15 @@ class CompilationManager:
         saved = jax.eval_shape(functools.partial(jit_gather(), roles=self.swap_roles), s, blocks, slot)
         return jit_scatter().lower(s, blocks, slot, saved, roles=self.swap_roles)
 
+    def _key(self, bucket, params, state) -> str:
+        """The ExecutableCache key of a step bucket or swap pair (no tracing)."""
+        m = self.model
+        return self.exe_cache.key(
+            repr(m.cfg), getattr(m, "family_name", type(m).__name__), getattr(m, "dtype", ""), repr(self.cfg),
+            repr(self.builder), repr(bucket), self.max_rows, _tree_signature(params), _tree_signature(state))
+
     def compile_all(self, params, state) -> float:
-        """Compile every bucket (and swap pair); returns the wall time in seconds."""
+        """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         todo = [b for b in self.buckets if b not in self.executables]
         if self.cfg.preemption_mode == "swap":
@@ -145,15 +259,24 @@ class CompilationManager:
                      if (k, m) not in self.swap_executables]
 
         def one(bucket):
+            key = self._key(bucket, params, state)
+            exe = self.exe_cache.load(key)
+            if exe is not None:
+                return bucket, exe, True
             if isinstance(bucket, tuple):
-                return bucket, self.lower_swap(*bucket, state).compile()
-            return bucket, self.lower(bucket, params, state).compile()
+                exe = self.lower_swap(*bucket, state).compile()
+            else:
+                exe = self.lower(bucket, params, state).compile()
+            self.exe_cache.save(key, exe)
+            return bucket, exe, False
 
-        workers = max(1, min(self.cfg.compile_workers, len(todo)))
-        bar = tqdm(total=len(todo), desc="compiling steps", unit="exe", disable=not self.cfg.show_progress)
+        workers = max(1, min(self.cfg.compile_workers or 1, len(todo)))
+        bar = tqdm(total=len(todo), desc="compiling steps", unit="exe",
+                   disable=None if self.cfg.show_progress else True)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             for fut in concurrent.futures.as_completed([pool.submit(one, b) for b in todo]):
-                bucket, exe = fut.result()
+                bucket, exe, hit = fut.result()
+                self.cache_hits += hit
                 if isinstance(bucket, tuple):
                     self.swap_executables[bucket] = exe
                     bar.update(1)
@@ -168,9 +291,24 @@ class CompilationManager:
                 bar.set_postfix_str(str(bucket))
         bar.close()
         self.compile_seconds = time.perf_counter() - t0
-        log.info("compiled %d step executables in %.1fs (largest scratch %.1f MB)", len(todo),
-                 self.compile_seconds, self.temp_bytes / 1e6)
+        log.info("%d step executables ready in %.1fs (%d from the executable cache; largest scratch %.1f MB)",
+                 len(todo), self.compile_seconds, self.cache_hits, self.temp_bytes / 1e6)
         return self.compile_seconds
+
+    def warm_up(self, params, state):
+        """Run every step executable once on padding inputs (they write nothing; the state is
+        donated and returned). Returns the state."""
+        t0 = time.perf_counter()
+        from metrale_jax.metadata_builder import build_step
+
+        prev = self.zero_tokens()
+        for bucket in self.buckets:
+            state, out, prev = self.run(bucket, params, state, self.transfer(build_step(self.builder, bucket, [], [])),
+                                        prev)
+        jax.block_until_ready((state, prev))
+        self.warmup_seconds = time.perf_counter() - t0
+        log.info("ran each of the %d steps once in %.2fs", len(self.buckets), self.warmup_seconds)
+        return state
 
     # ---- bucket choice ---------------------------------------------------------------------------
     def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_streams: int) -> StepBucket:

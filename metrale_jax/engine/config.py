@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
-DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "metrale_jax", "jax_cache")
+# JAX's persistent cache and our executables, beside the model cache (`$XDG_CACHE_HOME/metrale_jax`)
+DEFAULT_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "metrale_jax",
+                                 "jax_cache")
 
 
 def _pow2_upto(n: int, start: int = 1, factor: int = 2) -> tuple[int, ...]:
@@ -61,7 +63,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget per step; None: 2048 GPU / 256 CPU
     max_prefill_streams: int = 4  # B: prefill chunks per step
     decode_buckets: tuple[int, ...] = ()  # decode-step N buckets; () = powers of 2 to max_num_seqs
-    mixed_decode_buckets: tuple[int, ...] = ()  # N buckets of mixed steps; () = powers of 4
+    # N buckets of mixed steps; () = max_num_seqs alone: a mixed step's cost is its prefill tokens
+    # and the weights, so padding its decode rows costs little, and one N per T halves the start-up
+    mixed_decode_buckets: tuple[int, ...] = ()
     prefill_buckets: tuple[int, ...] = ()  # T buckets of prefill / mixed steps; () = powers of 4
     max_logprobs: int = 20
     max_suppress_ids: int = 16  # eos + stop_token_ids suppressed under min_tokens, per request
@@ -70,8 +74,12 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that give none
     attention: AttentionConfig | None = None  # None: the Pallas kernels on GPU, the XLA reference on CPU
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX persistent cache; None = off
-    compile_workers: int = 4
+    compile_workers: int | None = None  # threads lowering/compiling buckets; None: min(8, CPU count)
     show_progress: bool = True
+    # Run every compiled step once at start-up on padding inputs (which write nothing), so that
+    # the first requests pay no first-execution costs (command-buffer capture, Mosaic GPU kernel
+    # loading) and a step that cannot run fails at start-up. None: on for the GPU, off for the CPU.
+    warm_up: bool | None = None
     prompt_logprobs_chunk: int = 64  # prefill rows per LM-head chunk when prompt logprobs are on
     # Preemption when blocks run out: "swap" (copy the sequence's KV blocks and SSM slot to host
     # memory, write them back on resume), "recompute" (free them, prefill again), or "auto": swap
@@ -106,7 +114,7 @@ class EngineConfig:
         if budget < seqs:
             raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={seqs}")
         dec = tuple(sorted(set(self.decode_buckets))) or _pow2_upto(seqs)
-        mix = tuple(sorted(set(self.mixed_decode_buckets))) or _pow2_upto(seqs, 4, 4)
+        mix = tuple(sorted(set(self.mixed_decode_buckets))) or (seqs,)
         pre = tuple(sorted(set(self.prefill_buckets))) or _pow2_upto(budget, 32, 4)
         if dec[-1] < seqs or mix[-1] < seqs:
             raise ValueError(f"decode buckets {dec} / mixed decode buckets {mix} must reach "
@@ -135,6 +143,8 @@ class EngineConfig:
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
             attention=self.attention or default_kernels(on_gpu), preemption_mode=mode,
             lean_decode_steps=on_gpu if self.lean_decode_steps is None else self.lean_decode_steps,
+            warm_up=on_gpu if self.warm_up is None else self.warm_up,
+            compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
             if mode == "swap" else (),
         )

@@ -1,0 +1,146 @@
+"""Start-up: the packed step inputs' alignment, the executable cache (a warm start loads every
+step without tracing or compiling, and gives the same tokens), and the warm-up run of every
+step on padding inputs, which must leave the state untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import metrale_jax.engine.compile as compile_mod
+from metrale_jax import load_model
+from metrale_jax.engine.compile import CompilationManager, CompileCounter
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.engine import LLMEngine
+from metrale_jax.metadata_builder import (
+    ALIGN,
+    BuilderConfig,
+    DecodeRow,
+    PrefillChunk,
+    RowSampling,
+    StepBucket,
+    build_step,
+    pack,
+    packed_layout,
+    unpack,
+)
+from metrale_jax.sampling import SamplingParams
+from tests.conftest import FIXTURES
+
+CFG = EngineConfig(
+    dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=48, max_num_seqs=4, max_num_batched_tokens=16,
+    decode_buckets=(4,), prefill_buckets=(16,), max_prefill_streams=2, max_logprobs=3, show_progress=False,
+)
+
+
+@pytest.mark.parametrize("bucket", [StepBucket("decode", num_seqs=3),
+                                    StepBucket("prefill", num_tokens=13, num_streams=3),
+                                    StepBucket("mixed", num_seqs=5, num_tokens=7, num_streams=2)])
+def test_packed_layout_aligned_and_round_trips(bucket):
+    cfg = BuilderConfig(block_size=4, max_blocks_per_seq=5, vocab_size=97, max_suppress_ids=3)
+    layout = packed_layout(cfg, bucket)
+    # every leaf starts on a 256-byte boundary (the Mosaic GPU call rejects anything else)
+    assert all(off % ALIGN == 0 for _, off, _, _ in layout.entries)
+    rng = np.random.default_rng(0)
+    rs = RowSampling(temperature=0.7, top_k=5, top_p=0.9, seed=(1, 2, 3), suppress_ids=(4, 5), logprobs=True)
+    rows = [DecodeRow(int(rng.integers(97)), p, [3, 1, 4], rs, ssm_slot=2) for p in (0, 5, 11)][: bucket.num_seqs]
+    chunks = [PrefillChunk(rng.integers(0, 97, n).tolist(), s, [2, 0, 1, 4], rs, pen_row=1)
+              for n, s in ((4, 0), (3, 9))][: bucket.num_streams] if bucket.kind != "decode" else []
+    inputs = build_step(cfg, bucket, rows, chunks)
+    _, ibuf, fbuf = pack(cfg, inputs)
+    assert ibuf.shape == (layout.num_i32,) and fbuf.shape == (layout.num_f32,)
+    got = jax.tree.leaves(unpack(layout, jnp.asarray(ibuf), jnp.asarray(fbuf)))
+    want = jax.tree.leaves((inputs.dmd, inputs.pmd, inputs.tokens, inputs.smd))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _engine(path, cache_dir, **kw):
+    model, params = load_model(FIXTURES / path, dtype="float32", show_progress=False)
+    with CompileCounter() as cc:
+        eng = LLMEngine(model, params, dataclasses.replace(CFG, compilation_cache_dir=str(cache_dir), **kw))
+    return eng, cc
+
+
+def _run(eng):
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    outs = eng.generate([[1, 2, 3], list(range(5, 30))], [sp, SamplingParams(temperature=0.8, seed=3, max_tokens=6)])
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+
+
+@pytest.fixture
+def exe_cache_here(monkeypatch):
+    """The executable cache on this platform too. On the CPU the loaded executables cannot run
+    (compile.EXE_CACHE_PLATFORMS), so the CPU tests check loading, keys and misses; the GPU test
+    also runs them."""
+    monkeypatch.setattr(compile_mod, "EXE_CACHE_PLATFORMS", (jax.devices()[0].platform,))
+
+
+def test_warm_start_loads_every_step_without_tracing(tmp_path, exe_cache_here):
+    on_gpu = jax.devices()[0].platform == "gpu"
+    eng, cc = _engine("llama_tiny", tmp_path, warm_up=on_gpu)
+    n = len(eng.compiler.executables) + len(eng.compiler.swap_executables)
+    assert eng.compiler.cache_hits == 0 and cc.lowerings >= n
+    cold = _run(eng) if on_gpu else None
+    eng2, cc2 = _engine("llama_tiny", tmp_path, warm_up=on_gpu)
+    assert eng2.compiler.cache_hits == n
+    assert cc2.lowerings == 0 and cc2.backend_compiles == 0
+    if on_gpu:
+        assert _run(eng2) == cold
+    # another config is another key: nothing stale is loaded
+    eng3, cc3 = _engine("llama_tiny", tmp_path, max_logprobs=2, warm_up=on_gpu)
+    assert eng3.compiler.cache_hits == 0 and cc3.lowerings >= n
+
+
+def test_broken_cache_entry_is_a_miss(tmp_path, exe_cache_here):
+    eng, _ = _engine("llama_tiny", tmp_path, max_logprobs=1)  # (JAX keeps the first cache dir of the process)
+    n = len(eng.compiler.executables) + len(eng.compiler.swap_executables)
+    keys = [eng.compiler._key(b, eng.params, eng.state) for b in eng.compiler.buckets]
+    (eng.compiler.exe_cache.dir / f"{keys[0]}.exe").write_bytes(b"not an executable")
+    eng2, cc2 = _engine("llama_tiny", tmp_path, max_logprobs=1)
+    assert eng2.compiler.cache_hits == n - 1
+    assert (eng.compiler.exe_cache.dir / f"{keys[0]}.exe").read_bytes() != b"not an executable"  # replaced
+
+
+def test_no_executable_cache_on_the_cpu(tmp_path):
+    eng, _ = _engine("llama_tiny", tmp_path)
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("CPU behaviour")
+    assert eng.compiler.exe_cache.dir is None
+    assert _run(eng)[0][0]
+
+
+@pytest.mark.gpu
+def test_warm_start_same_tokens_gpu(tmp_path):
+    eng, _ = _engine("llama_tiny", tmp_path)
+    cold = _run(eng)
+    eng2, cc2 = _engine("llama_tiny", tmp_path)
+    assert eng2.compiler.cache_hits == len(eng2.compiler.executables) + len(eng2.compiler.swap_executables)
+    assert cc2.backend_compiles == 0 and _run(eng2) == cold
+
+
+def test_warm_up_runs_every_step_and_writes_nothing(tmp_path):
+    model, params = load_model(FIXTURES / "qwen3_next_tiny", dtype="float32", show_progress=False)
+    eng = LLMEngine(model, params, dataclasses.replace(CFG, compilation_cache_dir=str(tmp_path), warm_up=False))
+    rng = np.random.default_rng(1)
+
+    def poison(x):  # every pool, state slot and penalty row holds data that a stray write would change
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+        if x.dtype == jnp.bool_:
+            return jnp.asarray(rng.integers(0, 2, x.shape).astype(bool))
+        return jnp.asarray(rng.integers(0, 7, x.shape), x.dtype)
+
+    state = jax.tree.map(poison, eng.state)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
+    cm = CompilationManager(eng.model, eng.config, eng.builder)
+    cm.executables = eng.compiler.executables
+    after = cm.warm_up(eng.params, state)
+    assert cm.warmup_seconds > 0
+    for b, a in zip(before, jax.tree.leaves(after)):
+        np.testing.assert_array_equal(b, np.asarray(a))
