@@ -217,6 +217,9 @@ def test_params_lookup():
             p = skinny_params_for(m, n, k, jnp.float8_e4m3fn)
             p.check_fp8()
             assert isinstance(skinny_params_for(m, n, k, jnp.bfloat16), SkinnyParams)
+    # past the largest measured row bucket (FP8: 8 rows) the heuristic, not a tile sized for fewer rows
+    assert skinny_params_for(64, 28672, 4096, jnp.float8_e4m3fn) == default_params(64, 28672, 4096, True)
+    assert skinny_params_for(16, 28672, 4096, jnp.float8_e4m3fn).block_n == 128  # the 8-row entry (16 rows)
 
 
 # ---- Triton lowering for an H200, checked on the CPU machine -------------------------------------

@@ -35,14 +35,15 @@ def _swap_buckets(max_blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 
 
-def default_kernels(on_gpu: bool) -> AttentionConfig:
+def default_kernels(on_gpu: bool, uses_moe: bool = False) -> AttentionConfig:
     """The kernel choices when none are given: on the GPU the Pallas kernels (attention, scans,
-    FP8 decode linears), the Python layer loop and (when installed) tokamax's grouped GEMM for
-    MoE; on the CPU the XLA reference."""
+    FP8 decode linears), the Python layer loop and, for MoE models, tokamax's grouped GEMM when it
+    imports (tried only then: the import takes seconds); on the CPU the XLA reference."""
     from metrale_jax.layers.moe import tokamax_available
 
-    return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu, tokamax_moe=on_gpu and tokamax_available(),
-                           fp8_kernel=on_gpu, mosaic_prefill=on_gpu)
+    return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
+                           tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
+                           mosaic_prefill=on_gpu)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class EngineConfig:
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
 
-    def resolve(self, *, max_position_embeddings: int, on_gpu: bool, uses_ssm: bool = False) -> EngineConfig:
+    def resolve(self, *, max_position_embeddings: int, on_gpu: bool, uses_ssm: bool = False,
+                uses_moe: bool = False) -> EngineConfig:
         """Fill every None/() size and the "auto" preemption mode; raise ValueError for an
         inconsistent config."""
         mml = self.max_model_len
@@ -141,7 +143,7 @@ class EngineConfig:
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
-            attention=self.attention or default_kernels(on_gpu), preemption_mode=mode,
+            attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
             lean_decode_steps=on_gpu if self.lean_decode_steps is None else self.lean_decode_steps,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),

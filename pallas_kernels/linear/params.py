@@ -118,13 +118,15 @@ def skinny_params_for(m: int, n: int, k: int, w_dtype) -> SkinnyParams:
     """Tuned params for x [m, k] @ w [n, k]^T with weights of `w_dtype`, or the heuristic.
 
     The table holds measured M values (1, 8, 32, 64); an M in between takes the entry of the
-    next measured M above it (the largest one past the end).
+    next measured M above it. An M whose row bucket lies past the largest measured one takes the
+    heuristic: measured tiles are sized for their rows (the FP8 8-row entry of N=28672 asked for
+    463 KB of shared memory at 64 rows on the H200, where 227 KB exist).
     """
     table = _tuned_table()
     prefix = tuned_key(0, n, k, w_dtype)[:-1]  # "<dtype>_n<N>_k<K>_m"
     ms = sorted(int(key[len(prefix):]) for key in table if key.startswith(prefix))
-    if ms:
-        pick = next((t for t in ms if t >= m), ms[-1])
+    if ms and m_bucket(m) <= m_bucket(ms[-1]):
+        pick = next(t for t in ms if t >= m) if m <= ms[-1] else ms[-1]
         params = SkinnyParams(**table[prefix + str(pick)])
         if not (params.gemv and m > 1):  # a gemv pick (M = 1) says nothing about the dot's tiles
             return params
