@@ -100,7 +100,8 @@ class LLMEngine:
         self.params = params
         self.uses_ssm = model.ssm_bytes_per_slot() > 0
         self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
-                                     on_gpu=_on_gpu(), uses_ssm=self.uses_ssm)
+                                     on_gpu=_on_gpu(), uses_ssm=self.uses_ssm,
+                                     uses_moe=bool(model.cfg.get("num_experts") or model.cfg.get("n_routed_experts")))
         why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None
         if self.config.attention.use_pallas and why_not:
             log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)
@@ -108,18 +109,22 @@ class LLMEngine:
         c = self.config
         log.info("kernels: %s; layers: %s", "Pallas" if c.attention.use_pallas else "XLA reference",
                  "Python loop over per-layer arrays" if c.attention.unroll_layers else "lax.scan")
+        phases = {}  # start-up phase -> seconds (logged; `startup_phases`)
+        t = time.perf_counter()
         if c.attention.unroll_layers:
             # in place, so that the layer-stacked arrays are freed before the KV pool is sized
             # (unless the caller keeps other references to them); see layers/stack.py
             self.params = split_layers(params)
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
+        phases["split_layers"] = time.perf_counter() - t
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
         self.vocab_size = int(model.cfg.vocab_size)
         self.cache_dir = setup_compilation_cache(c.compilation_cache_dir)
 
+        t = time.perf_counter()
         kv_dtype = c.kv_dtype or (c.dtype if c.dtype in _DTYPES else getattr(model, "dtype", None))
         self.kv_dtype = kv_dtype
         self.num_blocks = self._kv_pool_size(kv_dtype)
@@ -143,8 +148,13 @@ class LLMEngine:
                  f"{c.swap_space_gb:g} GB)" if c.preemption_mode == "swap" else "")
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
+        jax.block_until_ready(self.state)
+        phases["kv_pool"] = time.perf_counter() - t
         self.compiler = CompilationManager(model, c, self.builder)
-        self.compiler.compile_all(self.params, self.state)
+        phases["compile"] = self.compiler.compile_all(self.params, self.state)
+        if c.warm_up:
+            self.state = self.compiler.warm_up(self.params, self.state)
+            phases["warm_up"] = self.compiler.warmup_seconds
         reserve = getattr(self, "_scratch_reserve", None)
         if reserve is not None and self.compiler.temp_bytes > reserve:
             log.warning("the largest step needs %.2f GB of scratch but %.2f GB were reserved when sizing the KV "
@@ -162,8 +172,10 @@ class LLMEngine:
         self._next_tokens = self.compiler.zero_tokens()  # its samples, on the device
         self._swap_pending: list = []  # (Sequence, SwapData) copied out by the last step, not on the host yet
         self.startup_seconds = time.perf_counter() - t0
-        log.info("engine ready in %.1fs (compile %.1fs, %d executables, cache %s)", self.startup_seconds,
-                 self.compiler.compile_seconds, len(self.compiler.executables), self.cache_dir)
+        self.startup_phases = phases
+        log.info("engine ready in %.1fs (%s; %d executables, %d from the cache at %s)", self.startup_seconds,
+                 ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), len(self.compiler.executables),
+                 self.compiler.cache_hits, self.cache_dir)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
