@@ -210,8 +210,10 @@ def _hub_error(repo_id: str, revision: str | None, cache: Path, offline: bool, e
     elif isinstance(e, RevisionNotFoundError):
         why = f"the repo has no revision {rev!r}"
     elif offline and isinstance(e, LocalEntryNotFoundError):
-        why = (f"HF_HUB_OFFLINE is set, so nothing is downloaded, and the cache holds no snapshot of revision "
-               f"{rev!r} (unset HF_HUB_OFFLINE to download it, or pass a local folder)")
+        return ModelNotFoundError(
+            f"model {repo_id!r} not found: HF_HUB_OFFLINE is set, so nothing is downloaded, and the cache holds no "
+            f"complete snapshot of revision {rev!r} (unset HF_HUB_OFFLINE to download it, or pass a local folder); "
+            f"{tried}")
     elif isinstance(e, LocalEntryNotFoundError):
         why = f"the Hub could not be reached and the cache holds no snapshot of revision {rev!r}"
     elif isinstance(e, HfHubHTTPError):
