@@ -15,6 +15,7 @@ from metrale_jax.errors import (
     EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
+    MaxTokensTooLargeError,
     PromptTooLongError,
 )
 from metrale_jax.sampling import SamplingParams
@@ -133,7 +134,9 @@ def test_min_tokens_suppresses_eos(eng, W):
 def test_max_model_len_stops_with_length(eng, W):
     mml = eng.config.max_model_len
     p = _ids(mml - 6, 4)
-    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)).outputs[0]
+    with pytest.raises(MaxTokensTooLargeError, match="maximum context length"):  # as vLLM: a 400, not a cap
+        _run(eng, p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)).outputs[0]
     assert len(o.token_ids) == 6 and o.finish_reason == "length"
     assert o.token_ids == fake_greedy(W, p, 6, use_ssm=True, ignore_eos=True)
     o = _run(eng, p, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)).outputs[0]
@@ -215,7 +218,7 @@ def test_penalties_match_reference(eng, W, rep, pres, freq):
 def test_abort_frees_everything(eng):
     s = eng.scheduler
     free0 = s.blocks.num_free
-    eng.add_request("a", {"prompt_token_ids": _ids(50, 11)}, SamplingParams(max_tokens=100, ignore_eos=True,
+    eng.add_request("a", {"prompt_token_ids": _ids(50, 11)}, SamplingParams(max_tokens=70, ignore_eos=True,
                                                                             presence_penalty=0.3))
     eng.add_request("b", {"prompt_token_ids": _ids(5, 12)}, SamplingParams(max_tokens=100, ignore_eos=True))
     eng.add_request("c", {"prompt_token_ids": _ids(70, 13)}, SamplingParams(max_tokens=5, ignore_eos=True))
