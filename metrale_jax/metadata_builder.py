@@ -39,7 +39,6 @@ class StepBucket:
     num_seqs: int = 0  # N decode rows
     num_tokens: int = 0  # T prefill tokens
     num_streams: int = 0  # B prefill streams
-    lean: bool = False  # decode only: the twin that samples without conditionals (`sampling.sample`)
 
     def __post_init__(self) -> None:
         if self.kind not in ("decode", "prefill", "mixed"):
@@ -52,8 +51,6 @@ class StepBucket:
             raise ValueError(f"decode bucket has no prefill part: {self}")
         if self.kind == "prefill" and self.num_seqs:
             raise ValueError(f"prefill bucket has no decode rows: {self}")
-        if self.lean and self.kind != "decode":
-            raise ValueError(f"only decode buckets have a lean twin: {self}")
 
     @property
     def total_tokens(self) -> int:
@@ -64,8 +61,7 @@ class StepBucket:
         return self.num_seqs + self.num_streams
 
     def __str__(self) -> str:
-        lean = ", lean" if self.lean else ""
-        return f"{self.kind}(N={self.num_seqs}, T={self.num_tokens}, B={self.num_streams}{lean})"
+        return f"{self.kind}(N={self.num_seqs}, T={self.num_tokens}, B={self.num_streams})"
 
 
 @dataclass(frozen=True)

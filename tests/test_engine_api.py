@@ -59,7 +59,9 @@ def test_llm_load_errors():
 def test_cli_generate_streams(llm, monkeypatch, capsys):
     from metrale_jax import cli
 
-    monkeypatch.setattr(cli, "_load_engine", lambda args, **kw: llm.llm_engine)
+    eng = llm.llm_engine
+    monkeypatch.setattr(cli, "_load", lambda args: (eng.model, eng.params))
+    monkeypatch.setattr(cli, "_build_engine", lambda args, model, params, t0, **kw: eng)
     assert cli.main(["generate", "hello", "--stream", "--temperature", "0", "--max-tokens", "5"]) == 0
     w = np.asarray(llm.llm_engine.params["w"])
     tok = llm.get_tokenizer()
@@ -87,7 +89,8 @@ def test_cli_chat_session(llm, monkeypatch, capsys):
     from metrale_jax import cli
 
     eng = llm.llm_engine
-    monkeypatch.setattr(cli, "_load_engine", lambda args, **kw: eng)
+    monkeypatch.setattr(cli, "_load", lambda args: (eng.model, eng.params))
+    monkeypatch.setattr(cli, "_build_engine", lambda args, model, params, t0, **kw: eng)
     tok = eng.tokenizer
     monkeypatch.setattr(type(tok), "chat_template", "fake", raising=False)
     lines = iter(["hi", "/reset", "ok?", "/exit"])

@@ -1,8 +1,6 @@
 """LLMEngine semantics over FakeModel, whose logits a host loop computes exactly (W[h(ids)]):
 stop conditions, min_tokens, n, seeds, logprobs and prompt logprobs, penalties, abort, every
-bad-input case, streaming outputs and no compilation after warm-up. The engine compiles the lean
-decode twins (sampling without conditionals, the GPU default), so every case here also checks
-that batches switching between the twins and the full steps keep the same semantics."""
+bad-input case, streaming outputs and no compilation after warm-up."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ EOS = 1
 
 @pytest.fixture(scope="module")
 def eng():
-    e = fake_engine(use_ssm=True, lean_decode_steps=True)
+    e = fake_engine(use_ssm=True)
     e.scheduler = e._new_scheduler()
     yield e
     assert not e.has_unfinished_requests()
@@ -323,18 +321,3 @@ def test_no_compilation_while_serving(eng):
         eng.compiler.run(StepBucket("decode", num_seqs=3), eng.params, eng.state, ())
 
 
-def test_lean_twin_runs_when_the_batch_allows(eng):
-    """Decode batches without top-k/top-p and logprobs run the lean twin; others the full step."""
-    from metrale_jax.metadata_builder import DecodeRow, RowSampling, build_step
-
-    assert any(b.lean for b in eng.compiler.executables)
-    bucket = eng.compiler.bucket_for(2, 0, 0)
-
-    def runnable(**kw):
-        rows = [DecodeRow(token=5, position=3, block_table=[0], sampling=RowSampling(**kw))] * 2
-        return eng.compiler.runnable(build_step(eng.builder, bucket, rows, []))
-
-    assert runnable().lean
-    assert runnable(temperature=0.7, repetition_penalty=1.3, pen_row=0).lean
-    assert not runnable(temperature=0.7, top_p=0.9).lean
-    assert not runnable(logprobs=True).lean

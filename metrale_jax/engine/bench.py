@@ -416,7 +416,7 @@ def measure_decode_latency(eng, args, batch: int, bw: float) -> dict:
     rows = [DecodeRow(token=s.token_ids[s.num_computed - 1], position=s.num_computed - 1, block_table=s.blocks,
                       sampling=RowSampling()) for s in seqs]
     inputs = build_step(eng.builder, eng.compiler.bucket_for(len(rows), 0, 0), rows, [])
-    bucket = eng.compiler.runnable(inputs)  # what the engine runs: the lean twin when compiled
+    bucket = inputs.bucket
     dev = eng.compiler.transfer(inputs)
     state = eng.state
     for _ in range(2):

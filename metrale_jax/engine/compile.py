@@ -21,7 +21,6 @@ requests pay no first-execution costs and a step that cannot run fails at start-
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -37,7 +36,6 @@ from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, pack, packed_layout
-from metrale_jax.sampling import F_FILTER, F_LOGPROBS
 from metrale_jax.step import jit_packed_step
 
 log = logging.getLogger(__name__)
@@ -179,12 +177,9 @@ class ExecutableCache:
 
 
 def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
-    """Every bucket of a resolved config: decode N's (and their lean twins when
-    `cfg.lean_decode_steps`), prefill T's, and mixed (N, T) pairs."""
+    """Every bucket of a resolved config: decode N's, prefill T's, and mixed (N, T) pairs."""
     b = cfg.max_prefill_streams
     out = [StepBucket("decode", num_seqs=n) for n in cfg.decode_buckets]
-    if cfg.lean_decode_steps:
-        out += [StepBucket("decode", num_seqs=n, lean=True) for n in cfg.decode_buckets]
     out += [StepBucket("prefill", num_tokens=t, num_streams=b) for t in cfg.prefill_buckets]
     out += [StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=b)
             for n in cfg.mixed_decode_buckets for t in cfg.prefill_buckets]
@@ -225,7 +220,7 @@ class CompilationManager:
         ibuf = jax.ShapeDtypeStruct((layout.num_i32,), jax.numpy.int32)
         fbuf = jax.ShapeDtypeStruct((layout.num_f32,), jax.numpy.float32)
         prev = jax.ShapeDtypeStruct((self.max_rows,), jax.numpy.int32)
-        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout, lean=bucket.lean,
+        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout,
                                                   **self._static())
 
     def lower_swap(self, kind: str, m: int, state):
@@ -322,15 +317,6 @@ class CompilationManager:
             return StepBucket("prefill", num_tokens=t, num_streams=c.max_prefill_streams)
         n = _ceil_bucket(c.mixed_decode_buckets, num_decode)
         return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
-
-    def runnable(self, inputs: StepInputs) -> StepBucket:
-        """The executable's bucket for built step `inputs`: its decode bucket's lean twin when
-        compiled and no row needs top-k/top-p or logprobs (`sampling.sample`), else its own."""
-        b = inputs.bucket
-        flags = inputs.smd.flags
-        if b.kind == "decode" and self.cfg.lean_decode_steps and not (flags[F_FILTER] or flags[F_LOGPROBS]):
-            return dataclasses.replace(b, lean=True)
-        return b
 
     def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None):
         """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer) and

@@ -88,11 +88,6 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
-    # Compile each decode bucket twice: also a "lean" twin that samples without `lax.cond`, run
-    # when no row of the batch wants top-k/top-p or logprobs. On the GPU a conditional waits on
-    # the host for its predicate, so the next step could not be queued behind the running one
-    # (sampling.py). None: on for the GPU, off for the CPU (no gain there, compile time).
-    lean_decode_steps: bool | None = None
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
@@ -144,7 +139,6 @@ class EngineConfig:
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
             attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
-            lean_decode_steps=on_gpu if self.lean_decode_steps is None else self.lean_decode_steps,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)

@@ -182,6 +182,7 @@ class LLMEngine:
         from metrale_jax.model import load_model
 
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
+                                   revision=config.revision,
                                    quantization=config.quantization)
         return cls(model, params, config)
 
@@ -449,7 +450,7 @@ class LLMEngine:
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         dev = self.compiler.transfer(inputs)
-        self.state, out, self._next_tokens = self.compiler.run(self.compiler.runnable(inputs), self.params,
+        self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                self.state, dev, self._next_tokens)
         self.scheduler.complete(sched)
         self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)

@@ -132,7 +132,7 @@ class WeightReader:
         return np.empty((n,) + tuple(shape), self.dtype)
 
     def progress(self, it: Iterable, desc: str):
-        return tqdm(it, desc=f"loading {desc}", disable=not self.show_progress, leave=False)
+        return tqdm(it, desc=f"loading {desc}", disable=None if self.show_progress else True, leave=False)
 
     def to_device(self, tree):
         """Place the tree on the device as built (FP8 weights and their f32 scales keep their dtypes)."""
