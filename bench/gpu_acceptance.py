@@ -186,10 +186,27 @@ def synthetic_tokenizer(vocab_size: int, eos_ids: tuple[int, ...]):
     return Tokenizer(tok, eos_token=specials[0] if specials else None)
 
 
+def untile_vocab(params: dict, seed: int, scale: float = 0.2) -> dict:
+    """Fresh draws for the embedding table and the LM head (`params["embed"]` f[V, H],
+    `params["lm_head"]` f[H, V]): the random-weight reader tiles tensors above 16M elements with
+    one 1M-element draw, so vocabulary rows repeat and their logits tie exactly (the greedy check
+    then measures tie-breaking, not the engine)."""
+    import jax
+
+    key = jax.random.PRNGKey(seed + 7)
+    for i, name in enumerate(("embed", "lm_head")):
+        a = params.get(name)
+        if isinstance(a, jax.Array):
+            params[name] = (scale * jax.random.normal(jax.random.fold_in(key, i), a.shape, jax.numpy.float32)
+                            ).astype(a.dtype)
+    return params
+
+
 def build_model(cfg: dict, dtype: str, seed: int, tokenizer: bool = True):
     from metrale_jax.model import random_model
 
     model, params = random_model(cfg, dtype=dtype, seed=seed, repeat_layers=True)
+    params = untile_vocab(params, seed)
     if tokenizer:
         model = dataclasses.replace(model, tokenizer=synthetic_tokenizer(model.cfg.vocab_size,
                                                                          tuple(model.eos_token_ids)))
