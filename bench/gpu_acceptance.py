@@ -462,7 +462,8 @@ def compare_twins(ref_ids: list[int], ref_lps: list[dict], ids: list[int], lps: 
             if t in b:
                 max_err = max(max_err, abs(x.logprob - b[t].logprob))
     gaps = top2_gaps(ref_lps)
-    tie = first_diff is not None and first_diff < len(gaps) and gaps[first_diff] < tol
+    differ = first_diff is not None and first_diff < min(len(ref_ids), len(ids))  # an id, not a length
+    tie = differ and first_diff < len(gaps) and gaps[first_diff] < tol
     ok = max_err <= tol and (first_diff is None or tie)
     return dict(passed=bool(ok), first_diff=first_diff, tie_at_diff=bool(tie), max_logprob_err=float(max_err),
                 length=len(ref_ids))
