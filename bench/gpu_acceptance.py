@@ -38,7 +38,9 @@ Per family (random weights, `random_model(shape_config(shape, layers), repeat_la
 
 Writes `acceptance_<date>.json` and `.md` under `--out` (rewritten after each family, so a run cut
 short still leaves the finished families), prints a short table last, exits 1 if any check failed.
-`--cpu-smoke` runs all of it on the CPU with tiny shapes and fewer requests (tests use it).
+`--cpu-smoke` runs all of it on the CPU with tiny shapes, fewer requests and 3 step buckets
+(`SMOKE_BUCKETS`; tests/test_gpu_acceptance_smoke.py uses it). On the H200 (2026-12-01, cold
+compilation cache) a family took 95-175 s, so the five need two or three calls of `--family`.
 """
 
 from __future__ import annotations
