@@ -98,26 +98,58 @@ def test_truncated_gguf(tmp_path):
         load_model(bad)
 
 
-def test_gguf_conversion_cached_with_orbax(tmp_path, monkeypatch, caplog):
-    """The second load of a GGUF restores the dequantized parameters instead of converting."""
+@pytest.mark.parametrize("split", [False, True])
+def test_gguf_conversion_cached_with_orbax(tmp_path, monkeypatch, caplog, split):
+    """The second load of a GGUF restores the dequantized parameters instead of converting (also
+    when they are loaded split per layer: the cache holds them stacked, either layout restores)."""
+    from metrale_jax.layers.stack import Unstacked
     from metrale_jax.loading.hub import resolve_model
     from metrale_jax.models import llama
 
     src = resolve_model("smollm2-135m-instruct")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    _, first = load_model(src, dtype="bfloat16", show_progress=False)
+    _, first = load_model(src, dtype="bfloat16", show_progress=False, split_layers=split)
 
     def no_conversion(*a, **k):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(llama, "load_params", no_conversion)
     with caplog.at_level(logging.INFO, logger="metrale_jax.model"):
-        model, second = load_model(src, dtype="bfloat16", show_progress=False)
+        model, second = load_model(src, dtype="bfloat16", show_progress=False, split_layers=split)
+        _, other = load_model(src, dtype="bfloat16", show_progress=False, split_layers=not split)
     assert "restored converted parameters" in caplog.text
-    for a, b in zip(np.asarray(first["layers"]["wqkv"][3]), np.asarray(second["layers"]["wqkv"][3])):
-        np.testing.assert_array_equal(a, b)
-    assert second["layers"]["wqkv"].dtype == first["layers"]["wqkv"].dtype
+    layer3 = [p["layers"]["wqkv"].parts[3] if isinstance(p["layers"]["wqkv"], Unstacked) else p["layers"]["wqkv"][3]
+              for p in (first, second, other)]
+    assert isinstance(second["layers"]["wqkv"], Unstacked) == split != isinstance(other["layers"]["wqkv"], Unstacked)
+    for a in layer3[1:]:
+        np.testing.assert_array_equal(np.asarray(layer3[0]), np.asarray(a))
+        assert a.dtype == layer3[0].dtype
     assert model.cfg.num_layers == 30
+
+
+def test_split_layers_at_load_serves_the_same(ckpt):
+    """Parameters put on the device per layer at load (the GPU default) give the engine the same
+    tokens as stacked ones split by the engine, and the engine leaves them as they are."""
+    from metrale_jax.engine.config import EngineConfig
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.layers.attention import AttentionConfig
+    from metrale_jax.layers.stack import Unstacked
+    from metrale_jax.sampling import SamplingParams
+
+    cfg = EngineConfig(dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=40, max_num_seqs=2,
+                       max_num_batched_tokens=16, decode_buckets=(2,), prefill_buckets=(16,), max_prefill_streams=2,
+                       show_progress=False, attention=AttentionConfig(unroll_layers=True))
+    outs = []
+    for split in (False, True):
+        model, params = load_model(ckpt, dtype="float32", show_progress=False, split_layers=split)
+        assert isinstance(params["layers"]["wo"], Unstacked) == split and not isinstance(params["embed"], Unstacked)
+        parts = params["layers"]["wo"].parts if split else None
+        eng = LLMEngine(model, params, cfg)
+        if split:
+            assert eng.params["layers"]["wo"].parts == parts  # not split again
+        o = eng.generate([[3, 1, 4, 1, 5], [9, 2]], SamplingParams(temperature=0, max_tokens=5, logprobs=1))
+        outs.append([(x.outputs[0].token_ids, round(x.outputs[0].cumulative_logprob, 4)) for x in o])
+    assert outs[0] == outs[1]
 
 
 def test_hub_config_dialect(ckpt):

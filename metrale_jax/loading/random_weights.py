@@ -27,9 +27,9 @@ class _NoSource:
 
 class RandomWeightReader(WeightReader):
     def __init__(self, dtype, seed: int = 0, scale: float = 0.2, tile_above: int = 1 << 24, show_progress=False,
-                 repeat_layers: bool = False, quantize_fp8: bool = False):
+                 repeat_layers: bool = False, quantize_fp8: bool = False, split_layers: bool = False):
         super().__init__(_NoSource(), dtype, origin="<random>", show_progress=show_progress,
-                         quantize_fp8=quantize_fp8)
+                         quantize_fp8=quantize_fp8, split_layers=split_layers)
         self.seed = seed
         self.scale = scale
         self.tile_above = tile_above

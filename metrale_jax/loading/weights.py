@@ -43,11 +43,13 @@ class WeightReader:
     dequantizes any other FP8 tensor to the model dtype.
     """
 
-    def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False):
+    def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False,
+                 split_layers: bool = False):
         self.source = source
         self.dtype = np_dtype(dtype)
         self.origin = origin
         self.show_progress = show_progress
+        self.split_layers = split_layers  # to_device: per-layer arrays (the GPU engine's layout)
         self.quantize_fp8 = quantize_fp8
         self._names = set(source.names())
         self.used: set[str] = set()
@@ -135,5 +137,10 @@ class WeightReader:
         return tqdm(it, desc=f"loading {desc}", disable=None if self.show_progress else True, leave=False)
 
     def to_device(self, tree):
-        """Place the tree on the device as built (FP8 weights and their f32 scales keep their dtypes)."""
+        """Place the tree on the device as built (FP8 weights and their f32 scales keep their dtypes);
+        with `split_layers`, layer-stacked leaves as per-layer arrays (`layers.stack.device_put_layers`)."""
+        if self.split_layers:
+            from metrale_jax.layers.stack import device_put_layers
+
+            return device_put_layers(tree)
         return jax.tree.map(jax.device_put, tree)
