@@ -450,7 +450,7 @@ def _rank_and_top(lp: Array, target: Array, k: int) -> tuple[Array, Array, Array
 
 # ---- sampling ------------------------------------------------------------------------------------
 def sample(
-    logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, lean: bool = False
+    logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
@@ -461,9 +461,12 @@ def sample(
     are of the raw log-softmax and are computed whatever the rows asked for (the host reads them
     only for rows that asked).
 
-    lean: ignored (kept until the engine's "lean twin" plumbing is removed; there is one sampler).
+    branches (static): skip the filters and the random draw when no row samples at random, and
+    the ranks and top logprobs when no row asked for them (zeros then), under `lax.cond` on the
+    host-computed flags. The same tokens and values either way. Cheap on the CPU (the CPU
+    default, where the searches cost more than the step of a small model); on the GPU XLA
+    evaluates a conditional's predicate on the host, which stalls the step queue, so off there.
     """
-    del lean
     logits = logits.astype(jnp.float32)
     s, v = logits.shape
     k = max(max_logprobs, 1)
@@ -472,11 +475,27 @@ def sample(
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], smd.suppress_ids.shape)
     x = x.at[rows, _oob(smd.suppress_ids, v)].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(x, FilterParams.of(smd))
-    sampled = jnp.argmax(filtered + row_gumbel(smd, v), axis=-1).astype(jnp.int32)
+
+    def draw(x):
+        return jnp.argmax(filter_logits(x, FilterParams.of(smd)) + row_gumbel(smd, v), axis=-1).astype(jnp.int32)
+
+    def no_draw(x):
+        return greedy
+
+    sampled = jax.lax.cond(smd.flags[F_RANDOM], draw, no_draw, x) if branches else draw(x)
     tok = jnp.where(smd.temperature > 0, sampled, greedy)
     chosen = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
-    ranks, top_ids, top_lp = _rank_and_top(raw_lp, tok, k)
+
+    def tops(lp, t):
+        return _rank_and_top(lp, t, k)
+
+    def no_tops(lp, t):
+        return jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+
+    if branches:
+        ranks, top_ids, top_lp = jax.lax.cond(smd.flags[F_LOGPROBS], tops, no_tops, raw_lp, tok)
+    else:
+        ranks, top_ids, top_lp = tops(raw_lp, tok)
     return tok, chosen, ranks, top_ids, top_lp
 
 

@@ -63,7 +63,8 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
     pen = update_penalty_state(state.penalties, tokens, smd)
     ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
     logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[S, V]
-    tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs)
+    tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
+                                            branches=attn.sampler_branches)
     plp = prompt_logprobs(lambda h: model.compute_logits(params, h), hidden[n:], smd.prompt_lp_targets,
                           max_logprobs=max_logprobs, chunk=prompt_lp_chunk)
     out = SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)

@@ -252,10 +252,11 @@ def test_prompt_logprobs_chunked_match_numpy():
     assert not np.any(np.asarray(lp0))
 
 
-def test_lean_is_a_no_op():
-    """`sample(lean=True)` (the engine's former decode twin, kept as a keyword until the plumbing
-    goes) is the same single sampler: identical outputs for greedy rows, seeded random rows with
-    min_p, penalised rows (others untouched), suppressed ids and top-k/top-p/logprob rows."""
+def test_branches_give_the_same_samples():
+    """`sample(branches=True)` (the CPU default: filters, draw and top logprobs under `lax.cond`)
+    gives exactly the branch-free sampler's outputs for greedy rows, seeded random rows with
+    min_p, penalised rows (others untouched), suppressed ids and top-k/top-p/logprob rows; with no
+    random row and no logprob row it skips both and still returns the argmax."""
     s, rows_n = 7, 3
     x = jnp.asarray(_logits(s, seed=21))
     ps = init_penalty_state(rows_n, V)
@@ -268,10 +269,12 @@ def test_lean_is_a_no_op():
             RowSampling(temperature=0.9, top_k=5, top_p=0.8, seed=seed_words(3, 0), logprobs=True)]
     smd = sampling_only(CFG, rows)
     full = _sample(x, smd, ps)
-    lean = jax.jit(functools.partial(sample, max_logprobs=K, lean=True))(x, smd, ps)
-    for a, b in zip(lean, full, strict=True):
+    branched = jax.jit(functools.partial(sample, max_logprobs=K, branches=True))(x, smd, ps)
+    for a, b in zip(branched, full, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # a batch of greedy rows only: the argmax
+    # a batch of greedy rows only: the argmax and its logprob, no top logprobs computed
     smd_g = sampling_only(CFG, [RowSampling()] * s)
-    g_lean = jax.jit(functools.partial(sample, max_logprobs=K, lean=True))(x, smd_g, init_penalty_state(0, V))[0]
-    np.testing.assert_array_equal(np.asarray(g_lean), np.asarray(jnp.argmax(x, -1)))
+    g = jax.jit(functools.partial(sample, max_logprobs=K, branches=True))(x, smd_g, init_penalty_state(0, V))
+    np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(jnp.argmax(x, -1)))
+    np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(_sample(x, smd_g, init_penalty_state(0, V))[1]))
+    assert not np.any(np.asarray(g[3]))

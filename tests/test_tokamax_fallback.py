@@ -38,15 +38,16 @@ def fresh():
     _forget_tokamax()
 
 
-def _gmm_case(m, k=24, n=40, g=5, seed=0):
-    """x f32[m, k], w f32[g, k, n], sizes i32[g] summing to m, uneven with an empty group."""
+def _gmm_case(m, k=24, n=40, g=5, seed=0, dtype=jnp.bfloat16):
+    """x [m, k], w [g, k, n] in `dtype` (bf16: what tokamax takes), sizes i32[g] summing to m,
+    uneven with an empty group."""
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, m + 1, g - 1))
     cuts[1] = cuts[0]  # group 1 empty
     sizes = np.diff(np.concatenate([[0], cuts, [m]])).astype(np.int32)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((g, k, n)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes)
 
 
 def _numpy_gmm(x, w, sizes):
@@ -195,15 +196,24 @@ def test_without_use_tokamax_tokamax_is_not_imported(fake_tokamax):
     assert "tokamax" not in sys.modules
 
 
+def test_float32_operands_never_reach_tokamax(fake_tokamax):
+    """tokamax takes bf16/f16 only (a float32 MoE model failed on the H200): f32 goes to XLA."""
+    x, w, sizes = _gmm_case(m=12, dtype=jnp.float32)
+    got = np.asarray(moe.grouped_matmul(x, w, sizes, use_tokamax=True))
+    np.testing.assert_allclose(got, _numpy_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
+    assert "tokamax" not in sys.modules or not sys.modules["tokamax"].CALLS
+
+
 def test_moe_layers_share_one_traced_tokamax_call(fake_tokamax):
     """Three MoE layers in one step trace tokamax once per GEMM shape (gate_up, down), not per
     layer: the kernel is lowered and compiled once per step (start-up, see moe.py)."""
     rng = np.random.default_rng(3)
     t, h, inter, e, k = 11, 16, 12, 6, 2
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-    wr = jnp.asarray(rng.standard_normal((h, e)), jnp.float32)
-    wgu = jnp.asarray(rng.standard_normal((e, h, 2 * inter)) / 4, jnp.float32)
-    wd = jnp.asarray(rng.standard_normal((e, inter, h)) / 4, jnp.float32)
+    bf16 = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((t, h)), bf16)
+    wr = jnp.asarray(rng.standard_normal((h, e)), bf16)
+    wgu = jnp.asarray(rng.standard_normal((e, h, 2 * inter)) / 4, bf16)
+    wd = jnp.asarray(rng.standard_normal((e, inter, h)) / 4, bf16)
 
     def three_layers(x, use_tokamax):
         for _ in range(3):

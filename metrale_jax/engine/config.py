@@ -43,7 +43,7 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False) -> AttentionConfig:
 
     return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
                            tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
-                           mosaic_prefill=on_gpu)
+                           mosaic_prefill=on_gpu, sampler_branches=not on_gpu)
 
 
 @dataclass(frozen=True)

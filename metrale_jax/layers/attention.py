@@ -43,6 +43,10 @@ class AttentionConfig:
     # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.2-1.5x the
     # Triton kernel (bench/results/session4_2026-11-30.md).
     mosaic_prefill: bool = False
+    # The sampler skips its filters / random draw / top logprobs under `lax.cond` when no row of
+    # the step needs them (`sampling.sample(branches=...)`): the CPU default. On the GPU XLA
+    # evaluates a conditional's predicate on the host, so the next step could not be queued.
+    sampler_branches: bool = False
 
 
 def _softmax_attend(q, k, v, mask, scale):

@@ -152,11 +152,13 @@ def _tokamax_grouped_matmul(x, w, sizes):
 def grouped_matmul(x, w, sizes, use_tokamax: bool):
     """x [M, K] rows sorted by group, w [G, K, N], sizes i32[G] (summing to M) -> f32[M, N].
 
-    use_tokamax: tokamax's Mosaic GPU kernel; falls back to `jax.lax.ragged_dot` when tokamax is
-    unusable (one warning per process)."""
-    if use_tokamax and tokamax_available():
+    use_tokamax: tokamax's Mosaic GPU kernel for bf16/f16 operands (it takes no others: a float32
+    model raised NotImplementedError on the H200); falls back to `jax.lax.ragged_dot` for other
+    dtypes and when tokamax is unusable (one warning per process)."""
+    if use_tokamax and x.dtype in (jnp.bfloat16, jnp.float16) and tokamax_available():
         return _tokamax_grouped_matmul(x, w, sizes)
     return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
 
 def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gated: bool = True,
                    use_tokamax: bool = False):

@@ -20,6 +20,9 @@ from metrale_jax.layers.linear import Fp8Linear
 from metrale_jax.loading.weights import WeightReader
 
 
+_TILE = 1_048_573  # a prime near 2**20
+
+
 class _NoSource:
     def names(self):
         return []
@@ -62,7 +65,9 @@ class RandomWeightReader(WeightReader):
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         n = int(np.prod(shape))
         if n > self.tile_above:
-            tile = rng.standard_normal(1 << 20, dtype=np.float32)
+            # a prime-length tile: repeating it never lines rows up (with 2**20 values, every
+            # 256th row of a 4096-wide matrix was the same, and random models' logits tied exactly)
+            tile = rng.standard_normal(_TILE, dtype=np.float32)
             arr = np.resize(tile, n).reshape(shape)
         else:
             arr = rng.standard_normal(shape, dtype=np.float32)
