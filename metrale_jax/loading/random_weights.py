@@ -19,7 +19,6 @@ import numpy as np
 from metrale_jax.layers.linear import Fp8Linear
 from metrale_jax.loading.weights import WeightReader
 
-
 _TILE = 1_048_573  # a prime near 2**20
 
 
