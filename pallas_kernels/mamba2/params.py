@@ -104,7 +104,12 @@ def ssd_params_for(nheads, headdim, d_state, ngroups, dtype, num_streams) -> SSD
     # deeper software pipeline wins (0.39 vs 0.52 ms at 128 programs); with several per SM the
     # shallower one does (0.34 vs 0.41 ms at 512 programs).
     programs = nheads * (headdim // block_p) * num_streams
-    return SSDParams(chunk_size=64, block_p=block_p, num_warps=4, num_stages=3 if programs <= 264 else 2)
+    stages = 3 if programs <= 264 else 2
+    if np.dtype(dtype).itemsize >= 4:
+        # 4-byte x/B/C tiles: three stages of [64, 64] x and [64, d_state 128] B and C asked for
+        # 247 KB of shared memory on the H200 (227 KB exist) in a float32 model (2026-12-01)
+        stages = 2
+    return SSDParams(chunk_size=64, block_p=block_p, num_warps=4, num_stages=stages)
 
 
 def state_update_params_for(nheads, headdim, d_state, ngroups, dtype) -> StateUpdateParams:
