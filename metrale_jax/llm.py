@@ -19,7 +19,7 @@ from metrale_jax.engine.engine import EngineStats, LLMEngine
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale_jax.errors import ChatTemplateError, InvalidMessagesError, InvalidPromptError, InvalidRequestError
 from metrale_jax.loading.hub import DEFAULT_MODEL
-from metrale_jax.sampling import SamplingParams
+from metrale_jax.sampling import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -85,6 +85,8 @@ class LLM:
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         for p, sp in zip(prompts, plist):  # reject a bad batch before queuing any of it
             eng.validate(p, sp)
+        # only final outputs are read here (as vLLM's LLM does): no per-step output copies
+        plist = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in plist]
         rids = []
         for p, sp in zip(prompts, plist):
             rid = str(next(self._ids))

@@ -33,6 +33,7 @@ so the host never ships token histories.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import jax
@@ -44,6 +45,16 @@ from metrale_jax.errors import InvalidSamplingParamsError
 Array = jax.Array
 
 _MAX_SEED = 2**64
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What `LLMEngine.step()` returns for a request, as vLLM: CUMULATIVE, every step, the whole
+    output so far (the default; a streaming server diffs consecutive outputs); FINAL_ONLY, one
+    output when the request finishes (what `LLM.generate` uses: no per-step copies of growing
+    token lists). (vLLM's DELTA is not offered.)"""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -73,6 +84,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +145,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 0):
                 bad(name, "must be None or an integer >= 0")
+        if self.output_kind not in tuple(RequestOutputKind):
+            bad("output_kind", f"must be one of {[k.name for k in RequestOutputKind]}")
 
     @property
     def greedy(self) -> bool:
@@ -544,7 +558,7 @@ def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:
 
 
 __all__ = [
-    "SamplingParams", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
+    "SamplingParams", "RequestOutputKind", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
     "update_penalty_state", "sample", "prompt_logprobs", "FilterParams", "filter_logits", "search_passes",
     "SEARCH_WAYS", "CPU_SEARCH_WAYS", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
 ]

@@ -16,7 +16,7 @@ from metrale_jax.errors import (
     MaxTokensTooLargeError,
     PromptTooLongError,
 )
-from metrale_jax.sampling import SamplingParams
+from metrale_jax.sampling import RequestOutputKind, SamplingParams
 
 EOS = 1
 
@@ -109,6 +109,25 @@ def test_streamed_text_only_grows(eng, W):
             assert c.text.startswith(prev) and c.token_ids[: len(prev_ids)] == prev_ids
             prev, prev_ids = c.text, c.token_ids
     assert prev == text[: text.find(stop)]
+
+
+def test_output_kinds(eng, W):
+    """CUMULATIVE (the default) reports a running request every step; FINAL_ONLY (what
+    LLM.generate uses) once, finished, with the same tokens and text."""
+    p = _ids(9, 5)
+    seen = {}
+    for rid, kind in (("cum", RequestOutputKind.CUMULATIVE), ("fin", RequestOutputKind.FINAL_ONLY)):
+        eng.add_request(rid, {"prompt_token_ids": p},
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    assert len(seen["cum"]) == 12 and len(seen["fin"]) == 1 and seen["fin"][0].finished
+    assert seen["fin"][0].outputs[0].token_ids == seen["cum"][-1].outputs[0].token_ids == \
+        fake_greedy(W, p, 12, use_ssm=True, ignore_eos=True)
+    assert seen["fin"][0].outputs[0].text == seen["cum"][-1].outputs[0].text
+    with pytest.raises(InvalidSamplingParamsError, match="output_kind"):
+        SamplingParams(output_kind=1)
 
 
 def test_min_tokens_suppresses_eos(eng, W):

@@ -41,7 +41,7 @@ from metrale_jax.metadata_builder import (
     StepInputs,
     build_step,
 )
-from metrale_jax.sampling import F_LOGPROBS, SamplingParams
+from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams
 from metrale_jax.step import StepState, init_step_state
 
 log = logging.getLogger(__name__)
@@ -497,6 +497,8 @@ class LLMEngine:
             if req.finished:
                 req.finish_time = now
                 self.requests.pop(req.request_id, None)
+            elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._request_output(req))
         return outputs
 
@@ -600,6 +602,7 @@ class LLMEngine:
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         for p, sp in zip(prompts, plist):
             self.validate(p, sp)
+        plist = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in plist]  # only final ones are read
         ids = []
         for p, sp in zip(prompts, plist):
             rid = f"gen-{self._arrivals}"
