@@ -49,17 +49,6 @@ class AttentionConfig:
     sampler_branches: bool = False
 
 
-def _softmax_attend(q, k, v, mask, scale):
-    """q [R, Hkv, G, D], k/v [R, S, Hkv, D], mask bool[R, S] or [R, 1|G.., S] -> [R, Hkv, G, D] f32."""
-    s = jnp.einsum("rhgd,rshd->rhgs", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-    s = jnp.where(mask, s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)
-    return jnp.einsum("rhgs,rshd->rhgd", p, v.astype(jnp.float32))
-
-
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):
     """Dense causal attention for the research forward.
 
@@ -86,16 +75,57 @@ def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):
     return o.astype(q.dtype)
 
 
+# The reference paths stream the keys in chunks of about this many tokens, up to the longest
+# row's length (a loop with a dynamic trip count), so their cost follows the real context, not
+# max_model_len: on the CPU, where they are the default, every prefill token used to be scored
+# against max_prefill_streams x max_model_len keys (a 43-token chat prompt took 7-11 s to its
+# first token with SmolLM2 at max_model_len 4096).
+KEY_CHUNK = 256
+
+
+def _stream_keys(cache: KVCache, layer, block_tables, kv_max, scores_fn, carry_shape):
+    """Online softmax over the pages of `block_tables` i32[R, M], chunk by chunk, while the chunk
+    starts below `kv_max` (traced). `scores_fn(k, v f32[R, C, Hkv, D], kpos i32[C])` returns the
+    chunk's scores f32[carry_shape + (S,)], their mask (broadcastable) and `pv(p) -> f32[carry_shape
+    + (D,)]`. Returns the normalized output f32[carry_shape + (D,)] (zeros where nothing is seen)."""
+    r, m = block_tables.shape
+    bs = cache.block_size
+    ppc = max(1, min(m, KEY_CHUNK // bs))  # pages per chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, (-m) % ppc)))  # padded pages are masked (kpos >= kv_max)
+    d = cache.k.shape[-1]
+
+    def body(j, carry):
+        mx, den, acc = carry
+        bt = jax.lax.dynamic_slice_in_dim(tables, j * ppc, ppc, axis=1)
+        k, v = gather_kv(cache, layer, bt)  # [R, C, Hkv, D]
+        kpos = j * ppc * bs + jnp.arange(ppc * bs)
+        sc, mask, vv = scores_fn(k, v, kpos)
+        new_mx = jnp.maximum(mx, jnp.max(jnp.where(mask, sc, NEG_INF), axis=-1, keepdims=True))
+        pr = jnp.where(mask, jnp.exp(sc - new_mx), 0.0)
+        alpha = jnp.exp(mx - new_mx)
+        return new_mx, den * alpha + jnp.sum(pr, axis=-1, keepdims=True), acc * alpha + vv(pr)
+
+    init = (jnp.full(carry_shape + (1,), NEG_INF, jnp.float32), jnp.zeros(carry_shape + (1,), jnp.float32),
+            jnp.zeros(carry_shape + (d,), jnp.float32))
+    n_chunks = (kv_max + ppc * bs - 1) // (ppc * bs)
+    _, den, acc = jax.lax.fori_loop(0, jnp.minimum(n_chunks, tables.shape[1] // ppc), body, init)
+    return acc / jnp.where(den == 0, 1.0, den)
+
+
 def decode_attention_ref(q, cache: KVCache, layer, md: AttnMetadata, scale, sliding_window=None):
     """q [N, Hq, D] -> [N, Hq, D]. Row r attends to its first seq_lens[r] cached tokens."""
     n, hq, d = q.shape
-    k, v = gather_kv(cache, layer, md.block_tables)  # [N, S, Hkv, D]
-    hkv = k.shape[2]
-    pos = jnp.arange(k.shape[1])[None, :]
-    mask = pos < md.seq_lens[:, None]
-    if sliding_window is not None:
-        mask &= pos > md.seq_lens[:, None] - 1 - sliding_window
-    o = _softmax_attend(q.reshape(n, hkv, hq // hkv, d), k, v, mask[:, None, None, :], scale)
+    hkv = cache.k.shape[-2]
+    qg = q.reshape(n, hkv, hq // hkv, d).astype(jnp.float32)
+
+    def scores(k, v, kpos):  # k/v [N, C, Hkv, D]
+        mask = kpos[None, :] < md.seq_lens[:, None]  # [N, C]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > md.seq_lens[:, None] - 1 - sliding_window
+        sc = jnp.einsum("rhgd,rchd->rhgc", qg, k) * scale
+        return sc, mask[:, None, None, :], lambda pr: jnp.einsum("rhgc,rchd->rhgd", pr, v)
+
+    o = _stream_keys(cache, layer, md.block_tables, jnp.max(md.seq_lens), scores, (n, hkv, hq // hkv))
     return o.reshape(n, hq, d).astype(q.dtype)
 
 
@@ -106,32 +136,27 @@ def prefill_attention_ref(q, cache: KVCache, layer, md: BatchedAttnMetadata, sca
     own stream's keys at positions <= that. Pad tokens (t >= cu_seqlens[-1]) give zeros.
     """
     t_tot, hq, d = q.shape
-    k, v = gather_kv(cache, layer, md.block_tables)  # [B, S, Hkv, D]
-    b, s_len, hkv, _ = k.shape
+    b = md.block_tables.shape[0]
+    hkv = cache.k.shape[-2]
     t = jnp.arange(t_tot)
     stream = jnp.clip(jnp.searchsorted(md.cu_seqlens, t, side="right") - 1, 0, b - 1)  # i32[T]
     valid = t < md.cu_seqlens[-1]
     n_new = md.cu_seqlens[1:] - md.cu_seqlens[:-1]
     qpos = md.kv_lens[stream] - n_new[stream] + (t - md.cu_seqlens[stream])  # i32[T]
-    kpos = jnp.arange(s_len)
-    # Keys of every stream side by side; a token may only see its own stream's block.
     own = jnp.arange(b)[None, :, None] == stream[:, None, None]  # [T, B, 1]
-    causal = kpos[None, None, :] <= qpos[:, None, None]  # [T, 1, S]
-    mask = own & causal & valid[:, None, None]
-    if sliding_window is not None:
-        mask &= kpos[None, None, :] > qpos[:, None, None] - sliding_window
-    mask = mask.reshape(t_tot, b * s_len)
-    kf = k.reshape(b * s_len, hkv, d)
-    vf = v.reshape(b * s_len, hkv, d)
     qg = q.reshape(t_tot, hkv, hq // hkv, d).astype(jnp.float32)
-    s = jnp.einsum("thgd,shd->thgs", qg, kf) * scale
-    m4 = mask[:, None, None, :]
-    s = jnp.where(m4, s, NEG_INF)
-    mx = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(m4, jnp.exp(s - mx), 0.0)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den == 0, 1.0, den)
-    o = jnp.einsum("thgs,shd->thgd", p, vf)
+
+    def scores(k, v, kpos):  # k/v [B, C, Hkv, D]: every stream's keys side by side
+        causal = kpos[None, None, :] <= qpos[:, None, None]  # [T, 1, C]
+        mask = own & causal & valid[:, None, None]
+        if sliding_window is not None:
+            mask &= kpos[None, None, :] > qpos[:, None, None] - sliding_window
+        c = kpos.shape[0]
+        kf, vf = k.reshape(b * c, hkv, d), v.reshape(b * c, hkv, d)
+        sc = jnp.einsum("thgd,shd->thgs", qg, kf) * scale
+        return sc, mask.reshape(t_tot, 1, 1, b * c), lambda pr: jnp.einsum("thgs,shd->thgd", pr, vf)
+
+    o = _stream_keys(cache, layer, md.block_tables, jnp.max(md.kv_lens), scores, (t_tot, hkv, hq // hkv))
     return o.reshape(t_tot, hq, d).astype(q.dtype)
 
 
