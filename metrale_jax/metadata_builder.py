@@ -276,25 +276,24 @@ def _sampling_metadata(
     out_index = np.zeros(s, np.int32)
     sup = np.full((s, m), -1, np.int32)
     flags = np.zeros(4, np.bool_)
-    for row, hidden_row, rs in samp:
-        li[row] = hidden_row
-        temp[row] = rs.temperature
-        top_k[row] = rs.top_k if 0 < rs.top_k < cfg.vocab_size else 0
-        top_p[row] = rs.top_p
-        min_p[row] = rs.min_p
-        rep[row] = rs.repetition_penalty
-        pres[row] = rs.presence_penalty
-        freq[row] = rs.frequency_penalty
-        pen[row] = rs.pen_row
-        seeds[row] = rs.seed
-        out_index[row] = rs.out_index
-        if len(rs.suppress_ids) > m:
-            raise ValueError(f"{len(rs.suppress_ids)} suppressed ids exceed max_suppress_ids={m}")
-        sup[row, : len(rs.suppress_ids)] = rs.suppress_ids
-        flags[F_PENALTY] |= rs.pen_row >= 0
-        flags[F_RANDOM] |= rs.temperature > 0
-        flags[F_FILTER] |= rs.temperature > 0 and (top_k[row] > 0 or rs.top_p < 1.0)
-        flags[F_LOGPROBS] |= rs.logprobs
+    if samp:  # column by column (the host loop's hot path at large batches)
+        idx = np.fromiter((r for r, _, _ in samp), np.int64, len(samp))
+        rss = [rs for _, _, rs in samp]
+        li[idx] = [h for _, h, _ in samp]
+        for arr, name in ((temp, "temperature"), (top_k, "top_k"), (top_p, "top_p"), (min_p, "min_p"),
+                          (rep, "repetition_penalty"), (pres, "presence_penalty"), (freq, "frequency_penalty"),
+                          (pen, "pen_row"), (seeds, "seed"), (out_index, "out_index")):
+            arr[idx] = [getattr(rs, name) for rs in rss]
+        top_k[(top_k < 0) | (top_k >= cfg.vocab_size)] = 0
+        for row, rs in zip(idx, rss):
+            if rs.suppress_ids:
+                if len(rs.suppress_ids) > m:
+                    raise ValueError(f"{len(rs.suppress_ids)} suppressed ids exceed max_suppress_ids={m}")
+                sup[row, : len(rs.suppress_ids)] = rs.suppress_ids
+        flags[F_PENALTY] = bool(np.any(pen[idx] >= 0))
+        flags[F_RANDOM] = bool(np.any(temp[idx] > 0))
+        flags[F_FILTER] = bool(np.any((temp[idx] > 0) & ((top_k[idx] > 0) | (top_p[idx] < 1.0))))
+        flags[F_LOGPROBS] = any(rs.logprobs for rs in rss)
     return SamplingMetadata(
         logits_indices=li, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq, pen_rows=pen,

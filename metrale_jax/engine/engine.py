@@ -384,11 +384,17 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
     def _row_sampling(self, seq: Sequence) -> RowSampling:
+        """The row's sampling, built once per sequence (and penalty row); only the output index
+        and the min_tokens suppression change from step to step (the host loop's hot path)."""
         p = seq.request.params
         n_out = seq.num_outputs + seq.inflight  # index of the token this row samples
-        sup = tuple(sorted(self._stop_ids(p))) if n_out < p.min_tokens else ()
-        return RowSampling.from_params(p, seed=seq.request.seed, seq_index=seq.index, out_index=n_out,
-                                       pen_row=seq.pen_row, suppress_ids=sup)
+        rs = seq.row_sampling
+        if rs is None or rs.pen_row != (seq.pen_row if p.has_penalties else -1):
+            rs = seq.row_sampling = RowSampling.from_params(p, seed=seq.request.seed, seq_index=seq.index,
+                                                            out_index=n_out, pen_row=seq.pen_row)
+        rs.out_index = n_out
+        rs.suppress_ids = tuple(sorted(self._stop_ids(p))) if n_out < p.min_tokens else ()
+        return rs
 
     def _chunk(self, c: Chunk) -> PrefillChunk:
         seq = c.seq

@@ -124,6 +124,7 @@ class Sequence:
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
+    row_sampling: Any = None  # the engine's RowSampling of this sequence (cached across steps)
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
