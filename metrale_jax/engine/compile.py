@@ -169,7 +169,7 @@ class ExecutableCache:
         try:
             blob = pickle.dumps(serialize_executable.serialize(exe))
         except Exception as e:  # noqa: BLE001 - e.g. executables with constants cannot be serialized
-            log.debug("executable not cached (%s)", e)
+            log.info("executable %s not cached: %s: %s", key[:12], type(e).__name__, e)
             return
         tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_bytes(blob)
