@@ -158,7 +158,7 @@ class ExecutableCache:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 - a stale or broken entry is a miss
-            log.debug("executable cache entry %s unusable (%s): recompiling", path.name, e)
+            log.info("executable cache entry %s unusable (%s: %s): recompiling", path.name, type(e).__name__, e)
             return None
 
     def save(self, key: str, exe) -> None:
