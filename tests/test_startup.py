@@ -144,3 +144,15 @@ def test_warm_up_runs_every_step_and_writes_nothing(tmp_path):
     assert cm.warmup_seconds > 0
     for b, a in zip(before, jax.tree.leaves(after)):
         np.testing.assert_array_equal(b, np.asarray(a))
+
+
+def test_compile_cache_follows_xdg_cache_home(tmp_path):
+    """The compile cache sits beside the model cache: under $XDG_CACHE_HOME when it is set."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from metrale_jax.engine.config import DEFAULT_CACHE_DIR; print(DEFAULT_CACHE_DIR)"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "metrale_jax" / "jax_cache")
