@@ -41,9 +41,10 @@ def main() -> int:
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = a.dtype or ("bfloat16" if on_gpu else "float32")
     if a.shape:
-        model, params = random_model(shape_config(a.shape, a.num_layers), dtype=dtype, repeat_layers=True)
+        model, params = random_model(shape_config(a.shape, a.num_layers), dtype=dtype, repeat_layers=True,
+                                     split_layers=on_gpu)
     else:
-        model, params = load_model(a.model, dtype=dtype, show_progress=False)
+        model, params = load_model(a.model, dtype=dtype, show_progress=False, split_layers=on_gpu)
     batches = [int(b) for b in a.batches.split(",")]
     cfg = EngineConfig(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
                        max_num_seqs=max(batches) if not on_gpu else None, show_progress=False)

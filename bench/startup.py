@@ -46,7 +46,9 @@ def child(args) -> None:
     from metrale_jax.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    model, params = random_model(shape_config(args.shape, args.num_layers), dtype="bfloat16", repeat_layers=True)
+    # per-layer arrays, as LLM(...) loads them for the GPU's layer loop
+    model, params = random_model(shape_config(args.shape, args.num_layers), dtype="bfloat16", repeat_layers=True,
+                                 split_layers=jax.devices()[0].platform == "gpu")
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
     cfg = EngineConfig(dtype="bfloat16", max_model_len=2048, compilation_cache_dir=args.cache_dir)

@@ -108,7 +108,7 @@ class Model:
 
 def load_model(
     path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
-    quantization: str | None = None, revision: str | None = None, split_layers: bool | None = None,
+    quantization: str | None = None, revision: str | None = None, split_layers: bool = False,
 ) -> tuple[Model, dict]:
     """Load a checkpoint (HF safetensors directory, GGUF file, a known alias, or a Hugging Face
     repo id `org/name` at `revision`, fetched with huggingface_hub: `loading/hub.py`) -> (model, params).
@@ -119,9 +119,11 @@ def load_model(
     higher-precision checkpoint to the same 128x128-block format at load. A GGUF's dequantized
     parameters are saved with orbax on first load (`cache_converted`), so later loads skip the
     dequantization. `split_layers`: put layer-stacked parameters on the device as per-layer
-    arrays (`layers.stack.Unstacked`), the layout the engine's Python layer loop uses (it would
-    otherwise split them itself, through host memory); None = on the GPU, where that loop is the
-    engine's default. Raises a `LoadError` subclass naming the file or tensor on any problem.
+    arrays (`layers.stack.Unstacked`), the layout of the engine's Python layer loop (its GPU
+    default), which otherwise splits them itself, through host memory (11-12 s for 8B weights);
+    `LLM(...)` / `LLMEngine.from_config` ask for it when the engine will walk the layers in Python.
+    Leave it off for `model.forward` under `lax.scan` (research use), which would re-stack the
+    parts. Raises a `LoadError` subclass naming the file or tensor on any problem.
     """
     from metrale_jax.layers.stack import device_put_layers, host_stacked
     from metrale_jax.loading import orbax_io
@@ -130,7 +132,6 @@ def load_model(
     from metrale_jax.loading.weights import WeightReader, np_dtype
 
     t0 = time.perf_counter()
-    split = _split_default(split_layers)
     resolved = resolve_model(path, revision=revision, show_progress=show_progress)
     ckpt = open_checkpoint(resolved)
     cfg = ModelConfig.from_hf(ckpt.config)
@@ -153,14 +154,14 @@ def load_model(
     try:
         if cache_dir is not None and orbax_io.has_params(cache_dir):
             host, _ = orbax_io.restore_params(cache_dir)
-            params = device_put_layers(host) if split else jax.tree.map(jax.device_put, host)
+            params = device_put_layers(host) if split_layers else jax.tree.map(jax.device_put, host)
             log.info("restored converted parameters from %s", cache_dir)
         else:
             reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
-                                  quantize_fp8=quantization == "fp8", split_layers=split)
+                                  quantize_fp8=quantization == "fp8", split_layers=split_layers)
             params = fam.load_params(cfg, reader)
             if cache_dir is not None:
-                orbax_io.save_params(host_stacked(params) if split else params, cache_dir,
+                orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
                                      {"source": str(ckpt.path), "dtype": dtype})
     finally:
         ckpt.close()
@@ -172,10 +173,6 @@ def load_model(
     return model, params
 
 
-def _split_default(split_layers: bool | None) -> bool:
-    return jax.devices()[0].platform == "gpu" if split_layers is None else bool(split_layers)
-
-
 def _check_quantization(quantization) -> bool:
     """True for "fp8" (quantize on load), False for None; anything else is an error."""
     if quantization not in (None, "fp8"):
@@ -185,7 +182,7 @@ def _check_quantization(quantization) -> bool:
 
 def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2,
                  repeat_layers: bool = False, quantization: str | None = None,
-                 split_layers: bool | None = None) -> tuple[Model, dict]:
+                 split_layers: bool = False) -> tuple[Model, dict]:
     """A model of `config`'s architecture (an HF config.json dict) with random weights
     (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`; quantization and
     split_layers as in `load_model`)."""
@@ -196,7 +193,7 @@ def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: flo
     cfg = fam.adapt_config(cfg)
     params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale, repeat_layers=repeat_layers,
                                                     quantize_fp8=_check_quantization(quantization),
-                                                    split_layers=_split_default(split_layers)))
+                                                    split_layers=split_layers))
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
                   eos_token_ids=tuple(cfg.eos_token_ids))
     return model, params

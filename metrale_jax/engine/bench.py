@@ -254,7 +254,11 @@ def _load(args):
     if args.random_weights:
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if _on_gpu() else "float32")
         config = shape_config(args.shape, args.num_layers)
-        model, params = random_model(config, dtype=dtype, seed=args.seed, repeat_layers=True,
+        from metrale_jax.cli import kernels_from_args
+
+        kernels = kernels_from_args(args)  # per-layer arrays when the engine will walk the layers in Python
+        split = kernels.unroll_layers if kernels is not None else _on_gpu()
+        model, params = random_model(config, dtype=dtype, seed=args.seed, repeat_layers=True, split_layers=split,
                                      quantization=args.quantization)
         name = f"random-{args.shape}" + (f"-{args.num_layers}l" if args.num_layers is not None else "")
     else:

@@ -181,7 +181,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from metrale_jax.model import load_model
 
-        split = config.attention.unroll_layers if config.attention is not None else None  # the layer loop's layout
+        # per-layer arrays straight from the loader when the steps will walk the layers in Python
+        split = config.attention.unroll_layers if config.attention is not None else _on_gpu()
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split)
         return cls(model, params, config)
