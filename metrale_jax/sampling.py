@@ -331,6 +331,8 @@ class FilterParams:
 # than 16, so there 4 ways (16 passes) is the compromise.
 SEARCH_WAYS = 16
 CPU_SEARCH_WAYS = 4
+# `sample(branches=True)` (the CPU) reads the thresholds off this many largest logits first
+CPU_CANDIDATES = 256
 
 
 def default_search_ways() -> int:
@@ -378,7 +380,7 @@ def _largest_threshold(holds, lo: Array, hi: Array, ways: int) -> Array:
     return _unkey(lo)
 
 
-def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = None) -> Array:
+def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = None, candidates: int = 0) -> Array:
     """vLLM v1's sampling filters on f32[R, V] logits, per row, without a sort and without a branch:
     temperature -> min_p -> top_k -> top_p. Returns the temperature-scaled logits f32[R, V] with
     every dropped token set to -inf; softmax of a row is the distribution that row samples from.
@@ -397,6 +399,10 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     temperature 0 or 1), and the cost does not depend on the parameters. Any number of rows; no
     row depends on another.
     ways (static): thresholds per pass + 1; None = `default_search_ways()`.
+    candidates (static, > 0: the CPU's choice, see `sample(branches=True)`): first read both
+    thresholds off the `candidates` largest logits (`lax.top_k`, a partial sort on the CPU) and
+    run the searches only, under `lax.cond`, when some row's top_k or nucleus reaches past them.
+    The same kept sets (up to the float rounding of the mass sums).
     """
     ways = default_search_ways() if ways is None else ways
     x = logits.astype(jnp.float32)
@@ -414,22 +420,39 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     def enough_tokens(th: Array) -> Array:  # th f32[R, W-1]
         return jnp.sum(x[:, None, :] >= th[:, :, None], axis=-1, dtype=jnp.int32) >= k[:, :, 0]
 
-    lo = jnp.full(m.shape, _KEY_NEG_INF, jnp.uint32)
-    t_k = _largest_threshold(enough_tokens, lo, _key(m), ways)
-    t_k = jnp.where(k_on, t_k, neg_inf)  # f32[R]
-    x = jnp.where(x >= t_k[:, None], x, neg_inf)
-    # top_p: the largest t with mass(x >= t) >= top_p * mass(top-k set)
-    e = jnp.exp(x - m[:, None])  # f32[R, V]  unnormalised probabilities, 0 where dropped
     p_on = params.top_p < 1
-    need = (jnp.where(p_on, params.top_p, 1.0) * jnp.sum(e, axis=-1))[:, None]  # f32[R, 1]
+    top_p = jnp.where(p_on, params.top_p, 1.0)
 
-    def enough_mass(th: Array) -> Array:  # th f32[R, W-1]
-        mass = jnp.sum(jnp.where(x[:, None, :] >= th[:, :, None], e[:, None, :], 0.0), axis=-1)
-        return mass >= need
+    def searched(x):  # -> (t_k, t_p) f32[R]
+        lo = jnp.full(m.shape, _KEY_NEG_INF, jnp.uint32)
+        t_k = jnp.where(k_on, _largest_threshold(enough_tokens, lo, _key(m), ways), neg_inf)
+        xk = jnp.where(x >= t_k[:, None], x, neg_inf)
+        # top_p: the largest t with mass(x >= t) >= top_p * mass(top-k set)
+        e = jnp.exp(xk - m[:, None])  # f32[R, V]  unnormalised probabilities, 0 where dropped
+        need = (top_p * jnp.sum(e, axis=-1))[:, None]  # f32[R, 1]
 
-    t_p = _largest_threshold(enough_mass, _key(t_k), _key(m), ways)
-    t_p = jnp.where(p_on, t_p, neg_inf)  # f32[R]
-    return jnp.where(x >= t_p[:, None], x, neg_inf)
+        def enough_mass(th: Array) -> Array:  # th f32[R, W-1]
+            mass = jnp.sum(jnp.where(xk[:, None, :] >= th[:, :, None], e[:, None, :], 0.0), axis=-1)
+            return mass >= need
+
+        return t_k, jnp.where(p_on, _largest_threshold(enough_mass, _key(t_k), _key(m), ways), neg_inf)
+
+    if candidates:
+        c = jax.lax.top_k(x, min(candidates, v))[0]  # f32[R, C] descending
+        n_c = c.shape[-1]
+        kk = jnp.minimum(k[:, 0, 0], n_c)
+        t_k = jnp.where(k_on, jnp.take_along_axis(c, kk[:, None] - 1, axis=-1)[:, 0], neg_inf)
+        total = jnp.sum(jnp.where(x >= t_k[:, None], jnp.exp(x - m[:, None]), 0.0), axis=-1)  # f32[R]
+        e_c = jnp.where(c >= t_k[:, None], jnp.exp(c - m[:, None]), 0.0)  # f32[R, C]
+        mass_ge = jnp.sum(jnp.where(c[:, None, :] >= c[:, :, None], e_c[:, None, :], 0.0), axis=-1)  # f32[R, C]
+        need = top_p * total
+        # the thresholds are values of the candidates unless top_k or the nucleus reaches past them
+        ok = (~k_on | (k[:, 0, 0] <= n_c)) & (~p_on | (mass_ge[:, -1] >= need))
+        t_p = jnp.where(p_on, jnp.max(jnp.where(mass_ge >= need[:, None], c, neg_inf), axis=-1), neg_inf)
+        t_k, t_p = jax.lax.cond(jnp.all(ok), lambda x: (t_k, t_p), searched, x)
+    else:
+        t_k, t_p = searched(x)
+    return jnp.where((x >= t_k[:, None]) & (x >= t_p[:, None]), x, neg_inf)
 
 
 # ---- top logprobs without a sort -----------------------------------------------------------------
@@ -491,7 +514,8 @@ def sample(
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw(x):
-        return jnp.argmax(filter_logits(x, FilterParams.of(smd)) + row_gumbel(smd, v), axis=-1).astype(jnp.int32)
+        kept = filter_logits(x, FilterParams.of(smd), candidates=CPU_CANDIDATES if branches else 0)
+        return jnp.argmax(kept + row_gumbel(smd, v), axis=-1).astype(jnp.int32)
 
     def no_draw(x):
         return greedy

@@ -21,15 +21,15 @@ V = 4096
 CFG = BuilderConfig(block_size=4, max_blocks_per_seq=4, vocab_size=V, max_suppress_ids=1)
 
 
-@functools.partial(jax.jit, static_argnames="ways")
-def _filter(x, temperature, top_k, top_p, min_p, ways=None):
-    return filter_logits(x, FilterParams(temperature, top_k, top_p, min_p), ways=ways)
+@functools.partial(jax.jit, static_argnames=("ways", "candidates"))
+def _filter(x, temperature, top_k, top_p, min_p, ways=None, candidates=0):
+    return filter_logits(x, FilterParams(temperature, top_k, top_p, min_p), ways=ways, candidates=candidates)
 
 
 _R = 24  # every call is padded to 24 rows (rows off, logits 0): one compilation per `ways`
 
 
-def _run(x: np.ndarray, rows: list[tuple], ways=None, pad: bool = True) -> np.ndarray:
+def _run(x: np.ndarray, rows: list[tuple], ways=None, pad: bool = True, candidates: int = 0) -> np.ndarray:
     """filter_logits over rows of (temperature, top_k, top_p, min_p)."""
     n = len(rows)
     if pad:
@@ -37,7 +37,7 @@ def _run(x: np.ndarray, rows: list[tuple], ways=None, pad: bool = True) -> np.nd
         rows = list(rows) + [(1.0, 0, 1.0, 0.0)] * (_R - n)
     t, k, p, m = (np.asarray(c) for c in zip(*rows, strict=True))
     out = _filter(jnp.asarray(x), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                  jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32), ways=ways)
+                  jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32), ways=ways, candidates=candidates)
     return np.asarray(out)[:n]
 
 
@@ -107,6 +107,32 @@ def test_membership_matches_reference(ways):
     # the nuclei really span from one token to most of the vocabulary
     sizes = [int(_ref_keep(x[i], *r).sum()) for i, r in enumerate(_AWKWARD)]
     assert min(sizes) == 1 and max(s for s, r in zip(sizes, _AWKWARD, strict=True) if r[2] < 1) > V // 2
+
+
+def test_candidate_thresholds_match_reference(monkeypatch):
+    """`candidates` (the CPU's sampler): thresholds read off the largest logits when every row's
+    top_k and nucleus fit in them; the searches (made useless here, so only the candidate path can
+    pass) never run for such a batch. Ties at the boundaries are kept whole there too."""
+    import metrale_jax.sampling as sampling
+
+    monkeypatch.setattr(sampling, "_largest_threshold", lambda holds, lo, hi, ways: jnp.zeros(lo.shape))
+    _filter.clear_cache()
+    rng = np.random.default_rng(7)
+    rows = [(1.0, 1, 1.0, 0.0), (0.7, 15, 0.9, 0.0), (1.0, 63, 1.0, 0.05), (1.3, 64, 0.5, 0.0),
+            (1.0, 0, 0.01, 0.0), (0.8, 0, 0.9, 0.1), (1.0, 0, 1.0, 0.5), (0.0, 5, 0.8, 0.0)]
+    x = (rng.standard_normal((len(rows), V)) * 6).astype(np.float32)
+    x[3, :70] = 9.0  # a tie group across the candidate boundary: top_k 64 keeps all 70
+    _check_rows(_run(x, rows, pad=False, candidates=64), x, rows)
+    _filter.clear_cache()
+
+
+def test_candidate_fallback_to_the_search():
+    """A row whose top_k or nucleus reaches past the candidates sends the batch to the searches."""
+    rng = np.random.default_rng(8)
+    rows = [(1.0, 300, 1.0, 0.0), (1.0, 0, 0.999, 0.0), (0.7, 15, 0.9, 0.0)]
+    x = (rng.standard_normal((len(rows), V)) * 0.02).astype(np.float32)
+    x[2] *= 300
+    _check_rows(_run(x, rows, pad=False, candidates=64), x, rows)
 
 
 def test_rows_with_everything_off_are_untouched():
