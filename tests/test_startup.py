@@ -92,9 +92,12 @@ def test_warm_start_loads_every_step_without_tracing(tmp_path, exe_cache_here):
     assert cc2.lowerings == 0 and cc2.backend_compiles == 0
     if on_gpu:
         assert _run(eng2) == cold
-    # another config is another key: nothing stale is loaded
+    # another step config is another key: nothing stale is loaded
     eng3, cc3 = _engine("llama_tiny", tmp_path, max_logprobs=2, warm_up=on_gpu)
     assert eng3.compiler.cache_hits == 0 and cc3.lowerings >= n
+    # engine settings the steps do not depend on keep the key
+    eng4, cc4 = _engine("llama_tiny", tmp_path, warm_up=on_gpu, seed=7, show_progress=True, swap_space_gb=1.0)
+    assert eng4.compiler.cache_hits == n and cc4.lowerings == 0
 
 
 def test_broken_cache_entry_is_a_miss(tmp_path, exe_cache_here):

@@ -11,7 +11,7 @@ Warm starts skip tracing too. JAX's persistent cache is keyed by the lowered mod
 start still traces and lowers every bucket (about 1-1.5 s of Python each for a 32-layer step,
 under the GIL). `ExecutableCache` keeps each compiled step serialized under a key computed
 without tracing: the source files of `metrale_jax` and `pallas_kernels`, the jax/jaxlib (and
-tokamax) versions, the device, XLA_FLAGS, the model config, the resolved engine config, the
+tokamax) versions, the device, XLA_FLAGS, the model config, the step's static configuration, the
 bucket and the shapes, dtypes and shardings of every argument. A changed input is a new key.
 
 `warm_up` then runs each executable once on padding inputs (which write nothing), so the first
@@ -238,8 +238,12 @@ class CompilationManager:
     def _key(self, bucket, params, state) -> str:
         """The ExecutableCache key of a step bucket or swap pair (no tracing)."""
         m = self.model
+        # what the executables depend on: the static arguments (`_static`), the layout (builder +
+        # bucket) and the argument shapes; not the other EngineConfig fields (seed, progress bars,
+        # pool sizing knobs...), so that those do not cost a recompile
         return self.exe_cache.key(
-            repr(m.cfg), getattr(m, "family_name", type(m).__name__), getattr(m, "dtype", ""), repr(self.cfg),
+            repr(m.cfg), getattr(m, "family_name", type(m).__name__), getattr(m, "dtype", ""),
+            repr(self.cfg.attention), self.cfg.max_logprobs, self.cfg.prompt_logprobs_chunk,
             repr(self.builder), repr(bucket), self.max_rows, _tree_signature(params), _tree_signature(state))
 
     def compile_all(self, params, state) -> float:
