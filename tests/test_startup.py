@@ -127,9 +127,16 @@ def test_warm_start_same_tokens_gpu(tmp_path):
     assert cc2.backend_compiles == 0 and _run(eng2) == cold
 
 
-def test_warm_up_runs_every_step_and_writes_nothing(tmp_path):
-    model, params = load_model(FIXTURES / "qwen3_next_tiny", dtype="float32", show_progress=False)
-    eng = LLMEngine(model, params, dataclasses.replace(CFG, compilation_cache_dir=str(tmp_path), warm_up=False))
+@pytest.mark.parametrize("name,pallas", [("qwen3_next_tiny", False), ("nemotron_h_tiny", True)])
+def test_warm_up_runs_every_step_and_writes_nothing(tmp_path, name, pallas):
+    """Also through the Pallas kernels (interpret mode), as the GPU's warm-up runs them."""
+    from metrale_jax.layers.attention import AttentionConfig
+
+    model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+    attn = AttentionConfig(use_pallas=True, interpret=True, unroll_layers=True) if pallas else None
+    eng = LLMEngine(model, params, dataclasses.replace(CFG, compilation_cache_dir=str(tmp_path), warm_up=False,
+                                                       attention=attn))
+    assert eng.config.attention.use_pallas == pallas
     rng = np.random.default_rng(1)
 
     def poison(x):  # every pool, state slot and penalty row holds data that a stray write would change

@@ -576,7 +576,7 @@ class LLMEngine:
             if seq.finish_reason is None and hold > 0:
                 text = text[: max(0, len(text) - hold)]
             outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_ids),
+                index=seq.index, text=text, token_ids=seq.output_ids,  # a new list (a slice)
                 cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
