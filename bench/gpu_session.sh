@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [startup] [generate] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance]
+#   bash bench/gpu_session.sh [tests] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -96,6 +96,10 @@ fi
 if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greedy vs top_p, bf16 and FP8
   timeout ${GENERATE_LIMIT:-240} python3 bench/generate_speed.py --shape llama3-8b --batches 1,8,64 --steps 32 \
     --repeats 2 --out "$OUT/generate_llama3_8b.json" 2>&1 | tail -12
+fi
+if [[ $parts == *loading* ]]; then  # issue 14: a page-cached safetensors checkpoint streamed to the device
+  timeout ${LOADING_LIMIT:-240} python3 bench/load_speed.py --shape llama3-8b --num-layers 8 --dir /tmp/ckpt_llama8l \
+    --out "$OUT/load_speed.json" 2>&1 | tail -4
 fi
 if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM.generate + HTTP server, twins
   timeout ${ACCEPTANCE_LIMIT:-570} python3 bench/gpu_acceptance.py --out "$OUT/acceptance" ${ACCEPTANCE_ARGS:-} 2>&1 \

@@ -19,7 +19,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine.bench import SHAPES
+from metrale_jax.engine.bench import SHAPES, shape_config
 from metrale_jax.loading.random_weights import RandomWeightReader
 from metrale_jax.models import family_for
 
@@ -45,10 +45,11 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=None, help="cut the depth (engine.bench.shape_config)")
     p.add_argument("--tokenizer-dir", type=Path)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    config = {**SHAPES[a.shape], "torch_dtype": a.dtype}
+    config = {**shape_config(a.shape, a.num_layers), "torch_dtype": a.dtype}
     cfg = ModelConfig.from_hf(config)
     _, fam = family_for(cfg.architecture)
     rec = _Recorder(a.dtype, a.seed)
