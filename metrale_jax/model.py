@@ -64,6 +64,11 @@ class Model:
         """hidden [S, H] -> f32[S, V]."""
         return self.family.compute_logits(self.cfg, params, hidden)
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model has routed MoE experts (Qwen3-MoE, Qwen3-Next, Nemotron-H's MoE)."""
+        return bool(self.cfg.get("num_experts") or self.cfg.get("n_routed_experts"))
+
     def pallas_unsupported(self) -> str | None:
         """Why the Pallas kernels cannot run this model, or None when they can."""
         d = self.cfg.head_dim

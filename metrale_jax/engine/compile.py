@@ -35,7 +35,7 @@ import jax
 from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, pack, packed_layout
+from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, build_step, pack, packed_layout
 from metrale_jax.step import jit_packed_step
 
 log = logging.getLogger(__name__)
@@ -298,8 +298,6 @@ class CompilationManager:
         """Run every step executable once on padding inputs (they write nothing; the state is
         donated and returned). Returns the state."""
         t0 = time.perf_counter()
-        from metrale_jax.metadata_builder import build_step
-
         prev = self.zero_tokens()
         for bucket in self.buckets:
             state, out, prev = self.run(bucket, params, state, self.transfer(build_step(self.builder, bucket, [], [])),

@@ -101,7 +101,7 @@ class LLMEngine:
         self.uses_ssm = model.ssm_bytes_per_slot() > 0
         self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
                                      on_gpu=_on_gpu(), uses_ssm=self.uses_ssm,
-                                     uses_moe=bool(model.cfg.get("num_experts") or model.cfg.get("n_routed_experts")))
+                                     uses_moe=getattr(model, "has_experts", False))
         why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None
         if self.config.attention.use_pallas and why_not:
             log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)
