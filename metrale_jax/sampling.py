@@ -19,8 +19,11 @@ queued behind this one) and no sort over the vocabulary. Penalties, the filters,
 and the logprobs are computed for every row and selected per row. `filter_logits` applies
 min_p / top_k / top_p with thresholds found by a fixed number of passes over [R, V] (a k-ary
 search over float32 bit patterns: 8 passes of 15 thresholds on a GPU); the top logprobs come
-from `lax.top_k` in rounds of <= 16.
-Only `prompt_logprobs` keeps a `lax.cond` (it runs the LM head over prefill tokens, so computing
+from `lax.top_k` in rounds of <= 16. On the CPU (`sample(branches=True)`, where a conditional
+costs nothing) the filters, the draw and the top logprobs are skipped under `lax.cond` when no row
+needs them, and the thresholds are read off 256 `lax.top_k` candidates when every row's nucleus
+fits in them: the same tokens either way.
+Only `prompt_logprobs` keeps a `lax.cond` on the GPU (it runs the LM head over prefill tokens, so computing
 it unasked would cost a prefill's worth of LM head; decode steps have no prompt tokens and skip it
 statically).
 
@@ -202,7 +205,7 @@ class SamplingMetadata:
     out_index: Array  # i32[S]  index of the token being sampled among the sequence's outputs
     suppress_ids: Array  # i32[S, M]  ids that may not be sampled (min_tokens); -1 = none
     flags: Array  # bool[4]  any (penalties, top-k/top-p, random rows, logprobs) among the rows;
-    #               `sample` no longer reads it (one graph for every batch)
+    #               read only by `sample(branches=True)` (the CPU), never on the GPU
     tok_pen_rows: Array  # i32[T]  PenaltyState row of each input token; -1 = not counted
     tok_is_output: Array  # bool[T]  input token is a generated token (count) vs prompt (presence)
     reset_rows: Array  # i32[B]  PenaltyState rows cleared before this step's tokens are counted
