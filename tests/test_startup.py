@@ -74,11 +74,13 @@ def _run(eng):
 
 
 @pytest.fixture
-def exe_cache_here(monkeypatch):
-    """The executable cache on this platform too. On the CPU the loaded executables cannot run
-    (compile.EXE_CACHE_PLATFORMS), so the CPU tests check loading, keys and misses; the GPU test
-    also runs them."""
+def exe_cache_here(monkeypatch, tmp_path):
+    """The executable cache on this platform too, in this test's own directory (JAX keeps the
+    first persistent cache dir of the process, and that one outlives the run). On the CPU the
+    loaded executables cannot run (compile.EXE_CACHE_PLATFORMS), so the CPU tests check loading,
+    keys and misses; the GPU test also runs them."""
     monkeypatch.setattr(compile_mod, "EXE_CACHE_PLATFORMS", (jax.devices()[0].platform,))
+    monkeypatch.setattr(compile_mod, "executable_cache_dir", lambda: str(tmp_path / "executables"))
 
 
 def test_warm_start_loads_every_step_without_tracing(tmp_path, exe_cache_here):

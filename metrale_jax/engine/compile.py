@@ -122,6 +122,12 @@ def _tree_signature(tree) -> str:
 EXE_CACHE_PLATFORMS = ("gpu",)
 
 
+def executable_cache_dir() -> str | None:
+    """`<JAX's persistent cache dir>/metrale_executables` (None when that cache is off)."""
+    root = jax.config.jax_compilation_cache_dir
+    return os.path.join(root, "metrale_executables") if root else None
+
+
 class ExecutableCache:
     """Compiled steps serialized on disk (`<dir>/<key>.exe`), keyed without tracing (module doc).
 
@@ -206,8 +212,7 @@ class CompilationManager:
         self.warmup_seconds = 0.0
         self.cache_hits = 0  # executables loaded from the ExecutableCache at start-up
         self.temp_bytes = 0  # the largest executable's scratch memory
-        cache_root = jax.config.jax_compilation_cache_dir
-        self.exe_cache = ExecutableCache(os.path.join(cache_root, "metrale_executables") if cache_root else None)
+        self.exe_cache = ExecutableCache(executable_cache_dir())
 
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
