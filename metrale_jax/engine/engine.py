@@ -66,6 +66,8 @@ class EngineStats:
     num_swaps: int = 0  # preemptions by swap (swap-outs) so far
     num_swap_ins: int = 0
     swap_bytes: int = 0  # host memory the swapped-out sequences hold now
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
 
 
 @dataclass
@@ -134,16 +136,18 @@ class LLMEngine:
                 f"max_model_len={c.max_model_len}; lower max_model_len or raise num_kv_blocks")
         pen_rows = c.max_penalty_rows or 0
         ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
+        # the sequences' slots, then the prefix cache's snapshot slots
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
-                                                max_ssm_slots=ssm_slots, penalty_rows=pen_rows)
+                                                max_ssm_slots=ssm_slots + c.max_ssm_snapshots, penalty_rows=pen_rows)
         log.info(
             "KV pool: %d blocks x %d tokens (%d tokens, %.1f MB, %s); max_model_len=%d, max_num_seqs=%d, "
             "token budget %d", self.num_blocks, c.block_size, self.num_blocks * c.block_size,
             self.num_blocks * model.kv_bytes_per_block(c.block_size, kv_dtype) / 1e6, kv_dtype,
             c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens)
         if self.uses_ssm:
-            log.info("SSM pool: %d slots x %.3f MB (%.1f MB)", ssm_slots, model.ssm_bytes_per_slot() / 1e6,
-                     ssm_slots * model.ssm_bytes_per_slot() / 1e6)
+            log.info("SSM pool: %d slots + %d prefix-cache snapshots x %.3f MB (%.1f MB)", ssm_slots,
+                     c.max_ssm_snapshots, model.ssm_bytes_per_slot() / 1e6,
+                     (ssm_slots + c.max_ssm_snapshots) * model.ssm_bytes_per_slot() / 1e6)
         log.info("preemption: %s%s", c.preemption_mode, f" (block buckets {c.swap_block_buckets}, host space "
                  f"{c.swap_space_gb:g} GB)" if c.preemption_mode == "swap" else "")
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
@@ -206,7 +210,8 @@ class LLMEngine:
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
-            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), **caps,
+            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), prefix_caching=c.enable_prefix_caching,
+            snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)), **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -230,7 +235,7 @@ class LLMEngine:
             act += 2 * 4 * rows * c.max_model_len * mc.num_kv_heads * mc.head_dim
         other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
         if self.uses_ssm:
-            other += c.max_ssm_slots * self.model.ssm_bytes_per_slot()
+            other += (c.max_ssm_slots + c.max_ssm_snapshots) * self.model.ssm_bytes_per_slot()
         free = limit * c.gpu_memory_utilization - used - act - other
         blocks = int(free // per_block)
         self._scratch_reserve = act
@@ -381,6 +386,8 @@ class LLMEngine:
             generation_tokens_total=self._gen_tokens, num_preemptions=s.num_preemptions,
             num_steps=self._steps, num_swapped=len({q.request.request_id for q in s.swapped}),
             num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes,
+            prefix_cache_queries=s.prefix_cache.queries if s.prefix_cache else 0,
+            prefix_cache_hits=s.prefix_cache.hits if s.prefix_cache else 0,
         )
 
     # ---- one step --------------------------------------------------------------------------------
@@ -442,6 +449,8 @@ class LLMEngine:
             rec = seq.swap
             self.state = self.compiler.swap_in(self.state, rec.data, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.scheduler.swapped_in(seq)
+        if sched.ssm_restores:  # prefix-cache hits: the cached SSM snapshots into the new sequences' slots
+            self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_restores)
 
     def _dispatch(self, sched) -> _InFlight:
         self._steps += 1
@@ -460,6 +469,8 @@ class LLMEngine:
         self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                self.state, dev, self._next_tokens)
         self.scheduler.complete(sched)
+        if sched.ssm_snapshots:  # prefix caching: SSM snapshots at the block boundaries this step reached
+            self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_snapshots)
         self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
         # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
         n_bucket = bucket.num_seqs

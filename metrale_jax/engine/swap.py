@@ -100,6 +100,28 @@ def scatter(state, blocks, slot, saved: tuple, *, roles: tuple[Role, ...]):
     return replace_model_state(state, jax.tree.unflatten(treedef, new))
 
 
+def copy_slots(state, src, dst, *, roles: tuple[Role, ...]):
+    """Copy the SSM slot rows src i32[K] to dst i32[K] (dst -1 = padding, nothing written) in every
+    slot leaf of the step state (prefix-caching snapshots and their restores); returns the new
+    state. The destinations of one call are distinct; all rows are read before any is written."""
+    leaves, treedef = jax.tree.flatten(state.model)
+    new = []
+    for a, r in zip(leaves, roles):
+        if r is None or r[0] != "slot":
+            new.append(a)
+            continue
+        ax = r[1]
+        rows = jnp.take(a, jnp.maximum(src, 0), axis=ax)
+        idx = jnp.where(dst >= 0, dst, a.shape[ax])  # out of range: dropped
+        new.append(a.at[_index(ax, idx)].set(rows, mode="drop"))
+    return replace_model_state(state, jax.tree.unflatten(treedef, new))
+
+
+@functools.cache
+def jit_copy_slots():
+    return jax.jit(copy_slots, static_argnames=("roles",), donate_argnums=(0,))
+
+
 @functools.cache
 def jit_gather():
     return jax.jit(gather, static_argnames=("roles",))
