@@ -37,6 +37,11 @@ by copies dispatched before any later copy that overwrites its slot, so evicting
 reference count. Lookup walks back from the end of the KV chain to the last block that has a
 snapshot; that block's end is the hit.
 
+A model whose decode path differs numerically from its prefill path (`Model.decode_matches_prefill`
+False: Nemotron-H with a dt floor) caches only what prefill chunks computed (`cache_decoded=False`):
+blocks up to the end of a sequence's prefill and no decode snapshots, so that a hit gives exactly
+what recomputing the prefix would.
+
 Speculative decoding: snapshots are taken only at positions below `num_computed` after a step's
 tokens are final. A step whose tokens are unverified drafts must not count them in
 `num_computed` before verification (`after_step` reads it), or must skip `after_step`'s decode
@@ -151,6 +156,7 @@ class SeqCacheState:
 
     keys: list[bytes] = field(default_factory=list)  # keys of its full known blocks, in order
     registered: int = 0  # leading blocks of seq.blocks already offered to the table
+    prefill_end: int = 0  # the furthest position its prefill chunks computed
     rolling_slot: int = -1  # its rolling snapshot slot (-1 = none)
     rolling_pos: int = 0  # the position that snapshot holds the state at
 
@@ -164,11 +170,13 @@ class PrefixHit:
 class PrefixCache:
     """The scheduler's prefix cache over a `CachingBlockAllocator` (module docstring).
 
-    `snapshot_slots` are the SSM pool slots reserved for snapshots (empty without SSM state)."""
+    `snapshot_slots` are the SSM pool slots reserved for snapshots (empty without SSM state);
+    `cache_decoded` False caches only what prefill chunks computed."""
 
     def __init__(self, blocks: CachingBlockAllocator, block_size: int, uses_ssm: bool = False,
-                 snapshot_slots: Iterable[int] = ()):
+                 snapshot_slots: Iterable[int] = (), cache_decoded: bool = True):
         self.blocks = blocks
+        self.cache_decoded = cache_decoded
         self.block_size = block_size
         self.uses_ssm = uses_ssm
         self.snapshot_slots = tuple(snapshot_slots)
@@ -232,7 +240,10 @@ class PrefixCache:
     def register(self, seq) -> None:
         """Offer seq's full, computed, known blocks to the table."""
         st = self._state(seq)
-        n = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        n = min(seq.num_computed, len(seq.token_ids))
+        if not self.cache_decoded:
+            n = min(n, st.prefill_end)
+        n //= self.block_size
         n = min(n, len(seq.blocks))
         if n <= st.registered:
             return
@@ -287,6 +298,8 @@ class PrefixCache:
         copies = []
         bs = self.block_size
         for c in step.chunks:
+            st = self._state(c.seq)
+            st.prefill_end = max(st.prefill_end, c.start + c.length)
             self.register(c.seq)
         for seq in step.decode:
             self.register(seq)
@@ -308,7 +321,7 @@ class PrefixCache:
                 self.num_snapshots_taken += 1
         # hook for speculative decoding: only rows whose num_computed counts verified tokens
         for seq in step.decode:
-            if seq.num_computed % bs:
+            if seq.num_computed % bs or not self.cache_decoded:
                 continue
             st = self._state(seq)
             if st.rolling_slot < 0:

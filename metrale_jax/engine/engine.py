@@ -193,13 +193,13 @@ class LLMEngine:
 
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
-        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots and
-        swap_space_bytes (tests use this)."""
+        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots,
+        swap_space_bytes and prefix_caching (tests use this)."""
         c = self.config
         caps = dict(num_blocks=self.num_blocks, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, max_prefill_streams=c.max_prefill_streams,
                     max_prefill_tokens=c.prefill_buckets[-1], num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0,
-                    swap_space_bytes=int(c.swap_space_gb * 1e9))
+                    swap_space_bytes=int(c.swap_space_gb * 1e9), prefix_caching=c.enable_prefix_caching)
         for k, v in limits.items():
             if k not in caps or v > caps[k]:
                 raise ValueError(f"scheduler limit {k}={v} is unknown or above the compiled {caps.get(k)}")
@@ -210,8 +210,9 @@ class LLMEngine:
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
-            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), prefix_caching=c.enable_prefix_caching,
-            snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)), **caps,
+            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
+            snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)),
+            cache_decoded=getattr(self.model, "decode_matches_prefill", True), **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:

@@ -209,7 +209,7 @@ class Scheduler:
         num_ssm_slots: int = 0, uses_ssm: bool = False, watermark_blocks: int | None = None,
         max_model_len: int = 1 << 62, preemption_mode: str = "recompute", swap_bytes_per_block: int = 0,
         swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, prefix_caching: bool = False,
-        snapshot_slots: tuple[int, ...] = (),
+        snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -220,7 +220,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.blocks = CachingBlockAllocator(num_blocks) if prefix_caching else BlockAllocator(num_blocks)
         # automatic prefix caching (metrale_jax/cache/prefix_cache.py); None = off
-        self.prefix_cache = PrefixCache(self.blocks, block_size, uses_ssm, snapshot_slots) if prefix_caching else None
+        self.prefix_cache = (PrefixCache(self.blocks, block_size, uses_ssm, snapshot_slots, cache_decoded)
+                             if prefix_caching else None)
         self.pen_rows = SlotAllocator(num_penalty_rows)
         self.ssm_slots = SlotAllocator(num_ssm_slots)
         self.uses_ssm = uses_ssm
