@@ -69,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
                         "it later (auto: swap for models with SSM state)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the cached KV blocks (and SSM snapshots) of earlier prompts' shared prefixes "
+                        "(default: EngineConfig's)")
 
 
 def kernels_from_args(args: argparse.Namespace):
@@ -105,6 +108,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         preemption_mode=args.preemption_mode,
     )
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
     kw.update(overrides)
     return EngineConfig(**kw)
 
