@@ -24,6 +24,13 @@ def test_config_fields():
     assert EngineConfig(max_ssm_snapshots=3).resolve(**kw, uses_ssm=True).max_ssm_snapshots == 0  # caching off
     with pytest.raises(ValueError, match="max_ssm_snapshots"):
         EngineConfig(max_ssm_snapshots=-1).resolve(**kw)
+    # the host tier: swap copies compiled for it; off without caching
+    c = EngineConfig(enable_prefix_caching=True, kv_offloading_size=0.5).resolve(**kw)
+    assert c.kv_offloading_size == 0.5 and c.preemption_mode == "recompute" and c.swap_block_buckets
+    c = EngineConfig(kv_offloading_size=0.5).resolve(**kw)
+    assert c.kv_offloading_size == 0 and not c.swap_block_buckets
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        EngineConfig(kv_offloading_size=-1).resolve(**kw)
 
 
 def test_serve_flags():

@@ -7,8 +7,8 @@ off (greedy ids exactly, logprobs and prompt logprobs within 1e-5), and the hits
   does not clamp dt as its prefill does, reuses only turn 1's prompt: `decode_matches_prefill`);
 - two prompts sharing a prefix of six blocks (hybrids: the first one's chunk boundary left a
   snapshot there); a prompt-logprobs request computes its whole prompt (no hit);
-- a KV pool of one sequence plus two blocks: cached blocks evicted, sequences swapped out and in
-  between the turns.
+- a KV pool of one sequence plus two blocks: cached blocks evicted (to the host tier, and back on
+  a hit), sequences swapped out and in between the turns.
 
 The reference runs on the same engine with a scheduler that does not cache
 (`_new_scheduler(prefix_caching=False)`).
@@ -34,7 +34,8 @@ MODELS = ["llama_tiny", "qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
 def engine(request):
     model, params = load_model(FIXTURES / request.param, dtype="float32", show_progress=False)
     base = TINY_CONFIG if request.param == "llama_tiny" else HYBRID_CONFIG
-    eng = LLMEngine(model, params, base.replace(enable_prefix_caching=True, preemption_mode="swap"))
+    eng = LLMEngine(model, params, base.replace(enable_prefix_caching=True, preemption_mode="swap",
+                                                kv_offloading_size=1e-3))
     assert eng.uses_ssm == (request.param != "llama_tiny")
     assert eng.config.max_ssm_snapshots == (4 if eng.uses_ssm else 0)
     yield eng
@@ -128,5 +129,10 @@ def test_eviction_and_swap_between_turns(engine):
     st = eng.stats()
     assert st.num_swaps > 0 and st.num_swap_ins == st.num_swaps
     assert s.blocks.num_evictions > 0 and st.prefix_cache_hits > 0
+    pc = s.prefix_cache
+    if eng.model.num_attention_layers:  # the host tier (none for Mamba-2: its blocks hold nothing)
+        assert pc.num_offloaded > 0 and 0 < pc.num_host_blocks <= pc.host_capacity
+        if eng.model.decode_matches_prefill:  # (Nemotron-H's fixture caches prompts only: no host hit here)
+            assert pc.num_onloaded > 0
     _assert_same(got1 + got2, ref1 + ref2)
     _idle(eng)

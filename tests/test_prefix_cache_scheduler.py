@@ -1,11 +1,12 @@
 """Prefix caching under the scheduler property test's conditions (tests/test_scheduler.py), through
 the real engine loop over `FakeModel`: prompts that share prefixes and later turns that resend
 earlier conversations, random arrivals, budgets, small pools (cached blocks evicted), preemption by
-swap and by recompute, aborts, and SSM snapshot slots few enough to be evicted. Every request ends
-with exactly FakeModel's reference tokens (its cache holds token ids and its SSM state checks the
-position, so a wrong cached block or a stale, misplaced or missing snapshot changes the tokens); no
-step writes into a block that is shared or cached; afterwards every block, slot and snapshot slot
-is free (cached blocks count as free) and the hit counters add up."""
+swap and by recompute, aborts, SSM snapshot slots few enough to be evicted, and a host tier that
+evicted cached blocks go to and come back from. Every request ends with exactly FakeModel's
+reference tokens (its cache holds token ids and its SSM state checks the position, so a wrong
+cached block or a stale, misplaced or missing snapshot changes the tokens); no step writes into a
+block that is shared or cached; afterwards every block, slot and snapshot slot is free (cached
+blocks count as free) and the hit counters add up."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ from metrale_jax.sampling import SamplingParams
 from tests.test_scheduler import _assert_pools_whole
 
 # use_ssm, overrides
+# FakeModel's blocks take 16 bytes: a host tier of 24 blocks
+HOST_TIER = 24 * 16 / 1e9
 ENGINES = {
-    "kv-recompute": (False, dict(enable_prefix_caching=True)),
-    "ssm-swap-3-snapshots": (True, dict(enable_prefix_caching=True, max_ssm_snapshots=3)),
+    "kv-recompute-host-tier": (False, dict(enable_prefix_caching=True, kv_offloading_size=HOST_TIER)),
+    "ssm-swap-3-snapshots-host-tier": (True, dict(enable_prefix_caching=True, max_ssm_snapshots=3,
+                                                  kv_offloading_size=HOST_TIER)),
     "ssm-recompute": (True, dict(enable_prefix_caching=True, preemption_mode="recompute")),
 }
 
@@ -149,6 +153,9 @@ def test_prefix_cache_property(engine, reqs, num_blocks, budget, max_seqs, strea
     event(f"evictions: {sched.blocks.num_evictions > 0}")
     event(f"snapshot evictions: {pc.num_snapshot_evictions > 0}")
     event(f"preempted: {sched.num_preemptions > 0}")
+    if pc.host_capacity:
+        assert pc.num_host_blocks <= pc.host_capacity
+        event(f"host tier hits: {pc.num_onloaded > 0}")
 
 
 def test_allocator_lru_and_hash_chain():

@@ -37,6 +37,13 @@ by copies dispatched before any later copy that overwrites its slot, so evicting
 reference count. Lookup walks back from the end of the KV chain to the last block that has a
 snapshot; that block's end is the hit.
 
+Host tier (`host_bytes` > 0, `EngineConfig.kv_offloading_size`): the allocator records the cached
+blocks it evicts; the engine copies them to host memory (the swap gather) before the step that
+may reuse them runs and hands them over block by block (`host_put`; least recently used dropped
+past the capacity). A lookup whose device chain ends goes on through host keys; those blocks get
+new device blocks, registered at once, which the engine writes (the swap scatter) before the step
+(`onload`). Snapshots have no host tier.
+
 A model whose decode path differs numerically from its prefill path (`Model.decode_matches_prefill`
 False: Nemotron-H with a dt floor) caches only what prefill chunks computed (`cache_decoded=False`):
 blocks up to the end of a sequence's prefill and no decode snapshots, so that a hit gives exactly
@@ -80,6 +87,7 @@ class CachingBlockAllocator(BlockAllocator):
         self._key: dict[int, bytes] = {}  # block -> key (registered blocks)
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered blocks with ref count 0, oldest first
         self.num_evictions = 0
+        self.evicted: list[tuple[bytes, int]] | None = None  # (key, block) of evictions, when recorded
 
     @property
     def num_free(self) -> int:
@@ -106,8 +114,11 @@ class CachingBlockAllocator(BlockAllocator):
                 b = self._free.pop()
             else:
                 b, _ = self._lru.popitem(last=False)
-                del self._table[self._key.pop(b)]
+                key = self._key.pop(b)
+                del self._table[key]
                 self.num_evictions += 1
+                if self.evicted is not None:
+                    self.evicted.append((key, b))
             self._refs[b] = 1
             out.append(b)
         return out
@@ -163,20 +174,33 @@ class SeqCacheState:
 
 @dataclass
 class PrefixHit:
-    blocks: list[int]  # cached blocks to share, in order
-    snapshot: int = -1  # SSM snapshot slot holding the state at len(blocks) * block_size (-1 = none)
+    blocks: list[int]  # cached device blocks to share, in order
+    snapshot: int = -1  # SSM snapshot slot holding the state at the hit's end (-1 = none)
+    onload: list[bytes] = field(default_factory=list)  # keys of the host-tier blocks that follow `blocks`
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.onload)
 
 
 class PrefixCache:
     """The scheduler's prefix cache over a `CachingBlockAllocator` (module docstring).
 
     `snapshot_slots` are the SSM pool slots reserved for snapshots (empty without SSM state);
-    `cache_decoded` False caches only what prefill chunks computed."""
+    `cache_decoded` False caches only what prefill chunks computed. `host_bytes` > 0 turns on the
+    host tier of `bytes_per_block` blocks (module docstring)."""
 
     def __init__(self, blocks: CachingBlockAllocator, block_size: int, uses_ssm: bool = False,
-                 snapshot_slots: Iterable[int] = (), cache_decoded: bool = True):
+                 snapshot_slots: Iterable[int] = (), cache_decoded: bool = True, host_bytes: int = 0,
+                 bytes_per_block: int = 0):
         self.blocks = blocks
         self.cache_decoded = cache_decoded
+        self.host_capacity = host_bytes // bytes_per_block if bytes_per_block > 0 else 0  # in blocks
+        self._host: OrderedDict[bytes, Any] = OrderedDict()  # key -> one block's host arrays, LRU first
+        if self.host_capacity:
+            blocks.evicted = []
+        self.num_offloaded = 0  # blocks copied to the host tier
+        self.num_onloaded = 0  # blocks copied back from it
         self.block_size = block_size
         self.uses_ssm = uses_ssm
         self.snapshot_slots = tuple(snapshot_slots)
@@ -222,19 +246,57 @@ class PrefixCache:
             if b is None:
                 break
             blocks.append(b)
+        onload = []
+        for k in keys[len(blocks):]:  # the chain goes on in the host tier
+            if k not in self._host:
+                break
+            onload.append(k)
         if not self.uses_ssm:
-            return PrefixHit(blocks)
-        j = len(blocks)
+            return PrefixHit(blocks, onload=onload)
+        j = len(blocks) + len(onload)
         while j > 0 and keys[j - 1] not in self._snaps:
             j -= 1
-        return PrefixHit(blocks[:j], self._snaps[keys[j - 1]] if j else -1)
+        return PrefixHit(blocks[:j], self._snaps[keys[j - 1]] if j else -1, onload[:max(0, j - len(blocks))])
 
     def record(self, seq, hit: PrefixHit) -> None:
         """Count an admission's lookup in the stats and refresh the snapshot it uses."""
         self.queries += len(seq.token_ids)
-        self.hits += len(hit.blocks) * self.block_size
+        self.hits += hit.num_blocks * self.block_size
         if hit.snapshot >= 0:
-            self._snaps.move_to_end(self.keys(seq, len(hit.blocks))[-1])
+            self._snaps.move_to_end(self.keys(seq, hit.num_blocks)[-1])
+
+    # ---- host tier -------------------------------------------------------------------------------
+    def take_evicted(self) -> list[tuple[bytes, int]]:
+        """(key, block) of the cached blocks evicted since the last call: the engine copies them to
+        the host before the step that may reuse them runs (empty without the host tier)."""
+        if self.blocks.evicted is None or not self.blocks.evicted:
+            return []
+        out, self.blocks.evicted = self.blocks.evicted, []
+        return out
+
+    def host_put(self, key: bytes, arrays: Any) -> None:
+        """The engine's host copy of an evicted block (least recently used ones dropped past the
+        capacity)."""
+        self._host[key] = arrays
+        self._host.move_to_end(key)
+        self.num_offloaded += 1
+        while len(self._host) > self.host_capacity:
+            self._host.popitem(last=False)
+
+    def onload(self, keys: list[bytes], step) -> list[int]:
+        """New device blocks for the host-tier blocks `keys` of a hit, registered under their keys;
+        `step.kv_onload` gets (block, host arrays) for the engine to write before the step."""
+        new = self.blocks.allocate(len(keys))
+        for b, k in zip(new, keys):
+            self.blocks.register(b, k)
+            self._host.move_to_end(k)
+            step.kv_onload.append((b, self._host[k]))
+        self.num_onloaded += len(keys)
+        return new
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host)
 
     # ---- registration ----------------------------------------------------------------------------
     def register(self, seq) -> None:

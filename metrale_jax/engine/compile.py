@@ -258,7 +258,7 @@ class CompilationManager:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         todo = [b for b in self.buckets if b not in self.executables]
-        if self.cfg.preemption_mode == "swap":
+        if self.cfg.swap_block_buckets:  # preemption by swap, or the prefix cache's host tier
             from metrale_jax.engine.swap import swap_roles
 
             self.swap_roles = swap_roles(self.model, state.model)

@@ -94,6 +94,9 @@ class EngineConfig:
     # SSM pool slots for prefix-cache snapshots of the recurrent state, on top of max_ssm_slots;
     # None: max_num_seqs with prefix caching on a model with SSM state, else 0
     max_ssm_snapshots: int | None = None
+    # Host-memory tier of the prefix cache (vLLM's name), in GB: cached KV blocks evicted from the
+    # device are copied there and copied back on a hit; 0 = off. Separate from swap_space_gb.
+    kv_offloading_size: float = 0.0
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
@@ -141,6 +144,9 @@ class EngineConfig:
         if snaps is not None and snaps < 0:
             raise ValueError(f"max_ssm_snapshots={snaps} must be >= 0")
         snaps = (seqs if snaps is None else snaps) if self.enable_prefix_caching and uses_ssm else 0
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size={self.kv_offloading_size} must be >= 0")
+        offload = self.kv_offloading_size if self.enable_prefix_caching else 0.0
         if any(b < 1 for b in self.swap_block_buckets):
             raise ValueError(f"swap_block_buckets={self.swap_block_buckets} must be >= 1")
         return dataclasses.replace(
@@ -152,7 +158,7 @@ class EngineConfig:
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
-            if mode == "swap" else (),
+            if mode == "swap" or offload else (), kv_offloading_size=offload,
         )
 
     @property

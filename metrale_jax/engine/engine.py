@@ -175,6 +175,8 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # the dispatched step whose samples are not read yet
         self._next_tokens = self.compiler.zero_tokens()  # its samples, on the device
         self._swap_pending: list = []  # (Sequence, SwapData) copied out by the last step, not on the host yet
+        self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
+        self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases
         log.info("engine ready in %.1fs (%s; %d executables, %d from the cache at %s)", self.startup_seconds,
@@ -212,7 +214,8 @@ class LLMEngine:
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
             swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
             snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)),
-            cache_decoded=getattr(self.model, "decode_matches_prefill", True), **caps,
+            cache_decoded=getattr(self.model, "decode_matches_prefill", True),
+            kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -437,12 +440,51 @@ class LLMEngine:
             if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
                 d.to_host(self.compiler.swap_roles)
         self._swap_pending = [(seq, seq.swap.data) for seq in sched.swap_out if seq.swap is not None]
+        self._offload_to_host()
         return outputs
+
+    def _offload(self, sched) -> None:
+        """Prefix cache's host tier: start copying the evicted cached blocks out (before anything
+        writes them); `_offload_to_host` hands them to the cache at the end of `step()`."""
+        big = self.config.swap_block_buckets[-1]
+        ev = sched.kv_offload
+        for i in range(0, len(ev), big):
+            part = ev[i:i + big]
+            data = self.compiler.swap_out(self.state, [b for _, b in part], -1)
+            self._offload_pending.append(([k for k, _ in part], data))
+
+    def _offload_to_host(self) -> None:
+        """The copies `_offload` started, into the host tier. They ran right after the previous
+        step, whose samples `step()` has just read, so this barely waits."""
+        from metrale_jax.engine.swap import split_blocks
+
+        roles = self.compiler.swap_roles
+        for keys, data in self._offload_pending:
+            data.to_host(roles)
+            if self._slot_leaves is None:
+                kinds = [r for r in roles if r is not None]
+                self._slot_leaves = tuple(a for a, (kind, _) in zip(data.arrays, kinds) if kind == "slot")
+            for k, arrays in zip(keys, split_blocks(data, roles)):
+                self.scheduler.prefix_cache.host_put(k, arrays)
+        self._offload_pending = []
+
+    def _onload(self, sched) -> None:
+        """Prefix cache's host tier: write the hit blocks back into their new device blocks."""
+        from metrale_jax.engine.swap import join_blocks
+
+        big = self.config.swap_block_buckets[-1]
+        on = sched.kv_onload
+        for i in range(0, len(on), big):
+            part = on[i:i + big]
+            data = join_blocks([a for _, a in part], self.compiler.swap_roles, self._slot_leaves)
+            self.state = self.compiler.swap_in(self.state, data, [b for b, _ in part], -1)
 
     def _swap(self, sched) -> None:
         """Copy the swapped-out sequences' blocks and slots to the host, then write the resumed
         ones' saved state into their new blocks and slots, before the step runs (the freed blocks
-        may be reused by this very step)."""
+        may be reused by this very step). Evicted cached blocks go to the host tier first."""
+        if sched.kv_offload:
+            self._offload(sched)
         for seq in sched.swap_out:
             rec = seq.swap
             rec.data = self.compiler.swap_out(self.state, rec.blocks, rec.slot)
@@ -450,6 +492,8 @@ class LLMEngine:
             rec = seq.swap
             self.state = self.compiler.swap_in(self.state, rec.data, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.scheduler.swapped_in(seq)
+        if sched.kv_onload:
+            self._onload(sched)
         if sched.ssm_restores:  # prefix-cache hits: the cached SSM snapshots into the new sequences' slots
             self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_restores)
 

@@ -191,6 +191,10 @@ class ScheduledStep:
     # admitted sequences' slots before the step runs, snapshots right after it
     ssm_restores: list[tuple[int, int]] = field(default_factory=list)
     ssm_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # prefix cache's host tier: (key, block) evicted cached blocks to copy to host memory first, then
+    # (block, host arrays) cached blocks to write back
+    kv_offload: list[tuple[bytes, int]] = field(default_factory=list)
+    kv_onload: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -209,7 +213,7 @@ class Scheduler:
         num_ssm_slots: int = 0, uses_ssm: bool = False, watermark_blocks: int | None = None,
         max_model_len: int = 1 << 62, preemption_mode: str = "recompute", swap_bytes_per_block: int = 0,
         swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, prefix_caching: bool = False,
-        snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
+        snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True, kv_offloading_bytes: int = 0,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -220,8 +224,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.blocks = CachingBlockAllocator(num_blocks) if prefix_caching else BlockAllocator(num_blocks)
         # automatic prefix caching (metrale_jax/cache/prefix_cache.py); None = off
-        self.prefix_cache = (PrefixCache(self.blocks, block_size, uses_ssm, snapshot_slots, cache_decoded)
-                             if prefix_caching else None)
+        self.prefix_cache = (PrefixCache(self.blocks, block_size, uses_ssm, snapshot_slots, cache_decoded,
+                                         kv_offloading_bytes, swap_bytes_per_block) if prefix_caching else None)
         self.pen_rows = SlotAllocator(num_penalty_rows)
         self.ssm_slots = SlotAllocator(num_ssm_slots)
         self.uses_ssm = uses_ssm
@@ -438,10 +442,10 @@ class Scheduler:
             if self.prefix_cache is not None and not shared:
                 hit = self.prefix_cache.lookup(seq)
                 shared = hit.blocks
-            start = len(shared) * self.block_size
+            start = (len(shared) + (len(hit.onload) if hit else 0)) * self.block_size
             spare = self.blocks.num_free - self.watermark
-            if hit is not None:
-                spare -= self.blocks.num_reclaimed(shared)  # cached blocks it takes count as free now
+            if hit is not None:  # cached blocks it takes count as free now; host-tier ones need new blocks
+                spare -= self.blocks.num_reclaimed(shared) + len(hit.onload)
             length = min(seq.pending - start, room, spare * self.block_size)
             if self.prefix_cache is not None and length >= 1:
                 length = self.prefix_cache.chunk_length(seq, start, length)
@@ -450,6 +454,8 @@ class Scheduler:
             self.waiting.pop(i)
             self.blocks.share(shared)
             seq.blocks = list(shared)
+            if hit is not None and hit.onload:
+                seq.blocks += self.prefix_cache.onload(hit.onload, step)
             seq.num_computed = start
             seq.blocks += self.blocks.allocate(self._blocks_needed(seq, start + length))
             if wants_pen:
@@ -465,6 +471,8 @@ class Scheduler:
             step.chunks.append(Chunk(seq, start, length))
             budget -= length
             prefill += length
+        if self.prefix_cache is not None:
+            step.kv_offload = self.prefix_cache.take_evicted()
         return step
 
     def _shared_blocks(self, seq: Sequence) -> list[int] | None:

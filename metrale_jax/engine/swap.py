@@ -132,6 +132,24 @@ def jit_scatter():
     return jax.jit(scatter, static_argnames=("roles",), donate_argnums=(0,))
 
 
+def split_blocks(data: SwapData, roles: tuple[Role, ...]) -> list[tuple]:
+    """A host `SwapData` of n blocks -> n tuples of the block leaves of one block each (the prefix
+    cache's host tier keeps blocks one by one)."""
+    kinds = [r for r in roles if r is not None]
+    leaves = [(a, ax) for a, (kind, ax) in zip(data.arrays, kinds) if kind == "block"]
+    return [tuple(np.take(a, [i], axis=ax) for a, ax in leaves) for i in range(data.num_blocks)]
+
+
+def join_blocks(blocks: list[tuple], roles: tuple[Role, ...], slot_leaves: tuple) -> SwapData:
+    """The inverse of `split_blocks` for a scatter into n new blocks; the slot leaves come from
+    `slot_leaves` (any arrays of their shapes: they are written to slot -1, i.e. nowhere)."""
+    kinds = [r for r in roles if r is not None]
+    cols = iter(zip(*blocks))
+    slots = iter(slot_leaves)
+    arrays = tuple(np.concatenate(next(cols), axis=ax) if kind == "block" else next(slots) for kind, ax in kinds)
+    return SwapData(0, len(blocks), arrays, on_host=True)
+
+
 @dataclass
 class SwapData:
     """One swapped-out sequence's saved leaves: device arrays until `to_host`, then numpy with
