@@ -72,6 +72,7 @@ request_st = st.fixed_dictionaries(dict(
     abort_after=st.one_of(st.none(), st.integers(0, 25)),
     prompt_logprobs=st.sampled_from([None, None, None, 0]),
     penalty=st.sampled_from([False, False, False, True]),
+    n=st.sampled_from([1, 1, 1, 2]),
 ))
 
 
@@ -117,7 +118,7 @@ def test_prefix_cache_property(engine, reqs, num_blocks, budget, max_seqs, strea
             prompt = (head + rng.integers(2, 64, r["tail"]).tolist())[: mml - r["max_tokens"]]
             rid = f"r{i}"
             pen = 0.5 if r["penalty"] else 0.0
-            sp = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True,
+            sp = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, n=r["n"],
                                 prompt_logprobs=r["prompt_logprobs"], presence_penalty=pen)
             eng.add_request(rid, {"prompt_token_ids": prompt}, sp)
             prompts[rid] = prompt
@@ -140,7 +141,7 @@ def test_prefix_cache_property(engine, reqs, num_blocks, budget, max_seqs, strea
         if rid in aborted and rid not in final:
             continue
         o = final[rid]
-        assert o.outputs[0].token_ids == expected[rid], rid
+        assert [c.token_ids for c in o.outputs] == [expected[rid]] * r["n"], rid
         if r["prompt_logprobs"] is not None:  # computed, never skipped by a cache hit
             assert o.prompt_logprobs[0] is None and all(d is not None for d in o.prompt_logprobs[1:])
     assert_cache_whole(sched)
