@@ -41,6 +41,7 @@ from metrale_jax.metadata_builder import (
     StepInputs,
     build_step,
 )
+from metrale_jax.parallel import Sharder, make_mesh
 from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams
 from metrale_jax.step import StepState, init_step_state
 
@@ -118,6 +119,15 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         phases["split_layers"] = time.perf_counter() - t
+        self.sharder = None  # tensor parallelism (metrale_jax/parallel.py)
+        if c.tensor_parallel_size > 1:
+            t = time.perf_counter()
+            self.sharder = Sharder(make_mesh(c.tensor_parallel_size), expert_parallel=c.enable_expert_parallel)
+            self.params = self.sharder.shard_params(self.params)
+            self.config = c = c.replace(attention=dataclasses.replace(c.attention, mesh=self.sharder.mesh))
+            phases["shard"] = time.perf_counter() - t
+            log.info("tensor parallel over %d %s devices (mesh axis %r%s)", c.tensor_parallel_size,
+                     jax.devices()[0].platform, "tp", ", experts by expert" if c.enable_expert_parallel else "")
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
@@ -136,6 +146,10 @@ class LLMEngine:
         ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
                                                 max_ssm_slots=ssm_slots, penalty_rows=pen_rows)
+        placement = None
+        if self.sharder is not None:
+            placement = self.sharder.placement(self.state)
+            self.state = self.sharder.shard_state(self.state, placement)
         log.info(
             "KV pool: %d blocks x %d tokens (%d tokens, %.1f MB, %s); max_model_len=%d, max_num_seqs=%d, "
             "token budget %d", self.num_blocks, c.block_size, self.num_blocks * c.block_size,
@@ -150,7 +164,7 @@ class LLMEngine:
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
         jax.block_until_ready(self.state)
         phases["kv_pool"] = time.perf_counter() - t
-        self.compiler = CompilationManager(model, c, self.builder)
+        self.compiler = CompilationManager(model, c, self.builder, placement)
         phases["compile"] = self.compiler.compile_all(self.params, self.state)
         if c.warm_up:
             self.state = self.compiler.warm_up(self.params, self.state)
@@ -181,6 +195,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from metrale_jax.model import load_model
 
+        make_mesh(config.tensor_parallel_size)  # enough devices? (before the model loads)
         # per-layer arrays straight from the loader when the steps will walk the layers in Python
         split = config.attention.unroll_layers if config.attention is not None else _on_gpu()
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
@@ -218,6 +233,9 @@ class LLMEngine:
             return c.max_num_seqs * c.max_blocks_per_seq
         if not _on_gpu():
             return max(-(-c.cpu_kv_tokens // c.block_size), c.max_blocks_per_seq)
+        tp = c.tensor_parallel_size
+        if tp > 1 and self.model.cfg.num_kv_heads % tp == 0:
+            per_block //= tp  # each device holds its KV heads of every block (metrale_jax/parallel.py)
         stats = jax.devices()[0].memory_stats() or {}
         limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
         # scratch of the steps: activations of the largest batch plus sampling rows (an estimate;

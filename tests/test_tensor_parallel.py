@@ -1,0 +1,56 @@
+"""Tensor parallelism on simulated CPU devices: every family through `LLM.generate` at TP=2 and
+TP=4 gives the ids and logprobs of one device (tests/tp_check.py, in subprocesses: the device
+count is a process-wide XLA flag), and the placement rules shard what they say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from metrale_jax.parallel import Sharder, make_mesh, param_dim
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(*args: str, devices: int = 4) -> list[dict]:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "tests.tp_check", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 0, (lines, r.stderr[-3000:])
+    return lines
+
+
+def test_every_family_matches_one_device():
+    # greedy ids equal, logprobs and prompt logprobs within 1e-4; chunked prefill and preemption
+    lines = _check("--tp", "2", "4")
+    assert {(x["family"], x["tp"]) for x in lines} == {(f, t) for f in
+                                                       ("llama_tiny", "qwen3_tiny", "qwen3_moe_tiny", "qwen3_next_tiny",
+                                                        "nemotron_h_tiny", "mamba2_tiny") for t in (2, 4)}
+    assert all(x["preemptions"] > 0 for x in lines)
+
+
+def test_expert_parallel_and_pallas_kernels():
+    _check("--tp", "2", "--family", "qwen3_moe_tiny", "--expert-parallel", devices=2)
+    _check("--tp", "2", "--family", "llama_tiny", "--interpret-kernels", devices=2)
+
+
+def test_rules():
+    assert param_dim("wqkv", 3, False) == -1 and param_dim("wo", 3, False) == -2
+    assert param_dim("experts_down", 4, True) == -3 and param_dim("experts_down", 4, False) == -2
+    assert param_dim("attn_norm", 2, False) is None and param_dim("router", 3, False) is None
+    mesh = make_mesh(1)
+    sh = Sharder(mesh)
+    x = np.zeros((3, 64, 96), np.float32)
+    path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey("wqkv"))
+    assert sh.param_sharding(path, x).spec == P(None, None, "tp")
+    with pytest.raises(ValueError, match="needs that many devices"):
+        make_mesh(len(jax.devices()) + 1)
