@@ -30,17 +30,13 @@ def _check(*args: str, devices: int = 4) -> list[dict]:
 
 
 def test_every_family_matches_one_device():
-    # greedy ids equal, logprobs and prompt logprobs within 1e-4; chunked prefill and preemption
-    lines = _check("--tp", "2", "4")
-    assert {(x["family"], x["tp"]) for x in lines} == {(f, t) for f in
-                                                       ("llama_tiny", "qwen3_tiny", "qwen3_moe_tiny", "qwen3_next_tiny",
-                                                        "nemotron_h_tiny", "mamba2_tiny") for t in (2, 4)}
-    assert all(x["preemptions"] > 0 for x in lines)
+    # greedy and seeded ids equal, logprobs and prompt logprobs within 1e-4; chunked prefill and
+    # preemption; TP=4 with the KV heads split and replicated; expert parallel; Pallas kernels
+    from tests.tp_check import PLAN
 
-
-def test_expert_parallel_and_pallas_kernels():
-    _check("--tp", "2", "--family", "qwen3_moe_tiny", "--expert-parallel", devices=2)
-    _check("--tp", "2", "--family", "llama_tiny", "--interpret-kernels", devices=2)
+    lines = _check()
+    assert {(x["family"], x["variant"]) for x in lines} == {(f, v) for f, vs in PLAN.items() for v in vs}
+    assert all(x["same_ids"] and x["preemptions"] > 0 for x in lines)
 
 
 def test_rules():

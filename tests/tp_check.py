@@ -2,14 +2,16 @@
 
 Run in a fresh process with N simulated CPU devices (the XLA flag is process-wide):
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.tp_check --tp 2 4 --family llama_tiny
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.tp_check [--family llama_tiny --variant 4]
 
-For each family fixture, the same requests (greedy with logprobs and prompt logprobs, a seeded
-top-p sample with a repetition penalty, a prompt longer than the token budget so it prefills in
-chunks, and more requests than the KV pool holds at once so sequences are preempted) run through
-`LLM.generate` on one device and on `--tp` devices; prints one JSON line per (family, tp) with
-the largest logprob difference, and exits 1 when ids differ or a logprob differs by more than
-`--atol`.
+A variant is a device count, optionally with `:ep` (MoE experts split by expert) or `:pallas`
+(the Pallas kernels in interpret mode, the attention kernels under `shard_map`); without
+`--variant`, each family runs the variants of `PLAN`. For each family fixture the same requests
+(greedy with logprobs and prompt logprobs, a seeded top-p sample with a repetition penalty, a
+prompt longer than the token budget so it prefills in chunks, and more requests than the KV pool
+holds at once so sequences are preempted) run through `LLM.generate` on one device (the XLA
+reference) and on each variant; prints one JSON line per (family, variant) with the largest
+logprob difference, and exits 1 when ids differ or a logprob differs by more than `--atol`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import sys
 
 import numpy as np
 
-FAMILIES = ("llama_tiny", "qwen3_tiny", "qwen3_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny")
+# every family at TP=2; TP=4 where the KV heads divide (llama) and where they do not (Qwen3-Next:
+# 2 KV heads, replicated); expert parallelism; the Pallas kernels
+PLAN = {"llama_tiny": ("2", "4", "2:pallas"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
+        "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
 
 
 def _config(tp: int, expert_parallel: bool, interpret_kernels: bool):
@@ -31,7 +36,7 @@ def _config(tp: int, expert_parallel: bool, interpret_kernels: bool):
     return EngineConfig(dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=20, max_num_seqs=4,
                         max_num_batched_tokens=32, decode_buckets=(4,), prefill_buckets=(32,), max_prefill_streams=2,
                         max_logprobs=3, show_progress=False, compilation_cache_dir=None, attention=attention,
-                        tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
+                        swap_block_buckets=(12,), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
 
 
 def _requests(vocab: int):
@@ -65,23 +70,45 @@ def _run(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool):
     return res, eng.stats()
 
 
+def check_shard_heads() -> None:
+    """`parallel.shard_heads` hands each device its own heads (and the gathered ones when they do
+    not divide)."""
+    import jax
+    import jax.numpy as jnp
+
+    from metrale_jax.parallel import make_mesh, shard_heads
+
+    mesh, seen = make_mesh(2), []
+
+    def fn(q, k, v, layer, tables):
+        seen.append((q.shape[1], k.shape[-2]))
+        return q * 2 + k[layer].sum() * 0 + tables[0].sum() * 0
+
+    q, k = jnp.ones((3, 4, 8)), jnp.ones((2, 5, 4, 2, 8))
+    out = jax.jit(lambda q, k: shard_heads(mesh, fn, q, k, k, (1, (jnp.arange(3),))))(q, k)
+    assert seen == [(2, 1)] and bool((out == 2).all()), seen
+    seen.clear()
+    shard_heads(mesh, fn, jnp.ones((3, 3, 8)), k, k, (1, (jnp.arange(3),)))  # 3 heads: not split
+    assert seen == [(3, 2)], seen
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, nargs="+", default=[2])
     ap.add_argument("--family", action="append", default=None)
-    ap.add_argument("--expert-parallel", action="store_true")
-    ap.add_argument("--interpret-kernels", action="store_true", help="the Pallas kernels (interpret mode)")
+    ap.add_argument("--variant", action="append", default=None, help="N, N:ep or N:pallas")
     ap.add_argument("--atol", type=float, default=1e-4)
     args = ap.parse_args(argv)
+    check_shard_heads()
     ok = True
-    for fam in args.family or FAMILIES:
-        want, _ = _run(fam, 1, False, args.interpret_kernels)
-        for tp in args.tp:
-            got, stats = _run(fam, tp, args.expert_parallel, args.interpret_kernels)
+    for fam in args.family or list(PLAN):
+        want, _ = _run(fam, 1, False, False)  # one device, the XLA reference
+        for variant in args.variant or PLAN[fam]:
+            tp, _, how = variant.partition(":")
+            got, stats = _run(fam, int(tp), how == "ep", how == "pallas")
             same_ids = all(g[0] == w[0] for g, w in zip(got, want))
             diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, want))
-            print(json.dumps(dict(family=fam, tp=tp, same_ids=same_ids, max_logprob_diff=diff,
-                                  preemptions=getattr(stats, "num_preemptions", None))), flush=True)
+            print(json.dumps(dict(family=fam, variant=variant, same_ids=same_ids, max_logprob_diff=diff,
+                                  preemptions=stats.num_preemptions)), flush=True)
             ok &= same_ids and diff <= args.atol
     return 0 if ok else 1
 
