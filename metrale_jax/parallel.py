@@ -156,6 +156,12 @@ class Sharder:
         return treedef.unflatten([jax.device_put(x, s) for x, s in zip(leaves, placement.state)])
 
 
+def local(a: jax.Array) -> jax.Array:
+    """A replicated array's copy on this process's first device (the array itself when every
+    device is this process's): what the host reads under `jax.distributed`."""
+    return a if a.is_fully_addressable else a.addressable_data(0)
+
+
 def shard_heads(mesh: Mesh, fn, q, k, v, rest):
     """`fn(q, k, v, *rest)` run per device on its heads (`shard_map`): q [T, Hq, D] split along
     its heads, the pools k, v [..., Hkv, D] along their KV heads, `rest` (a tuple pytree:

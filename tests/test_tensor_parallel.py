@@ -39,6 +39,38 @@ def test_every_family_matches_one_device():
     assert all(x["same_ids"] and x["preemptions"] > 0 for x in lines)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("family", ["mamba2_tiny"])  # swap preemption: the saved copies follow too
+def test_two_processes_match_one(family):
+    from tests.tp_check import run_family
+
+    port, env = _free_port(), dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "tests.mh_check", "--port", str(port), "--family", family, "--process-id"]
+    follower = subprocess.Popen(cmd + ["1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        leader = subprocess.run(cmd + ["0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert follower.wait(timeout=120) == 0, follower.stderr.read()[-3000:]
+    finally:
+        follower.kill()
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    lines = [json.loads(x) for x in leader.stdout.splitlines() if x.startswith("{")]
+    want, _ = run_family(family, 1, False, False)
+    assert lines[-1]["swaps"] > 0
+    assert len(lines) - 1 == len(want)
+    for got, (ids, lps) in zip(lines, want):
+        assert got["ids"] == ids
+        np.testing.assert_allclose(got["logprobs"], lps, atol=1e-4)
+
+
 def test_rules():
     assert param_dim("wqkv", 3, False) == -1 and param_dim("wo", 3, False) == -2
     assert param_dim("experts_down", 4, True) == -3 and param_dim("experts_down", 4, False) == -2

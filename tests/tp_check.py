@@ -52,15 +52,21 @@ def _requests(vocab: int):
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def _run(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool):
+def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool, follower: bool = False):
+    """The requests through `LLM.generate` -> ([(ids, logprobs + prompt logprobs f64[...])], stats);
+    None on a follower process (which runs the leader's steps until it is done)."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
     from tests.conftest import FIXTURES
 
     model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
     eng = LLMEngine(model, params, _config(tp, expert_parallel, interpret_kernels))
+    if follower:
+        eng.follow_leader()
+        return None
     prompts, sps = _requests(int(model.cfg.vocab_size))
     outs = LLM.from_engine(eng).generate(prompts, sps, use_tqdm=False)
+    eng.release_followers()
     res = []
     for o in outs:
         c = o.outputs[0]
@@ -101,10 +107,10 @@ def main(argv=None) -> int:
     check_shard_heads()
     ok = True
     for fam in args.family or list(PLAN):
-        want, _ = _run(fam, 1, False, False)  # one device, the XLA reference
+        want, _ = run_family(fam, 1, False, False)  # one device, the XLA reference
         for variant in args.variant or PLAN[fam]:
             tp, _, how = variant.partition(":")
-            got, stats = _run(fam, int(tp), how == "ep", how == "pallas")
+            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas")
             same_ids = all(g[0] == w[0] for g, w in zip(got, want))
             diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, want))
             print(json.dumps(dict(family=fam, variant=variant, same_ids=same_ids, max_logprob_diff=diff,

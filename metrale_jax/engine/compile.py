@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, build_step, pack, packed_layout
+from metrale_jax.parallel import local
 from metrale_jax.step import jit_packed_step
 
 log = logging.getLogger(__name__)
@@ -356,7 +357,7 @@ class CompilationManager:
         b[: len(blocks)] = blocks
         arrays = self.swap_executables[("gather", m)](state, b, np.int32(slot))
         for a in arrays:
-            a.copy_to_host_async()
+            local(a).copy_to_host_async()
         return SwapData(m, len(blocks), tuple(arrays))
 
     def swap_in(self, state, data, blocks: list[int], slot: int):
@@ -383,6 +384,10 @@ class CompilationManager:
         """Pack a step's inputs and send them to the device (every device of the mesh under tensor
         parallelism) in one transfer."""
         _, ibuf, fbuf = pack(self.builder, inputs)
+        return self.put(ibuf, fbuf)
+
+    def put(self, ibuf, fbuf) -> tuple:
+        """Packed step inputs (`metadata_builder.pack`) to the device(s)."""
         return jax.device_put((ibuf, fbuf), self._device())
 
 

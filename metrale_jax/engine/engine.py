@@ -21,6 +21,7 @@ import numpy as np
 
 from metrale_jax.engine.compile import CompilationManager, setup_compilation_cache
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.lockstep import Lockstep, follow
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale_jax.engine.scheduler import Chunk, Request, Scheduler, SeqStatus, Sequence
 from metrale_jax.errors import (
@@ -40,8 +41,9 @@ from metrale_jax.metadata_builder import (
     RowSampling,
     StepInputs,
     build_step,
+    pack,
 )
-from metrale_jax.parallel import Sharder, make_mesh
+from metrale_jax.parallel import Sharder, local, make_mesh
 from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams
 from metrale_jax.step import StepState, init_step_state
 
@@ -120,6 +122,11 @@ class LLMEngine:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         phases["split_layers"] = time.perf_counter() - t
         self.sharder = None  # tensor parallelism (metrale_jax/parallel.py)
+        # several processes (jax.distributed): process 0 schedules, the others follow (engine/lockstep.py)
+        self.lockstep = Lockstep() if jax.process_count() > 1 else None
+        if self.lockstep is not None and c.tensor_parallel_size != jax.device_count():
+            raise ValueError(f"under jax.distributed the steps span every device: tensor_parallel_size must be "
+                             f"{jax.device_count()} ({jax.process_count()} processes), not {c.tensor_parallel_size}")
         if c.tensor_parallel_size > 1:
             t = time.perf_counter()
             self.sharder = Sharder(make_mesh(c.tensor_parallel_size), expert_parallel=c.enable_expert_parallel)
@@ -439,6 +446,8 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
         """
         sched = self.scheduler.schedule()
+        while self.scheduler.dropped_swaps:  # the other processes drop their saved copies too
+            self._announce("drop", self.scheduler.dropped_swaps.pop())
         self._swap(sched)
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
@@ -449,15 +458,33 @@ class LLMEngine:
         self._swap_pending = [(seq, seq.swap.data) for seq in sched.swap_out if seq.swap is not None]
         return outputs
 
+    # ---- several processes (engine/lockstep.py) -------------------------------------------------
+    def _announce(self, op: str, *args) -> None:
+        if self.lockstep is not None:
+            self.lockstep.send(op, *args)
+
+    def follow_leader(self) -> None:
+        """Processes other than 0 under `jax.distributed`: run the steps process 0 schedules, until
+        it calls `release_followers`. A no-op in a single process."""
+        if self.lockstep is not None and not self.lockstep.leader:
+            follow(self)
+
+    def release_followers(self) -> None:
+        """Process 0: let the other processes' `follow_leader` return (call once, when done)."""
+        if self.lockstep is not None and self.lockstep.leader:
+            self.lockstep.send("stop")
+
     def _swap(self, sched) -> None:
         """Copy the swapped-out sequences' blocks and slots to the host, then write the resumed
         ones' saved state into their new blocks and slots, before the step runs (the freed blocks
         may be reused by this very step)."""
         for seq in sched.swap_out:
             rec = seq.swap
+            self._announce("swap_out", seq.seq_id, rec.blocks, rec.slot)
             rec.data = self.compiler.swap_out(self.state, rec.blocks, rec.slot)
         for seq in sched.swap_in:
             rec = seq.swap
+            self._announce("swap_in", seq.seq_id, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.state = self.compiler.swap_in(self.state, rec.data, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.scheduler.swapped_in(seq)
 
@@ -474,7 +501,9 @@ class LLMEngine:
         chunks = [self._chunk(c) for c in sched.chunks]
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
-        dev = self.compiler.transfer(inputs)
+        _, ibuf, fbuf = pack(self.builder, inputs)
+        self._announce("step", inputs.bucket, ibuf, fbuf)
+        dev = self.compiler.put(ibuf, fbuf)
         self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                self.state, dev, self._next_tokens)
         self.scheduler.complete(sched)
@@ -493,7 +522,7 @@ class LLMEngine:
             names += ["ranks", "top_ids", "top_logprobs"]
         if want_plp:
             names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
-        arrays = [getattr(out, n) for n in names]
+        arrays = [local(getattr(out, n)) for n in names]
         for a in arrays:
             a.copy_to_host_async()
         return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp)

@@ -125,7 +125,9 @@ class SwapData:
     def to_host(self, roles: tuple[Role, ...]) -> None:
         if self.on_host:
             return
-        host = jax.device_get(self.arrays)
+        from metrale_jax.parallel import local
+
+        host = jax.device_get([local(a) for a in self.arrays])
         kinds = [r for r in roles if r is not None]
         self.arrays = tuple(np.asarray(a)[_index(ax, slice(0, self.num_blocks))] if kind == "block" else np.asarray(a)
                             for a, (kind, ax) in zip(host, kinds))
