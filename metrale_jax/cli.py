@@ -69,6 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
                         "it later (auto: swap for models with SSM state)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the model is split over (one host; several with jax.distributed)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts by expert instead of by their inner dimension")
 
 
 def kernels_from_args(args: argparse.Namespace):
@@ -103,7 +107,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
-        preemption_mode=args.preemption_mode,
+        preemption_mode=args.preemption_mode, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     kw.update(overrides)
     return EngineConfig(**kw)

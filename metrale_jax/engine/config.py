@@ -88,6 +88,10 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
+    # Devices the steps span, on one mesh axis `tp` (metrale_jax/parallel.py): attention and MLP
+    # heads, the KV and SSM pools and the vocabulary split over them, metadata replicated.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts split by expert (EP) instead of by their inner dimension
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
@@ -129,6 +133,8 @@ class EngineConfig:
             mode = "swap" if uses_ssm else "recompute"
         if mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'auto', 'swap' or 'recompute'")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb={self.swap_space_gb} must be >= 0")
         if any(b < 1 for b in self.swap_block_buckets):

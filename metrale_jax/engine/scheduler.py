@@ -219,6 +219,7 @@ class Scheduler:
         self.swap_bytes_per_slot = swap_bytes_per_slot
         self.swap_space_bytes = swap_space_bytes
         self.swap_bytes = 0  # host bytes the swapped sequences hold now
+        self.dropped_swaps: list[int] = []  # ids of swapped sequences finished while swapped (engine/lockstep.py)
         self.num_preemptions = 0
         self.num_swaps = 0  # swap-outs
         self.num_swap_ins = 0
@@ -265,6 +266,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self._free_pen_row(seq)
             self._drop_swap(seq)
+            self.dropped_swaps.append(seq.seq_id)
             seq.num_computed = 0
         seq.status = SeqStatus.FINISHED
 

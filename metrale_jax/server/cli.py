@@ -108,6 +108,10 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
+    g = p.add_argument_group("several hosts (jax.distributed; the same command on every host)")
+    g.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; the others run its steps")
     (add_engine_options or add_engine_args)(p)
 
 
@@ -118,14 +122,25 @@ def serve_main(args: argparse.Namespace) -> int:
     from metrale_jax.server.runner import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "coordinator_address", None) is not None:
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
+                                   process_id=args.process_id)
     engine = LLMEngine.from_config(engine_config_from_args(args, args.model))
+    if engine.lockstep is not None and not engine.lockstep.leader:
+        engine.follow_leader()  # until process 0 shuts down
+        return 0
     names = tuple(args.served_model_name or [args.model])
     if engine.model_name and engine.model_name not in names:
         names = (*names, engine.model_name)
     config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                           max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests)
-    serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
-          log_level=args.log_level)
+    try:
+        serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
+              log_level=args.log_level)
+    finally:
+        engine.release_followers()
     return 0
 
 
