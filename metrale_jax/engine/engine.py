@@ -118,6 +118,7 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         phases["split_layers"] = time.perf_counter() - t
+        self.lora = self._init_lora() if c.enable_lora else None
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
@@ -152,6 +153,10 @@ class LLMEngine:
         phases["kv_pool"] = time.perf_counter() - t
         self.compiler = CompilationManager(model, c, self.builder)
         phases["compile"] = self.compiler.compile_all(self.params, self.state)
+        if self.lora is not None:
+            t = time.perf_counter()
+            self.lora.compile(self.params["layers"]["lora"])
+            phases["compile"] += time.perf_counter() - t
         if c.warm_up:
             self.state = self.compiler.warm_up(self.params, self.state)
             phases["warm_up"] = self.compiler.warmup_seconds
@@ -187,6 +192,77 @@ class LLMEngine:
                                    revision=config.revision, quantization=config.quantization, split_layers=split)
         return cls(model, params, config)
 
+    def _init_lora(self):
+        """The LoRA manager, and empty slots under params["layers"]["lora"] (a new top-level dict:
+        the caller's tree is left without them)."""
+        from metrale_jax.errors import LoRAError
+        from metrale_jax.layers.stack import device_put_layers
+        from metrale_jax.lora.adapter import LORA_FAMILIES, LoRASpec
+        from metrale_jax.lora.manager import LoRAManager
+
+        c = self.config
+        fam = getattr(self.model, "family_name", "")
+        if fam not in LORA_FAMILIES:
+            raise LoRAError(f"enable_lora: LoRA is served for the {', '.join(LORA_FAMILIES)} families, not {fam!r}")
+        spec = LoRASpec.for_model(self.model, c.max_loras, c.max_lora_rank)
+        dtype = jax.numpy.dtype(self.params["embed"].dtype)
+        mgr = LoRAManager(spec, dtype, c.max_cpu_loras)
+        mgr.in_use = lambda: {r.lora_int_id for r in self.requests.values()}
+        zeros = {"layers": mgr.init_slots()}
+        slots = (device_put_layers(zeros) if c.attention.unroll_layers else jax.device_put(zeros))["layers"]
+        self.params = {**self.params, "layers": {**self.params["layers"], "lora": slots}}
+        log.info("LoRA: %d slots of rank %d (%.1f MB), %d adapters in host memory", c.max_loras, c.max_lora_rank,
+                 c.max_loras * spec.slot_bytes(dtype.itemsize) / 1e6, c.max_cpu_loras)
+        return mgr
+
+    # ---- LoRA adapters (vLLM's LLMEngine names) --------------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Read and check an adapter now (into the host cache); raises a LoRAError if it cannot be
+        served. Requests may also name adapters never added: they are read on first use."""
+        self._resolve_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter. Raises LoRAError while a request uses it; False when unknown."""
+        from metrale_jax.errors import LoRAError
+
+        if self.lora is None:
+            return False
+        if any(r.lora_int_id == lora_int_id for r in self.requests.values()):
+            raise LoRAError(f"LoRA adapter {lora_int_id} is in use by a running request")
+        return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.registered) if self.lora is not None else set()
+
+    def _resolve_lora(self, lora_request) -> None:
+        """Check that `lora_request` (None = base model) can be served, before anything is queued."""
+        from metrale_jax.errors import LoRANotEnabledError
+
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise LoRANotEnabledError("this request names a LoRA adapter, but the engine was built without "
+                                      "enable_lora=True")
+        self.lora.resolve(lora_request)
+
+    def _set_lora_slots(self, sched, rows: list[DecodeRow], chunks: list[PrefillChunk]) -> None:
+        """Put the step's adapters into device slots (writing slots as needed: no compile) and
+        fill the rows' and chunks' `lora_slot` / `moe_lora_slot`."""
+        seqs = list(sched.decode) + [c.seq for c in sched.chunks]
+        ids = [s.lora_int_id for s in seqs]
+        if not any(ids):
+            return
+        pinned = {s.lora_int_id for s in self.scheduler.running}
+        layers = self.params["layers"]
+        tree, slot_of = self.lora.slots_for(layers["lora"], ids, pinned)
+        if tree is not layers["lora"]:
+            self.params = {**self.params, "layers": {**layers, "lora": tree}}
+        for item, i in zip(rows + chunks, ids):
+            if i:
+                item.lora_slot = slot_of[i]
+                item.moe_lora_slot = slot_of[i] if self.lora.has_experts(i) else -1
+
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
         max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots and
@@ -206,7 +282,8 @@ class LLMEngine:
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
-            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), **caps,
+            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
+            max_loras=c.max_loras if c.enable_lora else 0, **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -324,18 +401,21 @@ class LLMEngine:
         return frozenset(ids)
 
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing."""
+                    *, arrival_time: float | None = None, lora_request=None) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing.
+        lora_request: a `metrale_jax.lora.LoRARequest` (needs enable_lora), None = base model."""
         params = params if params is not None else SamplingParams()
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.validate(prompt, params)
+        self._resolve_lora(lora_request)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
-                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time())
+                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
+                      lora_request=lora_request)
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -454,6 +534,8 @@ class LLMEngine:
                 rows.append(DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
                                       sampling=self._row_sampling(s), ssm_slot=s.ssm_slot))
         chunks = [self._chunk(c) for c in sched.chunks]
+        if self.lora is not None:
+            self._set_lora_slots(sched, rows, chunks)
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         dev = self.compiler.transfer(inputs)

@@ -47,6 +47,9 @@ class AttentionConfig:
     # the step needs them (`sampling.sample(branches=...)`): the CPU default. On the GPU XLA
     # evaluates a conditional's predicate on the host, so the next step could not be queued.
     sampler_branches: bool = False
+    # LoRA deltas (engines built with enable_lora): "masked" (shrink against all slots, mask,
+    # expand: two GEMMs) or "gather" (each token's own A/B); see metrale_jax/lora/ops.py
+    lora_kernel: str = "masked"
 
 
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):

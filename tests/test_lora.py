@@ -1,0 +1,193 @@
+"""Multi-LoRA serving against transformers + PEFT (tests/fixtures/data/lora, made by
+make_fixtures.py --only lora_*): one batch mixing rows with adapter a, the base model, adapter b
+and adapter a again gives, row by row, the greedy ids, generated logprobs and prompt logprobs
+(float32, 1e-3) of each adapter run alone; adapters swap through the slots (LRU) and the host
+cache without a compile; bad adapters are refused before anything is queued."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from metrale_jax import LLM, LoRARequest, load_model
+from metrale_jax.engine.compile import CompileCounter
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.engine import LLMEngine
+from metrale_jax.errors import (
+    LoRAAdapterNotFoundError,
+    LoRAError,
+    LoRAFormatError,
+    LoRANotEnabledError,
+    LoRARankTooLargeError,
+    LoRAShapeError,
+    LoRATargetError,
+)
+from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.sampling import SamplingParams
+from tests.conftest import FIXTURES
+
+LORA = FIXTURES / "lora"
+CFG = EngineConfig(
+    dtype="float32", max_model_len=48, block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
+    decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=(16,), max_prefill_streams=2, max_logprobs=2,
+    show_progress=False, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
+)
+
+
+def _engine(name: str, unroll: bool = False, **kw) -> LLMEngine:
+    model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+    cfg = dataclasses.replace(CFG, attention=AttentionConfig(unroll_layers=unroll), **kw)
+    return LLMEngine(model, params, cfg)
+
+
+def _check(outs, g, names):
+    """Row i ran prompt i with adapter names[i] ("base" = none): compare with that adapter's goldens."""
+    for i, (o, name) in enumerate(zip(outs, names)):
+        n = int(g["prompt_lens"][i])
+        prompt = g["prompts"][i, :n]
+        c = o.outputs[0]
+        assert c.token_ids == g[f"{name}_greedy"][i].tolist(), (i, name)
+        for j, (t, d) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert abs(d[t].logprob - g[f"{name}_gen_lp"][i, j]) < 1e-3, (i, name, j)
+        for p in range(1, n):
+            got = o.prompt_logprobs[p][int(prompt[p])].logprob
+            assert abs(got - g[f"{name}_prompt_lp"][i, p]) < 1e-3, (i, name, p)
+
+
+def _run(llm, g, names, reqs):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    prompts = [{"prompt_token_ids": g["prompts"][i, : g["prompt_lens"][i]].tolist()} for i in range(len(names))]
+    return llm.generate(prompts, sp, lora_request=[reqs[n] for n in names])
+
+
+def _permuted_copy(src, dst):
+    """The same adapter with its rank dimensions permuted: an identical function under another
+    name and id (so it has the goldens of `src` while taking another slot)."""
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    shutil.copy(src / "adapter_config.json", dst / "adapter_config.json")
+    t = load_file(src / "adapter_model.safetensors")
+    out = {}
+    for k, v in t.items():
+        r = v.shape[0] if ".lora_A." in k else v.shape[1]
+        perm = np.random.default_rng(r).permutation(r)
+        out[k] = np.ascontiguousarray(v[perm] if ".lora_A." in k else v[:, perm])
+    save_file(out, dst / "adapter_model.safetensors")
+
+
+def test_llama_mixed_batch_and_swaps(tmp_path):
+    eng = _engine("llama_tiny")
+    llm = LLM.from_engine(eng)
+    g = dict(np.load(LORA / "llama_tiny" / "golden.npz"))
+    _permuted_copy(LORA / "llama_tiny" / "a", tmp_path / "c")
+    reqs = {"base": None, "a": LoRARequest("a", 1, str(LORA / "llama_tiny" / "a")),
+            "b": LoRARequest("b", 2, str(LORA / "llama_tiny" / "b")), "c": LoRARequest("c", 3, str(tmp_path / "c"))}
+    with CompileCounter() as cc:
+        _check(_run(llm, g, ["a", "base", "b", "a"], reqs), g, ["a", "base", "b", "a"])
+        # a third adapter: slots (2) and host cache (2) both evict their least recently used
+        _check(_run(llm, g, ["c", "b", "base", "c"], reqs), g, ["a", "b", "base", "a"])
+        assert eng.lora.num_slot_loads == 3 and set(eng.lora.host) == {2, 3}
+        # three adapters in one call, two slots: the scheduler runs at most two at once
+        _check(_run(llm, g, ["a", "c", "b", "base"], reqs), g, ["a", "a", "b", "base"])
+        assert len(eng.lora.host) <= 2 and eng.lora.num_host_loads >= 4  # a was read from disk again
+        assert eng.lora.num_slot_loads >= 4
+        assert eng.remove_lora(1) and 1 not in eng.list_loras()
+    assert (cc.lowerings, cc.backend_compiles) == (0, 0)
+
+
+def test_qwen3_mixed_batch_unrolled():
+    eng = _engine("qwen3_tiny", unroll=True)
+    g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
+    reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
+            "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
+    names = ["a", "base", "b", "a"]
+    _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+
+
+def test_qwen3_moe_expert_lora():
+    eng = _engine("qwen3_moe_tiny")
+    g = dict(np.load(LORA / "qwen3_moe_tiny" / "golden.npz"))
+    reqs = {"base": None, "experts": LoRARequest("experts", 1, str(LORA / "qwen3_moe_tiny" / "experts")),
+            "attn": LoRARequest("attn", 2, str(LORA / "qwen3_moe_tiny" / "attn"))}
+    names = ["experts", "base", "attn", "experts"]
+    _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+    assert eng.lora.has_experts(1) and not eng.lora.has_experts(2)
+
+
+# ---- refusals (no engine step needed) ------------------------------------------------------------
+def _bad(tmp_path, name, edit_cfg=None, edit_tensors=None, src=LORA / "llama_tiny" / "a"):
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / name
+    d.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    if edit_cfg:
+        edit_cfg(cfg)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    t = load_file(src / "adapter_model.safetensors")
+    if edit_tensors:
+        t = edit_tensors(t)
+    if t is not None:
+        save_file(t, d / "adapter_model.safetensors")
+    return str(d)
+
+
+def test_bad_adapters_refused(tmp_path):
+    from metrale_jax.lora.adapter import LoRASpec, load_peft_adapter
+    from metrale_jax.model import Model
+
+    model, _ = load_model(FIXTURES / "llama_tiny", dtype="float32", show_progress=False)
+    spec = LoRASpec.for_model(model, 2, 8)
+    ok = load_peft_adapter(LORA / "llama_tiny" / "a", spec, np.float32)
+    assert ok.rank == 8 and len(ok.targets) == 7 and not ok.has_experts
+    cases = [
+        (LoRAAdapterNotFoundError, str(tmp_path / "nowhere")),
+        (LoRAAdapterNotFoundError, _bad(tmp_path, "no_st", edit_tensors=lambda t: None)),
+        (LoRARankTooLargeError, str(LORA / "qwen3_tiny" / "a")),  # rank 16 > 8 (and qwen3 shapes)
+        (LoRAShapeError, _bad(tmp_path, "shape", edit_tensors=lambda t: {  # another model's hidden size
+            k: (v[:, :32] if ".lora_A." in k else v) for k, v in t.items()})),
+        (LoRAShapeError, _bad(tmp_path, "layer", edit_tensors=lambda t: {  # a layer the model lacks
+            k.replace("layers.2.", "layers.3."): v for k, v in t.items()})),
+        (LoRATargetError, _bad(tmp_path, "lm_head", edit_cfg=lambda c: c.update(target_modules=["q_proj", "lm_head"]))),
+        (LoRATargetError, _bad(tmp_path, "embed", edit_tensors=lambda t: {
+            **t, "base_model.model.model.embed_tokens.lora_A.weight": np.zeros((8, 256), np.float32),
+            "base_model.model.model.embed_tokens.lora_B.weight": np.zeros((64, 8), np.float32)})),
+        (LoRATargetError, str(LORA / "qwen3_moe_tiny" / "experts")),  # experts on a dense model
+        (LoRAFormatError, _bad(tmp_path, "dora", edit_cfg=lambda c: c.update(use_dora=True))),
+        (LoRAFormatError, _bad(tmp_path, "half", edit_tensors=lambda t: {
+            k: v for k, v in t.items() if k != "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"})),
+    ]
+    d = tmp_path / "bin"
+    d.mkdir()
+    shutil.copy(LORA / "llama_tiny" / "a" / "adapter_config.json", d)
+    (d / "adapter_model.bin").write_bytes(b"\x80\x04pickle")
+    cases.append((LoRAFormatError, str(d)))
+    for err, path in cases:
+        with pytest.raises(err):
+            load_peft_adapter(path, spec, np.float32)
+    assert issubclass(LoRAFormatError, LoRAError) and isinstance(Model, type)
+
+
+def test_requests_refused_before_queuing(tmp_path):
+    eng = _engine("llama_tiny", max_lora_rank=4, max_loras=1, max_cpu_loras=1)
+    sp = SamplingParams(max_tokens=2)
+    p = {"prompt_token_ids": [5, 6, 7]}
+    good = LoRARequest("b", 2, str(LORA / "llama_tiny" / "b"))
+    with pytest.raises(LoRARankTooLargeError, match="max_lora_rank=4"):
+        bad = LoRARequest("a", 1, str(LORA / "llama_tiny" / "a"))
+        LLM.from_engine(eng).generate([p, p], sp, lora_request=[good, bad])
+    assert not eng.requests and not eng.scheduler.has_work()
+    with pytest.raises(LoRAError, match="already adapter"):
+        eng.add_request("x", p, sp, lora_request=LoRARequest("other", 2, str(LORA / "llama_tiny" / "a")))
+    with pytest.raises(LoRAError):
+        LoRARequest("z", 0, "/x")
+    base = LLMEngine(*load_model(FIXTURES / "llama_tiny", dtype="float32", show_progress=False),
+                     dataclasses.replace(CFG, enable_lora=False))
+    with pytest.raises(LoRANotEnabledError):
+        base.add_request("y", p, sp, lora_request=good)
+    assert "lora" not in base.params["layers"]
