@@ -18,6 +18,7 @@ from metrale_jax.engine.compile import CompileCounter
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import LLMEngine
 from metrale_jax.errors import (
+    InvalidRequestError,
     LoRAAdapterNotFoundError,
     LoRAError,
     LoRAFormatError,
@@ -80,8 +81,13 @@ def _permuted_copy(src, dst):
     save_file(out, dst / "adapter_model.safetensors")
 
 
-def test_llama_mixed_batch_and_swaps(tmp_path):
-    eng = _engine("llama_tiny")
+@pytest.fixture(scope="module")
+def llama_eng():
+    return _engine("llama_tiny", max_lora_rank=8)
+
+
+def test_llama_mixed_batch_and_swaps(llama_eng, tmp_path):
+    eng = llama_eng
     llm = LLM.from_engine(eng)
     g = dict(np.load(LORA / "llama_tiny" / "golden.npz"))
     _permuted_copy(LORA / "llama_tiny" / "a", tmp_path / "c")
@@ -173,21 +179,25 @@ def test_bad_adapters_refused(tmp_path):
     assert issubclass(LoRAFormatError, LoRAError) and isinstance(Model, type)
 
 
-def test_requests_refused_before_queuing(tmp_path):
-    eng = _engine("llama_tiny", max_lora_rank=4, max_loras=1, max_cpu_loras=1)
+def test_requests_refused_before_queuing(llama_eng):
+    eng = llama_eng  # max_lora_rank=8
     sp = SamplingParams(max_tokens=2)
     p = {"prompt_token_ids": [5, 6, 7]}
     good = LoRARequest("b", 2, str(LORA / "llama_tiny" / "b"))
-    with pytest.raises(LoRARankTooLargeError, match="max_lora_rank=4"):
-        bad = LoRARequest("a", 1, str(LORA / "llama_tiny" / "a"))
+    bad = LoRARequest("q", 11, str(LORA / "qwen3_tiny" / "a"))  # rank 16
+    with pytest.raises(LoRARankTooLargeError, match="max_lora_rank=8"):
         LLM.from_engine(eng).generate([p, p], sp, lora_request=[good, bad])
+    with pytest.raises(InvalidRequestError, match="2 LoRA requests for 1 prompts"):
+        LLM.from_engine(eng).generate([p], sp, lora_request=[good, good])
     assert not eng.requests and not eng.scheduler.has_work()
     with pytest.raises(LoRAError, match="already adapter"):
         eng.add_request("x", p, sp, lora_request=LoRARequest("other", 2, str(LORA / "llama_tiny" / "a")))
     with pytest.raises(LoRAError):
         LoRARequest("z", 0, "/x")
-    base = LLMEngine(*load_model(FIXTURES / "llama_tiny", dtype="float32", show_progress=False),
-                     dataclasses.replace(CFG, enable_lora=False))
-    with pytest.raises(LoRANotEnabledError):
-        base.add_request("y", p, sp, lora_request=good)
-    assert "lora" not in base.params["layers"]
+    mgr, eng.lora = eng.lora, None  # as an engine built without enable_lora
+    try:
+        with pytest.raises(LoRANotEnabledError):
+            eng.add_request("y", p, sp, lora_request=good)
+    finally:
+        eng.lora = mgr
+    assert not eng.requests
