@@ -201,3 +201,40 @@ def test_requests_refused_before_queuing(llama_eng):
     finally:
         eng.lora = mgr
     assert not eng.requests
+
+
+def test_server_lora_modules(llama_eng):
+    """`model` picks the adapter; /v1/models lists it; load / unload as vLLM, behind the API key."""
+    httpx = pytest.importorskip("httpx")
+    from metrale_jax.server import BackgroundServer, ServerConfig
+
+    g = dict(np.load(LORA / "llama_tiny" / "golden.npz"))
+    cfg = ServerConfig(model_names=("llama",), api_key="k",
+                       lora_modules=(LoRARequest("a", 21, str(LORA / "llama_tiny" / "a")),))
+    auth = {"Authorization": "Bearer k"}
+
+    def complete(c, model, i):
+        body = {"model": model, "prompt": g["prompts"][i, : g["prompt_lens"][i]].tolist(), "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        return c.post("/v1/completions", json=body, headers=auth)
+
+    with BackgroundServer(llama_eng, cfg) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        models = c.get("/v1/models", headers=auth).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("llama", None), ("a", "llama")]
+        for model, name, i in (("a", "a", 0), ("llama", "base", 1)):
+            r = complete(c, model, i)
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["choices"][0]["logprobs"]["token_logprobs"], g[f"{name}_gen_lp"][i],
+                                       atol=1e-3)
+        assert complete(c, "b", 2).status_code == 404
+        load = {"lora_name": "b", "lora_path": str(LORA / "llama_tiny" / "b")}
+        assert c.post("/v1/load_lora_adapter", json=load).status_code == 401
+        assert c.post("/v1/load_lora_adapter", json=load, headers=auth).status_code == 200
+        r = complete(c, "b", 2)
+        np.testing.assert_allclose(r.json()["choices"][0]["logprobs"]["token_logprobs"], g["b_gen_lp"][2], atol=1e-3)
+        bad = c.post("/v1/load_lora_adapter", headers=auth,
+                     json={"lora_name": "q", "lora_path": str(LORA / "qwen3_tiny" / "a")})  # rank 16 > 8
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "lora_rank_too_large"
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth).status_code == 200
+        assert complete(c, "b", 2).status_code == 404
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth).status_code == 404

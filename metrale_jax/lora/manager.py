@@ -81,9 +81,6 @@ class LoRAManager:
         if known is not None and (known.lora_name != req.lora_name or known.lora_path != req.lora_path):
             raise LoRAError(f"lora_int_id {req.lora_int_id} is already adapter {known.lora_name!r} "
                             f"({known.lora_path}); use another id for {req.lora_name!r} ({req.lora_path})")
-        for other in self.registered.values():
-            if other.lora_name == req.lora_name and other.lora_int_id != req.lora_int_id:
-                raise LoRAError(f"adapter name {req.lora_name!r} is already lora_int_id {other.lora_int_id}")
         ad = self.host.get(req.lora_int_id)
         if ad is None:
             if not req.lora_path:
