@@ -125,6 +125,16 @@ def test_qwen3_moe_expert_lora():
     assert eng.lora.has_experts(1) and not eng.lora.has_experts(2)
 
 
+def test_qwen3_next_expert_lora():
+    eng = _engine("qwen3_next_tiny", preemption_mode="recompute")
+    g = dict(np.load(LORA / "qwen3_next_tiny" / "golden.npz"))
+    reqs = {"base": None, "experts": LoRARequest("e1", 1, str(LORA / "qwen3_next_tiny" / "experts")),
+            "experts2": LoRARequest("e2", 2, str(LORA / "qwen3_next_tiny" / "experts2"))}
+    names = ["experts", "base", "experts2", "experts"]
+    _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+    assert "qkv_a" not in eng.params["layers"]["lora"]  # experts only on this family
+
+
 # ---- refusals (no engine step needed) ------------------------------------------------------------
 def _bad(tmp_path, name, edit_cfg=None, edit_tensors=None, src=LORA / "llama_tiny" / "a"):
     from safetensors.numpy import load_file, save_file
@@ -176,6 +186,9 @@ def test_bad_adapters_refused(tmp_path):
     for err, path in cases:
         with pytest.raises(err):
             load_peft_adapter(path, spec, np.float32)
+    nxt, _ = load_model(FIXTURES / "qwen3_next_tiny", dtype="float32", show_progress=False)
+    with pytest.raises(LoRATargetError, match="experts"):  # Qwen3-Next: no attention LoRA
+        load_peft_adapter(LORA / "qwen3_moe_tiny" / "attn", LoRASpec.for_model(nxt, 2, 8), np.float32)
     assert issubclass(LoRAFormatError, LoRAError) and isinstance(Model, type)
 
 

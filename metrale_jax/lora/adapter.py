@@ -41,7 +41,9 @@ from metrale_jax.errors import (
 )
 
 # the families whose forward applies LoRA (the Llama decoder and its Qwen variants)
-LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# (Qwen3-Next: expert LoRA only; its gated attention and Gated DeltaNet projections take none)
+LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
+_MOE_FAMILIES = ("qwen3_moe", "qwen3_next")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # target -> (A leaf, row/column offset in units of R, B leaf); "x_" leaves are the experts'
@@ -67,14 +69,16 @@ class LoRASpec:
     intermediate: int  # dense MLP width (0 on MoE models)
     num_experts: int = 0  # E (0: dense)
     expert_intermediate: int = 0
+    attention: bool = True  # q/k/v/o slots (False: Qwen3-Next, experts only)
 
     @staticmethod
     def for_model(model, max_loras: int, max_rank: int) -> LoRASpec:
         c = model.cfg
-        e = int(c.get("num_experts") or 0) if model.family_name == "qwen3_moe" else 0
+        e = int(c.get("num_experts") or 0) if model.family_name in _MOE_FAMILIES else 0
         return LoRASpec(num_layers=c.num_layers, max_loras=max_loras, max_rank=max_rank, hidden=c.hidden_size,
                         q_size=c.q_size, kv_size=c.kv_size, intermediate=0 if e else c.intermediate_size,
-                        num_experts=e, expert_intermediate=int(c.get("moe_intermediate_size") or 0) if e else 0)
+                        num_experts=e, expert_intermediate=int(c.get("moe_intermediate_size") or 0) if e else 0,
+                        attention=model.family_name != "qwen3_next")
 
     @property
     def num_virtual(self) -> int:
@@ -93,8 +97,10 @@ class LoRASpec:
         leaves); slots=1: one adapter's content ([L, 1, ...] dense, [L, E, ...] expert leaves)."""
         L, R, h, q, kv = self.num_layers, self.max_rank, self.hidden, self.q_size, self.kv_size
         s = self.max_loras if slots is None else slots
-        out = {"qkv_a": (L, s, 3 * R, h), "q_b": (L, s, R, q), "k_b": (L, s, R, kv), "v_b": (L, s, R, kv),
-               "o_a": (L, s, R, q), "o_b": (L, s, R, h)}
+        out = {}
+        if self.attention:
+            out |= {"qkv_a": (L, s, 3 * R, h), "q_b": (L, s, R, q), "k_b": (L, s, R, kv), "v_b": (L, s, R, kv),
+                    "o_a": (L, s, R, q), "o_b": (L, s, R, h)}
         if self.num_experts:
             v = self.num_virtual if slots is None else slots * self.num_experts
             ie = self.expert_intermediate
@@ -233,6 +239,9 @@ def load_peft_adapter(path: str | Path, spec: LoRASpec, dtype, lora_int_id: int 
             if expert < 0 and target in ("gate_proj", "up_proj", "down_proj") and spec.num_experts:
                 raise LoRATargetError(f"{st}: tensor {key!r} targets a dense MLP, this MoE model has none (target "
                                       f"the experts: mlp.experts.<e>.{target})")
+            if expert < 0 and target[0] in "qkvo" and not spec.attention:
+                raise LoRATargetError(f"{st}: tensor {key!r} targets attention; on this model (Qwen3-Next) LoRA "
+                                      f"is served for the MoE experts only")
             if expert >= 0 and not spec.num_experts:
                 raise LoRATargetError(f"{st}: tensor {key!r} targets an expert, this model has no MoE experts")
             if expert >= spec.num_experts and spec.num_experts:
