@@ -112,7 +112,9 @@ def test_qwen3_mixed_batch_unrolled():
     reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
             "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
     names = ["a", "base", "b", "a"]
-    _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+    with CompileCounter() as cc:  # slot writes into per-layer (Unstacked) arrays compile nothing either
+        _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+    assert (cc.lowerings, cc.backend_compiles) == (0, 0)
 
 
 def test_qwen3_moe_expert_lora():
@@ -251,3 +253,99 @@ def test_server_lora_modules(llama_eng):
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth).status_code == 200
         assert complete(c, "b", 2).status_code == 404
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth).status_code == 404
+
+
+# ---- the kernels against numpy -------------------------------------------------------------------
+def test_lora_delta_kernels_and_token_slots():
+    import jax.numpy as jnp
+
+    from metrale_jax.lora.ops import lora_delta, token_slots
+    from metrale_jax.metadata import BatchedAttnMetadata
+
+    rng = np.random.default_rng(0)
+    s, r, t, n_in, outs = 3, 4, 7, 10, (6, 5)
+    x = rng.standard_normal((t, n_in), np.float32)
+    a = rng.standard_normal((s, len(outs) * r, n_in), np.float32)
+    bs = [rng.standard_normal((s, r, o), np.float32) for o in outs]
+    slot = np.array([2, -1, 0, 2, 1, -1, 0], np.int32)
+    ref = np.zeros((t, sum(outs)), np.float32)
+    for i, k in enumerate(slot):
+        if k >= 0:
+            ref[i] = np.concatenate([(a[k, j * r:(j + 1) * r] @ x[i]) @ b[k] for j, b in enumerate(bs)])
+    for kernel in ("masked", "gather"):
+        got = lora_delta(jnp.asarray(x), jnp.asarray(slot), jnp.asarray(a), [jnp.asarray(b) for b in bs], kernel)
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    # prefill tokens take their stream's slot; pad tokens -1
+    pmd = BatchedAttnMetadata(*(np.zeros(8, np.int32),) * 4, block_tables=np.zeros((3, 1), np.int32),
+                              cu_seqlens=np.array([0, 3, 4, 4], np.int32), kv_lens=np.zeros(3, np.int32),
+                              ssm_slots=np.zeros(3, np.int32), seq_slot=np.array([5, -1, 7], np.int32),
+                              moe_row_adapter=np.array([1, 2, 3], np.int32), num_tokens=8, num_streams=3)
+    assert np.asarray(token_slots(None, pmd)).tolist() == [5, 5, 5, -1, -1, -1, -1, -1]
+    assert np.asarray(token_slots(None, pmd, "moe_row_adapter")).tolist() == [1, 1, 1, 2, -1, -1, -1, -1]
+
+
+def test_expert_lora_virtual_groups():
+    import jax.numpy as jnp
+
+    from metrale_jax.layers.moe import routed_experts
+
+    rng = np.random.default_rng(1)
+    t, k, e, h, i, s, r = 6, 2, 4, 8, 5, 2, 3
+    x = rng.standard_normal((t, h), np.float32)
+    experts = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    w = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+    wgu = rng.standard_normal((e, h, 2 * i), np.float32)
+    wd = rng.standard_normal((e, i, h), np.float32)
+    v = s * e + 1
+    shapes = {"x_gate_up_a": (v, h, 2 * r), "x_gate_b": (v, r, i), "x_up_b": (v, r, i), "x_down_a": (v, i, r),
+              "x_down_b": (v, r, h)}
+    lw = {key: rng.standard_normal(sh, np.float32) for key, sh in shapes.items()}
+    for key in lw:
+        lw[key][-1] = 0  # the zero group
+    moe_slot = np.array([1, -1, 0, 1, -1, 0], np.int32)
+    ref = np.zeros((t, h), np.float32)
+    for q in range(t):
+        for j in range(k):
+            ex = experts[q, j]
+            gu = x[q] @ wgu[ex]
+            if moe_slot[q] >= 0:
+                vi = moe_slot[q] * e + ex
+                hh = x[q] @ lw["x_gate_up_a"][vi]
+                gu = gu + np.concatenate([hh[:r] @ lw["x_gate_b"][vi], hh[r:] @ lw["x_up_b"][vi]])
+            act = gu[:i] / (1 + np.exp(-gu[:i])) * gu[i:]
+            y = act @ wd[ex]
+            if moe_slot[q] >= 0:
+                y = y + (act @ lw["x_down_a"][vi]) @ lw["x_down_b"][vi]
+            ref[q] += w[q, j] * y
+    from metrale_jax.lora.ops import LoRAInputs
+
+    lora = LoRAInputs({kk: jnp.asarray(vv) for kk, vv in lw.items()}, jnp.asarray(moe_slot), jnp.asarray(moe_slot))
+    got = routed_experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(experts), jnp.asarray(wgu), jnp.asarray(wd),
+                         lora=lora)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-4, atol=2e-4)
+
+
+# ---- GPU: the same batches through the GPU's default kernels -------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,adapters,names", [
+    ("llama_tiny", {"a": "a", "b": "b"}, ["a", "base", "b", "a"]),
+    ("qwen3_moe_tiny", {"experts": "experts", "attn": "attn"}, ["experts", "base", "attn", "experts"]),
+])
+@pytest.mark.parametrize("kernel", ["masked", "gather"])
+def test_gpu_kernels_mixed_batch(name, adapters, names, kernel):
+    import jax
+
+    from metrale_jax.engine.config import default_kernels
+
+    prev = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")  # float32 goldens (compiles run in threads)
+    try:
+        attn = dataclasses.replace(default_kernels(True, name.endswith("moe_tiny")), lora_kernel=kernel)
+        model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+        eng = LLMEngine(model, params, dataclasses.replace(CFG, attention=attn))
+        g = dict(np.load(LORA / name / "golden.npz"))
+        reqs = {"base": None, **{n: LoRARequest(n, i + 1, str(LORA / name / d)) for i, (n, d) in
+                                  enumerate(adapters.items())}}
+        _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+    finally:
+        jax.config.update("jax_default_matmul_precision", prev)
