@@ -267,13 +267,16 @@ def test_lora_delta_kernels_and_token_slots():
     x = rng.standard_normal((t, n_in), np.float32)
     a = rng.standard_normal((s, len(outs) * r, n_in), np.float32)
     bs = [rng.standard_normal((s, r, o), np.float32) for o in outs]
+    bd = np.zeros((s, len(outs) * r, sum(outs)), np.float32)  # block diagonal, as the slots store it
+    for j, b in enumerate(bs):
+        bd[:, j * r:(j + 1) * r, sum(outs[:j]):sum(outs[:j + 1])] = b
     slot = np.array([2, -1, 0, 2, 1, -1, 0], np.int32)
     ref = np.zeros((t, sum(outs)), np.float32)
     for i, k in enumerate(slot):
         if k >= 0:
             ref[i] = np.concatenate([(a[k, j * r:(j + 1) * r] @ x[i]) @ b[k] for j, b in enumerate(bs)])
     for kernel in ("masked", "gather"):
-        got = lora_delta(jnp.asarray(x), jnp.asarray(slot), jnp.asarray(a), [jnp.asarray(b) for b in bs], kernel)
+        got = lora_delta(jnp.asarray(x), jnp.asarray(slot), jnp.asarray(a), jnp.asarray(bd), kernel)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
     # prefill tokens take their stream's slot; pad tokens -1
     pmd = BatchedAttnMetadata(*(np.zeros(8, np.int32),) * 4, block_tables=np.zeros((3, 1), np.int32),
@@ -297,9 +300,10 @@ def test_expert_lora_virtual_groups():
     wgu = rng.standard_normal((e, h, 2 * i), np.float32)
     wd = rng.standard_normal((e, i, h), np.float32)
     v = s * e + 1
-    shapes = {"x_gate_up_a": (v, h, 2 * r), "x_gate_b": (v, r, i), "x_up_b": (v, r, i), "x_down_a": (v, i, r),
+    shapes = {"x_gate_up_a": (v, h, 2 * r), "x_gate_up_b": (v, 2 * r, 2 * i), "x_down_a": (v, i, r),
               "x_down_b": (v, r, h)}
     lw = {key: rng.standard_normal(sh, np.float32) for key, sh in shapes.items()}
+    lw["x_gate_up_b"][:, :r, i:] = lw["x_gate_up_b"][:, r:, :i] = 0  # block diagonal
     for key in lw:
         lw[key][-1] = 0  # the zero group
     moe_slot = np.array([1, -1, 0, 1, -1, 0], np.int32)
@@ -311,7 +315,8 @@ def test_expert_lora_virtual_groups():
             if moe_slot[q] >= 0:
                 vi = moe_slot[q] * e + ex
                 hh = x[q] @ lw["x_gate_up_a"][vi]
-                gu = gu + np.concatenate([hh[:r] @ lw["x_gate_b"][vi], hh[r:] @ lw["x_up_b"][vi]])
+                bgu = lw["x_gate_up_b"][vi]
+                gu = gu + np.concatenate([hh[:r] @ bgu[:r, :i], hh[r:] @ bgu[r:, i:]])
             act = gu[:i] / (1 + np.exp(-gu[:i])) * gu[i:]
             y = act @ wd[ex]
             if moe_slot[q] >= 0:

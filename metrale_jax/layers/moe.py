@@ -182,7 +182,7 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
 
         lw = lora.w
         grp = expert_groups(lora.moe_slot, flat, order, k, num_experts, lw["x_down_b"].shape[0])
-        h = h + expert_lora(xs, grp, lw["x_gate_up_a"], [lw["x_gate_b"], lw["x_up_b"]], use_tokamax)
+        h = h + expert_lora(xs, grp, lw["x_gate_up_a"], lw["x_gate_up_b"], use_tokamax)
     if gated:
         g, u = jnp.split(h, 2, axis=-1)
         a = act(g) * u
@@ -190,6 +190,6 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
         a = act(h)
     y = grouped_matmul(a.astype(x.dtype), w_down.astype(x.dtype), sizes, use_tokamax)
     if lora is not None:
-        y = y + expert_lora(a.astype(x.dtype), grp, lw["x_down_a"], [lw["x_down_b"]], use_tokamax)
+        y = y + expert_lora(a.astype(x.dtype), grp, lw["x_down_a"], lw["x_down_b"], use_tokamax)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[tok].add(y).astype(x.dtype)

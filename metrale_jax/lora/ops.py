@@ -6,7 +6,8 @@ from `cu_seqlens`); pad tokens and rows of the base model are -1.
 
 Dense projections (`lora_delta`), two static kernels (`AttentionConfig.lora_kernel`):
 * "masked" (default): shrink against every slot at once, `x [T, in] @ A [S*kR, in]^T`, zero the
-  slots a token does not use, expand `[T, S*R] @ B [S*R, out]`. Two plain GEMMs over all S slots:
+  slots a token does not use, expand `[T, S*kR] @ B [S*kR, out]` (B block diagonal over the k
+  parts of a fused projection, so q|k|v and gate|up take one expand each). Two plain GEMMs:
   weight bytes read once per step (S * R * (in + out)), FLOPs T * S * R * (in + out), which is
   what decode wants (the weight stream bounds it) and stays a few % of the base GEMMs for
   prefill at S <= 8. Rows < 0 match no slot and get exactly zero.
@@ -53,37 +54,32 @@ def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, bs: list[jax.Array], kernel: str = "masked") -> jax.Array:
-    """sum over a token's adapter of x·A·B for k slices of one fused projection.
+def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel: str = "masked") -> jax.Array:
+    """Each token's x·A·B under its adapter slot, for one (possibly fused) projection.
 
-    x [T, in], slot i32[T], a [S, k*R, in] (slice j's A in rows j*R:(j+1)*R), bs k arrays
-    [S, R, out_j] (scale folded in) -> f32[T, sum out_j]. The shrink result is rounded to x's
-    dtype before the expand, as PEFT's lora_B(lora_A(x)) is.
+    x [T, in], slot i32[T] (-1: no delta), a [S, kR, in], b [S, kR, out] (block diagonal for a
+    fused projection of k parts; scale folded in) -> f32[T, out]. The shrink result is rounded to
+    x's dtype before the expand, as PEFT's lora_B(lora_A(x)) is.
     """
-    s, kr, _ = a.shape
-    r = kr // len(bs)
+    s = a.shape[0]
     if kernel == "masked":
         h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
         hit = slot[:, None, None] == jnp.arange(s, dtype=slot.dtype)[None, :, None]
         h = jnp.where(hit, h, 0.0).astype(x.dtype)
-        outs = [jnp.einsum("tsr,sro->to", h[..., j * r:(j + 1) * r], b.astype(x.dtype),
-                           preferred_element_type=jnp.float32) for j, b in enumerate(bs)]
-    elif kernel == "gather":
+        return jnp.einsum("tsr,sro->to", h, b.astype(x.dtype), preferred_element_type=jnp.float32)
+    if kernel == "gather":
         safe = jnp.clip(slot, 0, s - 1)
         h = jnp.einsum("ti,tri->tr", x, a[safe].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, kR]
         h = jnp.where((slot >= 0)[:, None], h, 0.0).astype(x.dtype)
-        outs = [jnp.einsum("tr,tro->to", h[:, j * r:(j + 1) * r], b[safe].astype(x.dtype),
-                           preferred_element_type=jnp.float32) for j, b in enumerate(bs)]
-    else:
-        raise ValueError(f"lora_kernel={kernel!r} must be 'masked' or 'gather'")
-    return jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0]
+        return jnp.einsum("tr,tro->to", h, b[safe].astype(x.dtype), preferred_element_type=jnp.float32)
+    raise ValueError(f"lora_kernel={kernel!r} must be 'masked' or 'gather'")
 
 
-def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, bs: tuple[str, ...]) -> jax.Array:
-    """y + the LoRA delta of input x (leaves `a`, `bs` of `lora.w`); y unchanged without LoRA."""
+def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
+    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA."""
     if lora is None:
         return y
-    d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], [lora.w[b] for b in bs], lora.kernel)
+    d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel)
     return (y.astype(jnp.float32) + d.reshape(y.shape)).astype(y.dtype)
 
 
@@ -105,15 +101,12 @@ def expert_groups(moe_slot: jax.Array, flat_experts: jax.Array, order: jax.Array
     return ExpertGroups(perm, jnp.bincount(v, length=num_virtual).astype(jnp.int32))
 
 
-def expert_lora(xs: jax.Array, g: ExpertGroups, a: jax.Array, bs: list[jax.Array], use_tokamax: bool) -> jax.Array:
-    """Expert LoRA deltas of the expert-sorted pair inputs xs [P, in]: a [V, in, k*R], bs k
-    arrays [V, R, out_j] -> f32[P, sum out_j] in the same (expert-sorted) order."""
+def expert_lora(xs: jax.Array, g: ExpertGroups, a: jax.Array, b: jax.Array, use_tokamax: bool) -> jax.Array:
+    """Expert LoRA deltas of the expert-sorted pair inputs xs [P, in]: a [V, in, kR], b [V, kR, out]
+    (block diagonal for gate|up) -> f32[P, out] in the same (expert-sorted) order."""
     from metrale_jax.layers.moe import grouped_matmul
 
-    r = a.shape[-1] // len(bs)
     xv = xs[g.perm]
     h = grouped_matmul(xv, a.astype(xs.dtype), g.sizes, use_tokamax).astype(xs.dtype)  # [P, kR]
-    outs = [grouped_matmul(h[:, j * r:(j + 1) * r], b.astype(xs.dtype), g.sizes, use_tokamax)
-            for j, b in enumerate(bs)]
-    d = jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0]
+    d = grouped_matmul(h, b.astype(xs.dtype), g.sizes, use_tokamax)  # [P, out]
     return jnp.zeros_like(d).at[g.perm].set(d)
