@@ -107,7 +107,7 @@ if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM
 fi
 if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
   timeout ${LORA_LIMIT:-400} python3 bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
-    --kernels masked,gather --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
+    --kernels auto,masked,gather --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
 fi
 # at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

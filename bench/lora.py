@@ -2,7 +2,7 @@
 the same step of an engine without LoRA, on random weights of a real shape.
 
     python bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
-        [--kernels masked,gather] [--out bench/results/lora.json]
+        [--kernels auto,masked,gather] [--out bench/results/lora.json]
     python bench/lora.py --shape smollm2-135m --num-layers 2 --batches 1,4 --num-adapters 2 --steps 3  # CPU smoke
 
 Cases per batch B (context --context tokens per row, one decode executable of bucket B):
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--kernels", default="masked,gather")
+    p.add_argument("--kernels", default="auto,masked,gather")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

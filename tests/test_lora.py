@@ -39,9 +39,9 @@ CFG = EngineConfig(
 )
 
 
-def _engine(name: str, unroll: bool = False, **kw) -> LLMEngine:
+def _engine(name: str, unroll: bool = False, lora_kernel: str = "auto", **kw) -> LLMEngine:
     model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
-    cfg = dataclasses.replace(CFG, attention=AttentionConfig(unroll_layers=unroll), **kw)
+    cfg = dataclasses.replace(CFG, attention=AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel), **kw)
     return LLMEngine(model, params, cfg)
 
 
@@ -106,8 +106,8 @@ def test_llama_mixed_batch_and_swaps(llama_eng, tmp_path):
     assert (cc.lowerings, cc.backend_compiles) == (0, 0)
 
 
-def test_qwen3_mixed_batch_unrolled():
-    eng = _engine("qwen3_tiny", unroll=True)
+def test_qwen3_mixed_batch_unrolled_gather():
+    eng = _engine("qwen3_tiny", unroll=True, lora_kernel="gather")  # ("auto" takes "masked" at these buckets)
     g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
     reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
             "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
@@ -275,7 +275,7 @@ def test_lora_delta_kernels_and_token_slots():
     for i, k in enumerate(slot):
         if k >= 0:
             ref[i] = np.concatenate([(a[k, j * r:(j + 1) * r] @ x[i]) @ b[k] for j, b in enumerate(bs)])
-    for kernel in ("masked", "gather"):
+    for kernel in ("masked", "gather", "auto"):
         got = lora_delta(jnp.asarray(x), jnp.asarray(slot), jnp.asarray(a), jnp.asarray(bd), kernel)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
     # prefill tokens take their stream's slot; pad tokens -1
@@ -354,3 +354,29 @@ def test_gpu_kernels_mixed_batch(name, adapters, names, kernel):
         _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
     finally:
         jax.config.update("jax_default_matmul_precision", prev)
+
+
+def test_scheduler_caps_distinct_adapters():
+    """At most max_loras distinct adapters run at once; base-model requests and requests of a
+    running adapter are admitted past a waiting one (no head-of-line blocking)."""
+    from metrale_jax.engine.scheduler import Request, Scheduler, Sequence
+
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_streams=8,
+                  max_prefill_tokens=64, watermark_blocks=0, max_loras=2)
+    ads = {i: LoRARequest(f"x{i}", i, "/none") for i in (1, 2, 3)}
+    seqs = []
+    for k, lid in enumerate([1, 2, 3, 0, 1, 3]):
+        req = Request(str(k), None, [5, 6, 7], SamplingParams(max_tokens=4), arrival=k, seed=0,
+                      lora_request=ads.get(lid))
+        seq = Sequence(k, req, 0, [5, 6, 7], 3)
+        req.seqs.append(seq)
+        seqs.append(seq)
+        s.add(seq)
+    step = s.schedule()
+    assert [c.seq.lora_int_id for c in step.chunks] == [1, 2, 0, 1]  # adapter 3 waits for a slot
+    assert [q.lora_int_id for q in s.waiting] == [3, 3]
+    s.complete(step)
+    for q in [q for q in s.running if q.lora_int_id == 2]:
+        s.finish(q)
+    step = s.schedule()
+    assert [c.seq.lora_int_id for c in step.chunks] == [3, 3]

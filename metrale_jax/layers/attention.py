@@ -48,8 +48,9 @@ class AttentionConfig:
     # evaluates a conditional's predicate on the host, so the next step could not be queued.
     sampler_branches: bool = False
     # LoRA deltas (engines built with enable_lora): "masked" (shrink against all slots, mask,
-    # expand: two GEMMs) or "gather" (each token's own A/B); see metrale_jax/lora/ops.py
-    lora_kernel: str = "masked"
+    # expand: two GEMMs), "gather" (each token's own A/B) or "auto" (gather when a step has fewer
+    # tokens than slots); see metrale_jax/lora/ops.py
+    lora_kernel: str = "auto"
 
 
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):

@@ -4,7 +4,9 @@ Every token of a step carries its adapter slot (`token_slots`): decode rows read
 `AttnMetadata.seq_slot`, prefill tokens their stream's `BatchedAttnMetadata.seq_slot` (found
 from `cu_seqlens`); pad tokens and rows of the base model are -1.
 
-Dense projections (`lora_delta`), two static kernels (`AttentionConfig.lora_kernel`):
+Dense projections (`lora_delta`), two static kernels (`AttentionConfig.lora_kernel`; "auto",
+the default, takes "gather" when the step has fewer tokens than slots and "masked" otherwise:
+the adapter bytes each reads are min(T, S) slots' worth, and the bucket's T is static):
 * "masked" (default): shrink against every slot at once, `x [T, in] @ A [S*kR, in]^T`, zero the
   slots a token does not use, expand `[T, S*kR] @ B [S*kR, out]` (B block diagonal over the k
   parts of a fused projection, so q|k|v and gate|up take one expand each). Two plain GEMMs:
@@ -38,7 +40,7 @@ class LoRAInputs(NamedTuple):
     w: dict  # leaf -> per-layer array ([S, ...] dense, [V, ...] expert leaves)
     slot: jax.Array  # i32[N + T]  adapter slot per token; -1 = base
     moe_slot: jax.Array  # i32[N + T]  expert-LoRA slot per token; -1 = none
-    kernel: str = "masked"
+    kernel: str = "auto"
 
 
 def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field: str = "seq_slot") -> jax.Array:
@@ -54,7 +56,7 @@ def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel: str = "masked") -> jax.Array:
+def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel: str = "auto") -> jax.Array:
     """Each token's x·A·B under its adapter slot, for one (possibly fused) projection.
 
     x [T, in], slot i32[T] (-1: no delta), a [S, kR, in], b [S, kR, out] (block diagonal for a
@@ -62,6 +64,8 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
     x's dtype before the expand, as PEFT's lora_B(lora_A(x)) is.
     """
     s = a.shape[0]
+    if kernel == "auto":
+        kernel = "gather" if x.shape[0] < s else "masked"
     if kernel == "masked":
         h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
         hit = slot[:, None, None] == jnp.arange(s, dtype=slot.dtype)[None, :, None]
@@ -72,7 +76,7 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
         h = jnp.einsum("ti,tri->tr", x, a[safe].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, kR]
         h = jnp.where((slot >= 0)[:, None], h, 0.0).astype(x.dtype)
         return jnp.einsum("tr,tro->to", h, b[safe].astype(x.dtype), preferred_element_type=jnp.float32)
-    raise ValueError(f"lora_kernel={kernel!r} must be 'masked' or 'gather'")
+    raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked' or 'gather'")
 
 
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
