@@ -118,7 +118,11 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         phases["split_layers"] = time.perf_counter() - t
-        self.lora = self._init_lora() if c.enable_lora else None
+        self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
+        if c.enable_lora:
+            from metrale_jax.lora.manager import attach_lora
+
+            self.lora = attach_lora(self)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
@@ -192,30 +196,7 @@ class LLMEngine:
                                    revision=config.revision, quantization=config.quantization, split_layers=split)
         return cls(model, params, config)
 
-    def _init_lora(self):
-        """The LoRA manager, and empty slots under params["layers"]["lora"] (a new top-level dict:
-        the caller's tree is left without them)."""
-        from metrale_jax.errors import LoRAError
-        from metrale_jax.layers.stack import device_put_layers
-        from metrale_jax.lora.adapter import LORA_FAMILIES, LoRASpec
-        from metrale_jax.lora.manager import LoRAManager
-
-        c = self.config
-        fam = getattr(self.model, "family_name", "")
-        if fam not in LORA_FAMILIES:
-            raise LoRAError(f"enable_lora: LoRA is served for the {', '.join(LORA_FAMILIES)} families, not {fam!r}")
-        spec = LoRASpec.for_model(self.model, c.max_loras, c.max_lora_rank)
-        dtype = jax.numpy.dtype(self.params["embed"].dtype)
-        mgr = LoRAManager(spec, dtype, c.max_cpu_loras)
-        mgr.in_use = lambda: {r.lora_int_id for r in self.requests.values()}
-        zeros = {"layers": mgr.init_slots()}
-        slots = (device_put_layers(zeros) if c.attention.unroll_layers else jax.device_put(zeros))["layers"]
-        self.params = {**self.params, "layers": {**self.params["layers"], "lora": slots}}
-        log.info("LoRA: %d slots of rank %d (%.1f MB), %d adapters in host memory", c.max_loras, c.max_lora_rank,
-                 c.max_loras * spec.slot_bytes(dtype.itemsize) / 1e6, c.max_cpu_loras)
-        return mgr
-
-    # ---- LoRA adapters (vLLM's LLMEngine names) --------------------------------------------------
+    # ---- LoRA adapters (vLLM's LLMEngine names; the logic lives in metrale_jax/lora) ---------------
     def add_lora(self, lora_request) -> bool:
         """Read and check an adapter now (into the host cache); raises a LoRAError if it cannot be
         served. Requests may also name adapters never added: they are read on first use."""
@@ -224,44 +205,16 @@ class LLMEngine:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter. Raises LoRAError while a request uses it; False when unknown."""
-        from metrale_jax.errors import LoRAError
-
-        if self.lora is None:
-            return False
-        if any(r.lora_int_id == lora_int_id for r in self.requests.values()):
-            raise LoRAError(f"LoRA adapter {lora_int_id} is in use by a running request")
-        return self.lora.remove(lora_int_id)
+        return self.lora.remove(lora_int_id) if self.lora is not None else False
 
     def list_loras(self) -> set[int]:
         return set(self.lora.registered) if self.lora is not None else set()
 
     def _resolve_lora(self, lora_request) -> None:
         """Check that `lora_request` (None = base model) can be served, before anything is queued."""
-        from metrale_jax.errors import LoRANotEnabledError
+        from metrale_jax.lora.manager import resolve_for
 
-        if lora_request is None:
-            return
-        if self.lora is None:
-            raise LoRANotEnabledError("this request names a LoRA adapter, but the engine was built without "
-                                      "enable_lora=True")
-        self.lora.resolve(lora_request)
-
-    def _set_lora_slots(self, sched, rows: list[DecodeRow], chunks: list[PrefillChunk]) -> None:
-        """Put the step's adapters into device slots (writing slots as needed: no compile) and
-        fill the rows' and chunks' `lora_slot` / `moe_lora_slot`."""
-        seqs = list(sched.decode) + [c.seq for c in sched.chunks]
-        ids = [s.lora_int_id for s in seqs]
-        if not any(ids):
-            return
-        pinned = {s.lora_int_id for s in self.scheduler.running}
-        layers = self.params["layers"]
-        tree, slot_of = self.lora.slots_for(layers["lora"], ids, pinned)
-        if tree is not layers["lora"]:
-            self.params = {**self.params, "layers": {**layers, "lora": tree}}
-        for item, i in zip(rows + chunks, ids):
-            if i:
-                item.lora_slot = slot_of[i]
-                item.moe_lora_slot = slot_of[i] if self.lora.has_experts(i) else -1
+        resolve_for(self.lora, lora_request)
 
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
@@ -535,7 +488,7 @@ class LLMEngine:
                                       sampling=self._row_sampling(s), ssm_slot=s.ssm_slot))
         chunks = [self._chunk(c) for c in sched.chunks]
         if self.lora is not None:
-            self._set_lora_slots(sched, rows, chunks)
+            self.lora.assign_slots(self, sched, rows, chunks)
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         dev = self.compiler.transfer(inputs)

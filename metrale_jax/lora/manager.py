@@ -106,7 +106,9 @@ class LoRAManager:
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (host copy and slot; the slot's stale weights are never read again).
-        The engine refuses this while a request uses the adapter."""
+        Raises LoRAError while a queued request uses it; False when unknown."""
+        if lora_int_id in self.in_use():
+            raise LoRAError(f"LoRA adapter {lora_int_id} is in use by a running request")
         known = self.registered.pop(lora_int_id, None)
         self.host.pop(lora_int_id, None)
         self.slot_of.pop(lora_int_id, None)
@@ -144,6 +146,59 @@ class LoRAManager:
             self.slot_of[i] = slot
         return slots_tree, {i: self.slot_of[i] for i in want}
 
+    def assign_slots(self, engine, sched, rows: list, chunks: list) -> None:
+        """Before a step: put its adapters into device slots (writing `engine.params`' slots as
+        needed: no compile) and fill its DecodeRows' and PrefillChunks' `lora_slot` (and
+        `moe_lora_slot` for adapters that train experts)."""
+        ids = [s.lora_int_id for s in sched.decode] + [c.seq.lora_int_id for c in sched.chunks]
+        if not any(ids):
+            return
+        pinned = {s.lora_int_id for s in engine.scheduler.running}
+        layers = engine.params["layers"]
+        tree, slot_of = self.slots_for(layers["lora"], ids, pinned)
+        if tree is not layers["lora"]:
+            engine.params = {**engine.params, "layers": {**layers, "lora": tree}}
+        for item, i in zip(list(rows) + list(chunks), ids):
+            if i:
+                item.lora_slot = slot_of[i]
+                item.moe_lora_slot = slot_of[i] if i in self.expert_ids else -1
+
     def has_experts(self, lora_int_id: int) -> bool:
         """Whether the adapter trains MoE experts (its rows get moe_row_adapter = their slot)."""
         return lora_int_id in self.expert_ids
+
+
+def attach_lora(engine) -> LoRAManager:
+    """An engine's LoRA manager (enable_lora), with empty slots added under
+    `engine.params["layers"]["lora"]` (in a new top-level dict: the caller's tree is left alone;
+    per-layer arrays when the engine walks the layers in Python)."""
+    from metrale_jax.layers.stack import device_put_layers
+    from metrale_jax.lora.adapter import LORA_FAMILIES
+
+    c = engine.config
+    fam = getattr(engine.model, "family_name", "")
+    if fam not in LORA_FAMILIES:
+        raise LoRAError(f"enable_lora: LoRA is served for the {', '.join(LORA_FAMILIES)} families, not {fam!r}")
+    spec = LoRASpec.for_model(engine.model, c.max_loras, c.max_lora_rank)
+    dtype = np.dtype(engine.params["embed"].dtype)
+    mgr = LoRAManager(spec, dtype, c.max_cpu_loras)
+    mgr.in_use = lambda: {r.lora_int_id for r in engine.requests.values()}
+    zeros = {"layers": mgr.init_slots()}
+    slots = (device_put_layers(zeros) if c.attention.unroll_layers else jax.device_put(zeros))["layers"]
+    engine.params = {**engine.params, "layers": {**engine.params["layers"], "lora": slots}}
+    log.info("LoRA: %d slots of rank %d (%.1f MB), %d adapters in host memory", c.max_loras, c.max_lora_rank,
+             c.max_loras * spec.slot_bytes(dtype.itemsize) / 1e6, c.max_cpu_loras)
+    return mgr
+
+
+def resolve_for(mgr: LoRAManager | None, lora_request) -> None:
+    """Check that `lora_request` (None = base model) can be served by an engine whose manager is
+    `mgr` (None: built without enable_lora): raises a LoRAError subclass otherwise."""
+    from metrale_jax.errors import LoRANotEnabledError
+
+    if lora_request is None:
+        return
+    if mgr is None:
+        raise LoRANotEnabledError("this request names a LoRA adapter, but the engine was built without "
+                                  "enable_lora=True")
+    mgr.resolve(lora_request)
