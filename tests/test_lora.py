@@ -380,3 +380,18 @@ def test_scheduler_caps_distinct_adapters():
         s.finish(q)
     step = s.schedule()
     assert [c.seq.lora_int_id for c in step.chunks] == [3, 3]
+
+
+def test_serve_lora_arguments():
+    pytest.importorskip("fastapi")
+    from metrale_jax.cli import build_parser
+    from metrale_jax.server.cli import engine_config_from_args, lora_modules_from_args
+
+    args = build_parser().parse_args(["serve", "m", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
+                                      "--lora-modules", "sql=/a", '{"name": "chat", "path": "/b"}'])
+    cfg = engine_config_from_args(args, args.model)
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (True, 3, 8, None)
+    mods = lora_modules_from_args(args.lora_modules, "m")
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in mods] == [("sql", 1, "/a"), ("chat", 2, "/b")]
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        lora_modules_from_args(["nopath"], "m")
