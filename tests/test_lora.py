@@ -374,6 +374,7 @@ def test_scheduler_caps_distinct_adapters():
         s.add(seq)
     step = s.schedule()
     assert [c.seq.lora_int_id for c in step.chunks] == [1, 2, 0, 1]  # adapter 3 waits for a slot
+    assert seqs[0].lora_key == (1, "x1", "/none") and seqs[3].lora_key is None  # the prefix cache's extra key
     assert [q.lora_int_id for q in s.waiting] == [3, 3]
     s.complete(step)
     for q in [q for q in s.running if q.lora_int_id == 2]:

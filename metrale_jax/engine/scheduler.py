@@ -106,8 +106,16 @@ class Request:
 
     @property
     def lora_int_id(self) -> int:
-        """The adapter's id (0 = the base model): part of the identity of its KV blocks."""
+        """The adapter's id (0 = the base model)."""
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def lora_key(self) -> tuple | None:
+        """What identifies the adapter's effect on the KV cache (None = base model): the prefix
+        cache's extra block key. The path is part of it, so an id reused for another adapter after
+        `remove_lora` cannot hit the old adapter's blocks."""
+        r = self.lora_request
+        return None if r is None else (r.lora_int_id, r.lora_name, r.lora_path)
 
 
 @dataclass(eq=False)
@@ -142,8 +150,13 @@ class Sequence:
 
     @property
     def lora_int_id(self) -> int:
-        """Its request's LoRA adapter id (0 = base model); prefix caching keys blocks by it."""
+        """Its request's LoRA adapter id (0 = base model)."""
         return self.request.lora_int_id
+
+    @property
+    def lora_key(self) -> tuple | None:
+        """Its request's `lora_key`: prefix caching keys KV blocks by it (None = base model)."""
+        return self.request.lora_key
 
     @property
     def num_outputs(self) -> int:
