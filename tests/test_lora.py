@@ -396,3 +396,29 @@ def test_serve_lora_arguments():
     assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in mods] == [("sql", 1, "/a"), ("chat", 2, "/b")]
     with pytest.raises(ValueError, match="NAME=PATH"):
         lora_modules_from_args(["nopath"], "m")
+
+
+@pytest.mark.gpu
+def test_gpu_expert_lora_tokamax_bf16():
+    """bf16 Qwen3-MoE with expert LoRA: tokamax's grouped GEMM (the GPU default, virtual experts
+    included) against jax.lax.ragged_dot on the same weights: prompt logprobs within bf16 noise."""
+    from metrale_jax.engine.config import default_kernels
+    from metrale_jax.layers.moe import tokamax_available
+
+    if not tokamax_available():
+        pytest.skip("tokamax is not installed")
+    g = dict(np.load(LORA / "qwen3_moe_tiny" / "golden.npz"))
+    reqs = {"base": None, "experts": LoRARequest("experts", 1, str(LORA / "qwen3_moe_tiny" / "experts")),
+            "attn": LoRARequest("attn", 2, str(LORA / "qwen3_moe_tiny" / "attn"))}
+    names = ["experts", "base", "attn", "experts"]
+    outs = {}
+    for tk in (True, False):
+        attn = dataclasses.replace(default_kernels(True, True), tokamax_moe=tk)
+        model, params = load_model(FIXTURES / "qwen3_moe_tiny", dtype="bfloat16", show_progress=False)
+        eng = LLMEngine(model, params, dataclasses.replace(CFG, dtype="bfloat16", attention=attn))
+        outs[tk] = _run(LLM.from_engine(eng), g, names, reqs)
+    for a, b, i in zip(outs[True], outs[False], range(4)):
+        n = int(g["prompt_lens"][i])
+        for p in range(1, n):
+            t = int(g["prompts"][i, p])
+            assert abs(a.prompt_logprobs[p][t].logprob - b.prompt_logprobs[p][t].logprob) < 0.05, (i, p)
