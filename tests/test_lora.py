@@ -422,3 +422,15 @@ def test_gpu_expert_lora_tokamax_bf16():
         for p in range(1, n):
             t = int(g["prompts"][i, p])
             assert abs(a.prompt_logprobs[p][t].logprob - b.prompt_logprobs[p][t].logprob) < 0.05, (i, p)
+
+
+def test_expert_slots_can_be_left_out():
+    from metrale_jax.lora.adapter import LoRASpec, load_peft_adapter
+
+    model, _ = load_model(FIXTURES / "qwen3_moe_tiny", dtype="float32", show_progress=False)
+    full, lean = LoRASpec.for_model(model, 2, 4), LoRASpec.for_model(model, 2, 4, experts=False)
+    assert "x_down_b" in full.leaf_shapes() and set(lean.leaf_shapes()) == {"qkv_a", "qkv_b", "o_a", "o_b"}
+    assert load_peft_adapter(LORA / "qwen3_moe_tiny" / "attn", lean, np.float32).targets == ("k_proj", "q_proj",
+                                                                                              "v_proj")
+    with pytest.raises(LoRATargetError, match="lora_experts=False"):
+        load_peft_adapter(LORA / "qwen3_moe_tiny" / "experts", lean, np.float32)

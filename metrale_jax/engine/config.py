@@ -95,6 +95,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # MoE models: LoRA slots for every routed expert too (max_loras * num_experts groups per layer:
+    # gigabytes on a 128-expert model); False leaves them out and refuses adapters that train experts
+    lora_experts: bool = True
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)

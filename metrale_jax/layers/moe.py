@@ -177,6 +177,8 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
     xs = x[tok]
     h = grouped_matmul(xs, w_gate_up.astype(x.dtype), sizes, use_tokamax)
+    if lora is not None and "x_down_b" not in lora.w:
+        lora = None  # an engine without expert LoRA slots (EngineConfig.lora_experts=False)
     if lora is not None:
         from metrale_jax.lora.ops import expert_groups, expert_lora
 

@@ -74,18 +74,19 @@ class LoRASpec:
     q_size: int
     kv_size: int
     intermediate: int  # dense MLP width (0 on MoE models)
-    num_experts: int = 0  # E (0: dense)
+    num_experts: int = 0  # E, the model's routed experts (0: dense)
     expert_intermediate: int = 0
     attention: bool = True  # q/k/v/o slots (False: Qwen3-Next, experts only)
+    experts: bool = True  # expert slots on MoE models (EngineConfig.lora_experts)
 
     @staticmethod
-    def for_model(model, max_loras: int, max_rank: int) -> LoRASpec:
+    def for_model(model, max_loras: int, max_rank: int, experts: bool = True) -> LoRASpec:
         c = model.cfg
         e = int(c.get("num_experts") or 0) if model.family_name in _MOE_FAMILIES else 0
         return LoRASpec(num_layers=c.num_layers, max_loras=max_loras, max_rank=max_rank, hidden=c.hidden_size,
                         q_size=c.q_size, kv_size=c.kv_size, intermediate=0 if e else c.intermediate_size,
                         num_experts=e, expert_intermediate=int(c.get("moe_intermediate_size") or 0) if e else 0,
-                        attention=model.family_name != "qwen3_next")
+                        attention=model.family_name != "qwen3_next", experts=experts)
 
     @property
     def num_virtual(self) -> int:
@@ -113,12 +114,12 @@ class LoRASpec:
         if self.attention:
             out |= {"qkv_a": (L, s, 3 * R, h), "qkv_b": (L, s, 3 * R, q + 2 * kv), "o_a": (L, s, R, q),
                     "o_b": (L, s, R, h)}
-        if self.num_experts:
+        if self.num_experts and self.experts:
             v = self.num_virtual if slots is None else slots * self.num_experts
             ie = self.expert_intermediate
             out |= {"x_gate_up_a": (L, v, h, 2 * R), "x_gate_up_b": (L, v, 2 * R, 2 * ie),
                     "x_down_a": (L, v, ie, R), "x_down_b": (L, v, R, h)}
-        else:
+        elif not self.num_experts:
             i = self.intermediate
             out |= {"gate_up_a": (L, s, 2 * R, h), "gate_up_b": (L, s, 2 * R, 2 * i), "down_a": (L, s, R, i),
                     "down_b": (L, s, R, h)}
@@ -256,6 +257,9 @@ def load_peft_adapter(path: str | Path, spec: LoRASpec, dtype, lora_int_id: int 
                                       f"is served for the MoE experts only")
             if expert >= 0 and not spec.num_experts:
                 raise LoRATargetError(f"{st}: tensor {key!r} targets an expert, this model has no MoE experts")
+            if expert >= 0 and not spec.experts:
+                raise LoRATargetError(f"{st}: tensor {key!r} targets an expert, and this engine has no expert "
+                                      f"LoRA slots (lora_experts=False)")
             if expert >= spec.num_experts and spec.num_experts:
                 raise LoRAShapeError(f"{st}: tensor {key!r} is for expert {expert}, the model has "
                                      f"{spec.num_experts}")

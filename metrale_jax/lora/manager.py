@@ -179,7 +179,7 @@ def attach_lora(engine) -> LoRAManager:
     fam = getattr(engine.model, "family_name", "")
     if fam not in LORA_FAMILIES:
         raise LoRAError(f"enable_lora: LoRA is served for the {', '.join(LORA_FAMILIES)} families, not {fam!r}")
-    spec = LoRASpec.for_model(engine.model, c.max_loras, c.max_lora_rank)
+    spec = LoRASpec.for_model(engine.model, c.max_loras, c.max_lora_rank, experts=c.lora_experts)
     dtype = np.dtype(engine.params["embed"].dtype)
     mgr = LoRAManager(spec, dtype, c.max_cpu_loras)
     mgr.in_use = lambda: {r.lora_int_id for r in engine.requests.values()}
