@@ -106,6 +106,23 @@ def test_llama_mixed_batch_and_swaps(llama_eng, tmp_path):
     assert (cc.lowerings, cc.backend_compiles) == (0, 0)
 
 
+def test_llama_preemption_keeps_adapters(llama_eng):
+    """A KV pool too small for the batch: sequences are preempted (recompute) and resumed with
+    their adapters; outputs stay those of each adapter alone."""
+    eng = llama_eng
+    g = dict(np.load(LORA / "llama_tiny" / "golden.npz"))
+    reqs = {"base": None, "a": LoRARequest("a2", 31, str(LORA / "llama_tiny" / "a")),
+            "b": LoRARequest("b", 2, str(LORA / "llama_tiny" / "b"))}
+    saved = eng.scheduler
+    eng.scheduler = eng._new_scheduler(num_blocks=14)
+    try:
+        names = ["a", "b", "base", "a"]
+        _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+        assert eng.scheduler.num_preemptions > 0
+    finally:
+        eng.scheduler = saved
+
+
 def test_qwen3_mixed_batch_unrolled_gather():
     eng = _engine("qwen3_tiny", unroll=True, lora_kernel="gather")  # ("auto" takes "masked" at these buckets)
     g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
