@@ -121,12 +121,19 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         phases["split_layers"] = time.perf_counter() - t
+        self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
+        if c.enable_lora:
+            from metrale_jax.lora.manager import attach_lora
+
+            self.lora = attach_lora(self)
         self.sharder = None  # tensor parallelism (metrale_jax/parallel.py)
         # several processes (jax.distributed): process 0 schedules, the others follow (engine/lockstep.py)
         self.lockstep = Lockstep() if jax.process_count() > 1 else None
         if self.lockstep is not None and c.tensor_parallel_size != jax.device_count():
             raise ValueError(f"under jax.distributed the steps span every device: tensor_parallel_size must be "
                              f"{jax.device_count()} ({jax.process_count()} processes), not {c.tensor_parallel_size}")
+        if self.lockstep is not None and c.enable_lora:
+            raise ValueError("LoRA adapters under jax.distributed (several processes) are not supported yet")
         if c.tensor_parallel_size > 1:
             t = time.perf_counter()
             self.sharder = Sharder(make_mesh(c.tensor_parallel_size), expert_parallel=c.enable_expert_parallel)
@@ -173,6 +180,10 @@ class LLMEngine:
         phases["kv_pool"] = time.perf_counter() - t
         self.compiler = CompilationManager(model, c, self.builder, placement)
         phases["compile"] = self.compiler.compile_all(self.params, self.state)
+        if self.lora is not None:
+            t = time.perf_counter()
+            self.lora.compile(self.params["layers"]["lora"])
+            phases["compile"] += time.perf_counter() - t
         if c.warm_up:
             self.state = self.compiler.warm_up(self.params, self.state)
             phases["warm_up"] = self.compiler.warmup_seconds
@@ -209,6 +220,26 @@ class LLMEngine:
                                    revision=config.revision, quantization=config.quantization, split_layers=split)
         return cls(model, params, config)
 
+    # ---- LoRA adapters (vLLM's LLMEngine names; the logic lives in metrale_jax/lora) ---------------
+    def add_lora(self, lora_request) -> bool:
+        """Read and check an adapter now (into the host cache); raises a LoRAError if it cannot be
+        served. Requests may also name adapters never added: they are read on first use."""
+        self._resolve_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter. Raises LoRAError while a request uses it; False when unknown."""
+        return self.lora.remove(lora_int_id) if self.lora is not None else False
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.registered) if self.lora is not None else set()
+
+    def _resolve_lora(self, lora_request) -> None:
+        """Check that `lora_request` (None = base model) can be served, before anything is queued."""
+        from metrale_jax.lora.manager import resolve_for
+
+        resolve_for(self.lora, lora_request)
+
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
         max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots and
@@ -228,7 +259,8 @@ class LLMEngine:
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
-            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), **caps,
+            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
+            max_loras=c.max_loras if c.enable_lora else 0, **caps,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -349,18 +381,21 @@ class LLMEngine:
         return frozenset(ids)
 
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing."""
+                    *, arrival_time: float | None = None, lora_request=None) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing.
+        lora_request: a `metrale_jax.lora.LoRARequest` (needs enable_lora), None = base model."""
         params = params if params is not None else SamplingParams()
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.validate(prompt, params)
+        self._resolve_lora(lora_request)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
-                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time())
+                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
+                      lora_request=lora_request)
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -499,6 +534,8 @@ class LLMEngine:
                 rows.append(DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
                                       sampling=self._row_sampling(s), ssm_slot=s.ssm_slot))
         chunks = [self._chunk(c) for c in sched.chunks]
+        if self.lora is not None:
+            self.lora.assign_slots(self, sched, rows, chunks)
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         _, ibuf, fbuf = pack(self.builder, inputs)

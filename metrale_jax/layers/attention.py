@@ -52,6 +52,10 @@ class AttentionConfig:
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
+    # LoRA deltas (engines built with enable_lora): "masked" (shrink against all slots, mask,
+    # expand: two GEMMs), "gather" (each token's own A/B) or "auto" (gather when a step has fewer
+    # tokens than slots); see metrale_jax/lora/ops.py
+    lora_kernel: str = "auto"
 
 
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):
