@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the cached KV blocks (and SSM snapshots) of earlier prompts' shared prefixes "
                         "(default: EngineConfig's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the model is split over (one host; several with jax.distributed)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts by expert instead of by their inner dimension")
 
 
 def kernels_from_args(args: argparse.Namespace):
@@ -106,7 +110,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
-        preemption_mode=args.preemption_mode,
+        preemption_mode=args.preemption_mode, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     if getattr(args, "enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching

@@ -179,3 +179,21 @@ def test_allocator_lru_and_hash_chain():
     assert b[1] in c and a.cached(k1) is None and a.cached(k0) == b[0] and a.num_evictions == 1
     a.free(c + [b[0]])
     assert a.num_free == 4 and pc.queries == 0
+
+
+def test_keys_follow_the_lora_adapter():
+    """Blocks computed under one LoRA adapter are not hits for another adapter or the base model."""
+    from types import SimpleNamespace
+
+    from metrale_jax.engine.scheduler import Request, Sequence
+
+    pc = PrefixCache(CachingBlockAllocator(8), 2)
+
+    def keys(lora):
+        req = Request("r", None, [5, 6, 7, 8, 9], SamplingParams(), arrival=0, seed=0, lora_request=lora)
+        return pc.keys(Sequence(0, req, 0, [5, 6, 7, 8, 9], 5))
+
+    a = SimpleNamespace(lora_int_id=1, lora_name="a", lora_path="/x/a")
+    a2 = SimpleNamespace(lora_int_id=1, lora_name="a", lora_path="/x/a2")  # the id reused for another adapter
+    base = keys(None)
+    assert len(base) == 2 and keys(a) == keys(a) and len({base[1], keys(a)[1], keys(a2)[1]}) == 3

@@ -3,7 +3,8 @@ snapshots for models with recurrent layers.
 
 Blocks. A *full* block i of a sequence is keyed by `block_hash(key of block i-1, its block_size
 token ids, extra key)` (sha256, first 16 bytes): the key names the whole prefix up to the block's
-end. The extra key is whatever else changes the block's K/V (an adapter id later; None now). A
+end. The extra key is whatever else changes the block's K/V: the request's LoRA adapter
+(`Sequence.lora_key`; None for the base model). A
 block is registered under its key once the step that writes its last token has been dispatched
 (`PrefixCache.after_step`), or when its sequence frees it (`PrefixCache.release`); a key already
 held by another block is not registered twice (the duplicate stays an ordinary block). A
@@ -222,7 +223,7 @@ class PrefixCache:
         st = self._state(seq)
         bs = self.block_size
         n = len(seq.token_ids) // bs if upto_blocks is None else min(upto_blocks, len(seq.token_ids) // bs)
-        extra = None  # adapter id etc. (none yet)
+        extra = getattr(seq, "lora_key", None)  # the LoRA adapter (None = the base model)
         while len(st.keys) < n:
             i = len(st.keys)
             st.keys.append(block_hash(st.keys[-1] if i else None, seq.token_ids[i * bs:(i + 1) * bs], extra))

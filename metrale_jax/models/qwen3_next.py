@@ -40,6 +40,7 @@ from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
 from metrale_jax.layers.stack import scan_layers, switch, take_layer
+from metrale_jax.lora.ops import LoRAInputs, token_slots
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule
 
@@ -165,10 +166,11 @@ def _norm(cfg, x, w):
     return rms_norm(x, w, cfg.rms_norm_eps, zero_centered=True)
 
 
-def _moe(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
-    """x [T, H] -> [T, H]: routed experts plus the sigmoid-gated shared expert."""
+def _moe(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False, lora=None) -> jax.Array:
+    """x [T, H] -> [T, H]: routed experts plus the sigmoid-gated shared expert. lora: the experts'
+    LoRA (`metrale_jax.lora.ops.LoRAInputs`) for the tokens whose moe_slot >= 0."""
     w, idx = softmax_topk_router(x, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
-    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe)
+    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe, lora=lora)
     shared = swiglu_mlp(x, lp["shared_gate_up"], lp["shared_down"])
     gate = jax.nn.sigmoid(linear(x, lp["shared_gate"]).astype(jnp.float32))
     return (y.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
@@ -278,6 +280,8 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     x = params["embed"][tokens]
     scale = cfg.head_dim**-0.5
     kinds = np.asarray(_kinds(cfg), np.int32)  # numpy: static under the Python layer loop
+    # expert LoRA (engines built with enable_lora): each token's expert-LoRA slot, i32[N + T]
+    moe_slot = token_slots(dmd, pmd, "moe_row_adapter") if "lora" in params["layers"] else None
 
     def gdn_branch(x, h, kv, ssm, ia, ig):
         gp = take_layer(params["gdn"], ig)
@@ -301,7 +305,8 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         lp, kind = xs
         h = _norm(cfg, x, lp["in_norm"])
         x, kv, ssm = switch(kind, [gdn_branch, attn_branch], x, h, kv, ssm, ia, ig)
-        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]), attn.tokamax_moe)
+        lora = LoRAInputs(lp["lora"], moe_slot, moe_slot) if moe_slot is not None else None
+        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]), attn.tokamax_moe, lora)
         return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
 
     init = (x, state.kv, state.ssm, np.int32(0), np.int32(0))
