@@ -45,7 +45,9 @@ def test_serve_flags():
 
 
 def test_stats_and_metrics():
-    eng = fake_engine(use_ssm=False, enable_prefix_caching=True)
+    from tests.test_prefix_cache_scheduler import ENGINES
+
+    eng = fake_engine(use_ssm=False, **ENGINES["kv-recompute-host-tier"][1])  # the property test's engine
     eng.scheduler = eng._new_scheduler()
     llm = LLM.from_engine(eng)
     prompt = list(range(2, 23))  # 21 tokens: 5 full blocks of 4
