@@ -4,11 +4,11 @@ snapshots for models with recurrent layers.
 Blocks. A *full* block i of a sequence is keyed by `block_hash(key of block i-1, its block_size
 token ids, extra key)` (sha256, first 16 bytes): the key names the whole prefix up to the block's
 end. The extra key is whatever else changes the block's K/V: the request's LoRA adapter
-(`Sequence.lora_key`; None for the base model). A
-block is registered under its key once the step that writes its last token has been dispatched
-(`PrefixCache.after_step`), or when its sequence frees it (`PrefixCache.release`); a key already
-held by another block is not registered twice (the duplicate stays an ordinary block). A
-registered block is never written again: its tokens are all below its sequence's `num_computed`.
+(`Sequence.lora_key`; None for the base model). A block is registered under its key once the
+step that writes its last token has been dispatched (`PrefixCache.after_step`), or when its
+sequence frees it (`PrefixCache.release`); a key already held by another block is not registered
+twice (the duplicate stays an ordinary block). A registered block is never written again: its
+tokens are all below its sequence's `num_computed`.
 
 `CachingBlockAllocator` keeps registered blocks whose reference count drops to 0 in an LRU list
 instead of the free list; they still count as free (`num_free`), and `allocate` takes never-cached
@@ -50,10 +50,11 @@ False: Nemotron-H with a dt floor) caches only what prefill chunks computed (`ca
 blocks up to the end of a sequence's prefill and no decode snapshots, so that a hit gives exactly
 what recomputing the prefix would.
 
-Speculative decoding: snapshots are taken only at positions below `num_computed` after a step's
-tokens are final. A step whose tokens are unverified drafts must not count them in
-`num_computed` before verification (`after_step` reads it), or must skip `after_step`'s decode
-snapshot for those rows.
+Speculative decoding (hook): `after_step` registers blocks up to `min(num_computed, len(token_ids))`
+and takes a decode row's snapshot when `num_computed` lands on a block boundary. A speculative
+step must therefore count in `num_computed` only positions whose K/V and recurrent state are final
+(verified tokens, not a rejected draft's K/V awaiting its rewrite), and a state that has seen
+unverified drafts must never be snapshotted: skip those rows in `after_step`'s decode loop.
 """
 
 from __future__ import annotations
