@@ -58,6 +58,9 @@ def test_stats_and_metrics():
     again = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
     st = llm.stats()
     assert again == first and (st.prefix_cache_queries, st.prefix_cache_hits) == (42, 20)
+    assert llm.reset_prefix_cache() and eng.scheduler.blocks.num_cached == 0
+    assert llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids == first
+    assert llm.stats().prefix_cache_hits == 20  # nothing cached any more
 
     pytest.importorskip("prometheus_client")
     from metrale_jax.server.engine_loop import StatsSnapshot
@@ -66,6 +69,6 @@ def test_stats_and_metrics():
     m = ServerMetrics()
     m.attach_engine(lambda: StatsSnapshot.read(eng, 0), lambda: 0)
     text = m.render().decode()
-    for name, v in (("metrale_prefix_cache_queries_total", 42), ("metrale_prefix_cache_hits_total", 20)):
+    for name, v in (("metrale_prefix_cache_queries_total", 63), ("metrale_prefix_cache_hits_total", 20)):
         assert re.search(rf"^{name} {v}\.0$", text, re.M), name
     eng.scheduler = eng._new_scheduler()

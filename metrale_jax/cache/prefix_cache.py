@@ -397,6 +397,21 @@ class PrefixCache:
             self.num_snapshots_taken += 1
         return copies
 
+    def reset(self) -> bool:
+        """Forget every cached block, snapshot and host-tier block (vLLM's `reset_prefix_cache`).
+        False (and nothing done) while some sequence holds blocks or a rolling snapshot."""
+        a = self.blocks
+        if a.num_used or len(self._free_snaps) + len(self._snaps) < len(self.snapshot_slots):
+            return False
+        a._free.extend(a._lru)
+        a._lru.clear()
+        a._table.clear()
+        a._key.clear()
+        self._free_snaps.extend(self._snaps.values())
+        self._snaps.clear()
+        self._host.clear()
+        return True
+
     @property
     def num_snapshots(self) -> int:
         """Keyed snapshots held now."""

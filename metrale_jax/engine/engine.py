@@ -457,6 +457,11 @@ class LLMEngine:
             prefix_cache_hits=s.prefix_cache.hits if s.prefix_cache else 0,
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's name); False while requests run (or caching is off)."""
+        pc = self.scheduler.prefix_cache
+        return pc is not None and not self.has_unfinished_requests() and pc.reset()
+
     # ---- one step --------------------------------------------------------------------------------
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         """The row's sampling, built once per sequence (and penalty row); only the output index
