@@ -1,0 +1,162 @@
+"""Weight-streaming skinny GEMM for 4-bit weights (decode, M = 1..64): y = x @ W^T.
+
+W arrives packed as `layers.linear.W4Linear` holds it (the layout the loader repacks every
+4-bit format into, `metrale_jax/quant/w4.py`):
+    packed u8[N, ceil(K/2)]   byte j of row n: code of column 2j in the low nibble, 2j+1 in the high
+    scales [N, ceil(K/G)]     f16 | bf16 | f32 (int4) or float8_e4m3fn (fp4), group G along K
+    zeros  u8[N, ceil(K/G)]   int4 only: W = (code - zero) * scale
+    row_scale f32[N]          fp4 only: W = e2m1(code) * scale * row_scale
+Rows are output columns and K bytes are contiguous, as in the FP8 kernel (`skinny.py`): each
+program streams block_n rows of block_k / 2 contiguous bytes per step, a quarter of bf16's bytes.
+
+Per step the kernel loads a [block_n, block_k/2] byte tile, splits it into the even-column codes
+(low nibbles) and odd-column codes (high nibbles), gathers each code's group scale (and zero) from
+the small scale tile (L1/L2 hits: G / 2 neighbouring bytes share one), dequantizes both halves in
+registers to bf16 and runs two dots, against x's even and odd columns (x is loaded with a stride
+of 2, so no nibble interleaving is needed in registers). FP4 codes become values arithmetically
+(e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 and a sign bit); e2m1 * e4m3 has at most 6 significant bits, so
+the FP4 weights are exact in bf16, and the per-row global scale multiplies the f32 result. Int4
+weights (code - zero) * scale are rounded to bf16 (as a bf16 checkpoint's weights are).
+Accumulation float32, output bf16. Shapes are arbitrary: partial N and K tiles are masked; the
+group size must be even (so a byte's two codes share a group). Lowered through Triton, as
+`skinny.py` (see its docstring for why); runs in interpret mode on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+from pallas_kernels.linear.params import m_bucket
+
+MAX_M = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class W4Params:
+    """Static tuning of `skinny_matmul_w4` (untuned: to be swept on the H200).
+
+    block_n: weight rows per program (power of two >= 16); block_k: K columns per loop step
+    (power of two >= 32, i.e. block_k / 2 bytes per row); num_warps / num_stages: Triton launch.
+    """
+
+    block_n: int = 32
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for f in ("block_n", "block_k"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{f}={v} must be a power of two >= 16")
+        if self.block_k < 32:
+            raise ValueError(f"{self.block_k=} must be >= 32 (16 bytes a row)")
+
+
+def _e2m1(c):
+    """i32 codes 0..15 -> f32 e2m1 values."""
+    mag = c & 7
+    e = mag >> 1
+    half = (mag & 1).astype(jnp.float32) * 0.5
+    pow2 = jnp.left_shift(1, jnp.maximum(e - 1, 0)).astype(jnp.float32)
+    v = jnp.where(e == 0, half, (1.0 + half) * pow2)
+    return jnp.where((c & 8) != 0, -v, v)
+
+
+def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4):
+    # x_ref bf16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
+    # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
+    aux_ref, o_ref = refs
+    pid_n = pl.program_id(0)
+    half = block_k // 2
+    kb = (k + 1) // 2  # bytes per row
+    ng = (k + group - 1) // group
+    rows = jnp.arange(mp, dtype=jnp.int32)  # i32[Mp]
+    ncols = pid_n * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN] weight rows
+    n_ok = ncols < n  # bool[BN]
+    row_ok = rows < m  # bool[Mp]
+
+    def body(i, acc):
+        j = i * half + jnp.arange(half, dtype=jnp.int32)  # i32[BK/2] byte columns
+        j_ok = j < kb
+        t_mask = n_ok[:, None] & j_ok[None, :]
+        b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
+                              eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, BK/2]
+        lo, hi = b & 15, b >> 4
+        grp = jnp.minimum((2 * j) // group, ng - 1)  # i32[BK/2]: both codes of a byte share it
+        s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
+                              other=0).astype(jnp.float32)  # f32[BN, BK/2]
+        if fp4:
+            w_lo, w_hi = _e2m1(lo) * s, _e2m1(hi) * s
+        else:
+            z = plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
+                                  other=0).astype(jnp.int32)
+            w_lo, w_hi = (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
+        ke, ko = 2 * j, 2 * j + 1
+        xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]], mask=row_ok[:, None] & (ke < k)[None, :],
+                               other=0.0)  # bf16[Mp, BK/2]
+        xo = plgpu_triton.load(x_ref.at[rows[:, None], ko[None, :]], mask=row_ok[:, None] & (ko < k)[None, :],
+                               other=0.0)
+        acc = acc + plgpu_triton.dot(xe, w_lo.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)
+        return acc + plgpu_triton.dot(xo, w_hi.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros((mp, block_n), jnp.float32))  # f32[Mp, BN]
+    if fp4:
+        acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)[None, :]
+    plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
+                       mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _check(x, packed, scales, aux, k: int, group: int, kind: str):
+    if kind not in ("int4", "fp4"):
+        raise ValueError(f"{kind=} must be 'int4' or 'fp4'")
+    if x.ndim != 2 or packed.ndim != 2:
+        raise ValueError(f"skinny_matmul_w4: x must be [M, K] and packed [N, K/2]; got {x.shape}, {packed.shape}")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"skinny_matmul_w4: {m=} must be in 1..{MAX_M}")
+    if x.shape[1] != k or packed.shape[1] != (k + 1) // 2:
+        raise ValueError(f"skinny_matmul_w4: x {x.shape} and packed {packed.shape} disagree with {k=}")
+    if group < 2 or group % 2:
+        raise ValueError(f"skinny_matmul_w4: {group=} must be even")
+    n = packed.shape[0]
+    if scales.shape != (n, -(-k // group)):
+        raise ValueError(f"skinny_matmul_w4: scales {scales.shape} must be {(n, -(-k // group))}")
+    want = (n,) if kind == "fp4" else scales.shape
+    if aux.shape != want:
+        raise ValueError(f"skinny_matmul_w4: {'row_scale' if kind == 'fp4' else 'zeros'} {aux.shape} must be {want}")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(packed.dtype) != jnp.dtype(jnp.uint8):
+        raise ValueError(f"skinny_matmul_w4: x must be bf16 and packed uint8; got {x.dtype}, {packed.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret"))
+def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: str,
+                     params: W4Params | None = None, interpret: bool = False):
+    """x bf16[M, K] @ W^T -> bf16[M, N] for a packed 4-bit W (module docstring), M in 1..64.
+
+    aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
+    """
+    _check(x, packed, scales, aux, k, group_size, kind)
+    params = params or W4Params()
+    m = x.shape[0]
+    n = packed.shape[0]
+    block_k = min(params.block_k, max(32, 1 << max(0, (k - 1).bit_length())))
+    kernel = functools.partial(
+        _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
+        num_steps=-(-k // block_k), fp4=kind == "fp4")
+    return pl.pallas_call(
+        kernel,
+        grid=(-(-n // params.block_n),),
+        in_specs=[pl.no_block_spec] * 4,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
+        interpret=interpret,
+        name="skinny_matmul_w4",
+    )(x, packed, scales, aux)
