@@ -4,7 +4,8 @@ Decode-sized bf16 inputs (1..`W4_KERNEL_MAX_M` rows) of weights marked `use_kern
 GPU default, `linear.use_fp8_kernel`) go through the weight-streaming Pallas kernel
 (`pallas_kernels/linear/w4.py`), which reads the packed bytes once and dequantizes in registers;
 everything else (prefill, the CPU) dequantizes the whole weight in XLA and runs one GEMM.
-GPTQ act-order weights gather x's columns first (`perm`), so the kernel's groups stay contiguous.
+GPTQ act-order weights keep their groups contiguous in the packed order (`perm`): the kernel path
+gathers x's columns into that order, the XLA path puts the dequantized weight's columns back.
 """
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ def dequantize_w4(w, dtype) -> jax.Array:
 
 def w4_matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
-    if w.perm is not None:
-        x = jnp.take(x, w.perm, axis=-1)
     m = math.prod(x.shape[:-1])
     if w.use_kernel and w.packed.ndim == 2 and 1 <= m <= W4_KERNEL_MAX_M and x.dtype == jnp.bfloat16:
         from pallas_kernels.linear import skinny_matmul_w4
 
+        if w.perm is not None:  # x's columns in the packed order (m rows: cheap)
+            x = jnp.take(x, w.perm, axis=-1)
         aux = w.row_scale if w.kind == "fp4" else w.zeros
         y = skinny_matmul_w4(x.reshape(m, x.shape[-1]), w.packed, w.scales, aux, k=w.k, group_size=w.group_size,
                              kind=w.kind, interpret=w.interpret)
         return y.reshape(x.shape[:-1] + (-1,)).astype(jnp.float32)
-    return jnp.einsum("...k,nk->...n", x, dequantize_w4(w, x.dtype), preferred_element_type=jnp.float32)
+    wd = dequantize_w4(w, x.dtype)  # [N, K] in the packed column order
+    if w.perm is not None:
+        # back to the input's column order (one pass over the dequantized weight; gathering x
+        # instead made XLA's CPU backend emit a bf16 x bf16 -> f32 dot it cannot run)
+        wd = jnp.take(wd, jnp.argsort(w.perm), axis=-1)
+    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=jnp.float32)
