@@ -61,15 +61,21 @@ def test_checkpoint_stays_4bit_and_matches_transformers(name):
 
 
 def test_engine_greedy_matches_transformers():
-    """The engine (paged prefill + decode steps) on GPTQ act-order weights: transformers' greedy ids."""
+    """The engine (paged prefill + decode steps) on GPTQ act-order weights: transformers' greedy ids.
+    With the GPU's layer loop (unroll_layers: W4Linear fields split into per-layer arrays; the
+    scan path is the forwards above)."""
+    from metrale_jax.layers.stack import Unstacked
+
     d = FIXTURES / "llama_gptq_tiny"
     g = np.load(d / "golden.npz")
     llm = LLM(model=str(d), dtype="float32", max_num_seqs=1, max_model_len=64, num_kv_blocks=16,
-              max_num_batched_tokens=16, prefill_buckets=(16,),
+              max_num_batched_tokens=16, prefill_buckets=(16,), attention=AttentionConfig(unroll_layers=True),
               show_progress=False)
     out = llm.generate([{"prompt_token_ids": g["greedy_prompt"].tolist()}],
                        SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), ignore_eos=True))
     assert out[0].outputs[0].token_ids == g["greedy_ids"].tolist()
+    w = llm.llm_engine.params["layers"]["wqkv"]
+    assert isinstance(w, W4Linear) and isinstance(w.packed, Unstacked) and isinstance(w.perm, Unstacked)
 
 
 def test_w4_kernel_in_decode_steps():
