@@ -159,14 +159,16 @@ def _random_w4(rng, n, k, g, kind):
     ("int4", 64, 33, 64, 64, W4Params(block_n=16, block_k=32)),
     ("fp4", 3, 50, 112, 16, W4Params(block_n=16, block_k=64)),
     ("fp4", 17, 24, 48, 16, W4Params(block_n=32, block_k=512)),
+    ("int4", 2, 48, 160, 32, W4Params(block_n=16, block_k=64)),  # float16 activations (GPTQ / AWQ models)
 ])
 def test_w4_kernel_interpret(kind, m, n, k, g, params):
     rng = np.random.default_rng(m * 1000 + n + k)
     packed, scales, aux = _random_w4(rng, n, k, g, kind)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    dt = jnp.float16 if k == 160 else jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
     y = skinny_matmul_w4(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k, group_size=g,
                          kind=kind, params=params, interpret=True)
-    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    assert y.shape == (m, n) and y.dtype == dt
     want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, aux, k, g, kind).T
     got = np.asarray(y.astype(jnp.float32), np.float64)
     # bf16 weights (int4: (q - z) * s rounded; fp4: exact) and a bf16 output

@@ -1,6 +1,6 @@
 """x @ W for a packed 4-bit `W4Linear` (GPTQ, AWQ, compressed-tensors W4A16, NVFP4).
 
-Decode-sized bf16 inputs (1..`W4_KERNEL_MAX_M` rows) of weights marked `use_kernel` (the engine's
+Decode-sized bf16 or f16 inputs (1..`W4_KERNEL_MAX_M` rows) of weights marked `use_kernel` (the engine's
 GPU default, `linear.use_fp8_kernel`) go through the weight-streaming Pallas kernel
 (`pallas_kernels/linear/w4.py`), which reads the packed bytes once and dequantizes in registers;
 everything else (prefill, the CPU) dequantizes the whole weight in XLA and runs one GEMM.
@@ -30,7 +30,7 @@ def dequantize_w4(w, dtype) -> jax.Array:
 def w4_matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
     m = math.prod(x.shape[:-1])
-    if w.use_kernel and w.packed.ndim == 2 and 1 <= m <= W4_KERNEL_MAX_M and x.dtype == jnp.bfloat16:
+    if w.use_kernel and w.packed.ndim == 2 and 1 <= m <= W4_KERNEL_MAX_M and x.dtype in (jnp.bfloat16, jnp.float16):
         from pallas_kernels.linear import skinny_matmul_w4
 
         if w.perm is not None:  # x's columns in the packed order (m rows: cheap)

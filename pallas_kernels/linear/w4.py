@@ -12,13 +12,14 @@ program streams block_n rows of block_k / 2 contiguous bytes per step, a quarter
 Per step the kernel loads a [block_n, block_k/2] byte tile, splits it into the even-column codes
 (low nibbles) and odd-column codes (high nibbles), gathers each code's group scale (and zero) from
 the small scale tile (L1/L2 hits: G / 2 neighbouring bytes share one), dequantizes both halves in
-registers to bf16 and runs two dots, against x's even and odd columns (x is loaded with a stride
-of 2, so no nibble interleaving is needed in registers). FP4 codes become values arithmetically
-(e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 and a sign bit); e2m1 * e4m3 has at most 6 significant bits, so
-the FP4 weights are exact in bf16, and the per-row global scale multiplies the f32 result. Int4
-weights (code - zero) * scale are rounded to bf16 (as a bf16 checkpoint's weights are).
-Accumulation float32, output bf16. Shapes are arbitrary: partial N and K tiles are masked; the
-group size must be even (so a byte's two codes share a group). Lowered through Triton, as
+registers to x's dtype (bf16, or f16: GPTQ / AWQ checkpoints are float16) and runs two dots,
+against x's even and odd columns (x is loaded with a stride of 2, so no nibble interleaving is
+needed in registers). FP4 codes become values arithmetically (e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 and
+a sign bit); e2m1 * e4m3 has at most 6 significant bits, so the FP4 weights are exact in bf16, and
+the per-row global scale multiplies the f32 result. Int4 weights (code - zero) * scale are
+rounded to x's dtype (as a bf16 checkpoint's weights are). Accumulation float32, output in x's
+dtype. Shapes are arbitrary: partial N and K tiles are masked; the group size must be even (so a
+byte's two codes share a group). Lowered through Triton, as
 `skinny.py` (see its docstring for why); runs in interpret mode on the CPU.
 """
 
@@ -70,7 +71,7 @@ def _e2m1(c):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4):
-    # x_ref bf16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
+    # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
     pid_n = pl.program_id(0)
@@ -100,11 +101,11 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             w_lo, w_hi = (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
         ke, ko = 2 * j, 2 * j + 1
         xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]], mask=row_ok[:, None] & (ke < k)[None, :],
-                               other=0.0)  # bf16[Mp, BK/2]
+                               other=0.0)  # bf16|f16[Mp, BK/2]
         xo = plgpu_triton.load(x_ref.at[rows[:, None], ko[None, :]], mask=row_ok[:, None] & (ko < k)[None, :],
                                other=0.0)
-        acc = acc + plgpu_triton.dot(xe, w_lo.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)
-        return acc + plgpu_triton.dot(xo, w_hi.astype(jnp.bfloat16), trans_b=True).astype(jnp.float32)
+        acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
+        return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
 
     acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros((mp, block_n), jnp.float32))  # f32[Mp, BN]
     if fp4:
@@ -131,14 +132,16 @@ def _check(x, packed, scales, aux, k: int, group: int, kind: str):
     want = (n,) if kind == "fp4" else scales.shape
     if aux.shape != want:
         raise ValueError(f"skinny_matmul_w4: {'row_scale' if kind == 'fp4' else 'zeros'} {aux.shape} must be {want}")
-    if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(packed.dtype) != jnp.dtype(jnp.uint8):
-        raise ValueError(f"skinny_matmul_w4: x must be bf16 and packed uint8; got {x.dtype}, {packed.dtype}")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"skinny_matmul_w4: x must be bfloat16 or float16; got {x.dtype}")
+    if jnp.dtype(packed.dtype) != jnp.dtype(jnp.uint8):
+        raise ValueError(f"skinny_matmul_w4: packed must be uint8; got {packed.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret"))
 def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: str,
                      params: W4Params | None = None, interpret: bool = False):
-    """x bf16[M, K] @ W^T -> bf16[M, N] for a packed 4-bit W (module docstring), M in 1..64.
+    """x bf16|f16[M, K] @ W^T -> [M, N] in x's dtype for a packed 4-bit W (module docstring), M in 1..64.
 
     aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
     """
