@@ -276,6 +276,26 @@ def test_fused_parts_with_different_g_idx_are_an_error(gptq_copy):
         load_model(gptq_copy, show_progress=False)
 
 
+def test_gptq_v2_zero_convention(gptq_copy):
+    """checkpoint_format "gptq_v2" stores the zero point itself (v1: zero - 1): the v1 fixture
+    rewritten as v2 (every qzeros nibble + 1; the fixture's v1 nibbles are 0..14) gives the same logits."""
+    def to_v2(t):
+        for name in [n for n in t if n.endswith(".qzeros")]:
+            u = t[name].view(np.uint32)
+            nib = [((u >> (4 * j)) & 15) + 1 for j in range(8)]
+            assert max(int(x.max()) for x in nib) <= 15
+            t[name] = sum(x.astype(np.uint32) << np.uint32(4 * j) for j, x in enumerate(nib)).view(np.int32)
+
+    _edit(gptq_copy, to_v2)
+    cfg = json.loads((gptq_copy / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    (gptq_copy / "config.json").write_text(json.dumps(cfg))
+    g = np.load(gptq_copy / "golden.npz")
+    model, params = load_model(gptq_copy, dtype="float32", show_progress=False)
+    logits = np.asarray(model.forward(params, jnp.asarray(g["input_ids"][2:3])))[0]
+    np.testing.assert_allclose(logits, g["logits"][2], atol=1e-3, rtol=1e-3)
+
+
 def test_quantizing_a_quantized_checkpoint_is_an_error():
     with pytest.raises(ValueError, match="already quantized"):
         load_model(FIXTURES / "llama_awq_tiny", quantization="int4", show_progress=False)
