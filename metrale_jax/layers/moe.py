@@ -166,7 +166,15 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
 
     x [T, H], weights f32[T, k], experts i32[T, k], w_gate_up [E, H, 2I] (gated) or [E, H, I],
     w_down [E, I, H] -> [T, H] in x's dtype. use_tokamax: the GPU grouped GEMM (see module doc).
+    Block-FP8 experts (`Fp8Linear`s [E, N_pad, K]) go through `moe_fp8.fp8_routed_experts`.
     """
+    from metrale_jax.layers.linear import Fp8Linear
+
+    if isinstance(w_gate_up, Fp8Linear):
+        from metrale_jax.layers.moe_fp8 import fp8_routed_experts
+
+        return fp8_routed_experts(x, weights, experts, w_gate_up, w_down, act=act, gated=gated,
+                                  use_tokamax=use_tokamax)
     t, k = experts.shape
     num_experts = w_down.shape[0]
     flat = experts.reshape(-1)  # i32[T*k]
