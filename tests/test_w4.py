@@ -160,6 +160,10 @@ def _random_w4(rng, n, k, g, kind):
     ("fp4", 3, 50, 112, 16, W4Params(block_n=16, block_k=64)),
     ("fp4", 17, 24, 48, 16, W4Params(block_n=32, block_k=512)),
     ("int4", 2, 48, 160, 32, W4Params(block_n=16, block_k=64)),  # float16 activations (GPTQ / AWQ models)
+    # group_partial: per-group dots of raw codes, zero * sum(x) subtracted, scale on the partial
+    ("int4", 5, 70, 201, 128, W4Params(block_n=32, block_k=128, group_partial=True)),  # one step per group
+    ("int4", 9, 40, 190, 96, W4Params(block_n=16, block_k=32, group_partial=True)),  # 3 steps per group
+    ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, group_partial=True)),  # 4 groups per step
 ])
 def test_w4_kernel_interpret(kind, m, n, k, g, params):
     rng = np.random.default_rng(m * 1000 + n + k)
@@ -187,6 +191,12 @@ def test_w4_kernel_rejects_bad_input():
         skinny_matmul_w4(x, packed, s[:, :1], z, k=64, group_size=32, kind="int4")
     with pytest.raises(ValueError, match="group"):
         skinny_matmul_w4(x, packed, jnp.ones((8, 3), jnp.float16), z, k=64, group_size=31, kind="int4")
+    with pytest.raises(ValueError, match="group_partial"):  # 48 and 64 do not divide one another
+        skinny_matmul_w4(x, packed, s, z, k=64, group_size=48, kind="int4",
+                         params=W4Params(block_k=64, group_partial=True))
+    with pytest.raises(ValueError, match="group_partial"):  # NVFP4's groups of 16
+        skinny_matmul_w4(x, packed, jnp.ones((8, 4), ml_dtypes.float8_e4m3fn), jnp.ones(8), k=64, group_size=16,
+                         kind="fp4", params=W4Params(block_k=64, group_partial=True))
     with pytest.raises(ValueError, match="row_scale"):
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 

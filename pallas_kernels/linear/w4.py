@@ -50,6 +50,12 @@ class W4Params:
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 4
+    # False: dequantize each weight in registers ((code - zero) * scale, rounded to x's dtype), one
+    # dot pair per step. True: per group, dot x with the raw codes (exact in bf16), subtract
+    # zero * sum(x) and multiply the f32 partial by the group's per-column scale (needs block_k and
+    # the group size to divide one another, and groups of >= 32: int4 only in practice, NVFP4's 16
+    # would give dots of 8 columns, below Triton's 16; more accurate, fewer per-element ops, more dots).
+    group_partial: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -70,7 +76,7 @@ def _e2m1(c):
     return jnp.where((c & 8) != 0, -v, v)
 
 
-def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4):
+def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -107,7 +113,37 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
         acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
         return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
 
-    acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros((mp, block_n), jnp.float32))  # f32[Mp, BN]
+    sub = min(group, block_k)  # group_partial: K columns per dot pair, within one group
+
+    def body_group_partial(i, acc):
+        for gi in range(block_k // sub):
+            k0 = i * block_k + gi * sub
+            j = k0 // 2 + jnp.arange(sub // 2, dtype=jnp.int32)  # i32[sub/2] byte columns
+            t_mask = n_ok[:, None] & (j < kb)[None, :]
+            b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
+                                  eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, sub/2]
+            g = jnp.minimum(k0 // group, ng - 1)
+            gcol = jnp.full((block_n,), g, jnp.int32)
+            s = plgpu_triton.load(s_ref.at[ncols, gcol], mask=n_ok, other=0).astype(jnp.float32)  # f32[BN]
+            ke, ko = 2 * j, 2 * j + 1
+            xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]],
+                                   mask=row_ok[:, None] & (ke < k)[None, :], other=0.0)  # [Mp, sub/2]
+            xo = plgpu_triton.load(x_ref.at[rows[:, None], ko[None, :]],
+                                   mask=row_ok[:, None] & (ko < k)[None, :], other=0.0)
+            lo, hi = b & 15, b >> 4
+            if fp4:
+                lo, hi = _e2m1(lo), _e2m1(hi)  # exact in bf16 / f16
+            part = plgpu_triton.dot(xe, lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
+            part = part + plgpu_triton.dot(xo, hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
+            if not fp4:  # sum_k x (q - z) = x . q - z * sum_k x
+                z = plgpu_triton.load(aux_ref.at[ncols, gcol], mask=n_ok, other=0).astype(jnp.float32)  # f32[BN]
+                xsum = jnp.sum(xe.astype(jnp.float32), axis=1) + jnp.sum(xo.astype(jnp.float32), axis=1)  # f32[Mp]
+                part = part - xsum[:, None] * z[None, :]
+            acc = acc + part * s[None, :]
+        return acc
+
+    acc = jax.lax.fori_loop(0, num_steps, body_group_partial if group_partial else body,
+                            jnp.zeros((mp, block_n), jnp.float32))  # f32[Mp, BN]
     if fp4:
         acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)[None, :]
     plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
@@ -150,9 +186,12 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     m = x.shape[0]
     n = packed.shape[0]
     block_k = min(params.block_k, max(32, 1 << max(0, (k - 1).bit_length())))
+    if params.group_partial and (block_k % group_size and group_size % block_k or group_size < 32):
+        raise ValueError(f"skinny_matmul_w4: group_partial needs block_k ({block_k}) and {group_size=} to divide one "
+                         "another, and groups of >= 32 (one dot pair each)")
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
-        num_steps=-(-k // block_k), fp4=kind == "fp4")
+        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial)
     return pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n),),
