@@ -1,12 +1,13 @@
 """Routed experts with block-FP8 weights (`Fp8Linear` [E, N_pad, K] per layer) kept FP8 on the device.
 
 Two static paths, by the number of (token, expert) pairs P = T * k against the expert count E:
-* P < E (decode): gather the P pairs' expert weights (FP8 bytes and their scales), dequantize
-  only those, and run one batched matvec per pair: the step reads P experts' FP8 weights instead
-  of all E;
+* P < E (decode): each pair's matvec reads only its expert's FP8 weights: with `use_kernel` (the
+  engine's GPU default, `linear.use_fp8_kernel`) and bf16 activations through the Pallas kernel
+  `pallas_kernels/linear/expert_fp8.py`, otherwise by gathering the pairs' FP8 weights and
+  dequantizing them in XLA;
 * otherwise (prefill): dequantize every expert to the activation dtype and run the grouped GEMM
   of `moe.routed_experts` (a transient bf16 copy of the layer's experts).
-No FP8 grouped-GEMM kernel yet: both paths are XLA. The weights stay FP8 in memory (half of bf16).
+No FP8 grouped-GEMM kernel for prefill yet. The weights stay FP8 in memory (half of bf16).
 """
 
 from __future__ import annotations
@@ -41,17 +42,23 @@ def fp8_routed_experts(x, weights, experts, w_gate_up: Fp8Linear, w_down: Fp8Lin
                               act=act, gated=gated, use_tokamax=use_tokamax)
     flat = experts.reshape(-1)  # i32[P]
 
-    def pick(w: Fp8Linear):  # [P, N, K] in x's dtype: the pairs' experts only
-        sub = Fp8Linear(w.w8[flat], w.scale_inv[flat], w.segments)
-        return _select_rows(dequantize(sub, x.dtype), w.segments)
+    def matvec(xp, w: Fp8Linear):  # xp [P, K] -> f32[P, N]: each pair through its expert only
+        if w.use_kernel and xp.dtype == jnp.bfloat16:
+            from pallas_kernels.linear.expert_fp8 import expert_matvec_fp8
+
+            y = expert_matvec_fp8(xp, w.w8, w.scale_inv, flat, interpret=w.interpret).astype(jnp.float32)
+            return _select_rows(y[..., None], w.segments)[..., 0]  # f32[P, N_pad] -> [P, N]
+        sub = Fp8Linear(w.w8[flat], w.scale_inv[flat], w.segments)  # gathered FP8 bytes [P, N_pad, K]
+        wd = _select_rows(dequantize(sub, xp.dtype), w.segments)  # [P, N, K]
+        return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
 
     xs = jnp.repeat(x, k, axis=0)  # [P, H]: pair p = (token p // k, its (p % k)-th expert)
-    h = jnp.einsum("ph,pnh->pn", xs, pick(w_gate_up), preferred_element_type=jnp.float32)
+    h = matvec(xs, w_gate_up)
     if gated:
         g, u = jnp.split(h, 2, axis=-1)
         a = act(g) * u
     else:
         a = act(h)
-    y = jnp.einsum("pi,pni->pn", a.astype(x.dtype), pick(w_down), preferred_element_type=jnp.float32)
+    y = matvec(a.astype(x.dtype), w_down)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[:, None]
     return y.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
