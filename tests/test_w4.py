@@ -306,6 +306,21 @@ def test_gptq_v2_zero_convention(gptq_copy):
     np.testing.assert_allclose(logits, g["logits"][2], atol=1e-3, rtol=1e-3)
 
 
+def test_quantized_lm_head_is_named(tmp_path):
+    """A 4-bit module outside the decoder linears (here lm_head, as GPTQ's lm_head=True writes it)."""
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_awq_tiny", d)
+
+    def quantize_head(t):
+        t.pop("lm_head.weight")
+        for x in ("qweight", "qzeros", "scales"):
+            t["lm_head." + x] = t["model.layers.0.mlp.up_proj." + x]
+
+    _edit(d, quantize_head)
+    with pytest.raises(UnsupportedDtypeError, match="lm_head is 4-bit"):
+        load_model(d, show_progress=False)
+
+
 def test_quantizing_a_quantized_checkpoint_is_an_error():
     with pytest.raises(ValueError, match="already quantized"):
         load_model(FIXTURES / "llama_awq_tiny", quantization="int4", show_progress=False)

@@ -1,4 +1,4 @@
-"""Linear layers: plain weights [K, N], or FP8 e4m3 weights with 128x128 block scales.
+"""Linear layers: plain weights [K, N], FP8 e4m3 weights with 128x128 block scales, or packed 4-bit weights.
 
 `linear(x, w, b)` takes either. An `Fp8Linear` keeps the checkpoint's layout ([N, K], the
 DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv` format). A fused projection (q|k|v, gate|up) stacks
@@ -80,7 +80,7 @@ def dequantize(w: Fp8Linear, dtype) -> jax.Array:
 def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ w (* row_scale) (+ b [N]) with float32 accumulation, result in x's dtype.
 
-    w: [K, N], or an `Fp8Linear` whose valid output columns are N.
+    w: [K, N], an `Fp8Linear` whose valid output columns are N, or a 4-bit `W4Linear` [N, K].
     row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
     """
     if isinstance(w, W4Linear):

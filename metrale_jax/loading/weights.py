@@ -62,6 +62,14 @@ class WeightReader:
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
         """The tensor `name` as float32 numpy (or the target dtype if cast), checked against shape."""
         if name not in self._names:
+            if self.w4_scheme is not None and name.endswith(".weight"):
+                from metrale_jax.quant.w4 import READERS
+
+                if self.has(name[: -len("weight")] + READERS[self.w4_scheme.method][0]):
+                    raise UnsupportedDtypeError(
+                        f"{self.origin}: {name[: -len('.weight')]} is 4-bit ({self.w4_scheme.method}); 4-bit weights "
+                        "are supported in the decoder linears of Llama-family models only (not lm_head, embeddings, "
+                        "experts or other families' layers)")
             raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
         got = tuple(self.source.shape(name))
         if got != tuple(shape):
