@@ -164,6 +164,10 @@ def _random_w4(rng, n, k, g, kind):
     ("int4", 5, 70, 201, 128, W4Params(block_n=32, block_k=128, group_partial=True)),  # one step per group
     ("int4", 9, 40, 190, 96, W4Params(block_n=16, block_k=32, group_partial=True)),  # 3 steps per group
     ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, group_partial=True)),  # 4 groups per step
+    # gemv: M = 1 on the CUDA cores (other M ignore the flag)
+    ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=64, gemv=True)),
+    ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=32, gemv=True)),
+    ("int4", 4, 24, 64, 32, W4Params(block_n=16, block_k=64, gemv=True)),
 ])
 def test_w4_kernel_interpret(kind, m, n, k, g, params):
     rng = np.random.default_rng(m * 1000 + n + k)
@@ -371,3 +375,16 @@ def test_quantize_on_load(tmp_path, quantization):
     toks = jnp.asarray(np.load(src / "golden.npz")["input_ids"][2:3])
     np.testing.assert_allclose(np.asarray(model.forward(q, toks)), np.asarray(qdq_model.forward(qdq, toks)),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_w4_params_for_reads_the_tuned_table(monkeypatch):
+    from pallas_kernels.linear import w4 as kw4
+
+    table = {"int4_n4096_k4096_m1": dict(block_n=16, block_k=1024, num_warps=4, num_stages=4, gemv=True),
+             "int4_n4096_k4096_m32": dict(block_n=64, block_k=256, num_warps=8, num_stages=3, group_partial=True)}
+    monkeypatch.setattr(kw4, "_tuned_table", lambda: table)
+    assert kw4.w4_params_for("int4", 1, 4096, 4096).gemv
+    p8 = kw4.w4_params_for("int4", 8, 4096, 4096)  # the next measured M above (32)
+    assert p8.block_n == 64 and p8.group_partial and not p8.gemv
+    assert kw4.w4_params_for("int4", 64, 4096, 4096) == W4Params()  # past the measured M: defaults
+    assert kw4.w4_params_for("fp4", 1, 4096, 4096) == W4Params()

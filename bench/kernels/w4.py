@@ -13,7 +13,7 @@ bytes (with scales and zeros) / time, and the speed-up over bf16. Each kernel's 
 is checked against a float32 dot on the dequantized weight.
 
 Run (on the GPU machine, from the repo root):
-    PYTHONPATH=. python3 bench/kernels/w4.py --out DIR           # DIR/w4.json, DIR/w4.md
+    PYTHONPATH=. python3 bench/kernels/w4.py --out DIR           # DIR/w4.json, w4.md, tuned_w4.json
     PYTHONPATH=. python3 bench/kernels/w4.py --out DIR --cpu-smoke   # tiny shapes, interpret mode
 """
 
@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.linear import W4Params, dequantize_w4_reference, skinny_matmul_w4  # noqa: E402
+from pallas_kernels.linear.w4 import w4_tuned_key  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 MS = (1, 8, 16, 32, 64)
@@ -45,7 +46,9 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(64, 256, 8, 4), W4Params(128, 256, 8, 3),
          # int4 only (NVFP4's groups of 16 are too narrow): per-group dots of raw codes, scale on the partial
          W4Params(16, 512, 4, 4, True), W4Params(32, 256, 4, 4, True), W4Params(64, 256, 4, 3, True),
-         W4Params(128, 128, 8, 3, True)]
+         W4Params(128, 128, 8, 3, True),
+         # M = 1 on the CUDA cores (the dot for other M)
+         W4Params(16, 1024, 4, 4, gemv=True), W4Params(32, 512, 4, 4, gemv=True), W4Params(16, 2048, 4, 3, gemv=True)]
 MIN_ROTATION_BYTES = 256e6
 
 
@@ -160,7 +163,7 @@ def main(argv=None):
                 t, y = _time(functools.partial(_dequant_dot, k=k, group_size=group, kind=kind), x, ws)
                 cells.append(("xla_dequant_dot", None, t, y))
                 for p in SWEEP:
-                    if p.group_partial and kind == "fp4":
+                    if p.group_partial and kind == "fp4" or p.gemv and m > 1:
                         continue
                     try:
                         t, y = _time(functools.partial(kernel, k=k, group_size=group, kind=kind, params=p), x, ws)
@@ -193,6 +196,13 @@ def main(argv=None):
                 if best and dq and bf:
                     md.append(f"| {name} | {kind} | {m} | {best['time_us']:.1f} | {best['packed_tb_s']:.2f} | "
                               f"{dq['time_us']:.1f} | {bf['time_us']:.1f} | {best['speedup_vs_bf16']:.2f} |")
+    tuned = {}  # best kernel params per (kind, N, K, M): copy to pallas_kernels/linear/tuned_w4.json
+    for r in rows:
+        if r.get("impl") == "pallas_w4" and "time_us" in r and (r["rel_err"] or 0) < 1e-2:
+            key_ = w4_tuned_key(r["kind"], r["M"], r["N"], r["K"])
+            if key_ not in tuned or r["time_us"] < tuned[key_][0]:
+                tuned[key_] = (r["time_us"], r["params"])
+    (out / "tuned_w4.json").write_text(json.dumps({k_: v[1] for k_, v in sorted(tuned.items())}, indent=1))
     (out / "w4.md").write_text(f"# 4-bit kernel, {meta['device']}, {meta['date']}\n\nmemcpy "
                                f"{meta['memcpy_tb_s']:.2f} TB/s\n\n" + "\n".join(md) + "\n")
     save()

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,7 @@ MAX_M = 64
 
 @dataclasses.dataclass(frozen=True)
 class W4Params:
-    """Static tuning of `skinny_matmul_w4` (untuned: to be swept on the H200).
+    """Static tuning of `skinny_matmul_w4` (`w4_params_for`: the H200 sweep's table, none yet).
 
     block_n: weight rows per program (power of two >= 16); block_k: K columns per loop step
     (power of two >= 32, i.e. block_k / 2 bytes per row); num_warps / num_stages: Triton launch.
@@ -56,6 +58,9 @@ class W4Params:
     # the group size to divide one another, and groups of >= 32: int4 only in practice, NVFP4's 16
     # would give dots of 8 columns, below Triton's 16; more accurate, fewer per-element ops, more dots).
     group_partial: bool = False
+    # M = 1 only: multiply-and-reduce on the CUDA cores (f32) instead of a dot that pads x to 16
+    # rows (the FP8 kernel's fastest M = 1 variant on the H200); other M use the dot.
+    gemv: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -64,6 +69,30 @@ class W4Params:
                 raise ValueError(f"{f}={v} must be a power of two >= 16")
         if self.block_k < 32:
             raise ValueError(f"{self.block_k=} must be >= 32 (16 bytes a row)")
+
+
+_TUNED_PATH = pathlib.Path(__file__).with_name("tuned_w4.json")  # written by bench/kernels/w4.py (absent: defaults)
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    return json.loads(_TUNED_PATH.read_text()) if _TUNED_PATH.exists() else {}
+
+
+def w4_tuned_key(kind: str, m: int, n: int, k: int) -> str:
+    return f"{kind}_n{n}_k{k}_m{m}"
+
+
+def w4_params_for(kind: str, m: int, n: int, k: int) -> W4Params:
+    """The tuned params of the smallest measured M >= m for this (kind, N, K), else the defaults."""
+    table = _tuned_table()
+    prefix = w4_tuned_key(kind, 0, n, k)[:-1]
+    ms = sorted(int(key[len(prefix):]) for key in table if key.startswith(prefix))
+    pick = next((t for t in ms if t >= m), None)
+    if pick is None:
+        return W4Params()
+    p = W4Params(**table[prefix + str(pick)])
+    return dataclasses.replace(p, gemv=False) if p.gemv and m > 1 else p
 
 
 def _e2m1(c):
@@ -76,7 +105,8 @@ def _e2m1(c):
     return jnp.where((c & 8) != 0, -v, v)
 
 
-def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial):
+def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
+               gemv):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -89,22 +119,21 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
     n_ok = ncols < n  # bool[BN]
     row_ok = rows < m  # bool[Mp]
 
-    def body(i, acc):
-        j = i * half + jnp.arange(half, dtype=jnp.int32)  # i32[BK/2] byte columns
-        j_ok = j < kb
-        t_mask = n_ok[:, None] & j_ok[None, :]
+    def weights(i):  # step i -> (byte columns j i32[BK/2], f32 dequantized even / odd weights [BN, BK/2])
+        j = i * half + jnp.arange(half, dtype=jnp.int32)
+        t_mask = n_ok[:, None] & (j < kb)[None, :]
         b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
-                              eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, BK/2]
+                              eviction_policy="evict_first").astype(jnp.int32)
         lo, hi = b & 15, b >> 4
-        grp = jnp.minimum((2 * j) // group, ng - 1)  # i32[BK/2]: both codes of a byte share it
-        s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
-                              other=0).astype(jnp.float32)  # f32[BN, BK/2]
+        grp = jnp.minimum((2 * j) // group, ng - 1)
+        s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.float32)
         if fp4:
-            w_lo, w_hi = _e2m1(lo) * s, _e2m1(hi) * s
-        else:
-            z = plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
-                                  other=0).astype(jnp.int32)
-            w_lo, w_hi = (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
+            return j, _e2m1(lo) * s, _e2m1(hi) * s
+        z = plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.int32)
+        return j, (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
+
+    def body(i, acc):
+        j, w_lo, w_hi = weights(i)
         ke, ko = 2 * j, 2 * j + 1
         xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]], mask=row_ok[:, None] & (ke < k)[None, :],
                                other=0.0)  # bf16|f16[Mp, BK/2]
@@ -112,6 +141,20 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                                other=0.0)
         acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
         return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
+
+    if gemv:  # m == 1: f32 multiply-and-reduce, acc f32[BN]
+        def body_gemv(i, acc):
+            j, w_lo, w_hi = weights(i)
+            zj = jnp.zeros_like(j)
+            xe = plgpu_triton.load(x_ref.at[zj, 2 * j], mask=2 * j < k, other=0.0).astype(jnp.float32)  # f32[BK/2]
+            xo = plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
+            return acc + jnp.sum(w_lo * xe[None, :] + w_hi * xo[None, :], axis=1)
+
+        acc = jax.lax.fori_loop(0, num_steps, body_gemv, jnp.zeros((block_n,), jnp.float32))
+        if fp4:
+            acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
+        plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
+        return
 
     sub = min(group, block_k)  # group_partial: K columns per dot pair, within one group
 
@@ -182,16 +225,17 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
     """
     _check(x, packed, scales, aux, k, group_size, kind)
-    params = params or W4Params()
     m = x.shape[0]
     n = packed.shape[0]
+    params = params or w4_params_for(kind, m, n, k)
     block_k = min(params.block_k, max(32, 1 << max(0, (k - 1).bit_length())))
-    if params.group_partial and (block_k % group_size and group_size % block_k or group_size < 32):
+    gemv = params.gemv and m == 1
+    if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
         raise ValueError(f"skinny_matmul_w4: group_partial needs block_k ({block_k}) and {group_size=} to divide one "
                          "another, and groups of >= 32 (one dot pair each)")
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
-        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial)
+        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial and not gemv, gemv=gemv)
     return pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n),),
