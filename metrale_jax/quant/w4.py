@@ -398,9 +398,11 @@ def quantize_int4(w, group_size: int = INT4_GROUP) -> W4Weight:
 def _round_e2m1(v: np.ndarray) -> np.ndarray:
     """f32 values -> nearest e2m1 code (ties to the even code), saturating at +-6."""
     mags = E2M1_VALUES[:8]
+    mids = (mags[:-1] + mags[1:]) / 2  # f32[7] decision points
     a = np.minimum(np.abs(v), 6.0)
-    d = np.abs(a[..., None] - mags)  # [..., 8]
-    best = np.argmin(d + (np.arange(8) % 2) * 1e-7, axis=-1)  # ties -> even mantissa
+    best = np.searchsorted(mids, a, side="left")  # a <= mids[i]: code i (a tie goes down) ...
+    tie = (best < 7) & (a == mids[np.minimum(best, 6)]) & (best % 2 == 1)
+    best = best + tie  # ... unless that code is odd: ties to the even code
     return (best | ((v < 0) & (best > 0)) * 8).astype(np.uint8)
 
 
