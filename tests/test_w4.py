@@ -168,6 +168,10 @@ def _random_w4(rng, n, k, g, kind):
     ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=64, gemv=True)),
     ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=32, gemv=True)),
     ("int4", 4, 24, 64, 32, W4Params(block_n=16, block_k=64, gemv=True)),
+    # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
+    ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
+    ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
+    ("int4", 1, 24, 160, 64, W4Params(block_n=16, block_k=128, scale_tile=True, gemv=True)),
 ])
 def test_w4_kernel_interpret(kind, m, n, k, g, params):
     rng = np.random.default_rng(m * 1000 + n + k)
@@ -201,6 +205,9 @@ def test_w4_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="group_partial"):  # NVFP4's groups of 16
         skinny_matmul_w4(x, packed, jnp.ones((8, 4), ml_dtypes.float8_e4m3fn), jnp.ones(8), k=64, group_size=16,
                          kind="fp4", params=W4Params(block_k=64, group_partial=True))
+    with pytest.raises(ValueError, match="scale_tile"):  # groups of 48: not a power of two
+        skinny_matmul_w4(x, packed, s, z, k=64, group_size=48, kind="int4",
+                         params=W4Params(block_k=64, scale_tile=True))
     with pytest.raises(ValueError, match="row_scale"):
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 

@@ -48,7 +48,10 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 512, 4, 4, True), W4Params(32, 256, 4, 4, True), W4Params(64, 256, 4, 3, True),
          W4Params(128, 128, 8, 3, True),
          # M = 1 on the CUDA cores (the dot for other M)
-         W4Params(16, 1024, 4, 4, gemv=True), W4Params(32, 512, 4, 4, gemv=True), W4Params(16, 2048, 4, 3, gemv=True)]
+         W4Params(16, 1024, 4, 4, gemv=True), W4Params(32, 512, 4, 4, gemv=True), W4Params(16, 2048, 4, 3, gemv=True),
+         # scale / zero tiles broadcast in registers instead of one gathered scale per byte
+         W4Params(32, 512, 4, 4, scale_tile=True), W4Params(64, 256, 4, 3, scale_tile=True),
+         W4Params(16, 1024, 4, 4, gemv=True, scale_tile=True)]
 MIN_ROTATION_BYTES = 256e6
 
 

@@ -61,6 +61,10 @@ class W4Params:
     # M = 1 only: multiply-and-reduce on the CUDA cores (f32) instead of a dot that pads x to 16
     # rows (the FP8 kernel's fastest M = 1 variant on the H200); other M use the dot.
     gemv: bool = False
+    # The dequantizing paths: load each step's scales (and zeros) as a small [block_n, block_k / G]
+    # tile and broadcast it in registers (needs G a power of two dividing block_k), instead of
+    # gathering one scale per weight pair (any G; many more load instructions).
+    scale_tile: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -106,7 +110,7 @@ def _e2m1(c):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv):
+               gemv, scale_tile):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -125,11 +129,24 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
         b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
                               eviction_policy="evict_first").astype(jnp.int32)
         lo, hi = b & 15, b >> 4
-        grp = jnp.minimum((2 * j) // group, ng - 1)
-        s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.float32)
+        if scale_tile:  # [BN, BK/G] tiles, each value repeated over its group's G/2 bytes in registers
+            nsg = block_k // group
+            gidx = i * nsg + jnp.arange(nsg, dtype=jnp.int32)  # i32[BK/G]
+            g_mask = n_ok[:, None] & (gidx < ng)[None, :]
+
+            def tile(ref, dtype):
+                t = plgpu_triton.load(ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0).astype(dtype)
+                return jnp.broadcast_to(t[:, :, None], (block_n, nsg, group // 2)).reshape(block_n, half)
+
+            s = tile(s_ref, jnp.float32)
+            z = None if fp4 else tile(aux_ref, jnp.int32)
+        else:  # one gathered scale (and zero) per byte column
+            grp = jnp.minimum((2 * j) // group, ng - 1)
+            s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.float32)
+            z = None if fp4 else plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
+                                                   other=0).astype(jnp.int32)
         if fp4:
             return j, _e2m1(lo) * s, _e2m1(hi) * s
-        z = plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.int32)
         return j, (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
 
     def body(i, acc):
@@ -233,9 +250,13 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
         raise ValueError(f"skinny_matmul_w4: group_partial needs block_k ({block_k}) and {group_size=} to divide one "
                          "another, and groups of >= 32 (one dot pair each)")
+    if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
+        raise ValueError(f"skinny_matmul_w4: scale_tile needs {group_size=} a power of two dividing block_k "
+                         f"({block_k})")
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
-        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial and not gemv, gemv=gemv)
+        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial and not gemv, gemv=gemv,
+        scale_tile=params.scale_tile)
     return pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n),),
