@@ -21,6 +21,13 @@ rounded to x's dtype (as a bf16 checkpoint's weights are). Accumulation float32,
 dtype. Shapes are arbitrary: partial N and K tiles are masked; the group size must be even (so a
 byte's two codes share a group). Lowered through Triton, as
 `skinny.py` (see its docstring for why); runs in interpret mode on the CPU.
+
+Variants, static in `W4Params`, for the H200 sweep to choose between (none measured yet, so the
+defaults are a guess): `scale_tile` loads each step's scales as a [block_n, block_k / G] tile
+broadcast in registers instead of a per-byte gather; `group_partial` (int4) dots x with the raw
+codes per group and applies zero and scale to the f32 partial; `gemv` (M = 1) multiplies and
+reduces on the CUDA cores instead of a dot padded to 16 rows. `w4_params_for` reads the sweep's
+table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
 """
 
 from __future__ import annotations
