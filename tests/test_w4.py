@@ -105,24 +105,6 @@ def test_w4_kernel_in_decode_steps():
     assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 5e-2
 
 
-@pytest.mark.parametrize("name", ["llama_nvfp4_modelopt_tiny"])
-def test_w4_kernel_per_linear_matches_xla(name):
-    """Each linear of layer 0 (fused q|k|v, gate|up with act-order perms; NVFP4 with per-part global
-    scales): the kernel (interpret) against the XLA dequantize-then-dot path in float32."""
-    import dataclasses
-
-    from metrale_jax.layers.linear import linear
-
-    _, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
-    rng = np.random.default_rng(0)
-    for key in ("wqkv", "wo", "w_gate_up", "w_down"):
-        w = jax.tree.map(lambda a: a[0], params["layers"][key])
-        x = jnp.asarray(rng.standard_normal((3, w.k)), jnp.bfloat16)
-        got = np.asarray(linear(x, dataclasses.replace(w, use_kernel=True, interpret=True)), np.float32)
-        want = np.asarray(linear(x.astype(jnp.float32), w), np.float32)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3, key
-
-
 # ---- the kernel -------------------------------------------------------------------------------------
 def _oracle_weight(packed, scales, aux, k, g, kind):
     """Per-row numpy unpacking (independent of the package): f64[N, K]."""
@@ -154,24 +136,20 @@ def _random_w4(rng, n, k, g, kind):
 
 
 @pytest.mark.parametrize("kind,m,n,k,g,params", [
-    ("int4", 1, 40, 96, 32, W4Params(block_n=16, block_k=64)),
     ("int4", 5, 70, 201, 128, W4Params(block_n=32, block_k=128)),  # odd K, partial group and tiles
     ("int4", 64, 33, 64, 64, W4Params(block_n=16, block_k=32)),
     ("fp4", 3, 50, 112, 16, W4Params(block_n=16, block_k=64)),
     ("fp4", 17, 24, 48, 16, W4Params(block_n=32, block_k=512)),
     ("int4", 2, 48, 160, 32, W4Params(block_n=16, block_k=64)),  # float16 activations (GPTQ / AWQ models)
     # group_partial: per-group dots of raw codes, zero * sum(x) subtracted, scale on the partial
-    ("int4", 5, 70, 201, 128, W4Params(block_n=32, block_k=128, group_partial=True)),  # one step per group
     ("int4", 9, 40, 190, 96, W4Params(block_n=16, block_k=32, group_partial=True)),  # 3 steps per group
     ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, group_partial=True)),  # 4 groups per step
-    # gemv: M = 1 on the CUDA cores (other M ignore the flag)
+    # gemv: M = 1 on the CUDA cores
     ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=64, gemv=True)),
     ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=32, gemv=True)),
-    ("int4", 4, 24, 64, 32, W4Params(block_n=16, block_k=64, gemv=True)),
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
-    ("int4", 1, 24, 160, 64, W4Params(block_n=16, block_k=128, scale_tile=True, gemv=True)),
 ])
 def test_w4_kernel_interpret(kind, m, n, k, g, params):
     rng = np.random.default_rng(m * 1000 + n + k)
