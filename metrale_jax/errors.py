@@ -93,3 +93,10 @@ class InvalidSamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range."""
 
     code = "invalid_sampling_params"
+
+
+class InvalidStructuredOutputsError(InvalidRequestError):
+    """`structured_outputs` (a JSON schema, regex, choice list or grammar) is malformed, sets
+    other than exactly one constraint, or cannot be compiled against the model's tokenizer."""
+
+    code = "invalid_structured_outputs"

@@ -1,0 +1,187 @@
+"""Structured output's cost per decode step, through `LLM.generate`: a batch of rows constrained by a
+nested JSON schema (llguidance masks filled on the host, applied on the device) against the same
+batch unconstrained.
+
+    python bench/structured_output.py --cpu [--out bench/results/structured_output_cpu_<date>]
+    python bench/structured_output.py --h200 [--out ...]     # on the GPU machine
+
+--cpu: the real SmolLM2-135M GGUF in float32, batch 8 (bar: <= 15% per decode step).
+--h200: Llama-3-8B's shape with random bf16 weights, batch 64, SmolLM2's tokenizer (49,152 ids)
+with the logits' vocabulary padded to Llama-3's 128,256 (ids past the tokenizer are banned for
+constrained rows; bar <= 5%, goal <= 2%).
+
+Every row of both runs generates exactly `--tokens` tokens (ignore_eos) from its own prompt. The
+schema is an array of `grammar_libs.SCHEMA` orders without an item limit, so the grammar stays
+open; should a row close the array anyway, its later masks allow EOS only (still filled and
+sent every step). The time per decode step is (t(N) - t(N0)) / (N - N0): two `LLM.generate`
+calls of N and N0 tokens, so prefill and the first steps cancel; best of `--repeats`, the two
+modes interleaved. Because a
+step that sampled a constrained row is read before the next is dispatched (engine.step), the
+constrained time includes that stall; `stall_ms` reports the host time of a step (read, schedule,
+mask fill, build, dispatch) that no longer overlaps the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from grammar_libs import SCHEMA  # noqa: E402
+
+ARRAY_SCHEMA = {"type": "array", "items": SCHEMA}
+
+
+def _prompts(n: int) -> list[list[dict]]:
+    topics = ["a bookshop", "a bakery", "a bike shop", "a florist", "a toy store", "a pharmacy", "a tea house",
+              "a record store", "a hardware store", "a cheese shop", "a fish market", "a print shop"]
+    return [[{"role": "user", "content": f"Write the orders of {topics[i % len(topics)]} (day {i}) as JSON."}]
+            for i in range(n)]
+
+
+def _engine(args):
+    import jax
+
+    from metrale_jax.engine import EngineConfig, LLMEngine
+    from metrale_jax.model import load_model
+
+    b = args.batch
+    if args.h200:
+        from metrale_jax.engine.bench import shape_config
+        from metrale_jax.loading.checkpoint import open_checkpoint
+        from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
+        from metrale_jax.model import random_model
+
+        config = shape_config("llama3-8b", args.num_layers)
+        model, params = random_model(config, dtype="bfloat16", seed=0, repeat_layers=True,
+                                     split_layers=jax.devices()[0].platform == "gpu")
+        ck = open_checkpoint(resolve_model(DEFAULT_MODEL))
+        model.tokenizer = ck.tokenizer  # 49,152 ids; the logits have 128,256
+        model.eos_token_ids = tuple(ck.tokenizer.eos_token_ids)
+        cfg = EngineConfig(dtype="bfloat16", max_model_len=1024, max_num_seqs=b, max_num_batched_tokens=2048,
+                           decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(2048,),
+                           show_progress=False)
+        name = "random llama3-8b shape (bf16) + SmolLM2 tokenizer"
+    else:
+        from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
+
+        model, params = load_model(resolve_model(DEFAULT_MODEL), dtype="float32", show_progress=False)
+        cfg = EngineConfig(dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=40 * b, max_num_seqs=b,
+                           max_num_batched_tokens=128, decode_buckets=(b,), mixed_decode_buckets=(b,),
+                           prefill_buckets=(128,), max_prefill_streams=4, show_progress=False)
+        name = "SmolLM2-135M-Instruct GGUF (f32)"
+    t = time.perf_counter()
+    eng = LLMEngine(model, params, cfg)
+    return eng, name, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--cpu", action="store_true")
+    g.add_argument("--h200", action="store_true")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens0", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-layers", type=int, default=None, help="--h200: cut Llama-3-8B's depth")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    args.batch = args.batch or (64 if args.h200 else 8)
+
+    from metrale_jax.llm import LLM
+    from metrale_jax.sampling import SamplingParams
+    from metrale_jax.structured_output import StructuredOutputsParams
+
+    eng, name, startup = _engine(args)
+    llm = LLM.from_engine(eng)
+    prompts = _prompts(args.batch)
+    so = StructuredOutputsParams(json=ARRAY_SCHEMA)
+
+    def params(n: int, constrained: bool) -> SamplingParams:
+        return SamplingParams(temperature=0.7, seed=7, max_tokens=n, ignore_eos=True,
+                              structured_outputs=so if constrained else None)
+
+    # the stall: from the end of reading step i (its samples applied) to the return of step i+1's
+    # dispatch, when step i sampled a constrained row (the device has nothing queued meanwhile)
+    stalls, mark = [], {}
+    finish, dispatch = eng._finish_step, eng._dispatch
+
+    def finish_timed(f):
+        o = finish(f)
+        mark["t"] = time.perf_counter() if f.constrained else None
+        return o
+
+    def dispatch_timed(sched):
+        o = dispatch(sched)
+        if mark.get("t") is not None:
+            stalls.append(time.perf_counter() - mark["t"])
+            mark["t"] = None
+        return o
+
+    eng._finish_step, eng._dispatch = finish_timed, dispatch_timed
+
+    def timed(constrained: bool, n: int) -> float:
+        t = time.perf_counter()
+        outs = llm.chat(prompts, params(n, constrained), use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt, outs
+
+    llm.chat(prompts, params(args.tokens0, True), use_tqdm=False)  # warm: grammar compile, first masks
+    per_step = {"free": [], "constrained": []}
+    texts = None
+    for _ in range(args.repeats):  # the modes interleaved, so that a shared machine's load hits both
+        for mode in ("free", "constrained"):
+            t1, outs = timed(mode == "constrained", args.tokens)
+            t0, _ = timed(mode == "constrained", args.tokens0)
+            per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
+            if mode == "constrained":
+                texts = [o.outputs[0].text for o in outs]
+    res = {k: min(v) for k, v in per_step.items()}
+    # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
+    gc = eng.grammar_compiler()
+    g = gc.compile(so)
+    ms = [gc.matcher(g) for _ in range(args.batch)]
+    tk = eng.tokenizer.encode(json.dumps([{"id": 1, "customer": {"name": "A", "tier": "pro", "address": {
+        "city": "B", "country": "FR"}}, "items": [{"sku": "x", "qty": 1, "price": 2.5}], "status": "paid"}]),
+        add_special_tokens=False)
+    fills = []
+    for t in tk:
+        t0 = time.perf_counter()
+        gc.fill([(m, i) for i, m in enumerate(ms)], eng.compiler.buckets[0].num_sample_rows)
+        fills.append(time.perf_counter() - t0)
+        for m in ms:
+            m.consume_token(t)
+    fills.sort()
+    stalls.sort()
+    import jax
+
+    out = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": str(jax.devices()[0].device_kind), "platform": platform.platform(), "model": name,
+        "jax": jax.__version__, "llguidance": __import__("importlib.metadata").metadata.version("llguidance"),
+        "batch": args.batch, "tokens": [args.tokens0, args.tokens], "repeats": args.repeats,
+        "engine_startup_s": round(startup, 1),
+        "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
+        "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
+        "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),
+        "stall_ms": {"median": round(stalls[len(stalls) // 2] * 1e3, 3), "n": len(stalls)} if stalls else None,
+        "mask_fill_batch_ms": {"median": round(fills[len(fills) // 2] * 1e3, 3), "max": round(fills[-1] * 1e3, 3)},
+        "sample_texts": [t[:160] for t in (texts or [])[:3]],
+    }
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
