@@ -150,6 +150,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], *, cache_size: int = 256):
         llg = _llguidance()
         backend = getattr(tokenizer, "backend", tokenizer)  # metrale's Tokenizer or a tokenizers.Tokenizer
+        if not hasattr(backend, "to_str"):
+            raise InvalidStructuredOutputsError(
+                f"structured output needs a `tokenizers` tokenizer; this model's is a {type(tokenizer).__name__}")
         n_tok = backend.get_vocab_size(with_added_tokens=True)
         self.vocab_size = int(vocab_size)
         self.tokenizer_vocab = n_tok
@@ -172,8 +175,13 @@ class GrammarCompiler:
         if g is not None:
             self._cache.move_to_end(key)
             return g
-        g = grammar_text(p)
-        err = _llguidance().LLMatcher.validate_grammar(g, self.llg_tokenizer)
+        try:
+            g = grammar_text(p)
+            err = _llguidance().LLMatcher.validate_grammar(g, self.llg_tokenizer)
+        except InvalidStructuredOutputsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the library raises on a bad constraint is the caller's
+            raise InvalidStructuredOutputsError(f"invalid {p.kind} constraint: {type(e).__name__}: {e}") from None
         if err:
             raise InvalidStructuredOutputsError(f"invalid {p.kind} constraint: {err.strip()}")
         self._cache[key] = g
