@@ -83,6 +83,37 @@ def _engine(args):
     return eng, name, time.perf_counter() - t
 
 
+def _device_mask_cost(eng, args) -> dict:
+    """The decode executable alone, inputs fixed, state fed back: with the constant all-allowed
+    mask (what an unconstrained batch runs) and with a mask that constrains every row."""
+    import jax
+    import numpy as np
+
+    from metrale_jax.metadata_builder import DecodeRow, RowSampling, build_step
+
+    rows = [DecodeRow(token=1, position=0, block_table=[0], sampling=RowSampling(temperature=0.7, seed=(i, 0, 0)))
+            for i in range(args.batch)]
+    inputs = build_step(eng.builder, eng.compiler.bucket_for(len(rows), 0, 0), rows, [])
+    bucket, dev = inputs.bucket, eng.compiler.transfer(inputs)
+    rng = np.random.default_rng(0)
+    bits = rng.random((bucket.num_sample_rows, eng.compiler.mask_words * 32)) < 0.05
+    mask = jax.device_put(np.packbits(bits, axis=1, bitorder="little").view(np.int32))
+    state, out = eng.state, {}
+    for name, m in (("all_allowed", None), ("masked", mask)) * 2:
+        for _ in range(2):
+            state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
+        jax.block_until_ready(o.token_ids)
+        ts = []
+        for _ in range(10):
+            t = time.perf_counter()
+            state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
+            jax.block_until_ready(o.token_ids)
+            ts.append(time.perf_counter() - t)
+        out[name] = round(min(ts) * 1e3, 3)  # the later of the two rounds
+    eng.state = state
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
@@ -106,9 +137,9 @@ def main() -> None:
     prompts = _prompts(args.batch)
     so = StructuredOutputsParams(json=ARRAY_SCHEMA)
 
-    def params(n: int, constrained: bool) -> SamplingParams:
-        return SamplingParams(temperature=0.7, seed=7, max_tokens=n, ignore_eos=True,
-                              structured_outputs=so if constrained else None)
+    def params(n: int, constrained: bool) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.7, seed=7 + i, max_tokens=n, ignore_eos=True,
+                               structured_outputs=so if constrained else None) for i in range(len(prompts))]
 
     # the stall: from the end of reading step i (its samples applied) to the return of step i+1's
     # dispatch, when step i sampled a constrained row (the device has nothing queued meanwhile)
@@ -129,24 +160,28 @@ def main() -> None:
 
     eng._finish_step, eng._dispatch = finish_timed, dispatch_timed
 
-    def timed(constrained: bool, n: int) -> float:
-        t = time.perf_counter()
+    def timed(constrained: bool, n: int) -> tuple[float, float, list]:
+        t, c = time.perf_counter(), time.process_time()
         outs = llm.chat(prompts, params(n, constrained), use_tqdm=False)
-        dt = time.perf_counter() - t
+        dt, dc = time.perf_counter() - t, time.process_time() - c
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return dt, outs
+        return dt, dc, outs
 
     llm.chat(prompts, params(args.tokens0, True), use_tqdm=False)  # warm: grammar compile, first masks
     per_step = {"free": [], "constrained": []}
+    cpu_per_step = {"free": [], "constrained": []}  # process CPU time (all threads): less hit by others' load
     texts = None
     for _ in range(args.repeats):  # the modes interleaved, so that a shared machine's load hits both
         for mode in ("free", "constrained"):
-            t1, outs = timed(mode == "constrained", args.tokens)
-            t0, _ = timed(mode == "constrained", args.tokens0)
+            t1, c1, outs = timed(mode == "constrained", args.tokens)
+            t0, c0, _ = timed(mode == "constrained", args.tokens0)
             per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
+            cpu_per_step[mode].append((c1 - c0) / (args.tokens - args.tokens0) * 1e3)
             if mode == "constrained":
                 texts = [o.outputs[0].text for o in outs]
     res = {k: min(v) for k, v in per_step.items()}
+    cpu = {k: min(v) for k, v in cpu_per_step.items()}
+    device = _device_mask_cost(eng, args)
     # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
     gc = eng.grammar_compiler()
     g = gc.compile(so)
@@ -174,6 +209,9 @@ def main() -> None:
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
         "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
         "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),
+        "cpu_time_per_step_ms": {k: round(v, 3) for k, v in cpu.items()},
+        "cpu_time_overhead_pct": round(100 * (cpu["constrained"] / cpu["free"] - 1), 1),
+        "decode_executable_ms": device,
         "stall_ms": {"median": round(stalls[len(stalls) // 2] * 1e3, 3), "n": len(stalls)} if stalls else None,
         "mask_fill_batch_ms": {"median": round(fills[len(fills) // 2] * 1e3, 3), "max": round(fills[-1] * 1e3, 3)},
         "sample_texts": [t[:160] for t in (texts or [])[:3]],

@@ -207,7 +207,7 @@ def test_server_response_format(llm):
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
         msgs = [{"role": "user", "content": "Describe a cat as JSON."}]
         r = client.chat.completions.create(
-            model="smol", messages=msgs, max_tokens=160, temperature=0.8, seed=3, n=2,
+            model="smol", messages=msgs, max_tokens=160, temperature=0.8, seed=3,
             response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
         for ch in r.choices:
             assert ch.finish_reason == "stop"
