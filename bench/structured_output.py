@@ -15,10 +15,9 @@ schema is an array of `grammar_libs.SCHEMA` orders without an item limit, so the
 open; should a row close the array anyway, its later masks allow EOS only (still filled and
 sent every step). The time per decode step is (t(N) - t(N0)) / (N - N0): two `LLM.generate`
 calls of N and N0 tokens, so prefill and the first steps cancel; best of `--repeats`, the two
-modes interleaved. Because a
-step that sampled a constrained row is read before the next is dispatched (engine.step), the
-constrained time includes that stall; `stall_ms` reports the host time of a step (read, schedule,
-mask fill, build, dispatch) that no longer overlaps the device.
+modes interleaved. A step with constrained rows is dispatched only once the previous step's
+samples are on the host and fed to the grammars (engine.step), so the constrained time includes
+that stall; `stall_ms` is the host time from then to the dispatch (mask fill, transfer, launch).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,16 +60,18 @@ def _engine(args):
         from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
         from metrale_jax.model import random_model
 
-        config = shape_config("llama3-8b", args.num_layers)
+        config = shape_config(args.shape, args.num_layers)
+        if args.vocab_size:
+            config["vocab_size"] = args.vocab_size
         model, params = random_model(config, dtype="bfloat16", seed=0, repeat_layers=True,
                                      split_layers=jax.devices()[0].platform == "gpu")
         ck = open_checkpoint(resolve_model(DEFAULT_MODEL))
         model.tokenizer = ck.tokenizer  # 49,152 ids; the logits have 128,256
         model.eos_token_ids = tuple(ck.tokenizer.eos_token_ids)
-        cfg = EngineConfig(dtype="bfloat16", max_model_len=1024, max_num_seqs=b, max_num_batched_tokens=2048,
-                           decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(2048,),
+        cfg = EngineConfig(dtype="bfloat16", max_model_len=512, max_num_seqs=b, max_num_batched_tokens=1024,
+                           decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(1024,),
                            show_progress=False)
-        name = "random llama3-8b shape (bf16) + SmolLM2 tokenizer"
+        name = f"random {args.shape} shape (bf16, vocab {config['vocab_size']}) + SmolLM2's tokenizer (49,152 ids)"
     else:
         from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
 
@@ -98,18 +100,23 @@ def _device_mask_cost(eng, args) -> dict:
     rng = np.random.default_rng(0)
     bits = rng.random((bucket.num_sample_rows, eng.compiler.mask_words * 32)) < 0.05
     mask = jax.device_put(np.packbits(bits, axis=1, bitorder="little").view(np.int32))
-    state, out = eng.state, {}
-    for name, m in (("all_allowed", None), ("masked", mask)) * 2:
-        for _ in range(2):
-            state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
-        jax.block_until_ready(o.token_ids)
-        ts = []
-        for _ in range(10):
-            t = time.perf_counter()
+    state = eng.state
+    for m in (None, mask):  # warm both
+        state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
+    jax.block_until_ready(o.token_ids)
+    wall, cpu = {"all_allowed": [], "masked": []}, {"all_allowed": [], "masked": []}
+    for _ in range(args.micro_rounds):  # interleaved one by one: a shared machine's load hits both alike
+        for name, m in (("all_allowed", None), ("masked", mask)):
+            t, c = time.perf_counter(), time.process_time()
             state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
             jax.block_until_ready(o.token_ids)
-            ts.append(time.perf_counter() - t)
-        out[name] = round(min(ts) * 1e3, 3)  # the later of the two rounds
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    out = {}
+    for name in wall:
+        w, c = sorted(wall[name]), sorted(cpu[name])
+        out[name] = {"wall_min": round(w[0] * 1e3, 3), "wall_median": round(w[len(w) // 2] * 1e3, 3),
+                     "cpu_min": round(c[0] * 1e3, 3), "cpu_median": round(c[len(c) // 2] * 1e3, 3)}
     eng.state = state
     return out
 
@@ -123,7 +130,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--tokens0", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--num-layers", type=int, default=None, help="--h200: cut Llama-3-8B's depth")
+    ap.add_argument("--num-layers", type=int, default=None, help="--h200: cut the model's depth")
+    ap.add_argument("--shape", default="llama3-8b", help="--h200: the random model's shape (engine.bench.SHAPES)")
+    ap.add_argument("--vocab-size", type=int, help="--h200: override the shape's vocabulary (>= 49,152)")
+    ap.add_argument("--micro-rounds", type=int, default=30, help="decode executable alone, rounds per mask kind")
     ap.add_argument("--out")
     args = ap.parse_args()
     args.batch = args.batch or (64 if args.h200 else 8)
@@ -141,15 +151,17 @@ def main() -> None:
         return [SamplingParams(temperature=0.7, seed=7 + i, max_tokens=n, ignore_eos=True,
                                structured_outputs=so if constrained else None) for i in range(len(prompts))]
 
-    # the stall: from the end of reading step i (its samples applied) to the return of step i+1's
-    # dispatch, when step i sampled a constrained row (the device has nothing queued meanwhile)
+    # the stall: a step with constrained rows is dispatched only after the previous step's samples
+    # are on the host and fed to the grammars; from then (`_advance_grammars` returns) to the end
+    # of the dispatch (mask fill, mask transfer, launch) the device has nothing queued
     stalls, mark = [], {}
-    finish, dispatch = eng._finish_step, eng._dispatch
+    advance, dispatch = eng._advance_grammars, eng._dispatch
 
-    def finish_timed(f):
-        o = finish(f)
-        mark["t"] = time.perf_counter() if f.constrained else None
-        return o
+    def advance_timed(f):
+        done = f.advanced
+        advance(f)
+        if not done and f is eng._inflight:  # called by _dispatch for the step still in flight
+            mark["t"] = time.perf_counter()
 
     def dispatch_timed(sched):
         o = dispatch(sched)
@@ -158,7 +170,7 @@ def main() -> None:
             mark["t"] = None
         return o
 
-    eng._finish_step, eng._dispatch = finish_timed, dispatch_timed
+    eng._advance_grammars, eng._dispatch = advance_timed, dispatch_timed
 
     def timed(constrained: bool, n: int) -> tuple[float, float, list]:
         t, c = time.perf_counter(), time.process_time()
@@ -209,6 +221,8 @@ def main() -> None:
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
         "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
         "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),
+        "overhead_pct_of_medians": round(100 * (statistics.median(per_step["constrained"])
+                                                / statistics.median(per_step["free"]) - 1), 1),
         "cpu_time_per_step_ms": {k: round(v, 3) for k, v in cpu.items()},
         "cpu_time_overhead_pct": round(100 * (cpu["constrained"] / cpu["free"] - 1), 1),
         "decode_executable_ms": device,

@@ -80,7 +80,8 @@ class _InFlight:
     arrays: list  # their device arrays (host copies started)
     want_lp: bool
     want_plp: bool
-    constrained: bool = False  # a sampled row follows a grammar: read this step before the next one
+    constrained: bool = False  # a sampled row follows a grammar (structured output)
+    advanced: bool = False  # its samples were fed to those grammars (`_advance_grammars`)
 
 
 def _on_gpu() -> bool:
@@ -439,18 +440,16 @@ class LLMEngine:
         the previous step's samples while the device works, so each call returns the progress
         of the step dispatched by the previous call (the first call returns []).
 
-        Structured output: when the dispatched step sampled a constrained row, the next step's
-        mask of that row depends on the sample, so this reads the step first (no overlap then).
+        Structured output: the mask of a constrained row depends on the token the previous step
+        sampled for it, so once the next step's inputs are built and sent, `_dispatch` waits for
+        the previous step's sampled ids, feeds them to the grammars and fills the masks before it
+        dispatches (the device idles for that much; everything else still overlaps).
         """
-        early = []
-        if self._inflight is not None and self._inflight.constrained:
-            prev, self._inflight = self._inflight, None
-            early = self._finish_step(prev)
         sched = self.scheduler.schedule()
         self._swap(sched)
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
-        outputs = early + (self._finish_step(prev) if prev is not None else [])
+        outputs = self._finish_step(prev) if prev is not None else []
         for seq, d in self._swap_pending:  # copies started before the last step: bring them home
             if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
                 d.to_host(self.compiler.swap_roles)
@@ -490,6 +489,8 @@ class LLMEngine:
         masked = [(s.grammar, row) for row, s in sampled if s.grammar is not None and s.status != SeqStatus.FINISHED]
         bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
         if masked:
+            if self._inflight is not None and self._inflight.constrained:
+                self._advance_grammars(self._inflight)  # waits for the previous step's samples
             bitmask = jax.device_put(self._grammars.fill(masked, bucket.num_sample_rows))
         self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                self.state, dev, self._next_tokens, bitmask)
@@ -510,8 +511,24 @@ class LLMEngine:
             a.copy_to_host_async()
         return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp, constrained=bool(masked))
 
+    def _advance_grammars(self, f: _InFlight) -> None:
+        """Feed a dispatched step's samples to its constrained rows' grammars, once (EOS is not fed:
+        it ends the sequence). A token the grammar rejects leaves its matcher in an error state,
+        which `_append_token` turns into finish_reason "abort"."""
+        if f.advanced:
+            return
+        f.advanced = True
+        toks = np.asarray(f.arrays[f.names.index("token_ids")])  # waits for the step
+        for row, seq in f.sampled:
+            if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted:
+                t = int(toks[row])
+                if t not in self.eos_token_ids:
+                    seq.grammar.consume_token(t)
+
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
+        if f.constrained:
+            self._advance_grammars(f)
         out = dict(zip(f.names, jax.device_get(f.arrays)))
         now = time.time()
         touched: dict[str, Request] = {}
@@ -579,7 +596,7 @@ class LLMEngine:
                                               out["top_logprobs"][row], p.logprobs))
         n_out = seq.num_outputs
         finish, reason = None, None
-        if seq.grammar is not None and t not in self.eos_token_ids and not seq.grammar.consume_token(t):
+        if seq.grammar is not None and seq.grammar.is_error():
             # the mask allowed nothing but what the grammar rejects (e.g. min_tokens banned the EOS of
             # a finished grammar): stop rather than go on unconstrained
             log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
