@@ -134,6 +134,39 @@ def test_masks_ban_padded_ids(compiler, smollm2_tokenizer):  # noqa: F811
     assert all(t.startswith(("y", "n")) or t in ("yes", "no") for t in (tok.decode([int(i)]) for i in allowed))
 
 
+def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
+    for grammar in ('root ::= "yes" | "no" | "maybe " [0-9]', 'start: "yes" | "no" | "maybe " /[0-9]/'):
+        g = compiler.compile(StructuredOutputsParams(grammar=grammar))
+        for text, ok in (("maybe 7", True), ("no", True), ("nope", False), ("maybe x", False)):
+            m = compiler.matcher(g)
+            ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+            assert (m.consume_tokens(ids) and m.is_accepting()) == ok, (grammar, text)
+
+
+def test_server_protocol_mapping():
+    from metrale_jax.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+
+    def so(model, body):
+        return parse_request(model, json.dumps(body).encode()).to_sampling_params_kwargs(256)["structured_outputs"]
+
+    msgs = [{"role": "user", "content": "x"}]
+    assert so(ChatCompletionRequest, {"messages": msgs}) is None
+    assert so(ChatCompletionRequest, {"messages": msgs, "response_format": {"type": "text"}}) is None
+    assert so(ChatCompletionRequest, {"messages": msgs, "response_format": {"type": "json_object"}}).json_object
+    got = so(ChatCompletionRequest, {"messages": msgs, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}})
+    assert got.json == SCHEMA
+    assert so(CompletionRequest, {"prompt": "x", "guided_json": json.dumps(SCHEMA)}).json == json.dumps(SCHEMA)
+    assert so(CompletionRequest, {"prompt": "x", "guided_regex": "a+"}).regex == "a+"
+    assert so(CompletionRequest, {"prompt": "x", "guided_choice": ["a", "b"]}).choice == ["a", "b"]
+    assert so(CompletionRequest, {"prompt": "x", "guided_grammar": "start: /a/"}).grammar == "start: /a/"
+    got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    assert got.json == SCHEMA and got.disable_any_whitespace
+    with pytest.raises(RequestError) as e:
+        so(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_regex": "b"})
+    assert e.value.param == "guided_regex" and e.value.status == 400
+
+
 # ---- SmolLM2 through LLM.generate and the server --------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf):  # noqa: F811
@@ -173,13 +206,19 @@ def test_json_schema_outputs_validate(llm):
     assert len({o.outputs[0].text for o in outs}) > 1
 
 
-def test_regex_and_choice_with_free_rows(llm):
-    """A regex request with n=2, a choice request and an unconstrained one in the same batches; the
-    unconstrained one must come out as it does alone."""
+def test_regex_and_choice_with_free_rows(llm, monkeypatch):
+    """A regex request with n=2, a choice request with n=3 and an unconstrained one in the same
+    batches; the unconstrained one must come out as it does alone, and steps without a constrained
+    row send no mask."""
     eng = llm.llm_engine
+    masks = []  # the bitmask each step ran with (None: the compiler's constant, nothing sent)
+    run = eng.compiler.run
+    monkeypatch.setattr(eng.compiler, "run", lambda *a: (masks.append(a[5]), run(*a))[1])
     free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     p_free = _chat_prompt(llm, "Tell me about the sea.")
     alone = llm.generate([p_free], free, use_tqdm=False)[0].outputs[0].token_ids
+    assert masks and all(m is None for m in masks)
+    masks.clear()
     regex = r"[A-Z][a-z]{2,8} [0-9]{2}"
     sps = [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=24,
                           structured_outputs=StructuredOutputsParams(regex=regex)),
@@ -188,6 +227,7 @@ def test_regex_and_choice_with_free_rows(llm):
            free]
     prompts = [_chat_prompt(llm, "Name a person and an age."), _chat_prompt(llm, "Pick a colour."), p_free]
     outs = llm.generate(prompts, sps, use_tqdm=False)
+    assert any(m is not None for m in masks) and masks[-1] is None  # the free row ends alone
     for c in outs[0].outputs:
         assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
     assert all(c.finish_reason == "stop" and c.text in ("red", "green", "dark blue") for c in outs[1].outputs)
