@@ -11,15 +11,17 @@ before a step samples it, the host fills the row's packed bitmask (bit j of word
 ahead of every sampling rule). Ids at or past the tokenizer's vocabulary (a padded embedding) are
 always banned for a constrained row. A row whose grammar is complete may only sample EOS.
 
-The mask of a row depends on the token it sampled last. The engine normally dispatches step i+1
-before it has read step i's samples; when step i sampled a constrained row it reads step i first
-(`LLMEngine.step`), so a batch with a constrained row runs without that overlap (the stall is
-measured in `bench/structured_output.py`).
+The mask of a row depends on the token it sampled last. The engine dispatches step i+1 before it
+has read step i's samples; when both have constrained rows, `LLMEngine._dispatch` builds and sends
+step i+1's inputs, then waits for step i's sampled ids, feeds them to the grammars
+(`LLMEngine._advance_grammars`) and fills the masks before the launch: the device idles for the
+fill, the mask transfer and the launch (measured in `bench/structured_output.py`). The mask has
+one row per sampled row of the step (S; with speculative decoding S x (1 + k), llguidance's
+`fill_next_token_bitmask_par_with_draft_tokens` fills such rows).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections import OrderedDict
@@ -210,12 +212,4 @@ class GrammarCompiler:
         return out
 
 
-@functools.cache
-def all_allowed(num_rows: int, width: int) -> np.ndarray:
-    """The mask of a step with no constrained row: int32[num_rows, width] of -1."""
-    a = np.full((num_rows, width), -1, np.int32)
-    a.flags.writeable = False
-    return a
-
-
-__all__ = ["StructuredOutputsParams", "GrammarCompiler", "grammar_text", "packed_width", "all_allowed"]
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "grammar_text", "packed_width"]
