@@ -49,8 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                    help="branch, tag or commit of a Hugging Face repo id (default: main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
-    g.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="quantize the decoder linears at load (fp8: e4m3 with 128x128 block scales)")
+    g.add_argument("--quantization", choices=["fp8", "int4", "nvfp4"], default=None,
+                   help="quantize the decoder linears at load (fp8: e4m3 with 128x128 block scales; int4: "
+                        "asymmetric round-to-nearest, group 128; nvfp4: e2m1 with e4m3 scales per 16)")
     g.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")

@@ -207,6 +207,8 @@ class CompilationManager:
         self.placement = placement  # parallel.Placement under tensor parallelism, else None
         self.buckets = list_buckets(cfg)
         self.max_rows = max(b.num_sample_rows for b in self.buckets)  # width of next_tokens
+        self.mask_words = -(-builder.vocab_size // 32)  # W of the structured-output bitmask i32[S, W]
+        self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device (sent once)
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
@@ -231,7 +233,8 @@ class CompilationManager:
         ibuf = self._input((layout.num_i32,), jax.numpy.int32)
         fbuf = self._input((layout.num_f32,), jax.numpy.float32)
         prev = self._input((self.max_rows,), jax.numpy.int32)
-        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout,
+        mask = self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32)
+        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, mask, layout=layout,
                                                   **self._static())
 
     def lower_swap(self, kind: str, m: int, state):
@@ -341,15 +344,28 @@ class CompilationManager:
         n = _ceil_bucket(c.mixed_decode_buckets, num_decode)
         return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
 
-    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None):
-        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer) and
-        the previous step's `next_tokens` (zeros when None). Returns (state, out, next_tokens)."""
+    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None, bitmask=None):
+        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer),
+        the previous step's `next_tokens` (zeros when None) and the structured-output `bitmask`
+        i32[bucket.num_sample_rows, mask_words] (None: no row constrained, a constant of -1 kept
+        on the device, so nothing is sent). Returns (state, out, next_tokens)."""
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
         if prev_tokens is None:
             prev_tokens = self.zero_tokens()
-        return exe(params, state, *dev_inputs, prev_tokens)
+        if bitmask is None:
+            bitmask = self.no_mask(bucket.num_sample_rows)
+        return exe(params, state, *dev_inputs, prev_tokens, bitmask)
+
+    def no_mask(self, rows: int):
+        """The all-allowed bitmask i32[rows, mask_words] (-1), made on the device once per size."""
+        m = self._no_masks.get(rows)
+        if m is None:
+            import numpy as np
+
+            m = self._no_masks[rows] = self.put(np.full((rows, self.mask_words), -1, np.int32))
+        return m
 
     def swap_bucket(self, num_blocks: int) -> int:
         return _ceil_bucket(self.cfg.swap_block_buckets, num_blocks)
@@ -416,9 +432,10 @@ class CompilationManager:
         _, ibuf, fbuf = pack(self.builder, inputs)
         return self.put(ibuf, fbuf)
 
-    def put(self, ibuf, fbuf) -> tuple:
-        """Packed step inputs (`metadata_builder.pack`) to the device(s)."""
-        return jax.device_put((ibuf, fbuf), self._device())
+    def put(self, *host):
+        """Host step inputs (the packed metadata of `metadata_builder.pack`, a bitmask) to the
+        device (every device of the mesh under tensor parallelism): one array or a tuple."""
+        return jax.device_put(host if len(host) > 1 else host[0], self._device())
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:

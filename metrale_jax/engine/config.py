@@ -54,7 +54,7 @@ class EngineConfig:
     revision: str | None = None  # Hugging Face revision (branch, tag or commit) of a hub model id
     dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
     kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
-    quantization: str | None = None  # "fp8": quantize the decoder linears to FP8 (128x128 blocks) at load
+    quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from gpu_memory_utilization (GPU) / cpu_kv_tokens (CPU)

@@ -29,6 +29,7 @@ from metrale_jax.errors import (
     InvalidPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
+    InvalidStructuredOutputsError,
     MaxTokensTooLargeError,
     PromptTooLongError,
 )
@@ -84,6 +85,8 @@ class _InFlight:
     arrays: list  # their device arrays (host copies started)
     want_lp: bool
     want_plp: bool
+    constrained: bool = False  # a sampled row follows a grammar (structured output)
+    advanced: bool = False  # its samples were fed to those grammars (`_advance_grammars`)
 
 
 def _on_gpu() -> bool:
@@ -212,6 +215,7 @@ class LLMEngine:
         self._swap_pending: list = []  # (Sequence, SwapData) copied out by the last step, not on the host yet
         self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
         self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
+        self._grammars = None  # structured output's GrammarCompiler, made by the first constrained request
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases
         log.info("engine ready in %.1fs (%s; %d executables, %d from the cache at %s)", self.startup_seconds,
@@ -384,7 +388,19 @@ class LLMEngine:
             raise InvalidSamplingParamsError(f"stop_token_ids must be < vocab size {self.vocab_size}")
         if params.has_penalties and not self.config.max_penalty_rows:
             raise InvalidSamplingParamsError("penalties are disabled in this engine (max_penalty_rows=0)")
+        if params.structured_outputs is not None:
+            self.grammar_compiler().compile(params.structured_outputs)  # cached; raises if invalid
         return text, ids
+
+    def grammar_compiler(self):
+        """The structured-output `GrammarCompiler` over this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            from metrale_jax.structured_output import GrammarCompiler
+
+            if self.tokenizer is None:
+                raise InvalidStructuredOutputsError("structured output needs a tokenizer; this model has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         ids = set(params.stop_token_ids)
@@ -411,9 +427,13 @@ class LLMEngine:
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
+        grammar = (self.grammar_compiler().compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         for i in range(params.n):
             seq = Sequence(self._seq_ids, req, i, list(ids), len(ids))
             self._seq_ids += 1
+            if grammar is not None:
+                seq.grammar = self._grammars.matcher(grammar)
             if params.logprobs is not None:
                 seq.logprobs = []
             if i > 0 and not params.has_penalties and not self.uses_ssm:
@@ -498,6 +518,11 @@ class LLMEngine:
         Overlapped: this dispatches the next step to the device first, then reads and applies
         the previous step's samples while the device works, so each call returns the progress
         of the step dispatched by the previous call (the first call returns []).
+
+        Structured output: the mask of a constrained row depends on the token the previous step
+        sampled for it, so once the next step's inputs are built and sent, `_dispatch` waits for
+        the previous step's sampled ids, feeds them to the grammars and fills the masks before it
+        dispatches (the device idles for that much; everything else still overlaps).
         """
         sched = self.scheduler.schedule()
         while self.scheduler.dropped_swaps:  # the other processes drop their saved copies too
@@ -602,19 +627,27 @@ class LLMEngine:
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         _, ibuf, fbuf = pack(self.builder, inputs)
-        self._announce("step", inputs.bucket, ibuf, fbuf)
         dev = self.compiler.put(ibuf, fbuf)
+        # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
+        n_bucket = bucket.num_seqs
+        sampled = [(i, s) for i, s in enumerate(sched.decode)]
+        sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
+        masked = [(s.grammar, row) for row, s in sampled if s.grammar is not None and s.status != SeqStatus.FINISHED]
+        bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
+        if masked:
+            if self._inflight is not None and self._inflight.constrained:
+                self._advance_grammars(self._inflight)  # waits for the previous step's samples
+            bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
+        self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
+        if bitmask is not None:
+            bitmask = self.compiler.put(bitmask)
         self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
-                                                               self.state, dev, self._next_tokens)
+                                                               self.state, dev, self._next_tokens, bitmask)
         self.scheduler.complete(sched)
         if sched.ssm_snapshots:  # prefix caching: SSM snapshots at the block boundaries this step reached
             self._announce("ssm_copy", sched.ssm_snapshots)
             self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_snapshots)
         self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
-        # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
-        n_bucket = bucket.num_seqs
-        sampled = [(i, s) for i, s in enumerate(sched.decode)]
-        sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
         for row, seq in sampled:
             seq.inflight += 1
             seq.inflight_row = row
@@ -628,10 +661,26 @@ class LLMEngine:
         arrays = [local(getattr(out, n)) for n in names]
         for a in arrays:
             a.copy_to_host_async()
-        return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp)
+        return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp, constrained=bool(masked))
+
+    def _advance_grammars(self, f: _InFlight) -> None:
+        """Feed a dispatched step's samples to its constrained rows' grammars, once (EOS is not fed:
+        it ends the sequence). A token the grammar rejects leaves its matcher in an error state,
+        which `_append_token` turns into finish_reason "abort"."""
+        if f.advanced:
+            return
+        f.advanced = True
+        toks = np.asarray(f.arrays[f.names.index("token_ids")])  # waits for the step
+        for row, seq in f.sampled:
+            if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted:
+                t = int(toks[row])
+                if t not in self.eos_token_ids:
+                    seq.grammar.consume_token(t)
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
+        if f.constrained:
+            self._advance_grammars(f)
         out = dict(zip(f.names, jax.device_get(f.arrays)))
         now = time.time()
         touched: dict[str, Request] = {}
@@ -699,7 +748,13 @@ class LLMEngine:
                                               out["top_logprobs"][row], p.logprobs))
         n_out = seq.num_outputs
         finish, reason = None, None
-        if n_out >= p.min_tokens:
+        if seq.grammar is not None and seq.grammar.is_error():
+            # the mask allowed nothing but what the grammar rejects (e.g. min_tokens banned the EOS of
+            # a finished grammar): stop rather than go on unconstrained
+            log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
+                        seq.request.request_id, t, seq.grammar.get_error())
+            finish = "abort"
+        if finish is None and n_out >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:
                 finish = "stop"
             elif t in seq.request.stop_ids:

@@ -147,6 +147,7 @@ class Sequence:
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
     row_sampling: Any = None  # the engine's RowSampling of this sequence (cached across steps)
+    grammar: Any = None  # structured output: the sequence's llguidance LLMatcher (None = free text)
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None

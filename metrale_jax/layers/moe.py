@@ -168,7 +168,18 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
     w_down [E, I, H] -> [T, H] in x's dtype. use_tokamax: the GPU grouped GEMM (see module doc).
     lora: a `metrale_jax.lora.ops.LoRAInputs` with expert leaves: the gate/up/down LoRA deltas of
     the tokens whose `moe_slot` >= 0 (gated experts only).
+    Block-FP8 experts (`Fp8Linear`s [E, N_pad, K]) go through `moe_fp8.fp8_routed_experts`.
     """
+    from metrale_jax.layers.linear import Fp8Linear
+
+    if isinstance(w_gate_up, Fp8Linear):
+        from metrale_jax.layers.moe_fp8 import fp8_routed_experts
+
+        if lora is not None and "x_down_b" in lora.w:
+            raise ValueError("LoRA on FP8 MoE experts is not supported: build the engine with lora_experts=False")
+
+        return fp8_routed_experts(x, weights, experts, w_gate_up, w_down, act=act, gated=gated,
+                                  use_tokamax=use_tokamax)
     t, k = experts.shape
     num_experts = w_down.shape[0]
     flat = experts.reshape(-1)  # i32[T*k]

@@ -96,9 +96,12 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     kd, vd, r = nk * dk, nv * dv, nv // nk
     c = 2 * kd + vd
     st = reader.stacked
+    from metrale_jax.loading.experts_fp8 import fp8_experts
+
+    fp8 = fp8_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # block-FP8 experts stay FP8
     layers = {
         "in_norm": st(L, (h,)), "post_norm": st(L, (h,)), "router": st(L, (h, e)),
-        "experts_gate_up": st(L, (e, h, 2 * im)), "experts_down": st(L, (e, im, h)),
+        **(fp8 or {"experts_gate_up": st(L, (e, h, 2 * im)), "experts_down": st(L, (e, im, h))}),
         "shared_gate_up": st(L, (h, 2 * ish)), "shared_down": st(L, (ish, h)), "shared_gate": st(L, (h, 1)),
     }
     attn = {"wq": st(la, (h, hq * 2 * d)), "wkv": st(la, (h, 2 * hkv * d)), "wo": st(la, (hq * d, h)),
@@ -112,7 +115,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         layers["post_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
         m = p + "mlp."
         layers["router"][i] = reader.get(m + "gate.weight", (e, h), cast=True).T
-        for j in range(e):
+        for j in range(0 if fp8 else e):
             q = f"{m}experts.{j}."
             g_ = reader.get(q + "gate_proj.weight", (im, h), cast=True)
             u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)
