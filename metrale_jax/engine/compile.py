@@ -238,12 +238,15 @@ class CompilationManager:
                                                   **self._static())
 
     def lower_swap(self, kind: str, m: int, state):
-        """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`."""
-        from metrale_jax.engine.swap import jit_gather, jit_scatter
+        """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`, or the SSM slot
+        copy ("copy") of `m` pairs (prefix caching)."""
+        from metrale_jax.engine.swap import jit_copy_slots, jit_gather, jit_scatter
 
         s = jax.tree.map(_abstract, state)
         blocks = self._input((m,), jax.numpy.int32)
         slot = self._input((), jax.numpy.int32)
+        if kind == "copy":
+            return jit_copy_slots().lower(s, blocks, blocks, roles=self.swap_roles, placement=self.placement)
         if kind == "gather":
             return jit_gather().lower(s, blocks, slot, roles=self.swap_roles, placement=self.placement)
         saved = jax.eval_shape(functools.partial(jit_gather(), roles=self.swap_roles), s, blocks, slot)
@@ -265,12 +268,18 @@ class CompilationManager:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         todo = [b for b in self.buckets if b not in self.executables]
-        if self.cfg.preemption_mode == "swap":
+        if self.cfg.swap_block_buckets:  # preemption by swap, or the prefix cache's host tier
             from metrale_jax.engine.swap import swap_roles
 
             self.swap_roles = swap_roles(self.model, state.model)
             todo += [(k, m) for m in self.cfg.swap_block_buckets for k in ("gather", "scatter")
                      if (k, m) not in self.swap_executables]
+        if self.cfg.max_ssm_snapshots:  # prefix caching's SSM snapshot copies
+            from metrale_jax.engine.swap import swap_roles
+
+            self.swap_roles = self.swap_roles or swap_roles(self.model, state.model)
+            if ("copy", self.num_copy_pairs) not in self.swap_executables:
+                todo.append(("copy", self.num_copy_pairs))
 
         def one(bucket):
             key = self._key(bucket, params, state)
@@ -387,6 +396,27 @@ class CompilationManager:
         b = np.full(m, -1, np.int32)
         b[: len(blocks)] = blocks
         return self.swap_executables[("scatter", m)](state, b, np.int32(slot), data.padded(self.swap_roles, m))
+
+    @property
+    def num_copy_pairs(self) -> int:
+        """Slot pairs per SSM copy call: a step's decode rows plus its prefill streams."""
+        return self.cfg.max_num_seqs + self.cfg.max_prefill_streams
+
+    def copy_ssm_slots(self, state, pairs: list[tuple[int, int]]):
+        """Copy SSM slot rows (source, destination) of `state` (donated), in calls of
+        `num_copy_pairs` pairs; returns the new state."""
+        import numpy as np
+
+        k = self.num_copy_pairs
+        exe = self.swap_executables[("copy", k)]
+        for i in range(0, len(pairs), k):
+            part = pairs[i:i + k]
+            src = np.zeros(k, np.int32)
+            dst = np.full(k, -1, np.int32)
+            src[: len(part)] = [p[0] for p in part]
+            dst[: len(part)] = [p[1] for p in part]
+            state = exe(state, src, dst)
+        return state
 
     def zero_tokens(self):
         import numpy as np

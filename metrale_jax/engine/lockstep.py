@@ -6,9 +6,9 @@ HTTP server; before each device operation it sends the operation and its host in
 other processes (`Lockstep.send`: a pickled message broadcast with
 `multihost_utils.broadcast_one_to_all`, whose sizes are padded to powers of two so that only a
 few broadcast shapes ever compile), and they replay it on their devices (`follow`). The
-operations are the step (`"step"`: bucket, packed metadata, structured-output bitmask), the swap copies of preemption
-(`"swap_out"` / `"swap_in"`, keyed by sequence id: each process keeps its own saved copy), and
-`"stop"`.
+operations are the step (`"step"`: bucket, packed metadata, structured-output bitmask), the swap
+copies of preemption (`"swap_out"` / `"swap_in"`, keyed by sequence id: each process keeps its own
+saved copy), the prefix cache's SSM slot copies (`"ssm_copy"`), and `"stop"`.
 
 Launch: the same command on every host, after `jax.distributed.initialize(...)` (JAX reads its
 cluster from Slurm / Open MPI, or takes `coordinator_address`, `num_processes`, `process_id`),
@@ -75,6 +75,8 @@ def follow(engine) -> None:
         elif op == "swap_in":
             key, blocks, slot = args
             engine.state = engine.compiler.swap_in(engine.state, saved.pop(key), blocks, slot)
+        elif op == "ssm_copy":  # prefix caching's SSM snapshots and restores
+            engine.state = engine.compiler.copy_ssm_slots(engine.state, args[0])
         elif op == "drop":
             saved.pop(args[0], None)
         else:
