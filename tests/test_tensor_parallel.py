@@ -48,19 +48,20 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("family", ["mamba2_tiny"])  # swap preemption: the saved copies follow too
-def test_two_processes_match_one(family):
+def test_two_processes_match_one(family, tmp_path):
     from tests.tp_check import run_family
 
     port, env = _free_port(), dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "tests.mh_check", "--port", str(port), "--family", family, "--process-id"]
-    follower = subprocess.Popen(cmd + ["1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-    try:
-        leader = subprocess.run(cmd + ["0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert follower.wait(timeout=120) == 0, follower.stderr.read()[-3000:]
-    finally:
-        follower.kill()
+    log = tmp_path / "follower.log"  # a file, not a pipe: a full pipe would stall the follower, then the leader
+    with open(log, "w") as f:
+        follower = subprocess.Popen(cmd + ["1"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            leader = subprocess.run(cmd + ["0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            assert follower.wait(timeout=120) == 0, log.read_text()[-3000:]
+        finally:
+            follower.kill()
     assert leader.returncode == 0, leader.stderr[-3000:]
     lines = [json.loads(x) for x in leader.stdout.splitlines() if x.startswith("{")]
     want, _ = run_family(family, 1, False, False)

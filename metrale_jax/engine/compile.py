@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
@@ -435,7 +436,14 @@ class CompilationManager:
     def put(self, *host):
         """Host step inputs (the packed metadata of `metadata_builder.pack`, a bitmask) to the
         device (every device of the mesh under tensor parallelism): one array or a tuple."""
-        return jax.device_put(host if len(host) > 1 else host[0], self._device())
+        sharding = self._device()
+        if sharding is None or sharding.is_fully_addressable:
+            return jax.device_put(host if len(host) > 1 else host[0], sharding)
+        # several processes: each puts its own copy on its devices (`jax.device_put` would first
+        # check, with a collective, that every process passed the same data)
+        out = tuple(jax.make_array_from_callback(np.shape(h), sharding, lambda idx, h=h: np.asarray(h)[idx])
+                    for h in host)
+        return out if len(out) > 1 else out[0]
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:
