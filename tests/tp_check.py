@@ -19,11 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
 # every family at TP=2; TP=4 where the KV heads divide (llama) and where they do not (Qwen3-Next:
 # 2 KV heads, replicated); expert parallelism; the Pallas kernels
+# not tests.conftest's: importing it turns on JAX's persistent cache, which two processes of one run
+# must not write at once
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
+
 PLAN = {"llama_tiny": ("2", "4", "2:pallas", "2:features"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
         "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
 
@@ -61,8 +66,6 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
     cache, and one completion through the HTTP server."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
-    from tests.conftest import FIXTURES
-
     model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
     eng = LLMEngine(model, params, _config(tp, expert_parallel, interpret_kernels, features))
     if follower:
