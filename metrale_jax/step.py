@@ -56,6 +56,10 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
 def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
           tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
           prompt_lp_chunk: int = 64, prev_tokens: Array | None = None) -> tuple[StepState, SampleOutput]:
+    if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
+        from metrale_jax.engine.spec_decode import verify_step
+
+        return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
     n = dmd.num_seqs if dmd is not None else 0
     if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
         src = smd.token_src

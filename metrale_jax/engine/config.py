@@ -10,6 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from metrale_jax.engine.spec_decode import SpeculativeConfig
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
@@ -88,6 +89,13 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
+    # Speculative decoding (vLLM's `speculative_config`): a `SpeculativeConfig` or its dict, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}; None = off. With it, verify steps of N rows x
+    # (1 + k) tokens take the place of the decode steps (engine/spec_decode.py).
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)

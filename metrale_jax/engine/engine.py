@@ -66,6 +66,9 @@ class EngineStats:
     num_swaps: int = 0  # preemptions by swap (swap-outs) so far
     num_swap_ins: int = 0
     swap_bytes: int = 0  # host memory the swapped-out sequences hold now
+    spec_num_drafts: int = 0  # verify rows that carried drafts (speculative decoding)
+    spec_draft_tokens: int = 0  # drafts verified
+    spec_accepted_tokens: int = 0  # drafts accepted (the bonus token excluded)
 
 
 @dataclass
@@ -160,6 +163,7 @@ class LLMEngine:
             log.warning("the largest step needs %.2f GB of scratch but %.2f GB were reserved when sizing the KV "
                         "pool: lower gpu_memory_utilization or set num_kv_blocks if steps run out of memory",
                         self.compiler.temp_bytes / 1e9, reserve / 1e9)
+        self.spec_stats = dict.fromkeys(("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens"), 0)
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(c.seed)
@@ -207,6 +211,7 @@ class LLMEngine:
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
             swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), **caps,
+            num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -231,6 +236,9 @@ class LLMEngine:
         other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
         if self.uses_ssm:
             other += c.max_ssm_slots * self.model.ssm_bytes_per_slot()
+            if c.speculative_config:  # a verify step's per-position states (layers/spec_states.py)
+                other += c.max_num_seqs * (1 + c.speculative_config.num_speculative_tokens) * \
+                    self.model.ssm_bytes_per_slot()
         free = limit * c.gpu_memory_utilization - used - act - other
         blocks = int(free // per_block)
         self._scratch_reserve = act
@@ -380,7 +388,7 @@ class LLMEngine:
             ssm_slots_used=s.ssm_slots.num_used, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._gen_tokens, num_preemptions=s.num_preemptions,
             num_steps=self._steps, num_swapped=len({q.request.request_id for q in s.swapped}),
-            num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes,
+            num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes, **self.spec_stats,
         )
 
     # ---- one step --------------------------------------------------------------------------------
@@ -425,6 +433,11 @@ class LLMEngine:
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
         outputs = self._finish_step(prev) if prev is not None else []
+        if self.config.speculative_config is not None and self._inflight is not None:
+            # speculative decoding steps synchronously: the next step's rows depend on how many
+            # drafts this one accepted (lengths, drafts), so read it before scheduling again
+            outputs += self._finish_step(self._inflight)
+            self._inflight = None
         for seq, d in self._swap_pending:  # copies started before the last step: bring them home
             if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
                 d.to_host(self.compiler.swap_roles)
@@ -445,6 +458,10 @@ class LLMEngine:
 
     def _dispatch(self, sched) -> _InFlight:
         self._steps += 1
+        if self.config.speculative_config is not None and sched.decode and not sched.chunks:
+            from metrale_jax.engine.spec_decode import dispatch_verify
+
+            return dispatch_verify(self, sched)
         rows = []
         for s in sched.decode:
             if s.inflight:  # its last token is the previous step's sample, still on the device
@@ -482,6 +499,10 @@ class LLMEngine:
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
+        if f.inputs.bucket.kind == "verify":
+            from metrale_jax.engine.spec_decode import finish_verify
+
+            return finish_verify(self, f)
         out = dict(zip(f.names, jax.device_get(f.arrays)))
         now = time.time()
         touched: dict[str, Request] = {}
