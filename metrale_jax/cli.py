@@ -69,6 +69,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
                         "it later (auto: swap for models with SSM state)")
+    g.add_argument("--speculative-config", default=None, type=_spec_config,
+                   help='speculative decoding as JSON (vLLM\'s), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'')
+
+
+def _spec_config(text: str):
+    from metrale_jax.engine.spec_decode import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.of(text)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise argparse.ArgumentTypeError(f"bad --speculative-config: {e}") from None
 
 
 def kernels_from_args(args: argparse.Namespace):
@@ -103,7 +115,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
-        preemption_mode=args.preemption_mode,
+        preemption_mode=args.preemption_mode, speculative_config=getattr(args, "speculative_config", None),
     )
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -231,3 +231,27 @@ def test_random_sampling_chi_square():
     obs, exp_ = obs[exp_ > 0], exp_[exp_ > 0]
     _, pval = stats.chisquare(obs, exp_)
     assert pval > 1e-3, (pval, obs, exp_)
+
+
+def test_cli_serve_option_and_metrics():
+    import argparse
+
+    from metrale_jax import cli
+    from metrale_jax.server.cli import add_engine_args, engine_config_from_args
+    from metrale_jax.server.engine_loop import StatsSnapshot
+    from metrale_jax.server.metrics import ServerMetrics
+
+    text = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--speculative-config", text]), "m")
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 2, prompt_lookup_max=3)
+    args = cli.build_parser().parse_args(["generate", "x", "--speculative-config", text])
+    assert cli.engine_config_from_args(args).speculative_config == cfg.speculative_config
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "x", "--speculative-config", '{"method": "medusa"}'])
+    m = ServerMetrics()
+    m.attach_engine(lambda: StatsSnapshot(spec_num_drafts=3, spec_draft_tokens=9, spec_accepted_tokens=5), lambda: 0)
+    out = m.render().decode()
+    for name, v in (("num_drafts", 3), ("num_draft_tokens", 9), ("num_accepted_tokens", 5)):
+        assert f"metrale_spec_decode_{name}_total {v}.0" in out

@@ -66,6 +66,9 @@ class StatsSnapshot:
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @staticmethod
     def read(engine: Any, num_steps: int) -> StatsSnapshot:
