@@ -101,7 +101,7 @@ def cost(a) -> dict:
     for b in batches:
         prompts = [{"prompt_token_ids": rng.integers(3, v - 1, a.prompt_len).tolist()} for _ in range(b)]
 
-        def wall(llm, n):
+        def wall(llm, n, prompts=prompts):
             best, steps = 1e9, 0
             for _ in range(a.repeats):
                 s0 = llm.stats().num_steps

@@ -77,7 +77,7 @@ def _oracle(refs: list[list[int]], vocab: int):
         for ref in refs:
             if len(ref) > len(t) and ref[: len(t)] == t:
                 d = ref[len(t): len(t) + k]
-                c = (len(t) * 5) % (k + 2)
+                c = (len(t) * 7) % (k + 2)
                 if c < len(d):
                     d[c] = (d[c] + 1) % vocab
                 return d
@@ -124,9 +124,11 @@ def test_greedy_equals_plain_decoding(name, k, monkeypatch):
     vocab = base.vocab_size
     rng = np.random.default_rng(3)
     rep = rng.integers(3, vocab, 4).tolist()
-    # repeated-token prompts (n-gram drafts), an odd-length random one, a long one prefilled in chunks
-    prompts = [rep * 4, [7, 8, 7, 8, 7, 8, 7], rng.integers(3, vocab, 13).tolist(), rng.integers(3, vocab, 40).tolist()]
-    sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 17, 30, 9)]
+    # repeated-token prompts (n-gram drafts), an odd-length random one, a long one prefilled in
+    # chunks, one that runs into max_model_len (96: its rows draft fewer tokens near the end)
+    prompts = [rep * 4, [7, 8, 7, 8, 7, 8, 7], rng.integers(3, vocab, 13).tolist(), rng.integers(3, vocab, 40).tolist(),
+               rng.integers(3, vocab, 83).tolist()]
+    sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 17, 30, 9, 13)]
     ref = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], sp))
     eng = _engine(name, k)
     with CompileCounter() as cc:

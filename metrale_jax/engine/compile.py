@@ -185,11 +185,10 @@ class ExecutableCache:
 def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
     """Every bucket of a resolved config: decode N's, prefill T's, and mixed (N, T) pairs."""
     b = cfg.max_prefill_streams
+    out = [StepBucket("decode", num_seqs=n) for n in cfg.decode_buckets]
     spec = cfg.speculative_config
-    if spec is not None:  # verify steps take the place of the decode steps
-        out = [StepBucket("verify", num_seqs=n, num_spec=spec.num_speculative_tokens) for n in cfg.decode_buckets]
-    else:
-        out = [StepBucket("decode", num_seqs=n) for n in cfg.decode_buckets]
+    if spec is not None:  # a verify step per decode N (a step where no row drafts stays a decode step)
+        out += [StepBucket("verify", num_seqs=n, num_spec=spec.num_speculative_tokens) for n in cfg.decode_buckets]
     out += [StepBucket("prefill", num_tokens=t, num_streams=b) for t in cfg.prefill_buckets]
     out += [StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=b)
             for n in cfg.mixed_decode_buckets for t in cfg.prefill_buckets]

@@ -461,7 +461,9 @@ class LLMEngine:
         if self.config.speculative_config is not None and sched.decode and not sched.chunks:
             from metrale_jax.engine.spec_decode import dispatch_verify
 
-            return dispatch_verify(self, sched)
+            f = dispatch_verify(self, sched)  # None when no row has drafts: a plain decode step
+            if f is not None:
+                return f
         rows = []
         for s in sched.decode:
             if s.inflight:  # its last token is the previous step's sample, still on the device

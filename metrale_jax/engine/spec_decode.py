@@ -247,7 +247,8 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
 
 # ---- the engine's side (host) ---------------------------------------------------------------------
 def dispatch_verify(engine, sched):
-    """Build and run a verify step for `sched.decode` (no prefill chunks); -> the engine's _InFlight."""
+    """Build and run a verify step for `sched.decode` (no prefill chunks); -> the engine's _InFlight,
+    or None when no row has drafts (then a plain decode step is cheaper: 1 token per row, not 1 + k)."""
     from metrale_jax.engine.compile import _ceil_bucket
     from metrale_jax.engine.engine import _InFlight
     from metrale_jax.metadata_builder import StepBucket
@@ -263,6 +264,8 @@ def dispatch_verify(engine, sched):
                               sampling=engine._row_sampling(s), ssm_slot=s.ssm_slot, suppress_until=p.min_tokens,
                               stop_ids=tuple(sorted(engine._stop_ids(p))) if p.min_tokens else ()))
         sampled.append((len(sampled), s, len(drafts)))
+    if not any(n for _, _, n in sampled):
+        return None
     k = spec.num_speculative_tokens
     bucket = StepBucket("verify", num_seqs=_ceil_bucket(engine.config.decode_buckets, len(rows)), num_spec=k)
     inputs = build_verify_step(engine.builder, bucket, rows)
