@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance]
+#   bash bench/gpu_session.sh [tests] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -104,6 +104,10 @@ fi
 if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM.generate + HTTP server, twins
   timeout ${ACCEPTANCE_LIMIT:-570} python3 bench/gpu_acceptance.py --out "$OUT/acceptance" ${ACCEPTANCE_ARGS:-} 2>&1 \
     | grep -v "^ *[0-9.]* us" | tail -40
+fi
+if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
+  timeout ${LORA_LIMIT:-400} python3 bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
+    --kernels auto,masked,gather --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
 fi
 # at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

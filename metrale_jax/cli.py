@@ -49,8 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                    help="branch, tag or commit of a Hugging Face repo id (default: main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
-    g.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="quantize the decoder linears at load (fp8: e4m3 with 128x128 block scales)")
+    g.add_argument("--quantization", choices=["fp8", "int4", "nvfp4"], default=None,
+                   help="quantize the decoder linears at load (fp8: e4m3 with 128x128 block scales; int4: "
+                        "asymmetric round-to-nearest, group 128; nvfp4: e2m1 with e4m3 scales per 16)")
     g.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
@@ -69,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
                         "it later (auto: swap for models with SSM state)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the model is split over (one host; several with jax.distributed)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts by expert instead of by their inner dimension")
     g.add_argument("--speculative-config", default=None, type=_spec_config,
                    help='speculative decoding as JSON (vLLM\'s), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')
@@ -115,7 +120,9 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
-        preemption_mode=args.preemption_mode, speculative_config=getattr(args, "speculative_config", None),
+        preemption_mode=args.preemption_mode, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        speculative_config=getattr(args, "speculative_config", None),
     )
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -93,3 +93,50 @@ class InvalidSamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range."""
 
     code = "invalid_sampling_params"
+
+
+# ---- LoRA adapters -------------------------------------------------------------------------------
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter was refused (checked when it is added, before any request that names it is
+    queued). The message names the adapter folder and, where one is at fault, the tensor."""
+
+    code = "invalid_lora"
+
+
+class LoRANotEnabledError(LoRAError):
+    """A request names a LoRA adapter but the engine was built without `enable_lora=True`."""
+
+    code = "lora_not_enabled"
+
+
+class LoRAAdapterNotFoundError(LoRAError):
+    """The adapter folder, its adapter_config.json or its adapter_model.safetensors is missing
+    (or the server knows no adapter of that name)."""
+
+    code = "lora_not_found"
+
+
+class LoRAFormatError(LoRAError):
+    """The adapter is not a plain PEFT LoRA this engine can serve: a pickled `.bin` (refused),
+    another peft_type, DoRA, trained biases, modules_to_save, a corrupt file."""
+
+    code = "invalid_lora_format"
+
+
+class LoRARankTooLargeError(LoRAError):
+    """A module's rank exceeds the engine's max_lora_rank."""
+
+    code = "lora_rank_too_large"
+
+
+class LoRATargetError(LoRAError):
+    """The adapter targets a module the engine does not serve LoRA for (only the q/k/v/o and
+    gate/up/down projections, or on MoE models the experts' gate/up/down)."""
+
+    code = "invalid_lora_target"
+
+
+class LoRAShapeError(LoRAError):
+    """A LoRA tensor's shape does not fit the base model (another model's adapter)."""
+
+    code = "lora_shape_mismatch"

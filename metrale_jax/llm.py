@@ -77,20 +77,24 @@ class LLM:
 
     # ---- generation ------------------------------------------------------------------------------
     def _run(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_request: Any = None) -> list[RequestOutput]:
         eng = self.llm_engine
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        for p, sp in zip(prompts, plist):  # reject a bad batch before queuing any of it
+        llist = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(llist) != len(prompts):
+            raise InvalidRequestError(f"{len(llist)} LoRA requests for {len(prompts)} prompts")
+        for p, sp, lr in zip(prompts, plist, llist):  # reject a bad batch before queuing any of it
             eng.validate(p, sp)
+            eng._resolve_lora(lr)
         # only final outputs are read here (as vLLM's LLM does): no per-step output copies
         plist = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in plist]
         rids = []
-        for p, sp in zip(prompts, plist):
+        for p, sp, lr in zip(prompts, plist, llist):
             rid = str(next(self._ids))
-            eng.add_request(rid, p, sp)
+            eng.add_request(rid, p, sp, lora_request=lr)
             rids.append(rid)
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(rids), desc="generating", unit="req", disable=not use_tqdm)
@@ -113,17 +117,21 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or {"prompt_token_ids": [...]}); outputs in order."""
+        """Generate for each prompt (a string, or {"prompt_token_ids": [...]}); outputs in order.
+        lora_request: a `LoRARequest` for every prompt, or a list with one (or None) per prompt
+        (needs `enable_lora=True`)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(list(prompts), sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: Any = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         **template_kwargs: Any,
@@ -156,7 +164,7 @@ class LLM:
                 raise InvalidPromptError(f"the rendered chat prompt cannot be tokenized (text that is not valid "
                                          f"UTF-8?): {type(e).__name__}: {e}") from e
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def abort(self, request_id: str) -> None:
         self.llm_engine.abort(request_id)

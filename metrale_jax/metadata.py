@@ -34,8 +34,8 @@ class AttnMetadata:
     seq_lens: Array  # i32[N]  tokens in the cache after this step (incl. the new one); 0 = pad
     block_tables: Array  # i32[N, max_blocks_per_seq]  pool block ids; unused entries 0
     ssm_slots: Array  # i32[N]  SSM pool row per sequence; -1 = pad / no SSM state
-    seq_slot: Array  # i32[N]  LoRA adapter slot; -1 = base model (no LoRA yet)
-    moe_row_adapter: Array  # i32[N]  MoE adapter fold per row; -1 = none (no LoRA yet)
+    seq_slot: Array  # i32[N]  LoRA adapter slot; -1 = base model (metrale_jax.lora)
+    moe_row_adapter: Array  # i32[N]  expert-LoRA slot per row (its adapter trains experts); -1 = none
     num_seqs: int = dataclasses.field(metadata=dict(static=True), default=0)
     max_blocks_per_seq: int = dataclasses.field(metadata=dict(static=True), default=0)
 

@@ -126,6 +126,8 @@ class DecodeRow:
     ssm_slot: int = -1
     token_is_output: bool = True  # for the penalty table (a decode input is a generated token)
     src_row: int = -1  # >= 0: the token is the previous step's sample in this row (not yet on the host)
+    lora_slot: int = -1  # LoRA adapter slot (AttnMetadata.seq_slot); -1 = base model
+    moe_lora_slot: int = -1  # the slot when the adapter trains MoE experts (moe_row_adapter), else -1
 
 
 @dataclass
@@ -148,6 +150,8 @@ class PrefillChunk:
     prompt_lp_targets: Sequence[int] | None = None
     num_output_tokens: int = 0
     reset_penalty_row: bool = False
+    lora_slot: int = -1  # as DecodeRow's, for every token of the chunk
+    moe_lora_slot: int = -1
 
 
 @dataclass
@@ -203,6 +207,8 @@ def build_step(
         seq_lens = np.zeros(n, np.int32)
         bt = np.zeros((n, mb), np.int32)
         ssm = np.full(n, -1, np.int32)
+        lslot = np.full(n, -1, np.int32)
+        mslot = np.full(n, -1, np.int32)
         for i, r in enumerate(rows):
             if len(r.block_table) > mb:
                 raise ValueError(f"block table of {len(r.block_table)} blocks exceeds {mb}")
@@ -215,10 +221,10 @@ def build_step(
             tok_pen_rows[i] = r.sampling.pen_row
             tok_is_output[i] = r.token_is_output
             token_src[i] = r.src_row
-        none = np.full(n, -1, np.int32)
+            lslot[i], mslot[i] = r.lora_slot, r.moe_lora_slot
         dmd = AttnMetadata(
             positions=pos, positions_h=pos, positions_w=pos, slots=slots, seq_lens=seq_lens,
-            block_tables=bt, ssm_slots=ssm, seq_slot=none, moe_row_adapter=none,
+            block_tables=bt, ssm_slots=ssm, seq_slot=lslot, moe_row_adapter=mslot,
             num_seqs=n, max_blocks_per_seq=mb,
         )
 
@@ -233,6 +239,8 @@ def build_step(
         cu = np.zeros(b + 1, np.int32)
         kv_lens = np.zeros(b, np.int32)
         ssm = np.full(b, -1, np.int32)
+        lslot = np.full(b, -1, np.int32)
+        mslot = np.full(b, -1, np.int32)
         o = 0
         for j, c in enumerate(chunks):
             L = len(c.tokens)
@@ -255,14 +263,14 @@ def build_step(
             bt[j, : len(btab)] = btab
             kv_lens[j] = c.start + L
             ssm[j] = c.ssm_slot
+            lslot[j], mslot[j] = c.lora_slot, c.moe_lora_slot
             o += L
             cu[j + 1] = o
             last_token_row.append(n + o - 1)
         cu[len(chunks) + 1 :] = o
-        none = np.full(b, -1, np.int32)
         pmd = BatchedAttnMetadata(
             positions=pos, positions_h=pos, positions_w=pos, slots=slots, block_tables=bt,
-            cu_seqlens=cu, kv_lens=kv_lens, ssm_slots=ssm, seq_slot=none, moe_row_adapter=none,
+            cu_seqlens=cu, kv_lens=kv_lens, ssm_slots=ssm, seq_slot=lslot, moe_row_adapter=mslot,
             num_tokens=t, num_streams=b, max_blocks_per_seq=mb,
         )
 

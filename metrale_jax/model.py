@@ -121,7 +121,9 @@ def load_model(
     dtype: "auto" (the checkpoint's own float dtype; float32 for GGUF), "float32", "bfloat16"
     or "float16". FP8 block-scaled checkpoints (`quantization_config.quant_method == "fp8"`)
     keep their FP8 linears; `quantization="fp8"` quantizes every decoder linear of a
-    higher-precision checkpoint to the same 128x128-block format at load. A GGUF's dequantized
+    higher-precision checkpoint to the same 128x128-block format at load. 4-bit checkpoints
+    (GPTQ, AWQ, compressed-tensors W4A16 / NVFP4, ModelOpt NVFP4: `quant/w4.py`) keep their
+    linears 4-bit (`layers.linear.W4Linear`); `quantization="int4"` / `"nvfp4"` quantize to them. A GGUF's dequantized
     parameters are saved with orbax on first load (`cache_converted`), so later loads skip the
     dequantization. `split_layers`: put layer-stacked parameters on the device as per-layer
     arrays (`layers.stack.Unstacked`), the layout of the engine's Python layer loop (its GPU
@@ -149,10 +151,16 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
     _check_quantization(quantization)
+    w4_scheme = None
     if ckpt.config.get("quantization_config") is not None:
         from metrale_jax.quant.fp8 import check_fp8_quantization_config
+        from metrale_jax.quant.w4 import parse_w4_config
 
-        check_fp8_quantization_config(ckpt.config["quantization_config"])
+        w4_scheme = parse_w4_config(ckpt.config["quantization_config"])  # GPTQ, AWQ, compressed-tensors, NVFP4
+        if w4_scheme is None:
+            check_fp8_quantization_config(ckpt.config["quantization_config"])
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r}: {path} is already quantized")
     cache_dir = None
     if cache_converted and ckpt.format == "gguf" and quantization is None:
         cache_dir = orbax_io.conversion_cache_dir(ckpt.path, np_dtype(dtype))
@@ -163,7 +171,8 @@ def load_model(
             log.info("restored converted parameters from %s", cache_dir)
         else:
             reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
-                                  quantize_fp8=quantization == "fp8", split_layers=split_layers)
+                                  quantize_fp8=quantization == "fp8", split_layers=split_layers,
+                                  w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization))
             params = fam.load_params(cfg, reader)
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
@@ -178,11 +187,19 @@ def load_model(
     return model, params
 
 
+QUANTIZATIONS = (None, "fp8", "int4", "nvfp4")  # quantize-on-load choices
+
+
 def _check_quantization(quantization) -> bool:
-    """True for "fp8" (quantize on load), False for None; anything else is an error."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization={quantization!r} must be None or 'fp8'")
+    """True for "fp8" (quantize on load), False for None, "int4" or "nvfp4"; anything else is an error."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS}")
     return quantization == "fp8"
+
+
+def _w4_quantization(quantization) -> str | None:
+    """ "int4" (asymmetric RTN, group 128) or "nvfp4" (quant/w4.py) for 4-bit quantize-on-load, else None."""
+    return quantization if quantization in ("int4", "nvfp4") else None
 
 
 def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2,
@@ -198,6 +215,7 @@ def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: flo
     cfg = fam.adapt_config(cfg)
     params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale, repeat_layers=repeat_layers,
                                                     quantize_fp8=_check_quantization(quantization),
+                                                    quantize_w4=_w4_quantization(quantization),
                                                     split_layers=split_layers))
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
                   eos_token_ids=tuple(cfg.eos_token_ids))

@@ -97,7 +97,7 @@ def prefill_step(params, state: StepState, pmd: BatchedAttnMetadata, tokens: Arr
                  prompt_lp_chunk=prompt_lp_chunk)
 
 
-_STATIC = ("model", "attn", "max_logprobs", "prompt_lp_chunk")
+_STATIC = ("model", "attn", "max_logprobs", "prompt_lp_chunk", "placement")
 
 
 @functools.cache
@@ -108,13 +108,16 @@ def jit_step(kind: str):
     the kind has none, so the engine calls all of them the same way.
     """
 
-    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, prompt_lp_chunk):
+    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, prompt_lp_chunk, placement=None):
         if kind == "decode":
             assert pmd is None
         elif kind == "prefill":
             assert dmd is None
-        return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                     max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk)
+        state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                           max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk)
+        if placement is not None:
+            state, out = placement.pin_state(state), placement.replicate(out)
+        return state, out
 
     fn.__name__ = f"{kind}_step"
     return jax.jit(fn, static_argnames=_STATIC, donate_argnums=(1,))
@@ -130,12 +133,15 @@ def jit_packed_step(kind: str):
     read the previous one's output."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, prompt_lp_chunk):
+    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, prompt_lp_chunk,
+           placement=None):
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                            max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens)
         # this step's samples, padded to the fixed width the next step reads them at
         nxt = jnp.zeros_like(prev_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
+        if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
+            state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
         return state, out, nxt
 
     fn.__name__ = f"{kind}_step_packed"

@@ -61,6 +61,11 @@ TRITON_FP8_WIDE = [SkinnyParams(32, 256, 1, 4, 4)] + [
     for bn, bk, sk, w, st in ((16, 1024, 1, 4, 4), (16, 1024, 2, 4, 4), (16, 1024, 4, 4, 4), (16, 2048, 1, 4, 3),
                               (16, 2048, 2, 4, 3), (16, 512, 2, 4, 4), (16, 512, 1, 4, 6), (16, 1024, 1, 8, 4),
                               (32, 512, 1, 4, 4), (32, 1024, 2, 4, 3))]
+# --fp8-batch: M = 16, 32, 64 (the issue-19 gap: a 64-row FP8 step ran 2.2x slower than bf16 on
+# XLA's dequantize-and-dot); tiles for 16-64 rows (block_n must divide 128 for FP8)
+TRITON_FP8_BATCH = [SkinnyParams(bn, bk, sk, w, st) for bn, bk, sk, w, st in (
+    (32, 256, 1, 4, 3), (64, 256, 1, 4, 3), (64, 128, 1, 4, 4), (128, 128, 1, 8, 3), (128, 256, 1, 8, 3),
+    (64, 256, 2, 4, 3), (128, 128, 2, 8, 3), (64, 512, 1, 8, 3))]
 TRITON_GEMV = [SkinnyParams(32, 512, 1, 4, 4, gemv=True), SkinnyParams(64, 512, 1, 8, 3, gemv=True)]
 MGPU_BF16 = [MgpuParams(32, 128, 6), MgpuParams(64, 256, 3)]
 MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
@@ -269,10 +274,16 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, no torch (plumbing check)")
     ap.add_argument("--fp8", action="store_true", help="M = 1 only; the wide FP8 sweep; no Mosaic twin")
+    ap.add_argument("--fp8-batch", action="store_true",
+                    help="M = 16, 32, 64: FP8 tiles for batched decode beside bf16 (then raise "
+                         "layers.linear.KERNEL_MAX_M where the FP8 kernel wins)")
     args = ap.parse_args(argv)
     if args.fp8:
         global MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8
         MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8 = (1,), (1,), TRITON_FP8_WIDE, [], [], []
+    if args.fp8_batch:
+        global TRITON_SMALL
+        MS, FP8_MS, TRITON_FP8, TRITON_SMALL = (16, 32, 64), (16, 32, 64), TRITON_FP8_BATCH, TRITON_LARGE
     if args.cpu_smoke:
         _cpu_smoke()
     t_start = time.perf_counter()

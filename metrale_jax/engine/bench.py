@@ -159,7 +159,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-buckets", default="", help="comma list of prefill T buckets (default: the engine's)")
     p.add_argument("--mixed-decode-buckets", default="", help="comma list of mixed-step N buckets")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the linear weights at load")
+    p.add_argument("--quantization", choices=["fp8", "int4", "nvfp4"], default=None,
+                   help="quantize the linear weights at load")
     p.add_argument("--pallas", action=argparse.BooleanOptionalAction, default=None,
                    help="force the Pallas kernels on or off (default: on for GPU, off for CPU)")
     p.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,

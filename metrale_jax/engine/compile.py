@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, build_step, pack, packed_layout
+from metrale_jax.parallel import local
 from metrale_jax.step import jit_packed_step
 
 log = logging.getLogger(__name__)
@@ -202,10 +203,11 @@ def _abstract(x):
 class CompilationManager:
     """Holds one executable per bucket of `cfg` (resolved) for `model`."""
 
-    def __init__(self, model, cfg: EngineConfig, builder: BuilderConfig):
+    def __init__(self, model, cfg: EngineConfig, builder: BuilderConfig, placement=None):
         self.model = model
         self.cfg = cfg
         self.builder = builder
+        self.placement = placement  # parallel.Placement under tensor parallelism, else None
         self.buckets = list_buckets(cfg)
         self.max_rows = max(b.num_sample_rows for b in self.buckets)  # width of next_tokens
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
@@ -219,15 +221,19 @@ class CompilationManager:
 
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
-                    prompt_lp_chunk=self.cfg.prompt_logprobs_chunk)
+                    prompt_lp_chunk=self.cfg.prompt_logprobs_chunk, placement=self.placement)
+
+    def _input(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        """A host input's abstract value: replicated on the mesh under tensor parallelism."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.placement.replicated if self.placement else None)
 
     def lower(self, bucket: StepBucket, params, state):
         p = jax.tree.map(_abstract, params)
         s = jax.tree.map(_abstract, state)
         layout = packed_layout(self.builder, bucket)
-        ibuf = jax.ShapeDtypeStruct((layout.num_i32,), jax.numpy.int32)
-        fbuf = jax.ShapeDtypeStruct((layout.num_f32,), jax.numpy.float32)
-        prev = jax.ShapeDtypeStruct((self.max_rows,), jax.numpy.int32)
+        ibuf = self._input((layout.num_i32,), jax.numpy.int32)
+        fbuf = self._input((layout.num_f32,), jax.numpy.float32)
+        prev = self._input((self.max_rows,), jax.numpy.int32)
         return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout,
                                                   **self._static())
 
@@ -236,12 +242,13 @@ class CompilationManager:
         from metrale_jax.engine.swap import jit_gather, jit_scatter
 
         s = jax.tree.map(_abstract, state)
-        blocks = jax.ShapeDtypeStruct((m,), jax.numpy.int32)
-        slot = jax.ShapeDtypeStruct((), jax.numpy.int32)
+        blocks = self._input((m,), jax.numpy.int32)
+        slot = self._input((), jax.numpy.int32)
         if kind == "gather":
-            return jit_gather().lower(s, blocks, slot, roles=self.swap_roles)
+            return jit_gather().lower(s, blocks, slot, roles=self.swap_roles, placement=self.placement)
         saved = jax.eval_shape(functools.partial(jit_gather(), roles=self.swap_roles), s, blocks, slot)
-        return jit_scatter().lower(s, blocks, slot, saved, roles=self.swap_roles)
+        saved = tuple(self._input(a.shape, a.dtype) for a in saved)
+        return jit_scatter().lower(s, blocks, slot, saved, roles=self.swap_roles, placement=self.placement)
 
     def _key(self, bucket, params, state) -> str:
         """The ExecutableCache key of a step bucket or swap pair (no tracing)."""
@@ -353,7 +360,7 @@ class CompilationManager:
         b[: len(blocks)] = blocks
         arrays = self.swap_executables[("gather", m)](state, b, np.int32(slot))
         for a in arrays:
-            a.copy_to_host_async()
+            local(a).copy_to_host_async()
         return SwapData(m, len(blocks), tuple(arrays))
 
     def swap_in(self, state, data, blocks: list[int], slot: int):
@@ -371,12 +378,20 @@ class CompilationManager:
     def zero_tokens(self):
         import numpy as np
 
-        return jax.device_put(np.zeros(self.max_rows, np.int32))
+        return jax.device_put(np.zeros(self.max_rows, np.int32), self._device())
+
+    def _device(self):
+        return self.placement.replicated if self.placement else None
 
     def transfer(self, inputs: StepInputs) -> tuple:
-        """Pack a step's inputs and send them to the device in one transfer."""
+        """Pack a step's inputs and send them to the device (every device of the mesh under tensor
+        parallelism) in one transfer."""
         _, ibuf, fbuf = pack(self.builder, inputs)
-        return jax.device_put((ibuf, fbuf))
+        return self.put(ibuf, fbuf)
+
+    def put(self, ibuf, fbuf) -> tuple:
+        """Packed step inputs (`metadata_builder.pack`) to the device(s)."""
+        return jax.device_put((ibuf, fbuf), self._device())
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:

@@ -55,7 +55,7 @@ class EngineConfig:
     revision: str | None = None  # Hugging Face revision (branch, tag or commit) of a hub model id
     dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
     kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
-    quantization: str | None = None  # "fp8": quantize the decoder linears to FP8 (128x128 blocks) at load
+    quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from gpu_memory_utilization (GPU) / cpu_kv_tokens (CPU)
@@ -89,6 +89,20 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
+    # Devices the steps span, on one mesh axis `tp` (metrale_jax/parallel.py): attention and MLP
+    # heads, the KV and SSM pools and the vocabulary split over them, metadata replicated.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts split by expert (EP) instead of by their inner dimension
+    # Multi-LoRA, vLLM's names (metrale_jax/lora): requests name a PEFT adapter (`lora_request=`);
+    # at most max_loras distinct adapters run in one batch (device slots of rank max_lora_rank,
+    # allocated at start-up); max_cpu_loras adapters stay in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # MoE models: LoRA slots for every routed expert too (max_loras * num_experts groups per layer:
+    # gigabytes on a 128-expert model); False leaves them out and refuses adapters that train experts
+    lora_experts: bool = True
     # Speculative decoding (vLLM's `speculative_config`): a `SpeculativeConfig` or its dict, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4}; None = off. With it, verify steps of N rows x
     # (1 + k) tokens take the place of the decode steps (engine/spec_decode.py).
@@ -137,10 +151,16 @@ class EngineConfig:
             mode = "swap" if uses_ssm else "recompute"
         if mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'auto', 'swap' or 'recompute'")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb={self.swap_space_gb} must be >= 0")
         if any(b < 1 for b in self.swap_block_buckets):
             raise ValueError(f"swap_block_buckets={self.swap_block_buckets} must be >= 1")
+        cpu_loras = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1 or cpu_loras < self.max_loras):
+            raise ValueError(f"max_loras={self.max_loras} and max_lora_rank={self.max_lora_rank} must be >= 1 and "
+                             f"max_cpu_loras={cpu_loras} >= max_loras")
         return dataclasses.replace(
             self, max_model_len=mml, max_num_seqs=seqs, max_num_batched_tokens=budget,
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
@@ -148,6 +168,7 @@ class EngineConfig:
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
             attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
+            max_cpu_loras=cpu_loras,
             compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
             if mode == "swap" else (),

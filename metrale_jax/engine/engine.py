@@ -21,6 +21,7 @@ import numpy as np
 
 from metrale_jax.engine.compile import CompilationManager, setup_compilation_cache
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.lockstep import Lockstep, follow
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale_jax.engine.scheduler import Chunk, Request, Scheduler, SeqStatus, Sequence
 from metrale_jax.errors import (
@@ -40,7 +41,9 @@ from metrale_jax.metadata_builder import (
     RowSampling,
     StepInputs,
     build_step,
+    pack,
 )
+from metrale_jax.parallel import Sharder, local, make_mesh
 from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams
 from metrale_jax.step import StepState, init_step_state
 
@@ -121,6 +124,27 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret)
         phases["split_layers"] = time.perf_counter() - t
+        self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
+        if c.enable_lora:
+            from metrale_jax.lora.manager import attach_lora
+
+            self.lora = attach_lora(self)
+        self.sharder = None  # tensor parallelism (metrale_jax/parallel.py)
+        # several processes (jax.distributed): process 0 schedules, the others follow (engine/lockstep.py)
+        self.lockstep = Lockstep() if jax.process_count() > 1 else None
+        if self.lockstep is not None and c.tensor_parallel_size != jax.device_count():
+            raise ValueError(f"under jax.distributed the steps span every device: tensor_parallel_size must be "
+                             f"{jax.device_count()} ({jax.process_count()} processes), not {c.tensor_parallel_size}")
+        if self.lockstep is not None and c.enable_lora:
+            raise ValueError("LoRA adapters under jax.distributed (several processes) are not supported yet")
+        if c.tensor_parallel_size > 1:
+            t = time.perf_counter()
+            self.sharder = Sharder(make_mesh(c.tensor_parallel_size), expert_parallel=c.enable_expert_parallel)
+            self.params = self.sharder.shard_params(self.params)
+            self.config = c = c.replace(attention=dataclasses.replace(c.attention, mesh=self.sharder.mesh))
+            phases["shard"] = time.perf_counter() - t
+            log.info("tensor parallel over %d %s devices (mesh axis %r%s)", c.tensor_parallel_size,
+                     jax.devices()[0].platform, "tp", ", experts by expert" if c.enable_expert_parallel else "")
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
@@ -139,6 +163,10 @@ class LLMEngine:
         ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
                                                 max_ssm_slots=ssm_slots, penalty_rows=pen_rows)
+        placement = None
+        if self.sharder is not None:
+            placement = self.sharder.placement(self.state)
+            self.state = self.sharder.shard_state(self.state, placement)
         log.info(
             "KV pool: %d blocks x %d tokens (%d tokens, %.1f MB, %s); max_model_len=%d, max_num_seqs=%d, "
             "token budget %d", self.num_blocks, c.block_size, self.num_blocks * c.block_size,
@@ -153,8 +181,12 @@ class LLMEngine:
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
         jax.block_until_ready(self.state)
         phases["kv_pool"] = time.perf_counter() - t
-        self.compiler = CompilationManager(model, c, self.builder)
+        self.compiler = CompilationManager(model, c, self.builder, placement)
         phases["compile"] = self.compiler.compile_all(self.params, self.state)
+        if self.lora is not None:
+            t = time.perf_counter()
+            self.lora.compile(self.params["layers"]["lora"])
+            phases["compile"] += time.perf_counter() - t
         if c.warm_up:
             self.state = self.compiler.warm_up(self.params, self.state)
             phases["warm_up"] = self.compiler.warmup_seconds
@@ -185,11 +217,32 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from metrale_jax.model import load_model
 
+        make_mesh(config.tensor_parallel_size)  # enough devices? (before the model loads)
         # per-layer arrays straight from the loader when the steps will walk the layers in Python
         split = config.attention.unroll_layers if config.attention is not None else _on_gpu()
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split)
         return cls(model, params, config)
+
+    # ---- LoRA adapters (vLLM's LLMEngine names; the logic lives in metrale_jax/lora) ---------------
+    def add_lora(self, lora_request) -> bool:
+        """Read and check an adapter now (into the host cache); raises a LoRAError if it cannot be
+        served. Requests may also name adapters never added: they are read on first use."""
+        self._resolve_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter. Raises LoRAError while a request uses it; False when unknown."""
+        return self.lora.remove(lora_int_id) if self.lora is not None else False
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.registered) if self.lora is not None else set()
+
+    def _resolve_lora(self, lora_request) -> None:
+        """Check that `lora_request` (None = base model) can be served, before anything is queued."""
+        from metrale_jax.lora.manager import resolve_for
+
+        resolve_for(self.lora, lora_request)
 
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
@@ -210,7 +263,8 @@ class LLMEngine:
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
-            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(), **caps,
+            swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
+            max_loras=c.max_loras if c.enable_lora else 0, **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
 
@@ -223,6 +277,9 @@ class LLMEngine:
             return c.max_num_seqs * c.max_blocks_per_seq
         if not _on_gpu():
             return max(-(-c.cpu_kv_tokens // c.block_size), c.max_blocks_per_seq)
+        tp = c.tensor_parallel_size
+        if tp > 1 and self.model.cfg.num_kv_heads % tp == 0:
+            per_block //= tp  # each device holds its KV heads of every block (metrale_jax/parallel.py)
         stats = jax.devices()[0].memory_stats() or {}
         limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
         # scratch of the steps: activations of the largest batch plus sampling rows (an estimate;
@@ -332,18 +389,21 @@ class LLMEngine:
         return frozenset(ids)
 
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing."""
+                    *, arrival_time: float | None = None, lora_request=None) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing.
+        lora_request: a `metrale_jax.lora.LoRARequest` (needs enable_lora), None = base model."""
         params = params if params is not None else SamplingParams()
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.validate(prompt, params)
+        self._resolve_lora(lora_request)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
-                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time())
+                      stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
+                      lora_request=lora_request)
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -429,6 +489,8 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
         """
         sched = self.scheduler.schedule()
+        while self.scheduler.dropped_swaps:  # the other processes drop their saved copies too
+            self._announce("drop", self.scheduler.dropped_swaps.pop())
         self._swap(sched)
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
@@ -444,15 +506,33 @@ class LLMEngine:
         self._swap_pending = [(seq, seq.swap.data) for seq in sched.swap_out if seq.swap is not None]
         return outputs
 
+    # ---- several processes (engine/lockstep.py) -------------------------------------------------
+    def _announce(self, op: str, *args) -> None:
+        if self.lockstep is not None:
+            self.lockstep.send(op, *args)
+
+    def follow_leader(self) -> None:
+        """Processes other than 0 under `jax.distributed`: run the steps process 0 schedules, until
+        it calls `release_followers`. A no-op in a single process."""
+        if self.lockstep is not None and not self.lockstep.leader:
+            follow(self)
+
+    def release_followers(self) -> None:
+        """Process 0: let the other processes' `follow_leader` return (call once, when done)."""
+        if self.lockstep is not None and self.lockstep.leader:
+            self.lockstep.send("stop")
+
     def _swap(self, sched) -> None:
         """Copy the swapped-out sequences' blocks and slots to the host, then write the resumed
         ones' saved state into their new blocks and slots, before the step runs (the freed blocks
         may be reused by this very step)."""
         for seq in sched.swap_out:
             rec = seq.swap
+            self._announce("swap_out", seq.seq_id, rec.blocks, rec.slot)
             rec.data = self.compiler.swap_out(self.state, rec.blocks, rec.slot)
         for seq in sched.swap_in:
             rec = seq.swap
+            self._announce("swap_in", seq.seq_id, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.state = self.compiler.swap_in(self.state, rec.data, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.scheduler.swapped_in(seq)
 
@@ -473,9 +553,13 @@ class LLMEngine:
                 rows.append(DecodeRow(token=s.token_ids[-1], position=s.num_computed, block_table=s.blocks,
                                       sampling=self._row_sampling(s), ssm_slot=s.ssm_slot))
         chunks = [self._chunk(c) for c in sched.chunks]
+        if self.lora is not None:
+            self.lora.assign_slots(self, sched, rows, chunks)
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
-        dev = self.compiler.transfer(inputs)
+        _, ibuf, fbuf = pack(self.builder, inputs)
+        self._announce("step", inputs.bucket, ibuf, fbuf)
+        dev = self.compiler.put(ibuf, fbuf)
         self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                self.state, dev, self._next_tokens)
         self.scheduler.complete(sched)
@@ -494,7 +578,7 @@ class LLMEngine:
             names += ["ranks", "top_ids", "top_logprobs"]
         if want_plp:
             names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
-        arrays = [getattr(out, n) for n in names]
+        arrays = [local(getattr(out, n)) for n in names]
         for a in arrays:
             a.copy_to_host_async()
         return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp)

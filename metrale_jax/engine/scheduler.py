@@ -98,10 +98,24 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
+    lora_request: Any = None  # metrale_jax.lora.LoRARequest, or None for the base model
 
     @property
     def finished(self) -> bool:
         return all(s.status == SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0 = the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def lora_key(self) -> tuple | None:
+        """What identifies the adapter's effect on the KV cache (None = base model): the prefix
+        cache's extra block key. The path is part of it, so an id reused for another adapter after
+        `remove_lora` cannot hit the old adapter's blocks."""
+        r = self.lora_request
+        return None if r is None else (r.lora_int_id, r.lora_name, r.lora_path)
 
 
 @dataclass(eq=False)
@@ -134,6 +148,16 @@ class Sequence:
     @property
     def priority(self) -> tuple[int, int]:
         return (self.request.arrival, self.index)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its request's LoRA adapter id (0 = base model)."""
+        return self.request.lora_int_id
+
+    @property
+    def lora_key(self) -> tuple | None:
+        """Its request's `lora_key`: prefix caching keys KV blocks by it (None = base model)."""
+        return self.request.lora_key
 
     @property
     def num_outputs(self) -> int:
@@ -197,7 +221,8 @@ class Scheduler:
         max_prefill_streams: int, max_prefill_tokens: int, num_penalty_rows: int = 0,
         num_ssm_slots: int = 0, uses_ssm: bool = False, watermark_blocks: int | None = None,
         max_model_len: int = 1 << 62, preemption_mode: str = "recompute", swap_bytes_per_block: int = 0,
-        swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, num_spec_tokens: int = 0,
+        swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, max_loras: int = 0,
+        num_spec_tokens: int = 0,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -219,7 +244,9 @@ class Scheduler:
         self.swap_bytes_per_block = swap_bytes_per_block
         self.swap_bytes_per_slot = swap_bytes_per_slot
         self.swap_space_bytes = swap_space_bytes
+        self.max_loras = max_loras  # distinct LoRA adapters among the running sequences; 0 = no limit
         self.swap_bytes = 0  # host bytes the swapped sequences hold now
+        self.dropped_swaps: list[int] = []  # ids of swapped sequences finished while swapped (engine/lockstep.py)
         self.num_preemptions = 0
         self.num_swaps = 0  # swap-outs
         self.num_swap_ins = 0
@@ -267,6 +294,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self._free_pen_row(seq)
             self._drop_swap(seq)
+            self.dropped_swaps.append(seq.seq_id)
             seq.num_computed = 0
         seq.status = SeqStatus.FINISHED
 
@@ -332,7 +360,7 @@ class Scheduler:
         there) and, when it is decoding, its decode row in this step."""
         while self.swapped and not step.preempted:
             seq = self.swapped[0]
-            if seq.inflight or len(self.running) >= self.max_num_seqs:
+            if seq.inflight or len(self.running) >= self.max_num_seqs or self._lora_blocked(seq):
                 break  # (an in-flight token: resume once the host has it)
             if self.uses_ssm and self.ssm_slots.num_free == 0:
                 break
@@ -414,7 +442,7 @@ class Scheduler:
             if seq.inflight:  # preempted with a token in flight: admit once the host has it
                 break
             shared = self._shared_blocks(seq)
-            if shared is None:  # wait for the leader
+            if shared is None or self._lora_blocked(seq):  # wait for the leader / a LoRA slot
                 i += 1
                 continue
             room = min(budget, self.max_prefill_tokens - prefill)
@@ -446,6 +474,14 @@ class Scheduler:
             budget -= length
             prefill += length
         return step
+
+    def _lora_blocked(self, seq: Sequence) -> bool:
+        """Running `seq` would make more than max_loras distinct adapters run at once."""
+        lid = seq.request.lora_int_id
+        if not lid or not self.max_loras:
+            return False
+        active = {s.request.lora_int_id for s in self.running} - {0}
+        return lid not in active and len(active) >= self.max_loras
 
     def _shared_blocks(self, seq: Sequence) -> list[int] | None:
         """The leader's prompt blocks a follower can share ([] = none), or None = wait for them.

@@ -117,6 +117,8 @@ class VerifyRow:
     ssm_slot: int = -1
     suppress_until: int = 0
     stop_ids: Sequence[int] = ()
+    lora_slot: int = -1  # as DecodeRow's (set by the LoRA manager's assign_slots)
+    moe_lora_slot: int = -1
 
 
 def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
@@ -136,6 +138,8 @@ def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
     cu = np.zeros(n + 1, np.int32)
     kv_lens = np.zeros(n, np.int32)
     ssm = np.full(n, -1, np.int32)
+    lslot = np.full(n, -1, np.int32)
+    mslot = np.full(n, -1, np.int32)
     tok_pen_rows = np.full(t, -1, np.int32)
     tok_is_output = np.zeros(t, np.bool_)
     samp = []
@@ -154,6 +158,7 @@ def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
         bt[r, : len(btab)] = btab
         kv_lens[r] = row.position + L
         ssm[r] = row.ssm_slot
+        lslot[r], mslot[r] = row.lora_slot, row.moe_lora_slot
         rs = row.sampling
         tok_pen_rows[o] = rs.pen_row  # t0 is counted now; accepted drafts once accepted (in the step)
         tok_is_output[o] = True
@@ -164,10 +169,9 @@ def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
         o += L
         cu[r + 1] = o
     cu[len(rows) + 1:] = o
-    none = np.full(n, -1, np.int32)
     pmd = BatchedAttnMetadata(
         positions=pos, positions_h=pos, positions_w=pos, slots=slots, block_tables=bt, cu_seqlens=cu,
-        kv_lens=kv_lens, ssm_slots=ssm, seq_slot=none, moe_row_adapter=none, num_tokens=t, num_streams=n,
+        kv_lens=kv_lens, ssm_slots=ssm, seq_slot=lslot, moe_row_adapter=mslot, num_tokens=t, num_streams=n,
         max_blocks_per_seq=mb, verify_width=w)
     smd = _sampling_metadata(cfg, n * w, samp, tok_pen_rows, tok_is_output, np.full(n, -1, np.int32),
                              np.full(t, -1, np.int32))
@@ -251,7 +255,8 @@ def dispatch_verify(engine, sched):
     or None when no row has drafts (then a plain decode step is cheaper: 1 token per row, not 1 + k)."""
     from metrale_jax.engine.compile import _ceil_bucket
     from metrale_jax.engine.engine import _InFlight
-    from metrale_jax.metadata_builder import StepBucket
+    from metrale_jax.metadata_builder import StepBucket, pack
+    from metrale_jax.parallel import local
 
     spec = engine.config.speculative_config
     rows, sampled = [], []
@@ -267,9 +272,13 @@ def dispatch_verify(engine, sched):
     if not any(n for _, _, n in sampled):
         return None
     k = spec.num_speculative_tokens
+    if engine.lora is not None:
+        engine.lora.assign_slots(engine, sched, rows, [])
     bucket = StepBucket("verify", num_seqs=_ceil_bucket(engine.config.decode_buckets, len(rows)), num_spec=k)
     inputs = build_verify_step(engine.builder, bucket, rows)
-    dev = engine.compiler.transfer(inputs)
+    _, ibuf, fbuf = pack(engine.builder, inputs)
+    engine._announce("step", bucket, ibuf, fbuf)  # processes under jax.distributed run it too
+    dev = engine.compiler.put(ibuf, fbuf)
     engine.state, out, engine._next_tokens = engine.compiler.run(bucket, engine.params, engine.state, dev,
                                                                  engine._next_tokens)
     engine.scheduler.complete(sched)  # t0 of every row is in the cache; accepted drafts are added on read
@@ -279,7 +288,7 @@ def dispatch_verify(engine, sched):
 
     want_lp = bool(inputs.smd.flags[F_LOGPROBS])
     names = ["token_ids", "logprobs", "spec_accepted"] + (["ranks", "top_ids", "top_logprobs"] if want_lp else [])
-    arrays = [getattr(out, n) for n in names]
+    arrays = [local(getattr(out, n)) for n in names]
     for a in arrays:
         a.copy_to_host_async()
     return _InFlight(sched, inputs, sampled, names, arrays, want_lp, False)

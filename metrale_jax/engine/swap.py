@@ -69,7 +69,7 @@ def _index(ax: int, idx):
     return (slice(None),) * ax + (idx,)
 
 
-def gather(state, blocks, slot, *, roles: tuple[Role, ...]) -> tuple[jax.Array, ...]:
+def gather(state, blocks, slot, *, roles: tuple[Role, ...], placement=None) -> tuple[jax.Array, ...]:
     """A step state's (`StepState`) saved leaves of one sequence. blocks i32[M] (all in range),
     slot i32[] -> per role leaf in order: block leaves with axis `ax` of size M, slot leaves
     without their slot axis."""
@@ -79,12 +79,13 @@ def gather(state, blocks, slot, *, roles: tuple[Role, ...]) -> tuple[jax.Array, 
             continue
         kind, ax = r
         out.append(jnp.take(a, blocks if kind == "block" else jnp.maximum(slot, 0), axis=ax))
-    return tuple(out)
+    return tuple(out) if placement is None else placement.replicate(tuple(out))
 
 
-def scatter(state, blocks, slot, saved: tuple, *, roles: tuple[Role, ...]):
+def scatter(state, blocks, slot, saved: tuple, *, roles: tuple[Role, ...], placement=None):
     """Write `saved` (as `gather` returns it) into blocks i32[M] (-1 = padding, not written) and
-    slot i32[] (-1 = none) of the step state; returns the new state."""
+    slot i32[] (-1 = none) of the step state; returns the new state (laid out by `placement`
+    under tensor parallelism, as the steps take it)."""
     leaves, treedef = jax.tree.flatten(state.model)
     it = iter(saved)
     new = []
@@ -97,17 +98,18 @@ def scatter(state, blocks, slot, saved: tuple, *, roles: tuple[Role, ...]):
         idx = blocks if kind == "block" else slot
         idx = jnp.where(idx >= 0, idx, a.shape[ax])  # out of range: dropped
         new.append(a.at[_index(ax, idx)].set(v.astype(a.dtype), mode="drop"))
-    return replace_model_state(state, jax.tree.unflatten(treedef, new))
+    state = replace_model_state(state, jax.tree.unflatten(treedef, new))
+    return state if placement is None else placement.pin_state(state)
 
 
 @functools.cache
 def jit_gather():
-    return jax.jit(gather, static_argnames=("roles",))
+    return jax.jit(gather, static_argnames=("roles", "placement"))
 
 
 @functools.cache
 def jit_scatter():
-    return jax.jit(scatter, static_argnames=("roles",), donate_argnums=(0,))
+    return jax.jit(scatter, static_argnames=("roles", "placement"), donate_argnums=(0,))
 
 
 @dataclass
@@ -123,7 +125,9 @@ class SwapData:
     def to_host(self, roles: tuple[Role, ...]) -> None:
         if self.on_host:
             return
-        host = jax.device_get(self.arrays)
+        from metrale_jax.parallel import local
+
+        host = jax.device_get([local(a) for a in self.arrays])
         kinds = [r for r in roles if r is not None]
         self.arrays = tuple(np.asarray(a)[_index(ax, slice(0, self.num_blocks))] if kind == "block" else np.asarray(a)
                             for a, (kind, ax) in zip(host, kinds))

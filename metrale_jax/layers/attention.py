@@ -7,7 +7,9 @@ reference below (the CPU default) or the Pallas kernels of `pallas_kernels/paged
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,13 @@ class AttentionConfig:
     # the step needs them (`sampling.sample(branches=...)`): the CPU default. On the GPU XLA
     # evaluates a conditional's predicate on the host, so the next step could not be queued.
     sampler_branches: bool = False
+    # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
+    # attention kernels then run per device on its heads under `shard_map`; None = one device.
+    mesh: Any = None
+    # LoRA deltas (engines built with enable_lora): "masked" (shrink against all slots, mask,
+    # expand: two GEMMs), "gather" (each token's own A/B) or "auto" (gather when a step has fewer
+    # tokens than slots); see metrale_jax/lora/ops.py
+    lora_kernel: str = "auto"
 
 
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):
@@ -160,17 +169,29 @@ def prefill_attention_ref(q, cache: KVCache, layer, md: BatchedAttnMetadata, sca
     return o.reshape(t_tot, hq, d).astype(q.dtype)
 
 
+def _kernel_call(kernel, q, cache: KVCache, layer, tables: tuple, cfg: AttentionConfig):
+    """kernel(q, k, v, layer, *tables, k_scale, v_scale) on one device, or on every device of
+    `cfg.mesh` for its heads (`parallel.shard_heads`) when the KV heads divide over it."""
+    fp8 = cache.k.dtype == jnp.float8_e4m3fn
+    scales = (cache.k_scale[layer], cache.v_scale[layer]) if fp8 else (None, None)
+
+    def call(q, k, v, layer, tables, scales):
+        return kernel(q, k, v, layer, *tables, k_scale=scales[0], v_scale=scales[1])
+
+    if cfg.mesh is not None:
+        from metrale_jax.parallel import shard_heads
+
+        return shard_heads(cfg.mesh, call, q, cache.k, cache.v, (layer, tables, scales))
+    return call(q, cache.k, cache.v, layer, tables, scales)
+
+
 def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
     if cfg.use_pallas:
         from pallas_kernels.paged_attention import paged_decode_attention
 
-        fp8 = cache.k.dtype == jnp.float8_e4m3fn
-        return paged_decode_attention(
-            q, cache.k, cache.v, layer, md.block_tables, md.seq_lens, sm_scale=scale,
-            sliding_window=cfg.sliding_window,
-            k_scale=cache.k_scale[layer] if fp8 else None, v_scale=cache.v_scale[layer] if fp8 else None,
-            interpret=cfg.interpret,
-        )
+        kernel = functools.partial(paged_decode_attention, sm_scale=scale, sliding_window=cfg.sliding_window,
+                                   interpret=cfg.interpret)
+        return _kernel_call(kernel, q, cache, layer, (md.block_tables, md.seq_lens), cfg)
     return decode_attention_ref(q, cache, layer, md, scale, cfg.sliding_window)
 
 
@@ -178,17 +199,16 @@ def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
     if cfg.use_pallas:
         from pallas_kernels.paged_attention import paged_prefill_attention, prefill_mgpu
 
+        tables = (md.block_tables, md.cu_seqlens, md.kv_lens)
         if cfg.mosaic_prefill and prefill_mgpu.supports(q, cache.k, cache.v):
-            return prefill_mgpu.paged_prefill_attention_mgpu(
-                q, cache.k, cache.v, layer, md.block_tables, md.cu_seqlens, md.kv_lens, sm_scale=scale,
-                sliding_window=cfg.sliding_window, interpret=cfg.interpret)
-        fp8 = cache.k.dtype == jnp.float8_e4m3fn
-        return paged_prefill_attention(
-            q, cache.k, cache.v, layer, md.block_tables, md.cu_seqlens, md.kv_lens, sm_scale=scale,
-            sliding_window=cfg.sliding_window,
-            k_scale=cache.k_scale[layer] if fp8 else None, v_scale=cache.v_scale[layer] if fp8 else None,
-            interpret=cfg.interpret,
-        )
+            def kernel(q, k, v, layer, *tables, k_scale, v_scale):
+                return prefill_mgpu.paged_prefill_attention_mgpu(q, k, v, layer, *tables, sm_scale=scale,
+                                                                 sliding_window=cfg.sliding_window,
+                                                                 interpret=cfg.interpret)
+        else:
+            kernel = functools.partial(paged_prefill_attention, sm_scale=scale, sliding_window=cfg.sliding_window,
+                                       interpret=cfg.interpret)
+        return _kernel_call(kernel, q, cache, layer, tables, cfg)
     return prefill_attention_ref(q, cache, layer, md, scale, cfg.sliding_window)
 
 

@@ -1,4 +1,4 @@
-"""Linear layers: plain weights [K, N], or FP8 e4m3 weights with 128x128 block scales.
+"""Linear layers: plain weights [K, N], FP8 e4m3 weights with 128x128 block scales, or packed 4-bit weights.
 
 `linear(x, w, b)` takes either. An `Fp8Linear` keeps the checkpoint's layout ([N, K], the
 DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv` format). A fused projection (q|k|v, gate|up) stacks
@@ -42,6 +42,34 @@ class Fp8Linear:
         return sum(n for _, n in self.segments)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class W4Linear:
+    """4-bit weights (GPTQ, AWQ, compressed-tensors W4A16, NVFP4; `quant/w4.py`), one layout.
+
+    Two codes per byte along K (byte j of a row: code 2j in the low nibble, 2j+1 in the high), rows
+    = output columns, so a decode kernel streams contiguous K bytes of each row (the FP8 kernel's
+    [N, K] layout, half the bytes). Fused parts (q|k|v, gate|up) are stacked along N, unpadded.
+    W[n, perm[k]] = (code - zeros[n, k // G]) * scales[n, k // G]          (kind "int4")
+                 = e2m1(code) * scales[n, k // G] * row_scale[n]          (kind "fp4")
+    """
+
+    packed: jax.Array  # u8[..., N, ceil(K / 2)]  (a leading layer axis when stacked)
+    scales: jax.Array  # f16 | bf16 | f32 (int4), float8_e4m3fn (fp4) [..., N, ceil(K / G)]
+    zeros: jax.Array | None  # u8[..., N, ceil(K / G)] (int4), None (fp4)
+    row_scale: jax.Array | None  # f32[..., N] (fp4: the per-part global scale), None (int4)
+    perm: jax.Array | None  # i32[..., K]: the input column of weight column k (GPTQ act-order), None = identity
+    k: int = dataclasses.field(metadata=dict(static=True), default=0)  # input features
+    group_size: int = dataclasses.field(metadata=dict(static=True), default=128)
+    kind: str = dataclasses.field(metadata=dict(static=True), default="int4")  # "int4" | "fp4"
+    use_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)
+
+    @property
+    def n_out(self) -> int:
+        return self.packed.shape[-2]
+
+
 def dequantize(w: Fp8Linear, dtype) -> jax.Array:
     """-> [N_pad, K] in `dtype`: each element times its block's scale."""
     n_pad, k = w.w8.shape[-2:]
@@ -52,10 +80,14 @@ def dequantize(w: Fp8Linear, dtype) -> jax.Array:
 def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ w (* row_scale) (+ b [N]) with float32 accumulation, result in x's dtype.
 
-    w: [K, N], or an `Fp8Linear` whose valid output columns are N.
+    w: [K, N], an `Fp8Linear` whose valid output columns are N, or a 4-bit `W4Linear` [N, K].
     row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
     """
-    if isinstance(w, Fp8Linear):
+    if isinstance(w, W4Linear):
+        from metrale_jax.layers.linear_w4 import w4_matmul
+
+        y = w4_matmul(x, w)  # f32[..., N]
+    elif isinstance(w, Fp8Linear):
         m = math.prod(x.shape[:-1])
         if w.use_kernel and w.w8.ndim == 2 and 1 <= m <= KERNEL_MAX_M and x.dtype == jnp.bfloat16:
             from pallas_kernels.linear import skinny_matmul_fp8
@@ -76,8 +108,9 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
 
 
 def use_fp8_kernel(params, interpret: bool = False):
-    """`params` with every `Fp8Linear` marked to run decode-sized inputs through the Pallas
-    kernel (a new tree sharing the arrays)."""
+    """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
+    the Pallas kernels (a new tree sharing the arrays)."""
+    kinds = (Fp8Linear, W4Linear)
     return jax.tree.map(
-        lambda w: dataclasses.replace(w, use_kernel=True, interpret=interpret) if isinstance(w, Fp8Linear) else w,
-        params, is_leaf=lambda w: isinstance(w, Fp8Linear))
+        lambda w: dataclasses.replace(w, use_kernel=True, interpret=interpret) if isinstance(w, kinds) else w,
+        params, is_leaf=lambda w: isinstance(w, kinds))

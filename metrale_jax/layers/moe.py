@@ -161,12 +161,25 @@ def grouped_matmul(x, w, sizes, use_tokamax: bool):
 
 
 def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gated: bool = True,
-                   use_tokamax: bool = False):
+                   use_tokamax: bool = False, lora=None):
     """Run each token through its k experts and sum the weighted outputs.
 
     x [T, H], weights f32[T, k], experts i32[T, k], w_gate_up [E, H, 2I] (gated) or [E, H, I],
     w_down [E, I, H] -> [T, H] in x's dtype. use_tokamax: the GPU grouped GEMM (see module doc).
+    lora: a `metrale_jax.lora.ops.LoRAInputs` with expert leaves: the gate/up/down LoRA deltas of
+    the tokens whose `moe_slot` >= 0 (gated experts only).
+    Block-FP8 experts (`Fp8Linear`s [E, N_pad, K]) go through `moe_fp8.fp8_routed_experts`.
     """
+    from metrale_jax.layers.linear import Fp8Linear
+
+    if isinstance(w_gate_up, Fp8Linear):
+        from metrale_jax.layers.moe_fp8 import fp8_routed_experts
+
+        if lora is not None and "x_down_b" in lora.w:
+            raise ValueError("LoRA on FP8 MoE experts is not supported: build the engine with lora_experts=False")
+
+        return fp8_routed_experts(x, weights, experts, w_gate_up, w_down, act=act, gated=gated,
+                                  use_tokamax=use_tokamax)
     t, k = experts.shape
     num_experts = w_down.shape[0]
     flat = experts.reshape(-1)  # i32[T*k]
@@ -175,11 +188,21 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
     xs = x[tok]
     h = grouped_matmul(xs, w_gate_up.astype(x.dtype), sizes, use_tokamax)
+    if lora is not None and "x_down_b" not in lora.w:
+        lora = None  # an engine without expert LoRA slots (EngineConfig.lora_experts=False)
+    if lora is not None:
+        from metrale_jax.lora.ops import expert_groups, expert_lora
+
+        lw = lora.w
+        grp = expert_groups(lora.moe_slot, flat, order, k, num_experts, lw["x_down_b"].shape[0])
+        h = h + expert_lora(xs, grp, lw["x_gate_up_a"], lw["x_gate_up_b"], use_tokamax)
     if gated:
         g, u = jnp.split(h, 2, axis=-1)
         a = act(g) * u
     else:
         a = act(h)
     y = grouped_matmul(a.astype(x.dtype), w_down.astype(x.dtype), sizes, use_tokamax)
+    if lora is not None:
+        y = y + expert_lora(a.astype(x.dtype), grp, lw["x_down_a"], lw["x_down_b"], use_tokamax)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[tok].add(y).astype(x.dtype)

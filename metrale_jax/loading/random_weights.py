@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import zlib
 
+import jax
 import numpy as np
 
-from metrale_jax.layers.linear import Fp8Linear
+from metrale_jax.layers.linear import Fp8Linear, W4Linear
 from metrale_jax.loading.weights import WeightReader
 
 _TILE = 1_048_573  # a prime near 2**20
@@ -29,9 +30,10 @@ class _NoSource:
 
 class RandomWeightReader(WeightReader):
     def __init__(self, dtype, seed: int = 0, scale: float = 0.2, tile_above: int = 1 << 24, show_progress=False,
-                 repeat_layers: bool = False, quantize_fp8: bool = False, split_layers: bool = False):
+                 repeat_layers: bool = False, quantize_fp8: bool = False, split_layers: bool = False,
+                 quantize_w4: str | None = None):
         super().__init__(_NoSource(), dtype, origin="<random>", show_progress=show_progress,
-                         quantize_fp8=quantize_fp8, split_layers=split_layers)
+                         quantize_fp8=quantize_fp8, split_layers=split_layers, quantize_w4=quantize_w4)
         self.seed = seed
         self.scale = scale
         self.tile_above = tile_above
@@ -58,6 +60,8 @@ class RandomWeightReader(WeightReader):
         one = super().linears(1, k, parts, desc)
         if isinstance(one, Fp8Linear):
             return Fp8Linear(np.repeat(one.w8, num_layers, 0), np.repeat(one.scale_inv, num_layers, 0), one.segments)
+        if isinstance(one, W4Linear):
+            return jax.tree.map(lambda a: np.repeat(a, num_layers, 0), one)
         return np.repeat(one, num_layers, 0)
 
     def _draw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:

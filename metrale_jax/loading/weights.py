@@ -44,13 +44,15 @@ class WeightReader:
     """
 
     def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False,
-                 split_layers: bool = False):
+                 split_layers: bool = False, w4_scheme=None, quantize_w4: str | None = None):
         self.source = source
         self.dtype = np_dtype(dtype)
         self.origin = origin
         self.show_progress = show_progress
         self.split_layers = split_layers  # to_device: per-layer arrays (the GPU engine's layout)
         self.quantize_fp8 = quantize_fp8
+        self.w4_scheme = w4_scheme  # quant.w4.W4Scheme of a 4-bit checkpoint (linears_w4.py)
+        self.quantize_w4 = quantize_w4  # "int4" | "nvfp4": quantize the decoder linears at load
         self._names = set(source.names())
         self.used: set[str] = set()
 
@@ -60,6 +62,14 @@ class WeightReader:
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
         """The tensor `name` as float32 numpy (or the target dtype if cast), checked against shape."""
         if name not in self._names:
+            if self.w4_scheme is not None and name.endswith(".weight"):
+                from metrale_jax.quant.w4 import READERS
+
+                if self.has(name[: -len("weight")] + READERS[self.w4_scheme.method][0]):
+                    raise UnsupportedDtypeError(
+                        f"{self.origin}: {name[: -len('.weight')]} is 4-bit ({self.w4_scheme.method}); 4-bit weights "
+                        "are supported in the decoder linears of Llama-family models only (not lm_head, embeddings, "
+                        "experts or other families' layers)")
             raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
         got = tuple(self.source.shape(name))
         if got != tuple(shape):
@@ -105,6 +115,12 @@ class WeightReader:
         """One (possibly fused) linear per layer, stacked: parts(i) lists layer i's checkpoint
         weights [N_j, K] in output order. -> f[L, K, sum N_j], or an `Fp8Linear` when the
         checkpoint stores these weights in FP8 (or with quantize_fp8)."""
+        if self.w4_scheme is not None or self.quantize_w4:
+            from metrale_jax.loading.linears_w4 import read_w4_linears
+
+            w4 = read_w4_linears(self, num_layers, k, parts, desc)
+            if w4 is not None:
+                return w4
         first = [name for name, _ in parts(0)]
         fp8 = self.quantize_fp8 or self.is_fp8(first[0])
         if fp8 and not self.quantize_fp8 and not all(self.is_fp8(n) for n in first):

@@ -37,6 +37,7 @@ from metrale_jax.layers.norms import rms_norm, rms_norm_linear
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
 from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
+from metrale_jax.lora.ops import LoRAInputs, add_delta, token_slots
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -102,19 +103,22 @@ def load_dense_mlp(cfg: ModelConfig, reader: WeightReader) -> dict:
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------
-def _qkv_proj(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
-    """x [..., T, H] (the residual stream, before attn_norm) -> the fused projection [..., T, (Hq + 2 Hkv) D]."""
+def _qkv_proj(cfg: ModelConfig, lp: dict, x: jax.Array, lora: LoRAInputs | None = None) -> jax.Array:
+    """x [..., T, H] (the residual stream, before attn_norm) -> the fused projection [..., T, (Hq + 2 Hkv) D]
+    (plus each token's LoRA delta on q, k and v when `lora` is given)."""
     qkv = rms_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp["wqkv"], lp.get("bqkv"))
+    if lora is not None:
+        qkv = add_delta(qkv, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lora, "qkv_a", "qkv_b")
     # The barrier keeps q|k|v one GEMM: without it XLA on the GPU fuses the three slices' users
     # into three copies of the dot (H200, Llama-3-8B decode: 52.7 us per layer instead of 17.5).
     return jax.lax.optimization_barrier(qkv)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array):
+def _qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array, lora: LoRAInputs | None = None):
     """x [..., T, H] (the residual stream, before attn_norm) -> q [..., T, Hq, D], k/v [..., T, Hkv, D],
     with q/k norm and RoPE applied."""
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = _qkv_proj(cfg, lp, x)
+    qkv = _qkv_proj(cfg, lp, x, lora)
     q, k, v = jnp.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
     q = q.reshape(q.shape[:-1] + (hq, d))
     k = k.reshape(k.shape[:-1] + (hkv, d))
@@ -126,16 +130,22 @@ def _qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array):
     return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
 
-def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
-    """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router."""
+def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False,
+               lora: LoRAInputs | None = None) -> jax.Array:
+    """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router
+    (with each token's LoRA deltas when `lora` is given: see `metrale_jax.lora`)."""
     if "router" not in lp:
         gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
-        return x + linear(silu_mul(gate_up), lp["w_down"])
+        if lora is None:
+            return x + linear(silu_mul(gate_up), lp["w_down"])
+        gate_up = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b")
+        act = silu_mul(gate_up)
+        return x + add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape
     h = h.reshape(-1, shape[-1])
     w, idx = softmax_topk_router(h, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
-    y = routed_experts(h, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe)
+    y = routed_experts(h, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe, lora=lora)
     return x + y.reshape(shape)
 
 
@@ -184,17 +194,24 @@ def forward_paged(
     # the projection and RoPE, as Qwen3 has): three launches fewer per layer at a decode step.
     fused_rope = attn.use_pallas and not cfg.qk_norm
     cos_sin = rope_cos_sin(positions, rope_inv_freq(cfg)) if fused_rope else None  # f32[N + T, rot]
+    # LoRA slots (engine built with enable_lora): each token's adapter slot, i32[N + T]
+    lora_on = "lora" in params["layers"]
+    lora_slot = token_slots(dmd, pmd, "seq_slot") if lora_on else None
+    moe_slot = token_slots(dmd, pmd, "moe_row_adapter") if lora_on else None
 
     def layer(carry, lp):
         x, kv, i = carry
+        lora = LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel) if lora_on else None
         if fused_rope:
-            kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x), cos_sin, cfg.num_heads, attn.interpret)
+            kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, lora), cos_sin, cfg.num_heads,
+                                      attn.interpret)
         else:
-            q, k, v = _qkv(cfg, lp, x, positions)
+            q, k, v = _qkv(cfg, lp, x, positions, lora)
             kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
-        x = x + linear(o.reshape(o.shape[0], -1), lp["wo"])
-        return (_mlp_block(cfg, lp, x, attn.tokamax_moe), kv, i + 1), None
+        o = o.reshape(o.shape[0], -1)
+        x = x + add_delta(linear(o, lp["wo"]), o, lora, "o_a", "o_b")
+        return (_mlp_block(cfg, lp, x, attn.tokamax_moe, lora), kv, i + 1), None
 
     x, kv, _ = scan_layers(layer, (x, state.kv, np.int32(0)), params["layers"], attn.unroll_layers)
     return dataclasses.replace(state, kv=kv), rms_norm(x, params["norm"], cfg.rms_norm_eps)

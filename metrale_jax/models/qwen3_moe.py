@@ -27,14 +27,18 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
-    """Router and per-expert weights, stacked over layers (FP8 experts are dequantized at load)."""
+    """Router and per-expert weights, stacked over layers (block-FP8 experts stay FP8: `loading/experts_fp8.py`)."""
+    from metrale_jax.loading.experts_fp8 import fp8_experts
+
     e, h, inter, L = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size"), cfg.num_layers
-    out = {"router": reader.stacked(L, (h, e)), "experts_gate_up": reader.stacked(L, (e, h, 2 * inter)),
-           "experts_down": reader.stacked(L, (e, inter, h))}
+    fp8 = fp8_experts(reader, L, e, h, inter, "model.layers.{}.mlp.experts.{}.")
+    out = {"router": reader.stacked(L, (h, e))}
+    out.update(fp8 or {"experts_gate_up": reader.stacked(L, (e, h, 2 * inter)),
+                       "experts_down": reader.stacked(L, (e, inter, h))})
     for i in reader.progress(range(L), "experts"):
         p = f"model.layers.{i}.mlp."
         out["router"][i] = reader.get(p + "gate.weight", (e, h), cast=True).T
-        for j in range(e):
+        for j in range(0 if fp8 else e):
             q = f"{p}experts.{j}."
             g = reader.get(q + "gate_proj.weight", (inter, h), cast=True)
             u = reader.get(q + "up_proj.weight", (inter, h), cast=True)

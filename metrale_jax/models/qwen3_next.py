@@ -46,6 +46,7 @@ from metrale_jax.layers.spec_states import (
 )
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
 from metrale_jax.layers.stack import scan_layers, switch, take_layer
+from metrale_jax.lora.ops import LoRAInputs, token_slots
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
 from pallas_kernels.gated_delta import chunk_gated_delta_rule, naive_gated_delta_rule
 
@@ -101,9 +102,12 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     kd, vd, r = nk * dk, nv * dv, nv // nk
     c = 2 * kd + vd
     st = reader.stacked
+    from metrale_jax.loading.experts_fp8 import fp8_experts
+
+    fp8 = fp8_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # block-FP8 experts stay FP8
     layers = {
         "in_norm": st(L, (h,)), "post_norm": st(L, (h,)), "router": st(L, (h, e)),
-        "experts_gate_up": st(L, (e, h, 2 * im)), "experts_down": st(L, (e, im, h)),
+        **(fp8 or {"experts_gate_up": st(L, (e, h, 2 * im)), "experts_down": st(L, (e, im, h))}),
         "shared_gate_up": st(L, (h, 2 * ish)), "shared_down": st(L, (ish, h)), "shared_gate": st(L, (h, 1)),
     }
     attn = {"wq": st(la, (h, hq * 2 * d)), "wkv": st(la, (h, 2 * hkv * d)), "wo": st(la, (hq * d, h)),
@@ -117,7 +121,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         layers["post_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
         m = p + "mlp."
         layers["router"][i] = reader.get(m + "gate.weight", (e, h), cast=True).T
-        for j in range(e):
+        for j in range(0 if fp8 else e):
             q = f"{m}experts.{j}."
             g_ = reader.get(q + "gate_proj.weight", (im, h), cast=True)
             u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)
@@ -171,10 +175,11 @@ def _norm(cfg, x, w):
     return rms_norm(x, w, cfg.rms_norm_eps, zero_centered=True)
 
 
-def _moe(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False) -> jax.Array:
-    """x [T, H] -> [T, H]: routed experts plus the sigmoid-gated shared expert."""
+def _moe(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False, lora=None) -> jax.Array:
+    """x [T, H] -> [T, H]: routed experts plus the sigmoid-gated shared expert. lora: the experts'
+    LoRA (`metrale_jax.lora.ops.LoRAInputs`) for the tokens whose moe_slot >= 0."""
     w, idx = softmax_topk_router(x, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
-    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe)
+    y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe, lora=lora)
     shared = swiglu_mlp(x, lp["shared_gate_up"], lp["shared_down"])
     gate = jax.nn.sigmoid(linear(x, lp["shared_gate"]).astype(jnp.float32))
     return (y.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
@@ -292,6 +297,8 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     x = params["embed"][tokens]
     scale = cfg.head_dim**-0.5
     kinds = np.asarray(_kinds(cfg), np.int32)  # numpy: static under the Python layer loop
+    # expert LoRA (engines built with enable_lora): each token's expert-LoRA slot, i32[N + T]
+    moe_slot = token_slots(dmd, pmd, "moe_row_adapter") if "lora" in params["layers"] else None
     verify = verify_grid(pmd) if pmd is not None and pmd.verify_width else None
 
     def gdn_branch(x, h, kv, ssm, ia, ig):
@@ -318,7 +325,8 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         lp, kind = xs
         h = _norm(cfg, x, lp["in_norm"])
         x, kv, ssm = switch(kind, [gdn_branch, attn_branch], x, h, kv, ssm, ia, ig)
-        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]), attn.tokamax_moe)
+        lora = LoRAInputs(lp["lora"], moe_slot, moe_slot) if moe_slot is not None else None
+        x = x + _moe(cfg, lp, _norm(cfg, x, lp["post_norm"]), attn.tokamax_moe, lora)
         return (x, kv, ssm, ia + (kind == ATTN), ig + (kind == GDN)), None
 
     init = (x, state.kv, state.ssm, np.int32(0), np.int32(0))

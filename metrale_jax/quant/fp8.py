@@ -135,7 +135,9 @@ def check_fp8_quantization_config(qc: Mapping) -> tuple[int, int]:
         raise UnsupportedDtypeError(f"quantization_config must be a mapping; got {type(qc).__name__}")
     method = qc.get("quant_method")
     if method != "fp8":
-        raise UnsupportedDtypeError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+        raise UnsupportedDtypeError(
+            f"quantization_config.quant_method {method!r} is not supported ('fp8', 'gptq', 'awq', "
+            "'compressed-tensors', 'modelopt')")
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise UnsupportedDtypeError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")

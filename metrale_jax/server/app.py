@@ -1,4 +1,5 @@
-"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (a request's `model` may name an adapter).
 
 `create_app(engine, ServerConfig(...))` wraps an `LLMEngine` (or anything with its API). The
 engine runs on the `EngineLoop` thread, started and stopped by the app's lifespan; see
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -58,11 +60,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale_jax.errors import InvalidPromptError, InvalidRequestError, MetraleError
 from metrale_jax.llm import chat_template_error_message
+from metrale_jax.lora.request import LoRARequest
 from metrale_jax.sampling import SamplingParams
 from metrale_jax.server.engine_loop import (
     DrainTimeoutError,
@@ -103,6 +106,9 @@ class ServerConfig:
 
     model_names: tuple[str, ...] = ("model",)
     api_key: str | None = None
+    # LoRA adapters served under their own names (`metrale serve --lora-modules name=path`): a
+    # request's `model` picks one; POST /v1/load_lora_adapter / unload_lora_adapter change the set
+    lora_modules: tuple = ()  # metrale_jax.lora.LoRARequest
     max_waiting_requests: int = 1024
     max_request_bytes: int = 4 << 20
     retry_after_s: int = 1
@@ -496,10 +502,18 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             raise RequestError("invalid or missing API key", status=401, err_type="authentication_error",
                                code="invalid_api_key")
 
-    def check_model(name: str | None) -> None:
+    loras: dict[str, Any] = {r.lora_name: r for r in config.lora_modules}  # name -> LoRARequest
+    lora_ids = itertools.count(max((r.lora_int_id for r in config.lora_modules), default=0) + 1)
+
+    def check_model(name: str | None) -> Any:
+        """The request's LoRARequest (None: the base model); 404 for an unknown name."""
+        if name is not None and name in loras:
+            return loras[name]
         if name is not None and name not in config.model_names:
-            raise RequestError(f"the model {name!r} does not exist; this server serves {model_name!r}",
+            raise RequestError(f"the model {name!r} does not exist; this server serves {model_name!r}"
+                               + (f" and the LoRA adapters {sorted(loras)}" if loras else ""),
                                param="model", status=404, err_type="not_found_error", code="model_not_found")
+        return None
 
     def check_serving() -> None:
         if app.state.shutting_down or loop_.stopping:
@@ -524,7 +538,46 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         created = _now()
         data = [{"id": n, "object": "model", "created": created, "owned_by": "metrale-jax", "root": model_name,
                  "parent": None, "max_model_len": max_model_len} for n in config.model_names]
+        data += [{"id": n, "object": "model", "created": created, "owned_by": "metrale-jax", "root": r.lora_path,
+                  "parent": model_name, "max_model_len": max_model_len} for n, r in loras.items()]
         return {"object": "list", "data": data}
+
+    async def _lora_body(request: Request) -> dict:
+        check_auth(request)
+        try:
+            body = json.loads(await _read_body(request, config.max_request_bytes))
+            if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+                raise ValueError("needs a string 'lora_name'")
+        except ValueError as e:
+            raise RequestError(f"bad LoRA adapter request: {e}", param="lora_name", code="invalid_json") from None
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """vLLM's endpoint: {"lora_name", "lora_path"}; the adapter is read and checked now."""
+        body = await _lora_body(request)
+        name, path = body["lora_name"], body.get("lora_path")
+        if name in loras or name in config.model_names:
+            raise RequestError(f"the LoRA adapter {name!r} is already loaded", param="lora_name",
+                               code="lora_already_loaded")
+        if not isinstance(path, str) or not path:
+            raise RequestError("load_lora_adapter needs a string 'lora_path'", param="lora_path")
+        req = LoRARequest(name, next(lora_ids), path, base_model_name=model_name)
+        await asyncio.to_thread(check_lora_adapter, engine, req)
+        loras[name] = req
+        log.info("LoRA adapter %r loaded from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """vLLM's endpoint: {"lora_name"}; requests already running with it finish."""
+        body = await _lora_body(request)
+        name = body["lora_name"]
+        if loras.pop(name, None) is None:
+            raise RequestError(f"the LoRA adapter {name!r} is not loaded", param="lora_name", status=404,
+                               err_type="not_found_error", code="lora_not_found")
+        log.info("LoRA adapter %r unloaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def run(request: Request, gen: _Generation, sub: Subscription, stream: bool, include_usage: bool):
         if stream:
@@ -572,14 +625,14 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         consumer.result()  # re-raises EngineDeadError / ServerStoppingError
         return JSONResponse(gen.response())
 
-    async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any]
-                     ) -> Subscription:
+    async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any],
+                     lora: Any = None) -> Subscription:
         access = request.scope.get("metrale.access")
         if access is not None:
             access["request_id"] = gen.id
             access["gen"] = gen
         params = SamplingParams(**kwargs)
-        reqs = [(rid, p, params) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
+        reqs = [(rid, p, params, lora) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
         return await loop_.submit(reqs)
 
     @app.post("/v1/completions")
@@ -588,7 +641,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         check_serving()
         body = await _read_body(request, config.max_request_bytes)
         req = parse_request(CompletionRequest, body)
-        check_model(req.model)
+        lora = check_model(req.model)
         kwargs = req.to_sampling_params_kwargs(max_model_len)
         prompts = req.prompts()
         echo = None
@@ -598,7 +651,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo)
-        sub = await submit(request, gen, prompts, kwargs)
+        sub = await submit(request, gen, prompts, kwargs, lora)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -607,7 +660,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         check_serving()
         body = await _read_body(request, config.max_request_bytes)
         req = parse_request(ChatCompletionRequest, body)
-        check_model(req.model)
+        lora = check_model(req.model)
         kwargs = req.to_sampling_params_kwargs(max_model_len)
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -625,7 +678,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None)
-        sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs)
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     return app
@@ -635,6 +688,18 @@ _HTTP_ERRORS = {  # Starlette's own HTTP errors: status -> (type, code)
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
 }
+
+
+def check_lora_adapter(engine: Any, req: Any) -> None:
+    """Read and check a LoRA adapter against the engine's slots without touching the engine's
+    state (the engine thread owns it): raises a LoRAError when it cannot be served."""
+    from metrale_jax.errors import LoRANotEnabledError
+    from metrale_jax.lora.adapter import load_peft_adapter
+
+    mgr = getattr(engine, "lora", None)
+    if mgr is None:
+        raise LoRANotEnabledError("this server's engine was started without --enable-lora")
+    load_peft_adapter(req.lora_path, mgr.spec, mgr.dtype, req.lora_int_id, req.lora_name)
 
 
 def _holdback(kwargs: dict[str, Any]) -> int:

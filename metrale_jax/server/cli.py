@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import types
 import typing
@@ -108,9 +109,16 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="request body size limit (413 past it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (then they are aborted)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under NAME (needs --enable-lora); a request's "
+                        "`model` picks one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
+    g = p.add_argument_group("several hosts (jax.distributed; the same command on every host)")
+    g.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None, help="0 serves HTTP; the others run its steps")
     (add_engine_options or add_engine_args)(p)
 
 
@@ -121,15 +129,48 @@ def serve_main(args: argparse.Namespace) -> int:
     from metrale_jax.server.runner import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "coordinator_address", None) is not None:
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+    loras = lora_modules_from_args(getattr(args, "lora_modules", None), args.model)
     engine = LLMEngine.from_config(engine_config_from_args(args, args.model))
+    if engine.lockstep is not None and not engine.lockstep.leader:
+        engine.follow_leader()  # until process 0 shuts down
+        return 0
+    for r in loras:  # refused adapters stop the start-up with a LoRAError naming them
+        engine.add_lora(r)
     names = tuple(args.served_model_name or [args.model])
     if engine.model_name and engine.model_name not in names:
         names = (*names, engine.model_name)
     config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                          lora_modules=tuple(loras),
                           max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests)
-    serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
-          log_level=args.log_level)
+    try:
+        serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
+              log_level=args.log_level)
+    finally:
+        engine.release_followers()
     return 0
+
+
+def lora_modules_from_args(specs: list[str] | None, base: str) -> list:
+    """`--lora-modules name=path ...` (or vLLM's JSON form {"name", "path"}) -> LoRARequests with
+    ids 1, 2, ...; raises ValueError for a malformed entry."""
+    from metrale_jax.lora.request import LoRARequest
+
+    out = []
+    for i, spec in enumerate(specs or [], start=1):
+        if spec.lstrip().startswith("{"):
+            d = json.loads(spec)
+            name, path = d.get("name"), d.get("path")
+        else:
+            name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {spec!r}: expected NAME=PATH")
+        out.append(LoRARequest(name, i, path, base_model_name=base))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

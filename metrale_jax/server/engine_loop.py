@@ -198,7 +198,7 @@ class EngineLoop:
             return self._queued_adds + self._stats.num_waiting
 
     async def submit(self, requests: Sequence[tuple[str, Any, Any]]) -> Subscription:
-        """Add (request_id, prompt, SamplingParams) requests as one group.
+        """Add (request_id, prompt, SamplingParams[, LoRARequest]) requests as one group.
 
         Raises QueueFullError / ServerStoppingError / EngineDeadError, or the engine's
         InvalidRequestError when it rejects one of them (then none of the group stays queued).
@@ -207,7 +207,7 @@ class EngineLoop:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         if self._stopping:
             raise ServerStoppingError("the server is shutting down")
-        for rid, _, _ in requests:
+        for rid, *_ in requests:
             if rid in self._subs:
                 raise ValueError(f"duplicate request id {rid!r}")
         with self._lock:
@@ -217,7 +217,7 @@ class EngineLoop:
             self._queued_adds += len(requests)
         sub = Subscription(self, [r[0] for r in requests])
         now = time.monotonic()
-        for rid, _, _ in requests:
+        for rid, *_ in requests:
             self._subs[rid] = sub
             self._tracked[rid] = _Tracked(arrival=now)
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -225,7 +225,7 @@ class EngineLoop:
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
-            for rid, _, _ in requests:
+            for rid, *_ in requests:
                 self._subs.pop(rid, None)
                 self._tracked.pop(rid, None)
             if not fut.done() or fut.cancelled() or fut.exception() is None:
@@ -390,8 +390,11 @@ class EngineLoop:
             return  # the handler was cancelled before we got here
         added = []
         try:
-            for rid, prompt, params in requests:
-                self.engine.add_request(rid, prompt, params)
+            for rid, prompt, params, *lora in requests:  # (an optional 4th item: the LoRARequest)
+                if lora and lora[0] is not None:
+                    self.engine.add_request(rid, prompt, params, lora_request=lora[0])
+                else:
+                    self.engine.add_request(rid, prompt, params)
                 added.append(rid)
         except Exception as e:  # noqa: BLE001 - handed to the awaiting handler
             for rid in added:

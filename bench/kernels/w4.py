@@ -1,0 +1,215 @@
+"""4-bit weight-streaming kernel benchmark (GPU machine): Llama-3-8B projections at decode sizes.
+
+For each projection (K -> N), M in {1, 8, 16, 32, 64} and both 4-bit kinds (int4: group 128,
+float16 scales, uint8 zeros, the GPTQ / AWQ / W4A16 layout after `quant/w4.py`; fp4: NVFP4, e4m3
+scales per 16, a per-row global scale), it times on weights rotating through distinct copies of
+>= 256 MB (over 4x the H200's 60 MB L2, so HBM is timed):
+* `skinny_matmul_w4` (pallas_kernels/linear/w4.py) over a small sweep of `W4Params`;
+* the prefill path: XLA dequantize-then-dot on the same packed weights;
+* XLA's bf16 dot with W [N, K] (what a bf16 checkpoint runs), the baseline;
+next to a torch `copy_` of 2 GiB (read + write bytes) measured in the same run (the ceiling).
+Reported: packed weight bytes / time (the issue's bar: >= 3.4 TB/s at M = 1, goal 3.8), all
+bytes (with scales and zeros) / time, and the speed-up over bf16. Each kernel's output on copy 0
+is checked against a float32 dot on the dequantized weight.
+
+Run (on the GPU machine, from the repo root):
+    PYTHONPATH=. python3 bench/kernels/w4.py --out DIR           # DIR/w4.json, w4.md, tuned_w4.json
+    PYTHONPATH=. python3 bench/kernels/w4.py --out DIR --cpu-smoke   # tiny shapes, interpret mode
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.linear import W4Params, dequantize_w4_reference, skinny_matmul_w4  # noqa: E402
+from pallas_kernels.linear.w4 import w4_tuned_key  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+MS = (1, 8, 16, 32, 64)
+KINDS = {"int4": 128, "fp4": 16}  # kind: group size
+SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4, 3), W4Params(64, 512, 4, 3),
+         W4Params(64, 256, 8, 4), W4Params(128, 256, 8, 3),
+         # int4 only (NVFP4's groups of 16 are too narrow): per-group dots of raw codes, scale on the partial
+         W4Params(16, 512, 4, 4, True), W4Params(32, 256, 4, 4, True), W4Params(64, 256, 4, 3, True),
+         W4Params(128, 128, 8, 3, True),
+         # M = 1 on the CUDA cores (the dot for other M)
+         W4Params(16, 1024, 4, 4, gemv=True), W4Params(32, 512, 4, 4, gemv=True), W4Params(16, 2048, 4, 3, gemv=True),
+         # scale / zero tiles broadcast in registers instead of one gathered scale per byte
+         W4Params(32, 512, 4, 4, scale_tile=True), W4Params(64, 256, 4, 3, scale_tile=True),
+         W4Params(16, 1024, 4, 4, gemv=True, scale_tile=True)]
+MIN_ROTATION_BYTES = 256e6
+
+
+def _memcpy() -> float:
+    import torch
+
+    n = 2**30
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2 * n / float(np.median(ts))  # read + write bytes / s
+
+
+def _weights(key, n, k, kind, group, copies):
+    """copies x (packed u8[N, K/2], scales [N, K/G], aux) on the device."""
+    out = []
+    ng = -(-k // group)
+    for i in range(copies):
+        kk = jax.random.fold_in(key, i)
+        packed = jax.random.randint(kk, (n, (k + 1) // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        if kind == "int4":
+            scales = jax.random.uniform(jax.random.fold_in(kk, 1), (n, ng), jnp.float32, 1e-3, 4e-3).astype(jnp.float16)
+            aux = jax.random.randint(jax.random.fold_in(kk, 2), (n, ng), 6, 10, jnp.int32).astype(jnp.uint8)
+        else:
+            scales = jax.random.uniform(jax.random.fold_in(kk, 1), (n, ng), jnp.float32, 0.5, 4).astype(
+                jnp.float8_e4m3fn)
+            aux = jnp.full((n,), 1e-3, jnp.float32)
+        out.append((packed, scales, aux))
+    jax.block_until_ready(out)
+    return out
+
+
+def _dequant_dot(x, packed, scales, aux, *, k, group_size, kind):
+    """The prefill path: the whole weight dequantized to bf16, then one dot."""
+    w = dequantize_w4_reference(packed, scales, aux, k=k, group_size=group_size, kind=kind).astype(jnp.bfloat16)
+    return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _time(fn, x, ws, groups=5, target_s=0.02):
+    """Seconds per weight copy: one jitted executable runs fn over every copy."""
+    run = jax.jit(lambda x, ws: [fn(x, *w) for w in ws])
+    jax.block_until_ready(run(x, ws))
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(x, ws))
+    reps = max(1, min(100, int(target_s / max(time.perf_counter() - t0, 1e-6))))
+    ts = []
+    for _ in range(groups):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = run(x, ws)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / (reps * len(ws)))
+    return float(np.median(ts)), out[0]
+
+
+def main(argv=None):
+    global SHAPES, MS, SWEEP, MIN_ROTATION_BYTES
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=500.0, help="stop starting new cells after this")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, no torch (plumbing)")
+    args = ap.parse_args(argv)
+    kernel = skinny_matmul_w4
+    if args.cpu_smoke:
+        SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2], 1e4
+        kernel = functools.partial(skinny_matmul_w4, interpret=True)
+    t_start = time.perf_counter()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, python=platform.python_version())
+    memcpy = 1e12 if args.cpu_smoke else _memcpy()
+    meta["memcpy_tb_s"] = memcpy / 1e12
+    print(json.dumps(meta), flush=True)
+    key = jax.random.key(0)
+    rows = []
+
+    def save():
+        (out / "w4.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+    for name, (k, n) in SHAPES.items():
+        bf16 = [((jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16),)
+                for i in range(max(2, math.ceil(MIN_ROTATION_BYTES / (n * k * 2))))]
+        for kind, group in KINDS.items():
+            copies = max(2, math.ceil(MIN_ROTATION_BYTES / (n * k // 2)))
+            ws = _weights(jax.random.fold_in(key, n + k), n, k, kind, group, copies)
+            packed_bytes = n * ((k + 1) // 2)
+            all_bytes = sum(a.nbytes for a in ws[0])
+            for m in MS:
+                if time.perf_counter() - t_start > args.budget_s:
+                    print("budget reached", flush=True)
+                    save()
+                    return
+                x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
+                w0 = dequantize_w4_reference(*ws[0], k=k, group_size=group, kind=kind)
+                ref = jnp.dot(x.astype(jnp.float32), w0.T, precision=jax.lax.Precision.HIGHEST)
+                t_bf16, _ = _time(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, bf16)
+                cells = [("xla_bf16", None, t_bf16, None)]
+                t, y = _time(functools.partial(_dequant_dot, k=k, group_size=group, kind=kind), x, ws)
+                cells.append(("xla_dequant_dot", None, t, y))
+                for p in SWEEP:
+                    if p.group_partial and kind == "fp4" or p.gemv and m > 1:
+                        continue
+                    try:
+                        t, y = _time(functools.partial(kernel, k=k, group_size=group, kind=kind, params=p), x, ws)
+                        cells.append(("pallas_w4", p, t, y))
+                    except Exception as e:  # noqa: BLE001 - recorded
+                        rows.append(dict(shape=name, K=k, N=n, M=m, kind=kind, impl="pallas_w4",
+                                         params=p.__dict__, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                for impl, p, t, y in cells:
+                    err = None if y is None else float(jnp.linalg.norm(y.astype(jnp.float32) - ref)
+                                                        / jnp.linalg.norm(ref))
+                    row = dict(shape=name, K=k, N=n, M=m, kind=kind, impl=impl,
+                               params=None if p is None else p.__dict__, time_us=t * 1e6,
+                               packed_tb_s=packed_bytes / t / 1e12, all_tb_s=all_bytes / t / 1e12,
+                               frac_memcpy=packed_bytes / t / memcpy, speedup_vs_bf16=t_bf16 / t, rel_err=err)
+                    if impl == "xla_bf16":
+                        row.update(packed_tb_s=None, all_tb_s=n * k * 2 / t / 1e12)
+                    rows.append(row)
+                    print(f"{name:8s} {kind} M={m:2d} {impl:16s} {str(p and p.__dict__):70s} {t * 1e6:8.2f} us "
+                          f"x{t_bf16 / t:4.2f} vs bf16" + ("" if err is None else f" err {err:.1e}"), flush=True)
+                save()
+    md = ["| shape | kind | M | best pallas_w4 (us) | packed TB/s | xla dequant+dot (us) | bf16 (us) | x bf16 |",
+          "|---|---|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        for kind in KINDS:
+            for m in MS:
+                cell = [r for r in rows if (r["shape"], r["kind"], r["M"]) == (name, kind, m) and "error" not in r]
+                best = min((r for r in cell if r["impl"] == "pallas_w4"), key=lambda r: r["time_us"], default=None)
+                dq = next((r for r in cell if r["impl"] == "xla_dequant_dot"), None)
+                bf = next((r for r in cell if r["impl"] == "xla_bf16"), None)
+                if best and dq and bf:
+                    md.append(f"| {name} | {kind} | {m} | {best['time_us']:.1f} | {best['packed_tb_s']:.2f} | "
+                              f"{dq['time_us']:.1f} | {bf['time_us']:.1f} | {best['speedup_vs_bf16']:.2f} |")
+    tuned = {}  # best kernel params per (kind, N, K, M): copy to pallas_kernels/linear/tuned_w4.json
+    for r in rows:
+        if r.get("impl") == "pallas_w4" and "time_us" in r and (r["rel_err"] or 0) < 1e-2:
+            key_ = w4_tuned_key(r["kind"], r["M"], r["N"], r["K"])
+            if key_ not in tuned or r["time_us"] < tuned[key_][0]:
+                tuned[key_] = (r["time_us"], r["params"])
+    (out / "tuned_w4.json").write_text(json.dumps({k_: v[1] for k_, v in sorted(tuned.items())}, indent=1))
+    (out / "w4.md").write_text(f"# 4-bit kernel, {meta['device']}, {meta['date']}\n\nmemcpy "
+                               f"{meta['memcpy_tb_s']:.2f} TB/s\n\n" + "\n".join(md) + "\n")
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Multi-LoRA decode cost (issue 18): the device time of one decode step with LoRA rows against
+the same step of an engine without LoRA, on random weights of a real shape.
+
+    python bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
+        [--kernels auto,masked,gather] [--out bench/results/lora.json]
+    python bench/lora.py --shape smollm2-135m --num-layers 2 --batches 1,4 --num-adapters 2 --steps 3  # CPU smoke
+
+Cases per batch B (context --context tokens per row, one decode executable of bucket B):
+* `base`: an engine built without LoRA (no LoRA leaves in the step at all): the denominator;
+* `lora_none`: the LoRA engine, every row on the base model (seq_slot = -1): the price of
+  having slots at all;
+* `lora_mixed`: the LoRA engine, row i on adapter i % num_adapters (batch 1: one adapter);
+each for every `--kernels` choice (`AttentionConfig.lora_kernel`). The adapters target all
+seven projections (q/k/v/o, gate/up/down) at rank --rank with random weights (the step's cost
+does not depend on the values), written straight into the slots (no PEFT files: 8 rank-16
+adapters of Llama-3-8B would be 1.3 GB of safetensors). Bars (issue 18, H200, Llama-3-8B shape):
+batch 64 with 8 adapters <= 1.3x base (goal 1.15x), batch 1 with one adapter <= 1.1x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _time_decode(eng, batch: int, context: int, steps: int, slots: list[int]) -> float:
+    """Median device seconds of the bucket-`batch` decode executable over `steps` runs, rows with
+    `context` tokens of (zero) cache in blocks of their own and LoRA slot slots[i] (-1 = base)."""
+    import jax
+    import numpy as np
+
+    from metrale_jax.metadata_builder import DecodeRow, RowSampling, build_step
+
+    bs = eng.config.block_size
+    nb = -(-(context + 1) // bs)
+    rows = [DecodeRow(token=3, position=context, block_table=list(range(i * nb, (i + 1) * nb)),
+                      sampling=RowSampling(), lora_slot=s) for i, s in enumerate(slots)]
+    inputs = build_step(eng.builder, eng.compiler.bucket_for(batch, 0, 0), rows, [])
+    dev = eng.compiler.transfer(inputs)
+    state = eng.state
+    for _ in range(2):
+        state, out, _ = eng.compiler.run(inputs.bucket, eng.params, state, dev)
+    jax.block_until_ready(out.token_ids)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, out, _ = eng.compiler.run(inputs.bucket, eng.params, state, dev)
+        jax.block_until_ready(out.token_ids)
+        times.append(time.perf_counter() - t0)
+    eng.state = state
+    return float(np.median(times))
+
+
+def _fill_adapters(eng, n: int, rank: int, seed: int) -> list[int]:
+    """Register n random adapters (all seven targets, `rank`) and write them into slots 0..n-1."""
+    import numpy as np
+
+    from metrale_jax.lora.adapter import HostAdapter
+    from metrale_jax.lora.request import LoRARequest
+
+    mgr = eng.lora
+    spec = mgr.spec
+    rng = np.random.default_rng(seed)
+    for i in range(1, n + 1):
+        w = {}
+        for k, shape in spec.leaf_shapes(1).items():
+            w[k] = (rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(mgr.dtype)  # values do not matter
+        req = LoRARequest(f"bench{i}", i, "")
+        mgr.registered[i] = req
+        mgr.host[i] = HostAdapter(i, req.lora_name, "", rank, w, spec.num_experts > 0, ())
+    layers = eng.params["layers"]
+    tree, slot_of = mgr.slots_for(layers["lora"], range(1, n + 1), set())
+    eng.params = {**eng.params, "layers": {**layers, "lora": tree}}
+    return [slot_of[i] for i in range(1, n + 1)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--num-adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kernels", default="auto,masked,gather")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import jax
+
+    from metrale_jax.engine.bench import shape_config
+    from metrale_jax.engine.config import EngineConfig, default_kernels
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.model import random_model
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    kernels = [k for k in args.kernels.split(",") if k]
+    attn0 = default_kernels(on_gpu)
+    model, params = random_model(shape_config(args.shape, args.num_layers), dtype=dtype, seed=args.seed,
+                                 repeat_layers=True, split_layers=attn0.unroll_layers)
+    bs = 16
+    nb = -(-(args.context + 1) // bs)
+    cfg = EngineConfig(
+        dtype=dtype, max_model_len=args.context + 64, block_size=bs, num_kv_blocks=max(batches) * nb + 8,
+        max_num_seqs=max(batches), max_num_batched_tokens=max(256, max(batches)), decode_buckets=tuple(batches),
+        prefill_buckets=(max(256, max(batches)),), max_prefill_streams=1, max_logprobs=0, show_progress=False,
+        attention=attn0)
+    res = dict(shape=args.shape, num_layers=model.cfg.num_layers, dtype=dtype, device=str(jax.devices()[0]),
+               jax=jax.__version__, date=time.strftime("%Y-%m-%d"), num_adapters=args.num_adapters, rank=args.rank,
+               context=args.context, cases=[])
+    base = LLMEngine(model, params, cfg)
+    base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b) for b in batches}
+    del base
+    for kern in kernels:
+        lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
+                                   max_cpu_loras=args.num_adapters,
+                                   attention=dataclasses.replace(attn0, lora_kernel=kern))
+        eng = LLMEngine(model, params, lcfg)
+        slots = _fill_adapters(eng, args.num_adapters, args.rank, args.seed)
+        for b in batches:
+            none = _time_decode(eng, b, args.context, args.steps, [-1] * b)
+            mixed = _time_decode(eng, b, args.context, args.steps, [slots[i % len(slots)] for i in range(b)])
+            case = dict(kernel=kern, batch=b, base_ms=base_t[b] * 1e3, lora_none_ms=none * 1e3,
+                        lora_mixed_ms=mixed * 1e3, adapters_in_batch=min(b, len(slots)),
+                        ratio_none=none / base_t[b], ratio_mixed=mixed / base_t[b])
+            res["cases"].append(case)
+            print(f"{kern:7s} batch {b:3d}: base {case['base_ms']:.3f} ms, lora rows none {case['lora_none_ms']:.3f} "
+                  f"ms ({case['ratio_none']:.3f}x), {case['adapters_in_batch']} adapters {case['lora_mixed_ms']:.3f} "
+                  f"ms ({case['ratio_mixed']:.3f}x)", flush=True)
+        del eng
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

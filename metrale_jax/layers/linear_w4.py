@@ -1,0 +1,47 @@
+"""x @ W for a packed 4-bit `W4Linear` (GPTQ, AWQ, compressed-tensors W4A16, NVFP4).
+
+Decode-sized bf16 or f16 inputs (1..`W4_KERNEL_MAX_M` rows) of weights marked `use_kernel` (the engine's
+GPU default, `linear.use_fp8_kernel`) go through the weight-streaming Pallas kernel
+(`pallas_kernels/linear/w4.py`), which reads the packed bytes once and dequantizes in registers;
+everything else (prefill, the CPU) dequantizes the whole weight in XLA and runs one GEMM.
+GPTQ act-order weights keep their groups contiguous in the packed order (`perm`): the kernel path
+gathers x's columns into that order, the XLA path puts the dequantized weight's columns back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+W4_KERNEL_MAX_M = 64  # the kernel's row limit; to be lowered if the H200 sweep says the GEMM wins earlier
+
+
+def dequantize_w4(w, dtype) -> jax.Array:
+    """W4Linear -> [..., N, K] in `dtype` (weight columns in the packed order: x[..., perm] pairs with it)."""
+    from pallas_kernels.linear.reference import dequantize_w4_reference
+
+    aux = w.row_scale if w.kind == "fp4" else w.zeros
+    return dequantize_w4_reference(w.packed, w.scales, aux, k=w.k, group_size=w.group_size,
+                                   kind=w.kind).astype(dtype)
+
+
+def w4_matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
+    m = math.prod(x.shape[:-1])
+    if w.use_kernel and w.packed.ndim == 2 and 1 <= m <= W4_KERNEL_MAX_M and x.dtype in (jnp.bfloat16, jnp.float16):
+        from pallas_kernels.linear import skinny_matmul_w4
+
+        if w.perm is not None:  # x's columns in the packed order (m rows: cheap)
+            x = jnp.take(x, w.perm, axis=-1)
+        aux = w.row_scale if w.kind == "fp4" else w.zeros
+        y = skinny_matmul_w4(x.reshape(m, x.shape[-1]), w.packed, w.scales, aux, k=w.k, group_size=w.group_size,
+                             kind=w.kind, interpret=w.interpret)
+        return y.reshape(x.shape[:-1] + (-1,)).astype(jnp.float32)
+    wd = dequantize_w4(w, x.dtype)  # [N, K] in the packed column order
+    if w.perm is not None:
+        # back to the input's column order (one pass over the dequantized weight; gathering x
+        # instead made XLA's CPU backend emit a bf16 x bf16 -> f32 dot it cannot run)
+        wd = jnp.take(wd, jnp.argsort(w.perm), axis=-1)
+    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=jnp.float32)

@@ -1,0 +1,53 @@
+"""Block-FP8 MoE experts (Qwen3-30B-A3B-FP8, Qwen3-Next-FP8) kept FP8 on the device.
+
+`fp8_experts` stacks every layer's experts into two `Fp8Linear`s in the checkpoint's [N, K]
+layout, with an expert axis after the layer axis:
+    experts_gate_up  w8 f8e4m3[L, E, 2 * I_pad, H]   scale_inv f32[L, E, 2 * I_pad / 128, ceil(H / 128)]
+    experts_down     w8 f8e4m3[L, E, H_pad, I]       scale_inv f32[L, E, H_pad / 128, ceil(I / 128)]
+(gate and up each padded to whole 128-row blocks, `segments` naming their rows, as for dense
+FP8 linears). `layers/moe_fp8.py` runs them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from metrale_jax.errors import LoadError
+from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear
+from metrale_jax.loading.weights import FP8
+
+
+def _stack(reader, num_layers: int, num_experts: int, k: int, parts, desc: str) -> Fp8Linear:
+    """parts(i, j) -> [(name, N_j)] of layer i, expert j (output order)."""
+    sizes = [n for _, n in parts(0, 0)]
+    padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
+    starts = np.cumsum([0] + padded[:-1]).tolist()
+    w8 = np.zeros((num_layers, num_experts, sum(padded), k), FP8)
+    scale = np.ones((num_layers, num_experts, sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), np.float32)
+    for i in reader.progress(range(num_layers), desc):
+        for j in range(num_experts):
+            for (name, n), start in zip(parts(i, j), starts):
+                if not reader.is_fp8(name):
+                    raise LoadError(f"{reader.origin}: expert weight {name!r} is not FP8 while expert 0 of layer 0 is")
+                q, s = reader.fp8_weight(name, (n, k))
+                w8[i, j, start:start + n] = q
+                scale[i, j, start // FP8_BLOCK:start // FP8_BLOCK + s.shape[0]] = s
+    return Fp8Linear(w8, scale, tuple(zip(starts, sizes)))
+
+
+def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str) -> dict | None:
+    """{"experts_gate_up", "experts_down"} as `Fp8Linear`s when the checkpoint's experts are FP8
+    (None otherwise: the caller loads them dense). prefix: "model.layers.{}.mlp.experts.{}." (layer, expert)."""
+    if not reader.is_fp8(prefix.format(0, 0) + "gate_proj.weight"):
+        return None
+
+    def gate_up(i, j):
+        return [(prefix.format(i, j) + "gate_proj.weight", inter), (prefix.format(i, j) + "up_proj.weight", inter)]
+
+    return {
+        "experts_gate_up": _stack(reader, num_layers, num_experts, hidden, gate_up, "experts gate|up (fp8)"),
+        "experts_down": _stack(reader, num_layers, num_experts, inter,
+                               lambda i, j: [(prefix.format(i, j) + "down_proj.weight", hidden)], "experts down (fp8)"),
+    }

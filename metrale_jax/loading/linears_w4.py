@@ -1,0 +1,95 @@
+"""`WeightReader.linears` for 4-bit checkpoints and 4-bit quantize-on-load: -> a stacked `W4Linear`.
+
+Each part of a (possibly fused) linear is read into `quant.w4.W4Weight` by its format's reader,
+the parts are stacked along N (no padding: every row has its own group scales) and the layers on
+a leading axis, and the codes are packed two per byte (`quant.w4.pack_nibbles`). A module the
+checkpoint left unquantized (no `qweight` / `weight_packed` / `weight_scale_2`, e.g. an `ignore`d
+one) returns None and loads dense.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metrale_jax.errors import LoadError, UnsupportedDtypeError
+from metrale_jax.layers.linear import W4Linear
+from metrale_jax.quant import w4 as q4
+
+
+class _Loader:
+    """load(name) -> array (marked used); .has(name)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(name)
+
+    def __call__(self, name: str) -> np.ndarray:
+        if not self.reader.has(name):
+            from metrale_jax.errors import MissingTensorError
+
+            raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.reader.origin}")
+        self.reader.used.add(name)
+        return np.asarray(self.reader.source.load(name))
+
+
+def _prefix(name: str) -> str:
+    if not name.endswith(".weight"):
+        raise LoadError(f"linear weight name {name!r} does not end in '.weight'")
+    return name[: -len("weight")]
+
+
+def _read_part(reader, name: str, n: int, k: int) -> q4.W4Weight | None:
+    if reader.quantize_w4:
+        w = reader.get(name, (n, k))
+        return q4.quantize_int4(w) if reader.quantize_w4 == "int4" else q4.quantize_nvfp4(w)
+    marker, read = q4.READERS[reader.w4_scheme.method]
+    prefix = _prefix(name)
+    if not reader.has(prefix + marker):
+        return None
+    return read(_Loader(reader), prefix, n, k, reader.w4_scheme)
+
+
+def read_w4_linears(reader, num_layers: int, k: int, parts, desc: str = "") -> W4Linear | None:
+    """parts(i) -> [(HF weight name, N_j)] of layer i (as `WeightReader.linears`)."""
+    layers = []
+    for i in reader.progress(range(num_layers), desc):
+        got = [(name, _read_part(reader, name, n, k)) for name, n in parts(i)]
+        quantized = [w is not None for _, w in got]
+        if not any(quantized):
+            if i:
+                raise LoadError(f"{reader.origin}: {parts(i)[0][0]} is unquantized but layer 0's is 4-bit")
+            return None
+        if not all(quantized):
+            raise LoadError(f"{reader.origin}: the fused weights {[nm for nm, _ in got]} mix 4-bit and other tensors")
+        layers.append([w for _, w in got])
+    flat = [w for ws in layers for w in ws]
+    names = [name for name, _ in parts(0)]
+    kinds = {w.kind for w in flat}
+    groups = {w.group_size for w in flat}
+    if len(kinds) > 1 or len(groups) > 1:
+        raise UnsupportedDtypeError(f"{reader.origin}: {names} (all layers) mix formats or group sizes "
+                                    f"({sorted(kinds)}, {sorted(groups)}); one per linear is supported")
+    kind, group = kinds.pop(), groups.pop()
+    sdt = {w.scales.dtype for w in flat}
+    sdt = sdt.pop() if len(sdt) == 1 else np.dtype(np.float32)
+    perms = []
+    for ws in layers:
+        ps = [w.perm for w in ws]
+        if any(p is not None for p in ps) and not all(p is not None and np.array_equal(p, ps[0]) for p in ps):
+            raise UnsupportedDtypeError(
+                f"{reader.origin}: the fused weights {names} have different act-order g_idx; fused parts must "
+                "share one (they read the same input)")
+        perms.append(ps[0])
+    packed = np.stack([np.concatenate([q4.pack_nibbles(w.codes) for w in ws]) for ws in layers])  # u8[L, N, K/2]
+    scales = np.stack([np.concatenate([w.scales.astype(sdt) for w in ws]) for ws in layers])  # [L, N, NG]
+    zeros = row_scale = perm = None
+    if kind == "int4":
+        zeros = np.stack([np.concatenate([w.zeros for w in ws]) for ws in layers]).astype(np.uint8)
+    else:
+        row_scale = np.stack([np.concatenate([np.full(w.shape[0], w.row_scale, np.float32) for w in ws])
+                              for ws in layers])  # f32[L, N]
+    if any(p is not None for p in perms):
+        perm = np.stack([np.arange(k, dtype=np.int32) if p is None else p.astype(np.int32) for p in perms])
+    return W4Linear(packed, scales, zeros, row_scale, perm, k=k, group_size=group, kind=kind)

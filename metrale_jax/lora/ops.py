@@ -1,0 +1,116 @@
+"""LoRA deltas inside the step: per-token adapter slots and the batched x·A·B (scale folded in B).
+
+Every token of a step carries its adapter slot (`token_slots`): decode rows read
+`AttnMetadata.seq_slot`, prefill tokens their stream's `BatchedAttnMetadata.seq_slot` (found
+from `cu_seqlens`); pad tokens and rows of the base model are -1.
+
+Dense projections (`lora_delta`), two static kernels (`AttentionConfig.lora_kernel`; "auto",
+the default, takes "gather" when the step has fewer tokens than slots and "masked" otherwise:
+the adapter bytes each reads are min(T, S) slots' worth, and the bucket's T is static):
+* "masked" (default): shrink against every slot at once, `x [T, in] @ A [S*kR, in]^T`, zero the
+  slots a token does not use, expand `[T, S*kR] @ B [S*kR, out]` (B block diagonal over the k
+  parts of a fused projection, so q|k|v and gate|up take one expand each). Two plain GEMMs:
+  weight bytes read once per step (S * R * (in + out)), FLOPs T * S * R * (in + out), which is
+  what decode wants (the weight stream bounds it) and stays a few % of the base GEMMs for
+  prefill at S <= 8. Rows < 0 match no slot and get exactly zero.
+* "gather": gather each token's own A and B (`A[slot[t]]`) and contract per token: T * R *
+  (in + out) FLOPs but T copies of the adapter bytes; better for very many slots and few tokens.
+  (A Pallas / `ragged_dot` kernel grouped by slot, as Punica's SGMV, is the next step for
+  prefill at large S: not written yet.)
+
+MoE experts (`expert_lora`): vLLM's "virtual experts": the (token, expert) pairs of tokens whose
+`moe_row_adapter` >= 0 are grouped by `slot * E + expert`, the others by the all-zero group
+V - 1, and shrink / expand run as two grouped GEMMs (`layers.moe.grouped_matmul`: tokamax on the
+GPU, `jax.lax.ragged_dot` elsewhere), the same primitive as the experts themselves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+
+
+class LoRAInputs(NamedTuple):
+    """One layer's LoRA leaves (see `adapter.py`) plus the step's per-token slots."""
+
+    w: dict  # leaf -> per-layer array ([S, ...] dense, [V, ...] expert leaves)
+    slot: jax.Array  # i32[N + T]  adapter slot per token; -1 = base
+    moe_slot: jax.Array  # i32[N + T]  expert-LoRA slot per token; -1 = none
+    kernel: str = "auto"
+
+
+def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field: str = "seq_slot") -> jax.Array:
+    """i32[N + T]: `field` ("seq_slot" | "moe_row_adapter") of each token's row; -1 for pads."""
+    parts = []
+    if dmd is not None:
+        parts.append(getattr(dmd, field))
+    if pmd is not None:
+        j = jnp.arange(pmd.num_tokens, dtype=jnp.int32)
+        stream = jnp.searchsorted(pmd.cu_seqlens[1:], j, side="right")  # i32[T]: stream of each token
+        per = getattr(pmd, field)[jnp.clip(stream, 0, pmd.num_streams - 1)]
+        parts.append(jnp.where(j < pmd.cu_seqlens[-1], per, -1).astype(jnp.int32))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel: str = "auto") -> jax.Array:
+    """Each token's x·A·B under its adapter slot, for one (possibly fused) projection.
+
+    x [T, in], slot i32[T] (-1: no delta), a [S, kR, in], b [S, kR, out] (block diagonal for a
+    fused projection of k parts; scale folded in) -> f32[T, out]. The shrink result is rounded to
+    x's dtype before the expand, as PEFT's lora_B(lora_A(x)) is.
+    """
+    s = a.shape[0]
+    if kernel == "auto":
+        kernel = "gather" if x.shape[0] < s else "masked"
+    if kernel == "masked":
+        h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
+        hit = slot[:, None, None] == jnp.arange(s, dtype=slot.dtype)[None, :, None]
+        h = jnp.where(hit, h, 0.0).astype(x.dtype)
+        return jnp.einsum("tsr,sro->to", h, b.astype(x.dtype), preferred_element_type=jnp.float32)
+    if kernel == "gather":
+        safe = jnp.clip(slot, 0, s - 1)
+        h = jnp.einsum("ti,tri->tr", x, a[safe].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, kR]
+        h = jnp.where((slot >= 0)[:, None], h, 0.0).astype(x.dtype)
+        return jnp.einsum("tr,tro->to", h, b[safe].astype(x.dtype), preferred_element_type=jnp.float32)
+    raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked' or 'gather'")
+
+
+def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
+    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA."""
+    if lora is None:
+        return y
+    d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel)
+    return (y.astype(jnp.float32) + d.reshape(y.shape)).astype(y.dtype)
+
+
+class ExpertGroups(NamedTuple):
+    """How the expert-sorted (token, expert) pairs regroup by virtual expert."""
+
+    perm: jax.Array  # i32[P]  positions in the expert-sorted order, grouped by virtual expert
+    sizes: jax.Array  # i32[V]  pairs per virtual expert
+
+
+def expert_groups(moe_slot: jax.Array, flat_experts: jax.Array, order: jax.Array, k: int, num_experts: int,
+                  num_virtual: int) -> ExpertGroups:
+    """moe_slot i32[T], flat_experts i32[T*k] (the router's choices), order i32[T*k] (the pairs
+    sorted by expert, as `routed_experts` runs them) -> the virtual-expert grouping."""
+    e = flat_experts[order]  # expert of each sorted pair
+    s = moe_slot[order // k]
+    v = jnp.where(s >= 0, s * num_experts + e, num_virtual - 1)
+    perm = jnp.argsort(v, stable=True).astype(jnp.int32)
+    return ExpertGroups(perm, jnp.bincount(v, length=num_virtual).astype(jnp.int32))
+
+
+def expert_lora(xs: jax.Array, g: ExpertGroups, a: jax.Array, b: jax.Array, use_tokamax: bool) -> jax.Array:
+    """Expert LoRA deltas of the expert-sorted pair inputs xs [P, in]: a [V, in, kR], b [V, kR, out]
+    (block diagonal for gate|up) -> f32[P, out] in the same (expert-sorted) order."""
+    from metrale_jax.layers.moe import grouped_matmul
+
+    xv = xs[g.perm]
+    h = grouped_matmul(xv, a.astype(xs.dtype), g.sizes, use_tokamax).astype(xs.dtype)  # [P, kR]
+    d = grouped_matmul(h, b.astype(xs.dtype), g.sizes, use_tokamax)  # [P, out]
+    return jnp.zeros_like(d).at[g.perm].set(d)

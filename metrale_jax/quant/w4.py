@@ -1,0 +1,422 @@
+"""4-bit weights: GPTQ, AWQ, compressed-tensors W4A16 and NVFP4 checkpoints, read into one layout.
+
+Every format is unpacked here (numpy, load time) into one canonical host form, `W4Weight`:
+    codes  u8[N, K]      one 4-bit code per weight, in the weight's K order (see `perm`)
+    scales [N, ceil(K/G)] group scales along K (f16 | bf16 | f32 for integer codes, float8_e4m3fn for FP4)
+    zeros  u8[N, ceil(K/G)] integer zero points (0..16) of integer codes; None for FP4
+    perm   i32[K] | None  the input column each weight column reads (GPTQ act-order), None = identity
+    row_scale float | None FP4's per-tensor global scale (a multiplier), None = 1
+and W[n, perm[k]] = (codes[n, k] - zeros[n, k // G]) * scales[n, k // G]        (kind "int4")
+               or = e2m1(codes[n, k]) * scales[n, k // G] * row_scale            (kind "fp4").
+`layers.linear.W4Linear` then packs two codes per byte (`pack_nibbles`) for the device.
+
+The checkpoint formats (what each reader below undoes):
+* GPTQ (AutoGPTQ / GPTQModel, `quant_method: "gptq"`): `qweight` i32[K/8, N], code k of column n in
+  bits 4*(k % 8) of word k // 8; `qzeros` i32[n_groups, N/8], packed along N the same way;
+  `scales` f16[n_groups, N]; `g_idx` i32[K], the group of each input column (act-order,
+  `desc_act: true`, shuffles it). W = (q - z) * s where the stored zero is z - 1 (the v1
+  "checkpoint_format": "gptq" convention; "gptq_v2" stores z itself). `group_size: -1`: one group.
+* AWQ (AutoAWQ, `quant_method: "awq"`, `version: "gemm"`): `qweight` i32[K, N/8], nibble i of word
+  c holding column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]; `qzeros` i32[n_groups, N/8] packed alike
+  (no offset); `scales` f16[n_groups, N]. W = (q - z) * s.
+* compressed-tensors `pack-quantized` (llm-compressor W4A16): `weight_packed` i32[N, ceil(K/8)],
+  code k in bits 4*(k % 8) of word k // 8, stored as signed value + 8; `weight_scale` [N, n_groups]
+  (strategy "group") or [N, 1] ("channel"); `weight_zero_point` (asymmetric only) i32[ceil(N/8),
+  n_groups], packed along N, signed + 8; `weight_shape` [2] = (N, K); optional `weight_g_idx`.
+  W = (q - z) * s with the +8 offsets cancelling (symmetric: z = 8).
+* NVFP4, compressed-tensors `nvfp4-pack-quantized`: `weight_packed` u8[N, K/2] (element 2i in the
+  low nibble), e2m1 codes (bit 3 the sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6);
+  `weight_scale` float8_e4m3fn[N, K/16]; `weight_global_scale` f32[1] a DIVISOR:
+  W = e2m1 * weight_scale / weight_global_scale.
+* NVFP4, NVIDIA ModelOpt (`quant_method: "modelopt"`, `quant_algo: "NVFP4"`): `weight` u8[N, K/2]
+  packed the same way, `weight_scale` float8_e4m3fn[N, K/16], `weight_scale_2` f32[] a MULTIPLIER:
+  W = e2m1 * weight_scale * weight_scale_2. (`input_scale`: activations stay bf16 here, unused.)
+
+Quantize-on-load (`quantize_int4`: asymmetric round-to-nearest, group 128; `quantize_nvfp4`: the
+ModelOpt recipe) produces the same `W4Weight`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
+
+FP4_GROUP = 16  # NVFP4's scale block (elements along K)
+INT4_GROUP = 128  # quantize_int4's group
+# e2m1 code (0..15, bit 3 = sign) -> value
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
+F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_INT_SCALE_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+
+
+@dataclass(frozen=True)
+class W4Scheme:
+    """What config.json's quantization_config says about 4-bit weights (see `parse_w4_config`).
+
+    method: "gptq" | "awq" | "compressed-tensors" | "nvfp4-ct" | "modelopt".
+    group_size: elements per scale along K (None: read from the tensors, e.g. CT "channel").
+    gptq_v1: GPTQ stores zero - 1 (checkpoint_format "gptq"); False for "gptq_v2".
+    """
+
+    method: str
+    group_size: int | None = None
+    gptq_v1: bool = True
+
+
+@dataclass
+class W4Weight:
+    """One linear's 4-bit weight in the canonical host form (module docstring)."""
+
+    kind: str  # "int4" | "fp4"
+    codes: np.ndarray  # u8[N, K]
+    scales: np.ndarray  # [N, ceil(K / group_size)]
+    zeros: np.ndarray | None  # u8[N, ceil(K / group_size)] (int4)
+    group_size: int
+    perm: np.ndarray | None = None  # i32[K]
+    row_scale: float | None = None  # fp4 global multiplier
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+
+def e2m1_to_float(codes: np.ndarray) -> np.ndarray:
+    return E2M1_VALUES[np.asarray(codes, np.uint8) & 15]
+
+
+def dequantize_w4(w: W4Weight) -> np.ndarray:
+    """-> f32[N, K] in the checkpoint's input-column order (the perm undone)."""
+    n, k = w.codes.shape
+    s = np.repeat(w.scales.astype(np.float32), w.group_size, axis=1)[:, :k]
+    if w.kind == "int4":
+        z = np.repeat(w.zeros.astype(np.float32), w.group_size, axis=1)[:, :k]
+        out = (w.codes.astype(np.float32) - z) * s
+    else:
+        out = e2m1_to_float(w.codes) * s * np.float32(1.0 if w.row_scale is None else w.row_scale)
+    if w.perm is not None:
+        full = np.empty_like(out)
+        full[:, w.perm] = out
+        out = full
+    return out
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """u8[..., K] codes 0..15 -> u8[..., ceil(K/2)]: byte j = codes[2j] | codes[2j+1] << 4 (odd K: a 0 pad)."""
+    codes = np.asarray(codes, np.uint8)
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+# ---- config -----------------------------------------------------------------------------------------
+def _err(msg: str) -> UnsupportedDtypeError:
+    return UnsupportedDtypeError(f"quantization_config: {msg}")
+
+
+def _group(g, what: str) -> int | None:
+    if g is None:
+        return None
+    try:
+        g = int(g)
+    except (TypeError, ValueError) as e:
+        raise _err(f"{what} group_size {g!r} is not an integer") from e
+    if g == -1:
+        return None  # one group over K (per output channel)
+    if g < 2 or g % 2:
+        raise _err(f"{what} group_size {g} is not supported (an even number >= 2, or -1)")
+    return g
+
+
+def _bits(qc: Mapping, key: str, what: str) -> None:
+    bits = qc.get(key, 4)
+    if bits != 4:
+        raise _err(f"{what} with {bits}-bit weights is not supported (4-bit only)")
+
+
+def parse_w4_config(qc: Mapping) -> W4Scheme | None:
+    """The 4-bit scheme of a quantization_config, None if it is not a 4-bit method (FP8 is checked
+    elsewhere); UnsupportedDtypeError naming the field for a variant we cannot run."""
+    if not isinstance(qc, Mapping):
+        raise _err(f"must be a mapping; got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "gptq":
+        _bits(qc, "bits", "GPTQ")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2'; "
+                       "Marlin / BitBLAS repacked checkpoints are not)")
+        return W4Scheme("gptq", _group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq")
+    if method == "awq":
+        _bits(qc, "bits" if "bits" in qc else "w_bit", "AWQ")
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise _err(f"AWQ version {version!r} is not supported (only 'gemm' packing)")
+        if qc.get("zero_point", True) is False:
+            raise _err("AWQ without zero points is not supported")
+        return W4Scheme("awq", _group(qc.get("group_size", qc.get("q_group_size", 128)), "AWQ"))
+    if method == "compressed-tensors":
+        return _parse_ct(qc)
+    if method == "modelopt":
+        inner = qc.get("quantization", qc)
+        algo = inner.get("quant_algo")
+        if algo != "NVFP4":
+            raise _err(f"ModelOpt quant_algo {algo!r} is not supported (only 'NVFP4')")
+        g = int(inner.get("group_size", FP4_GROUP))
+        if g != FP4_GROUP:
+            raise _err(f"ModelOpt NVFP4 group_size {g} is not supported (only {FP4_GROUP})")
+        return W4Scheme("modelopt", FP4_GROUP)
+    return None
+
+
+def _parse_ct(qc: Mapping) -> W4Scheme:
+    fmt = qc.get("format")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise _err("compressed-tensors config has no config_groups")
+    schemes = []
+    for name, g in groups.items():
+        w = g.get("weights") or {}
+        fmt_g = g.get("format", fmt)
+        if fmt_g not in ("pack-quantized", "nvfp4-pack-quantized"):
+            raise _err(f"compressed-tensors format {fmt_g!r} ({name}) is not supported "
+                       "('pack-quantized' W4A16 or 'nvfp4-pack-quantized')")
+        if w.get("num_bits") != 4:
+            raise _err(f"compressed-tensors {name}: {w.get('num_bits')}-bit weights are not supported (4-bit only)")
+        if w.get("dynamic"):
+            raise _err(f"compressed-tensors {name}: dynamic weight quantization is not supported")
+        act = g.get("input_activations")
+        if fmt_g == "pack-quantized":
+            if w.get("type", "int") != "int":
+                raise _err(f"compressed-tensors {name}: pack-quantized {w.get('type')!r} weights are not supported")
+            if act is not None:
+                raise _err(f"compressed-tensors {name}: quantized activations (W4A{act.get('num_bits')}) are not "
+                           "supported; only W4A16")
+            strategy = w.get("strategy")
+            if strategy == "group":
+                schemes.append(W4Scheme("compressed-tensors", _group(w.get("group_size"), "compressed-tensors")))
+            elif strategy == "channel":
+                schemes.append(W4Scheme("compressed-tensors", None))
+            else:
+                raise _err(f"compressed-tensors {name}: weight strategy {strategy!r} is not supported "
+                           "('group' or 'channel')")
+        else:
+            if w.get("type") != "float" or w.get("group_size") != FP4_GROUP:
+                raise _err(f"compressed-tensors {name}: nvfp4-pack-quantized needs float 4-bit weights in groups "
+                           f"of {FP4_GROUP}")
+            if not w.get("symmetric", True):
+                raise _err(f"compressed-tensors {name}: asymmetric NVFP4 is not supported")
+            schemes.append(W4Scheme("nvfp4-ct", FP4_GROUP))  # activations (W4A4) run in bf16: weight-only
+    if len({s.method for s in schemes}) > 1:
+        raise _err("compressed-tensors config_groups mixing W4A16 and NVFP4 are not supported")
+    # Per-module group sizes come from the tensors (scale shapes), so differing groups are fine.
+    return schemes[0] if len(schemes) == 1 else W4Scheme(schemes[0].method, None)
+
+
+# ---- readers ----------------------------------------------------------------------------------------
+def _u32(a: np.ndarray, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
+        raise UnsupportedDtypeError(f"{name}: packed 4-bit weights must be int32; got {a.dtype}")
+    return a.view(np.uint32)
+
+
+def _nibbles_along_last(words: np.ndarray) -> np.ndarray:
+    """u32[..., W] -> u8[..., 8W]: element 8w + j = bits 4j..4j+3 of word w."""
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    return ((words[..., None] >> shifts) & 15).astype(np.uint8).reshape(words.shape[:-1] + (-1,))
+
+
+def _check_shape(a, want: tuple[int, ...], name: str) -> None:
+    if tuple(a.shape) != tuple(want):
+        raise TensorShapeError(f"{name}: shape {tuple(a.shape)}, expected {tuple(want)}")
+
+
+def _int_scales(s, name: str) -> np.ndarray:
+    s = np.asarray(s)
+    if s.dtype not in _INT_SCALE_DTYPES:
+        raise UnsupportedDtypeError(f"{name}: scale dtype {s.dtype} is not supported (float16, bfloat16, float32)")
+    if not np.all(np.isfinite(s.astype(np.float32))):
+        raise CorruptCheckpointError(f"{name}: scales must be finite")
+    return s
+
+
+def _act_order(g_idx, k: int, g: int, name: str) -> np.ndarray | None:
+    """g_idx i32[K] -> the permutation putting each group's columns together (None if trivial).
+    GPTQ's act-order shuffles which columns form a group, but every group keeps g columns."""
+    g_idx = np.asarray(g_idx).astype(np.int64)
+    _check_shape(g_idx, (k,), name)
+    trivial = np.arange(k) // g
+    if np.array_equal(g_idx, trivial):
+        return None
+    perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+    if not np.array_equal(g_idx[perm], trivial):
+        raise UnsupportedDtypeError(f"{name}: groups of unequal size (each group must hold {g} columns)")
+    return perm
+
+
+def read_gptq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
+    """load(name) -> array; prefix "model.layers.0.self_attn.q_proj."; W [N, K]."""
+    g = scheme.group_size or k
+    ng = -(-k // g)
+    qw = _u32(load(prefix + "qweight"), prefix + "qweight")
+    _check_shape(qw, (-(-k // 8), n), prefix + "qweight")
+    codes = _nibbles_along_last(qw.T)[:, :k]  # u8[N, K]
+    qz = _u32(load(prefix + "qzeros"), prefix + "qzeros")
+    _check_shape(qz, (ng, -(-n // 8)), prefix + "qzeros")
+    zeros = _nibbles_along_last(qz)[:, :n].T.astype(np.uint8)  # u8[N, ng]
+    if scheme.gptq_v1:
+        zeros = zeros + np.uint8(1)
+    s = _int_scales(load(prefix + "scales"), prefix + "scales")
+    _check_shape(s, (ng, n), prefix + "scales")
+    perm = None
+    g_idx = load(prefix + "g_idx") if load.has(prefix + "g_idx") else None
+    if g_idx is not None:
+        perm = _act_order(g_idx, k, g, prefix + "g_idx")
+    if perm is not None:
+        codes = np.ascontiguousarray(codes[:, perm])
+    return W4Weight("int4", codes, np.ascontiguousarray(s.T), zeros, g, perm)
+
+
+def read_awq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
+    g = scheme.group_size or k
+    ng = -(-k // g)
+    inv = np.argsort(AWQ_ORDER)  # column j of a word sits in nibble inv[j]
+
+    def unpack(a, rows, name):
+        a = _u32(a, name)
+        _check_shape(a, (rows, -(-n // 8)), name)
+        nib = _nibbles_along_last(a).reshape(rows, -1, 8)  # [rows, N/8, nibble]
+        return nib[:, :, inv].reshape(rows, -1)[:, :n]  # [rows, N] in column order
+
+    codes = np.ascontiguousarray(unpack(load(prefix + "qweight"), k, prefix + "qweight").T)
+    zeros = np.ascontiguousarray(unpack(load(prefix + "qzeros"), ng, prefix + "qzeros").T)
+    s = _int_scales(load(prefix + "scales"), prefix + "scales")
+    _check_shape(s, (ng, n), prefix + "scales")
+    return W4Weight("int4", codes, np.ascontiguousarray(s.T), zeros, g)
+
+
+def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
+    shape = tuple(int(d) for d in np.asarray(load(prefix + "weight_shape")).reshape(-1))
+    if shape != (n, k):
+        raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
+    packed = _u32(load(prefix + "weight_packed"), prefix + "weight_packed")
+    _check_shape(packed, (n, -(-k // 8)), prefix + "weight_packed")
+    codes = _nibbles_along_last(packed)[:, :k]
+    s = _int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
+    if s.ndim != 2 or s.shape[0] != n:
+        raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups]")
+    ng = s.shape[1]
+    g = k if ng == 1 else scheme.group_size or -(-k // ng)
+    if -(-k // g) != ng:
+        raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
+    if load.has(prefix + "weight_zero_point"):
+        zp = _u32(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
+        _check_shape(zp, (-(-n // 8), ng), prefix + "weight_zero_point")
+        zeros = np.ascontiguousarray(_nibbles_along_last(zp.T)[:, :n].T)  # packed along N
+    else:
+        zeros = np.full((n, ng), 8, np.uint8)
+    perm = None
+    if load.has(prefix + "weight_g_idx"):
+        perm = _act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
+        if perm is not None:
+            codes = np.ascontiguousarray(codes[:, perm])
+    return W4Weight("int4", codes, s, zeros, g, perm)
+
+
+def _fp4(load, packed_name: str, scale_name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if k % FP4_GROUP:
+        raise TensorShapeError(f"{packed_name}: NVFP4 needs K % {FP4_GROUP} == 0; got K={k}")
+    p = np.asarray(load(packed_name))
+    if p.dtype != np.uint8:
+        raise UnsupportedDtypeError(f"{packed_name}: NVFP4 weights must be uint8 (two e2m1 per byte); got {p.dtype}")
+    _check_shape(p, (n, k // 2), packed_name)
+    s = np.asarray(load(scale_name))
+    if s.dtype != F8:
+        raise UnsupportedDtypeError(f"{scale_name}: NVFP4 scales must be float8_e4m3fn; got {s.dtype}")
+    _check_shape(s, (n, k // FP4_GROUP), scale_name)
+    codes = np.stack([p & 15, p >> 4], axis=-1).reshape(n, k)
+    return codes, s
+
+
+def _global(v, name: str) -> float:
+    v = np.asarray(v, np.float32).reshape(-1)
+    if v.size != 1 or not np.isfinite(v[0]) or v[0] <= 0:
+        raise CorruptCheckpointError(f"{name}: a single finite positive global scale expected; got {v[:4]}")
+    return float(v[0])
+
+
+def read_nvfp4_ct(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
+    codes, s = _fp4(load, prefix + "weight_packed", prefix + "weight_scale", n, k)
+    gs = _global(load(prefix + "weight_global_scale"), prefix + "weight_global_scale")
+    return W4Weight("fp4", codes, s, None, FP4_GROUP, row_scale=float(np.float32(1.0) / np.float32(gs)))
+
+
+def read_modelopt(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
+    codes, s = _fp4(load, prefix + "weight", prefix + "weight_scale", n, k)
+    return W4Weight("fp4", codes, s, None, FP4_GROUP, row_scale=_global(load(prefix + "weight_scale_2"),
+                                                                        prefix + "weight_scale_2"))
+
+
+# the tensor whose presence marks a module as quantized, and the reader
+READERS = {
+    "gptq": ("qweight", read_gptq),
+    "awq": ("qweight", read_awq),
+    "compressed-tensors": ("weight_packed", read_ct_int4),
+    "nvfp4-ct": ("weight_packed", read_nvfp4_ct),
+    "modelopt": ("weight_scale_2", read_modelopt),
+}
+
+
+# ---- quantize on load ------------------------------------------------------------------------------
+def quantize_int4(w, group_size: int = INT4_GROUP) -> W4Weight:
+    """w f32[N, K] -> asymmetric round-to-nearest int4 per group of `group_size` along K:
+    s = (max - min) / 15 (min <= 0 <= max, so 0 is exact), z = round(-min / s), q = clip(round(w / s) + z, 0, 15);
+    scales float16 (as GPTQ / AWQ store them)."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    ng = -(-k // group_size)
+    pad = np.zeros((n, ng * group_size), np.float32)
+    pad[:, :k] = w
+    blk = pad.reshape(n, ng, group_size)
+    lo = np.minimum(blk.min(-1), 0.0)
+    hi = np.maximum(blk.max(-1), 0.0)
+    s = ((hi - lo) / 15.0).astype(np.float16)
+    s = np.where(s > 0, s, np.float16(1.0))
+    sf = s.astype(np.float32)
+    z = np.clip(np.round(-lo / sf), 0, 15)
+    q = np.clip(np.round(blk / sf[..., None]) + z[..., None], 0, 15).astype(np.uint8)
+    return W4Weight("int4", q.reshape(n, -1)[:, :k], s, z.astype(np.uint8), group_size)
+
+
+def _round_e2m1(v: np.ndarray) -> np.ndarray:
+    """f32 values -> nearest e2m1 code (ties to the even code), saturating at +-6."""
+    mags = E2M1_VALUES[:8]
+    mids = (mags[:-1] + mags[1:]) / 2  # f32[7] decision points
+    a = np.minimum(np.abs(v), 6.0)
+    best = np.searchsorted(mids, a, side="left")  # a <= mids[i]: code i (a tie goes down) ...
+    tie = (best < 7) & (a == mids[np.minimum(best, 6)]) & (best % 2 == 1)
+    best = best + tie  # ... unless that code is odd: ties to the even code
+    return (best | ((v < 0) & (best > 0)) * 8).astype(np.uint8)
+
+
+def quantize_nvfp4(w) -> W4Weight:
+    """w f32[N, K] (K % 16 == 0) -> NVFP4: global = amax / (6 * 448); per 16 elements
+    s = e4m3(amax_block / 6 / global); q = e2m1(w / (s * global))."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % FP4_GROUP:
+        raise TensorShapeError(f"NVFP4 needs K % {FP4_GROUP} == 0; got K={k}")
+    amax = float(np.abs(w).max())
+    gs = np.float32(amax / (6.0 * 448.0)) if amax > 0 else np.float32(1.0)
+    blk = w.reshape(n, k // FP4_GROUP, FP4_GROUP)
+    s = (np.abs(blk).max(-1) / 6.0 / gs).astype(F8)
+    sf = s.astype(np.float32) * gs
+    q = _round_e2m1(blk / np.where(sf > 0, sf, 1.0)[..., None])
+    return W4Weight("fp4", q.reshape(n, k), s, None, FP4_GROUP, row_scale=float(gs))

@@ -1,0 +1,276 @@
+"""Weight-streaming skinny GEMM for 4-bit weights (decode, M = 1..64): y = x @ W^T.
+
+W arrives packed as `layers.linear.W4Linear` holds it (the layout the loader repacks every
+4-bit format into, `metrale_jax/quant/w4.py`):
+    packed u8[N, ceil(K/2)]   byte j of row n: code of column 2j in the low nibble, 2j+1 in the high
+    scales [N, ceil(K/G)]     f16 | bf16 | f32 (int4) or float8_e4m3fn (fp4), group G along K
+    zeros  u8[N, ceil(K/G)]   int4 only: W = (code - zero) * scale
+    row_scale f32[N]          fp4 only: W = e2m1(code) * scale * row_scale
+Rows are output columns and K bytes are contiguous, as in the FP8 kernel (`skinny.py`): each
+program streams block_n rows of block_k / 2 contiguous bytes per step, a quarter of bf16's bytes.
+
+Per step the kernel loads a [block_n, block_k/2] byte tile, splits it into the even-column codes
+(low nibbles) and odd-column codes (high nibbles), gathers each code's group scale (and zero) from
+the small scale tile (L1/L2 hits: G / 2 neighbouring bytes share one), dequantizes both halves in
+registers to x's dtype (bf16, or f16: GPTQ / AWQ checkpoints are float16) and runs two dots,
+against x's even and odd columns (x is loaded with a stride of 2, so no nibble interleaving is
+needed in registers). FP4 codes become values arithmetically (e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 and
+a sign bit); e2m1 * e4m3 has at most 6 significant bits, so the FP4 weights are exact in bf16, and
+the per-row global scale multiplies the f32 result. Int4 weights (code - zero) * scale are
+rounded to x's dtype (as a bf16 checkpoint's weights are). Accumulation float32, output in x's
+dtype. Shapes are arbitrary: partial N and K tiles are masked; the group size must be even (so a
+byte's two codes share a group). Lowered through Triton, as
+`skinny.py` (see its docstring for why); runs in interpret mode on the CPU.
+
+Variants, static in `W4Params`, for the H200 sweep to choose between (none measured yet, so the
+defaults are a guess): `scale_tile` loads each step's scales as a [block_n, block_k / G] tile
+broadcast in registers instead of a per-byte gather; `group_partial` (int4) dots x with the raw
+codes per group and applies zero and scale to the f32 partial; `gemv` (M = 1) multiplies and
+reduces on the CUDA cores instead of a dot padded to 16 rows. `w4_params_for` reads the sweep's
+table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+from pallas_kernels.linear.params import m_bucket
+
+MAX_M = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class W4Params:
+    """Static tuning of `skinny_matmul_w4` (`w4_params_for`: the H200 sweep's table, none yet).
+
+    block_n: weight rows per program (power of two >= 16); block_k: K columns per loop step
+    (power of two >= 32, i.e. block_k / 2 bytes per row); num_warps / num_stages: Triton launch.
+    """
+
+    block_n: int = 32
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 4
+    # False: dequantize each weight in registers ((code - zero) * scale, rounded to x's dtype), one
+    # dot pair per step. True: per group, dot x with the raw codes (exact in bf16), subtract
+    # zero * sum(x) and multiply the f32 partial by the group's per-column scale (needs block_k and
+    # the group size to divide one another, and groups of >= 32: int4 only in practice, NVFP4's 16
+    # would give dots of 8 columns, below Triton's 16; more accurate, fewer per-element ops, more dots).
+    group_partial: bool = False
+    # M = 1 only: multiply-and-reduce on the CUDA cores (f32) instead of a dot that pads x to 16
+    # rows (the FP8 kernel's fastest M = 1 variant on the H200); other M use the dot.
+    gemv: bool = False
+    # The dequantizing paths: load each step's scales (and zeros) as a small [block_n, block_k / G]
+    # tile and broadcast it in registers (needs G a power of two dividing block_k), instead of
+    # gathering one scale per weight pair (any G; many more load instructions).
+    scale_tile: bool = False
+
+    def __post_init__(self):
+        for f in ("block_n", "block_k"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{f}={v} must be a power of two >= 16")
+        if self.block_k < 32:
+            raise ValueError(f"{self.block_k=} must be >= 32 (16 bytes a row)")
+
+
+_TUNED_PATH = pathlib.Path(__file__).with_name("tuned_w4.json")  # written by bench/kernels/w4.py (absent: defaults)
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    return json.loads(_TUNED_PATH.read_text()) if _TUNED_PATH.exists() else {}
+
+
+def w4_tuned_key(kind: str, m: int, n: int, k: int) -> str:
+    return f"{kind}_n{n}_k{k}_m{m}"
+
+
+def w4_params_for(kind: str, m: int, n: int, k: int) -> W4Params:
+    """The tuned params of the smallest measured M >= m for this (kind, N, K), else the defaults."""
+    table = _tuned_table()
+    prefix = w4_tuned_key(kind, 0, n, k)[:-1]
+    ms = sorted(int(key[len(prefix):]) for key in table if key.startswith(prefix))
+    pick = next((t for t in ms if t >= m), None)
+    if pick is None:
+        return W4Params()
+    p = W4Params(**table[prefix + str(pick)])
+    return dataclasses.replace(p, gemv=False) if p.gemv and m > 1 else p
+
+
+def _e2m1(c):
+    """i32 codes 0..15 -> f32 e2m1 values."""
+    mag = c & 7
+    e = mag >> 1
+    half = (mag & 1).astype(jnp.float32) * 0.5
+    pow2 = jnp.left_shift(1, jnp.maximum(e - 1, 0)).astype(jnp.float32)
+    v = jnp.where(e == 0, half, (1.0 + half) * pow2)
+    return jnp.where((c & 8) != 0, -v, v)
+
+
+def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
+               gemv, scale_tile):
+    # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
+    # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
+    aux_ref, o_ref = refs
+    pid_n = pl.program_id(0)
+    half = block_k // 2
+    kb = (k + 1) // 2  # bytes per row
+    ng = (k + group - 1) // group
+    rows = jnp.arange(mp, dtype=jnp.int32)  # i32[Mp]
+    ncols = pid_n * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN] weight rows
+    n_ok = ncols < n  # bool[BN]
+    row_ok = rows < m  # bool[Mp]
+
+    def weights(i):  # step i -> (byte columns j i32[BK/2], f32 dequantized even / odd weights [BN, BK/2])
+        j = i * half + jnp.arange(half, dtype=jnp.int32)
+        t_mask = n_ok[:, None] & (j < kb)[None, :]
+        b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
+                              eviction_policy="evict_first").astype(jnp.int32)
+        lo, hi = b & 15, b >> 4
+        if scale_tile:  # [BN, BK/G] tiles, each value repeated over its group's G/2 bytes in registers
+            nsg = block_k // group
+            gidx = i * nsg + jnp.arange(nsg, dtype=jnp.int32)  # i32[BK/G]
+            g_mask = n_ok[:, None] & (gidx < ng)[None, :]
+
+            def tile(ref, dtype):
+                t = plgpu_triton.load(ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0).astype(dtype)
+                return jnp.broadcast_to(t[:, :, None], (block_n, nsg, group // 2)).reshape(block_n, half)
+
+            s = tile(s_ref, jnp.float32)
+            z = None if fp4 else tile(aux_ref, jnp.int32)
+        else:  # one gathered scale (and zero) per byte column
+            grp = jnp.minimum((2 * j) // group, ng - 1)
+            s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.float32)
+            z = None if fp4 else plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
+                                                   other=0).astype(jnp.int32)
+        if fp4:
+            return j, _e2m1(lo) * s, _e2m1(hi) * s
+        return j, (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
+
+    def body(i, acc):
+        j, w_lo, w_hi = weights(i)
+        ke, ko = 2 * j, 2 * j + 1
+        xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]], mask=row_ok[:, None] & (ke < k)[None, :],
+                               other=0.0)  # bf16|f16[Mp, BK/2]
+        xo = plgpu_triton.load(x_ref.at[rows[:, None], ko[None, :]], mask=row_ok[:, None] & (ko < k)[None, :],
+                               other=0.0)
+        acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
+        return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
+
+    if gemv:  # m == 1: f32 multiply-and-reduce, acc f32[BN]
+        def body_gemv(i, acc):
+            j, w_lo, w_hi = weights(i)
+            zj = jnp.zeros_like(j)
+            xe = plgpu_triton.load(x_ref.at[zj, 2 * j], mask=2 * j < k, other=0.0).astype(jnp.float32)  # f32[BK/2]
+            xo = plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
+            return acc + jnp.sum(w_lo * xe[None, :] + w_hi * xo[None, :], axis=1)
+
+        acc = jax.lax.fori_loop(0, num_steps, body_gemv, jnp.zeros((block_n,), jnp.float32))
+        if fp4:
+            acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
+        plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
+        return
+
+    sub = min(group, block_k)  # group_partial: K columns per dot pair, within one group
+
+    def body_group_partial(i, acc):
+        for gi in range(block_k // sub):
+            k0 = i * block_k + gi * sub
+            j = k0 // 2 + jnp.arange(sub // 2, dtype=jnp.int32)  # i32[sub/2] byte columns
+            t_mask = n_ok[:, None] & (j < kb)[None, :]
+            b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
+                                  eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, sub/2]
+            g = jnp.minimum(k0 // group, ng - 1)
+            gcol = jnp.full((block_n,), g, jnp.int32)
+            s = plgpu_triton.load(s_ref.at[ncols, gcol], mask=n_ok, other=0).astype(jnp.float32)  # f32[BN]
+            ke, ko = 2 * j, 2 * j + 1
+            xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]],
+                                   mask=row_ok[:, None] & (ke < k)[None, :], other=0.0)  # [Mp, sub/2]
+            xo = plgpu_triton.load(x_ref.at[rows[:, None], ko[None, :]],
+                                   mask=row_ok[:, None] & (ko < k)[None, :], other=0.0)
+            lo, hi = b & 15, b >> 4
+            if fp4:
+                lo, hi = _e2m1(lo), _e2m1(hi)  # exact in bf16 / f16
+            part = plgpu_triton.dot(xe, lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
+            part = part + plgpu_triton.dot(xo, hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
+            if not fp4:  # sum_k x (q - z) = x . q - z * sum_k x
+                z = plgpu_triton.load(aux_ref.at[ncols, gcol], mask=n_ok, other=0).astype(jnp.float32)  # f32[BN]
+                xsum = jnp.sum(xe.astype(jnp.float32), axis=1) + jnp.sum(xo.astype(jnp.float32), axis=1)  # f32[Mp]
+                part = part - xsum[:, None] * z[None, :]
+            acc = acc + part * s[None, :]
+        return acc
+
+    acc = jax.lax.fori_loop(0, num_steps, body_group_partial if group_partial else body,
+                            jnp.zeros((mp, block_n), jnp.float32))  # f32[Mp, BN]
+    if fp4:
+        acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)[None, :]
+    plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
+                       mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _check(x, packed, scales, aux, k: int, group: int, kind: str):
+    if kind not in ("int4", "fp4"):
+        raise ValueError(f"{kind=} must be 'int4' or 'fp4'")
+    if x.ndim != 2 or packed.ndim != 2:
+        raise ValueError(f"skinny_matmul_w4: x must be [M, K] and packed [N, K/2]; got {x.shape}, {packed.shape}")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"skinny_matmul_w4: {m=} must be in 1..{MAX_M}")
+    if x.shape[1] != k or packed.shape[1] != (k + 1) // 2:
+        raise ValueError(f"skinny_matmul_w4: x {x.shape} and packed {packed.shape} disagree with {k=}")
+    if group < 2 or group % 2:
+        raise ValueError(f"skinny_matmul_w4: {group=} must be even")
+    n = packed.shape[0]
+    if scales.shape != (n, -(-k // group)):
+        raise ValueError(f"skinny_matmul_w4: scales {scales.shape} must be {(n, -(-k // group))}")
+    want = (n,) if kind == "fp4" else scales.shape
+    if aux.shape != want:
+        raise ValueError(f"skinny_matmul_w4: {'row_scale' if kind == 'fp4' else 'zeros'} {aux.shape} must be {want}")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"skinny_matmul_w4: x must be bfloat16 or float16; got {x.dtype}")
+    if jnp.dtype(packed.dtype) != jnp.dtype(jnp.uint8):
+        raise ValueError(f"skinny_matmul_w4: packed must be uint8; got {packed.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret"))
+def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: str,
+                     params: W4Params | None = None, interpret: bool = False):
+    """x bf16|f16[M, K] @ W^T -> [M, N] in x's dtype for a packed 4-bit W (module docstring), M in 1..64.
+
+    aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
+    """
+    _check(x, packed, scales, aux, k, group_size, kind)
+    m = x.shape[0]
+    n = packed.shape[0]
+    params = params or w4_params_for(kind, m, n, k)
+    block_k = min(params.block_k, max(32, 1 << max(0, (k - 1).bit_length())))
+    gemv = params.gemv and m == 1
+    if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
+        raise ValueError(f"skinny_matmul_w4: group_partial needs block_k ({block_k}) and {group_size=} to divide one "
+                         "another, and groups of >= 32 (one dot pair each)")
+    if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
+        raise ValueError(f"skinny_matmul_w4: scale_tile needs {group_size=} a power of two dividing block_k "
+                         f"({block_k})")
+    kernel = functools.partial(
+        _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
+        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial and not gemv, gemv=gemv,
+        scale_tile=params.scale_tile)
+    return pl.pallas_call(
+        kernel,
+        grid=(-(-n // params.block_n),),
+        in_specs=[pl.no_block_spec] * 4,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
+        interpret=interpret,
+        name="skinny_matmul_w4",
+    )(x, packed, scales, aux)

@@ -1,0 +1,40 @@
+"""Several processes (`jax.distributed` on localhost), for tests/test_tensor_parallel.py.
+
+    python -m tests.mh_check --process-id I --num-processes 2 --port P --family llama_tiny
+
+Every process builds the same engine over all processes' devices; process 0 runs the requests of
+tests/tp_check.py through `LLM.generate` and prints one JSON line per request (ids, logprobs),
+the others follow it (`LLMEngine.follow_leader`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--process-id", type=int, required=True)
+    ap.add_argument("--num-processes", type=int, default=2)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--family", default="llama_tiny")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id)
+    from tests.tp_check import run_family
+
+    res = run_family(args.family, jax.device_count(), False, False, follower=jax.process_index() != 0)
+    if res is not None:
+        for ids, lps in res[0]:
+            print(json.dumps(dict(ids=ids, logprobs=lps.tolist())), flush=True)
+        print(json.dumps(dict(preemptions=res[1].num_preemptions, swaps=res[1].num_swaps)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""4-bit weights: GPTQ, AWQ, compressed-tensors W4A16 / NVFP4 and ModelOpt NVFP4 checkpoints, the
+4-bit decode kernel, and int4 / nvfp4 quantize-on-load.
+
+Oracles: the fixtures' goldens are transformers run on weights dequantized by compressed-tensors
+itself or by numpy in make_fixtures.py written per element from the formats' documentation (it
+shares nothing with metrale_jax/quant/w4.py); the kernel tests unpack nibbles with a numpy loop
+written here.
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from metrale_jax import LLM, SamplingParams, load_model
+from metrale_jax.errors import MissingTensorError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.layers.attention import AttentionConfig
+from metrale_jax.layers.linear import W4Linear, use_fp8_kernel
+from metrale_jax.quant import w4 as q4
+from pallas_kernels.linear import W4Params, skinny_matmul_w4
+from tests._paged import Layout
+from tests.conftest import FIXTURES
+
+W4_FIXTURES = ["llama_gptq_tiny", "llama_gptq_sym_tiny", "llama_awq_tiny", "llama_w4a16_ct_tiny",
+               "llama_w4a16_ct_channel_tiny", "llama_nvfp4_ct_tiny", "llama_nvfp4_modelopt_tiny"]
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _logprobs(x):
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1))
+
+
+@pytest.mark.parametrize("name", W4_FIXTURES)
+def test_checkpoint_stays_4bit_and_matches_transformers(name):
+    d = FIXTURES / name
+    model, params = load_model(d, dtype="float32", show_progress=False)
+    for key in ("wqkv", "wo", "w_gate_up", "w_down"):
+        w = params["layers"][key]
+        assert isinstance(w, W4Linear) and w.packed.dtype == jnp.uint8
+    assert not isinstance(params["lm_head"], W4Linear)
+    wqkv = params["layers"]["wqkv"]
+    assert wqkv.packed.shape == (2, 64 + 32 + 32, 32)  # q|k|v rows, K = 64 -> 32 bytes
+    assert (wqkv.perm is not None) == (name == "llama_gptq_tiny")  # act-order: a shuffled g_idx
+    g = np.load(d / "golden.npz")
+    fwd = jax.jit(model.forward)
+    logits = np.asarray(fwd(params, jnp.asarray(g["input_ids"]), None, jnp.asarray(g["lengths"])))
+    for b, n in enumerate(g["lengths"]):
+        np.testing.assert_allclose(_logprobs(logits[b, :n]), _logprobs(g["logits"][b, :n]), atol=1e-2, rtol=0)
+        np.testing.assert_allclose(logits[b, :n], g["logits"][b, :n], atol=1e-3, rtol=1e-3)  # in fact much closer
+    # greedy: the argmax chain over prompt + transformers' greedy ids reproduces those ids
+    ids = np.concatenate([g["greedy_prompt"], g["greedy_ids"]])
+    full = np.asarray(fwd(params, jnp.asarray(ids[None])))[0]
+    p = len(g["greedy_prompt"])
+    np.testing.assert_array_equal(full[p - 1:-1].argmax(-1), g["greedy_ids"])
+    np.testing.assert_allclose(_logprobs(full), _logprobs(g["greedy_logits"]), atol=1e-2, rtol=0)
+
+
+def test_engine_greedy_matches_transformers():
+    """The engine (paged prefill + decode steps) on GPTQ act-order weights: transformers' greedy ids.
+    With the GPU's layer loop (unroll_layers: W4Linear fields split into per-layer arrays; the
+    scan path is the forwards above)."""
+    from metrale_jax.layers.stack import Unstacked
+
+    d = FIXTURES / "llama_gptq_tiny"
+    g = np.load(d / "golden.npz")
+    llm = LLM(model=str(d), dtype="float32", max_num_seqs=1, max_model_len=64, num_kv_blocks=16,
+              max_num_batched_tokens=16, prefill_buckets=(16,), attention=AttentionConfig(unroll_layers=True),
+              show_progress=False)
+    out = llm.generate([{"prompt_token_ids": g["greedy_prompt"].tolist()}],
+                       SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), ignore_eos=True))
+    assert out[0].outputs[0].token_ids == g["greedy_ids"].tolist()
+    w = llm.llm_engine.params["layers"]["wqkv"]
+    assert isinstance(w, W4Linear) and isinstance(w.packed, Unstacked) and isinstance(w.perm, Unstacked)
+
+
+def test_w4_kernel_in_decode_steps():
+    """use_fp8_kernel marks W4Linear too: the decode rows' 4-bit linears go through the Pallas
+    kernel (interpret mode here), with act-order x gathers; prefill rows stay on XLA."""
+    model, params = load_model(FIXTURES / "llama_gptq_tiny", dtype="bfloat16", show_progress=False)
+    marked = use_fp8_kernel(params, interpret=True)
+    assert marked["layers"]["w_down"].use_kernel and not params["layers"]["w_down"].use_kernel
+    lay = Layout(2, num_blocks=32, block_size=4, max_blocks=8, seed=1)
+    prompt = jnp.asarray(np.random.default_rng(4).integers(3, 250, 16).astype(np.int32))
+    fwd = jax.jit(model.forward_paged, static_argnums=(5,))
+    for p in (params, marked):
+        state = model.init_state(32, lay.bs)
+        state, _ = fwd(p, state, prompt, None, lay.prefill([(0, 0, 9), (1, 0, 7)], 16, 2), AttentionConfig())
+        dmd = lay.decode([(0, 9), (1, 7)], 3)
+        toks = jnp.asarray([11, 12, 0], jnp.int32)
+        _, hidden = fwd(p, state, toks, dmd, None, AttentionConfig())
+        logits = np.asarray(model.compute_logits(p, hidden)[:2], np.float32)
+        if p is params:
+            want = logits
+        jaxpr = str(jax.make_jaxpr(model.forward_paged, static_argnums=(5,))(p, state, toks, dmd, None,
+                                                                            AttentionConfig()))
+        assert ("skinny_matmul_w4" in jaxpr) == (p is marked)
+    assert np.isfinite(logits).all()
+    # bf16 both ways; the kernel rounds its output to bf16 before the norm's row scale (the tiny random
+    # net amplifies that to ~2.5%); a wiring error (perm, fused parts) is O(1)
+    assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 5e-2
+
+
+# ---- the kernel -------------------------------------------------------------------------------------
+def _oracle_weight(packed, scales, aux, k, g, kind):
+    """Per-row numpy unpacking (independent of the package): f64[N, K]."""
+    n = packed.shape[0]
+    out = np.zeros((n, k))
+    for r in range(n):
+        for c in range(k):
+            byte = int(packed[r, c // 2])
+            code = (byte >> 4) if c % 2 else (byte & 15)
+            s = float(np.float32(scales[r, c // g]))
+            if kind == "int4":
+                out[r, c] = (code - int(aux[r, c // g])) * s
+            else:
+                v = E2M1[code & 7] * (-1 if code & 8 else 1)
+                out[r, c] = v * s * float(aux[r])
+    return out
+
+
+def _random_w4(rng, n, k, g, kind):
+    packed = rng.integers(0, 256, (n, (k + 1) // 2), dtype=np.uint8)
+    ng = -(-k // g)
+    if kind == "int4":
+        scales = np.exp2(rng.uniform(-8, 0, (n, ng))).astype(np.float16)
+        aux = rng.integers(0, 17, (n, ng), dtype=np.uint8)
+    else:
+        scales = np.exp2(rng.uniform(-8, 2, (n, ng))).astype(ml_dtypes.float8_e4m3fn)
+        aux = np.exp2(rng.uniform(-4, 4, n)).astype(np.float32)
+    return packed, scales, aux
+
+
+@pytest.mark.parametrize("kind,m,n,k,g,params", [
+    ("int4", 5, 70, 201, 128, W4Params(block_n=32, block_k=128)),  # odd K, partial group and tiles
+    ("int4", 64, 33, 64, 64, W4Params(block_n=16, block_k=32)),
+    ("fp4", 3, 50, 112, 16, W4Params(block_n=16, block_k=64)),
+    ("fp4", 17, 24, 48, 16, W4Params(block_n=32, block_k=512)),
+    ("int4", 2, 48, 160, 32, W4Params(block_n=16, block_k=64)),  # float16 activations (GPTQ / AWQ models)
+    # group_partial: per-group dots of raw codes, zero * sum(x) subtracted, scale on the partial
+    ("int4", 9, 40, 190, 96, W4Params(block_n=16, block_k=32, group_partial=True)),  # 3 steps per group
+    ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, group_partial=True)),  # 4 groups per step
+    # gemv: M = 1 on the CUDA cores
+    ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=64, gemv=True)),
+    ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=32, gemv=True)),
+    # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
+    ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
+    ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
+])
+def test_w4_kernel_interpret(kind, m, n, k, g, params):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    packed, scales, aux = _random_w4(rng, n, k, g, kind)
+    dt = jnp.float16 if k == 160 else jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    y = skinny_matmul_w4(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k, group_size=g,
+                         kind=kind, params=params, interpret=True)
+    assert y.shape == (m, n) and y.dtype == dt
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, aux, k, g, kind).T
+    got = np.asarray(y.astype(jnp.float32), np.float64)
+    # bf16 weights (int4: (q - z) * s rounded; fp4: exact) and a bf16 output
+    err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() < 1e-2, err
+
+
+def test_w4_kernel_rejects_bad_input():
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    packed = jnp.zeros((8, 32), jnp.uint8)
+    s = jnp.ones((8, 2), jnp.float16)
+    z = jnp.zeros((8, 2), jnp.uint8)
+    with pytest.raises(ValueError, match="m=65"):
+        skinny_matmul_w4(jnp.zeros((65, 64), jnp.bfloat16), packed, s, z, k=64, group_size=32, kind="int4")
+    with pytest.raises(ValueError, match="scales"):
+        skinny_matmul_w4(x, packed, s[:, :1], z, k=64, group_size=32, kind="int4")
+    with pytest.raises(ValueError, match="group"):
+        skinny_matmul_w4(x, packed, jnp.ones((8, 3), jnp.float16), z, k=64, group_size=31, kind="int4")
+    with pytest.raises(ValueError, match="group_partial"):  # 48 and 64 do not divide one another
+        skinny_matmul_w4(x, packed, s, z, k=64, group_size=48, kind="int4",
+                         params=W4Params(block_k=64, group_partial=True))
+    with pytest.raises(ValueError, match="group_partial"):  # NVFP4's groups of 16
+        skinny_matmul_w4(x, packed, jnp.ones((8, 4), ml_dtypes.float8_e4m3fn), jnp.ones(8), k=64, group_size=16,
+                         kind="fp4", params=W4Params(block_k=64, group_partial=True))
+    with pytest.raises(ValueError, match="scale_tile"):  # groups of 48: not a power of two
+        skinny_matmul_w4(x, packed, s, z, k=64, group_size=48, kind="int4",
+                         params=W4Params(block_k=64, scale_tile=True))
+    with pytest.raises(ValueError, match="row_scale"):
+        skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,m,n,k,g", [("int4", 1, 4096, 4096, 128), ("int4", 64, 1024, 4096, 128),
+                                          ("fp4", 8, 6144, 4096, 16), ("int4", 3, 200, 1000, 128)])
+def test_w4_kernel_gpu(kind, m, n, k, g):
+    from pallas_kernels.linear import skinny_matmul_w4_reference
+
+    rng = np.random.default_rng(0)
+    packed, scales, aux = (jnp.asarray(a) for a in _random_w4(rng, n, k, g, kind))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = skinny_matmul_w4(x, packed, scales, aux, k=k, group_size=g, kind=kind).astype(jnp.float32)
+    want = skinny_matmul_w4_reference(x, packed, scales, aux, k=k, group_size=g, kind=kind)
+    assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
+
+
+# ---- formats: config and tensor errors ---------------------------------------------------------------
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "marlin"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 7}, "group_size 7"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero points"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "FP8"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}}, "float-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "tensor"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+                              "input_activations": {"num_bits": 8, "type": "int"}}}}, "W4A8"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "8-bit"),
+])
+def test_unsupported_variants_are_named(qc, match):
+    with pytest.raises(UnsupportedDtypeError, match=match):
+        q4.parse_w4_config(qc)
+
+
+def test_unknown_method_is_an_error(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_awq_tiny", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedDtypeError, match="bitsandbytes"):
+        load_model(d, show_progress=False)
+
+
+@pytest.fixture
+def gptq_copy(tmp_path):
+    d = tmp_path / "gptq"
+    shutil.copytree(FIXTURES / "llama_gptq_tiny", d)
+    return d
+
+
+def _edit(d, fn):
+    t = load_file(d / "model.safetensors")
+    fn(t)
+    save_file(t, d / "model.safetensors")
+
+
+def test_missing_qzeros_is_an_error(gptq_copy):
+    _edit(gptq_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.qzeros"))
+    with pytest.raises(MissingTensorError, match=r"layers\.1\.mlp\.up_proj\.qzeros"):
+        load_model(gptq_copy, show_progress=False)
+
+
+def test_wrong_scales_shape_is_an_error(gptq_copy):
+    def cut(t):
+        t["model.layers.0.self_attn.o_proj.scales"] = t["model.layers.0.self_attn.o_proj.scales"][:1]
+
+    _edit(gptq_copy, cut)
+    with pytest.raises(TensorShapeError, match="o_proj.scales"):
+        load_model(gptq_copy, show_progress=False)
+
+
+def test_fused_parts_with_different_g_idx_are_an_error(gptq_copy):
+    def shuffle(t):
+        name = "model.layers.0.self_attn.k_proj.g_idx"
+        t[name] = np.ascontiguousarray(t[name][::-1])
+
+    _edit(gptq_copy, shuffle)
+    with pytest.raises(UnsupportedDtypeError, match="g_idx"):
+        load_model(gptq_copy, show_progress=False)
+
+
+def test_gptq_v2_zero_convention(gptq_copy):
+    """checkpoint_format "gptq_v2" stores the zero point itself (v1: zero - 1): the v1 fixture
+    rewritten as v2 (every qzeros nibble + 1; the fixture's v1 nibbles are 0..14) gives the same logits."""
+    def to_v2(t):
+        for name in [n for n in t if n.endswith(".qzeros")]:
+            u = t[name].view(np.uint32)
+            nib = [((u >> (4 * j)) & 15) + 1 for j in range(8)]
+            assert max(int(x.max()) for x in nib) <= 15
+            t[name] = sum(x.astype(np.uint32) << np.uint32(4 * j) for j, x in enumerate(nib)).view(np.int32)
+
+    _edit(gptq_copy, to_v2)
+    cfg = json.loads((gptq_copy / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    (gptq_copy / "config.json").write_text(json.dumps(cfg))
+    g = np.load(gptq_copy / "golden.npz")
+    model, params = load_model(gptq_copy, dtype="float32", show_progress=False)
+    logits = np.asarray(model.forward(params, jnp.asarray(g["input_ids"][2:3])))[0]
+    np.testing.assert_allclose(logits, g["logits"][2], atol=1e-3, rtol=1e-3)
+
+
+def test_quantized_lm_head_is_named(tmp_path):
+    """A 4-bit module outside the decoder linears (here lm_head, as GPTQ's lm_head=True writes it)."""
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_awq_tiny", d)
+
+    def quantize_head(t):
+        t.pop("lm_head.weight")
+        for x in ("qweight", "qzeros", "scales"):
+            t["lm_head." + x] = t["model.layers.0.mlp.up_proj." + x]
+
+    _edit(d, quantize_head)
+    with pytest.raises(UnsupportedDtypeError, match="lm_head is 4-bit"):
+        load_model(d, show_progress=False)
+
+
+def test_quantizing_a_quantized_checkpoint_is_an_error():
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(FIXTURES / "llama_awq_tiny", quantization="int4", show_progress=False)
+
+
+# ---- quantize-on-load --------------------------------------------------------------------------------
+def test_quantize_int4_rtn():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((30, 300)) * np.exp2(rng.uniform(-4, 4, (30, 1)))).astype(np.float32)
+    w[3, 128:256] = 0.0  # an all-zero group
+    q = q4.quantize_int4(w)
+    assert q.scales.shape == (30, 3) and q.zeros.shape == (30, 3) and q.codes.max() <= 15
+    deq = q4.dequantize_w4(q)
+    assert np.all(deq[3, 128:256] == 0)
+    step = np.repeat(q.scales.astype(np.float32), 128, axis=1)[:, :300]
+    assert np.all(np.abs(deq - w) <= step * 0.5 + 1e-3 * step)  # round to nearest (f16 scales: ~1e-3)
+
+
+def test_quantize_nvfp4():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    q = q4.quantize_nvfp4(w)
+    assert q.scales.dtype == np.dtype(ml_dtypes.float8_e4m3fn) and q.scales.shape == (8, 4)
+    deq = q4.dequantize_w4(q)
+    # e2m1 steps are at most 2 (between 4 and 6) in units of the block scale
+    unit = np.repeat(q.scales.astype(np.float32), 16, axis=1) * q.row_scale
+    assert np.all(np.abs(deq - w) <= unit * 1.0 + 0.07 * np.abs(w))
+    assert 0 < np.linalg.norm(deq - w) / np.linalg.norm(w) < 0.15
+
+
+@pytest.mark.parametrize("quantization", ["int4", "nvfp4"])
+def test_quantize_on_load(tmp_path, quantization):
+    """quantization="int4" / "nvfp4" equals a dense model whose linears went through
+    quantize -> dequantize in numpy (quant.w4)."""
+    src = FIXTURES / "llama_tiny"
+    model, q = load_model(src, dtype="float32", quantization=quantization, show_progress=False)
+    assert isinstance(q["layers"]["w_down"], W4Linear) and q["layers"]["w_down"].kind == (
+        "int4" if quantization == "int4" else "fp4")
+    d = tmp_path / "qdq"
+    shutil.copytree(src, d)
+    t = load_file(d / "model.safetensors")
+    quant = q4.quantize_int4 if quantization == "int4" else q4.quantize_nvfp4
+    for name in t:
+        if name.endswith("_proj.weight"):
+            t[name] = q4.dequantize_w4(quant(t[name]))
+    save_file(t, d / "model.safetensors")
+    qdq_model, qdq = load_model(d, dtype="float32", show_progress=False)
+    toks = jnp.asarray(np.load(src / "golden.npz")["input_ids"][2:3])
+    np.testing.assert_allclose(np.asarray(model.forward(q, toks)), np.asarray(qdq_model.forward(qdq, toks)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_w4_params_for_reads_the_tuned_table(monkeypatch):
+    from pallas_kernels.linear import w4 as kw4
+
+    table = {"int4_n4096_k4096_m1": dict(block_n=16, block_k=1024, num_warps=4, num_stages=4, gemv=True),
+             "int4_n4096_k4096_m32": dict(block_n=64, block_k=256, num_warps=8, num_stages=3, group_partial=True)}
+    monkeypatch.setattr(kw4, "_tuned_table", lambda: table)
+    assert kw4.w4_params_for("int4", 1, 4096, 4096).gemv
+    p8 = kw4.w4_params_for("int4", 8, 4096, 4096)  # the next measured M above (32)
+    assert p8.block_n == 64 and p8.group_partial and not p8.gemv
+    assert kw4.w4_params_for("int4", 64, 4096, 4096) == W4Params()  # past the measured M: defaults
+    assert kw4.w4_params_for("fp4", 1, 4096, 4096) == W4Params()

@@ -1,0 +1,123 @@
+"""Tensor parallelism against one device, for tests/test_tensor_parallel.py.
+
+Run in a fresh process with N simulated CPU devices (the XLA flag is process-wide):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.tp_check [--family llama_tiny --variant 4]
+
+A variant is a device count, optionally with `:ep` (MoE experts split by expert) or `:pallas`
+(the Pallas kernels in interpret mode, the attention kernels under `shard_map`); without
+`--variant`, each family runs the variants of `PLAN`. For each family fixture the same requests
+(greedy with logprobs and prompt logprobs, a seeded top-p sample with a repetition penalty, a
+prompt longer than the token budget so it prefills in chunks, and more requests than the KV pool
+holds at once so sequences are preempted) run through `LLM.generate` on one device (the XLA
+reference) and on each variant; prints one JSON line per (family, variant) with the largest
+logprob difference, and exits 1 when ids differ or a logprob differs by more than `--atol`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+# every family at TP=2; TP=4 where the KV heads divide (llama) and where they do not (Qwen3-Next:
+# 2 KV heads, replicated); expert parallelism; the Pallas kernels
+PLAN = {"llama_tiny": ("2", "4", "2:pallas"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
+        "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
+
+
+def _config(tp: int, expert_parallel: bool, interpret_kernels: bool):
+    from metrale_jax.engine.config import EngineConfig
+    from metrale_jax.layers.attention import AttentionConfig
+
+    attention = AttentionConfig(use_pallas=True, interpret=True) if interpret_kernels else None
+    return EngineConfig(dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=20, max_num_seqs=4,
+                        max_num_batched_tokens=32, decode_buckets=(4,), prefill_buckets=(32,), max_prefill_streams=2,
+                        max_logprobs=3, show_progress=False, compilation_cache_dir=None, attention=attention,
+                        swap_block_buckets=(12,), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
+
+
+def _requests(vocab: int):
+    from metrale_jax.sampling import SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, vocab, n).tolist() for n in (5, 70, 17, 33, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, logprobs=1),  # 70 + 20 tokens: chunked prefill
+              SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=5, max_tokens=16, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=1),
+              SamplingParams(temperature=1.0, top_k=8, seed=9, max_tokens=24, logprobs=1)]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool, follower: bool = False):
+    """The requests through `LLM.generate` -> ([(ids, logprobs + prompt logprobs f64[...])], stats);
+    None on a follower process (which runs the leader's steps until it is done)."""
+    from metrale_jax import LLM, load_model
+    from metrale_jax.engine.engine import LLMEngine
+    from tests.conftest import FIXTURES
+
+    model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
+    eng = LLMEngine(model, params, _config(tp, expert_parallel, interpret_kernels))
+    if follower:
+        eng.follow_leader()
+        return None
+    prompts, sps = _requests(int(model.cfg.vocab_size))
+    outs = LLM.from_engine(eng).generate(prompts, sps, use_tqdm=False)
+    eng.release_followers()
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+        plp = [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] if o.prompt_logprobs else []
+        res.append((c.token_ids, np.asarray(lps + plp)))
+    return res, eng.stats()
+
+
+def check_shard_heads() -> None:
+    """`parallel.shard_heads` hands each device its own heads (and the gathered ones when they do
+    not divide)."""
+    import jax
+    import jax.numpy as jnp
+
+    from metrale_jax.parallel import make_mesh, shard_heads
+
+    mesh, seen = make_mesh(2), []
+
+    def fn(q, k, v, layer, tables):
+        seen.append((q.shape[1], k.shape[-2]))
+        return q * 2 + k[layer].sum() * 0 + tables[0].sum() * 0
+
+    q, k = jnp.ones((3, 4, 8)), jnp.ones((2, 5, 4, 2, 8))
+    out = jax.jit(lambda q, k: shard_heads(mesh, fn, q, k, k, (1, (jnp.arange(3),))))(q, k)
+    assert seen == [(2, 1)] and bool((out == 2).all()), seen
+    seen.clear()
+    shard_heads(mesh, fn, jnp.ones((3, 3, 8)), k, k, (1, (jnp.arange(3),)))  # 3 heads: not split
+    assert seen == [(3, 2)], seen
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", action="append", default=None)
+    ap.add_argument("--variant", action="append", default=None, help="N, N:ep or N:pallas")
+    ap.add_argument("--atol", type=float, default=1e-4)
+    args = ap.parse_args(argv)
+    check_shard_heads()
+    ok = True
+    for fam in args.family or list(PLAN):
+        want, _ = run_family(fam, 1, False, False)  # one device, the XLA reference
+        for variant in args.variant or PLAN[fam]:
+            tp, _, how = variant.partition(":")
+            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas")
+            same_ids = all(g[0] == w[0] for g, w in zip(got, want))
+            diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, want))
+            print(json.dumps(dict(family=fam, variant=variant, same_ids=same_ids, max_logprob_diff=diff,
+                                  preemptions=stats.num_preemptions)), flush=True)
+            ok &= same_ids and diff <= args.atol
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
