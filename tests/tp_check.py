@@ -24,8 +24,9 @@ import numpy as np
 
 # every family at TP=2; TP=4 where the KV heads divide (llama) and where they do not (Qwen3-Next:
 # 2 KV heads, replicated); expert parallelism; the Pallas kernels
+# and speculative decoding (`:spec`, k = 3, drafts from the reference outputs, some corrupted)
 PLAN = {"llama_tiny": ("2", "4", "2:pallas"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
-        "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
+        "qwen3_next_tiny": ("2", "4", "2:spec"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
 
 
 def _config(tp: int, expert_parallel: bool, interpret_kernels: bool):
@@ -52,15 +53,26 @@ def _requests(vocab: int):
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool, follower: bool = False):
+def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool, follower: bool = False,
+               spec_refs: list | None = None):
     """The requests through `LLM.generate` -> ([(ids, logprobs + prompt logprobs f64[...])], stats);
-    None on a follower process (which runs the leader's steps until it is done)."""
+    None on a follower process (which runs the leader's steps until it is done). `spec_refs`: the
+    reference outputs, for speculative decoding with drafts taken from them (some corrupted)."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
     from tests.conftest import FIXTURES
 
     model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
-    eng = LLMEngine(model, params, _config(tp, expert_parallel, interpret_kernels))
+    cfg = _config(tp, expert_parallel, interpret_kernels)
+    if spec_refs is not None:
+        from metrale_jax.engine import spec_decode
+        from tests.test_spec_decode import _oracle
+
+        cfg = cfg.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        prompts, _ = _requests(int(model.cfg.vocab_size))
+        refs = [p["prompt_token_ids"] + r for p, (r, _) in zip(prompts, spec_refs)]
+        spec_decode.ngram_propose = _oracle(refs, int(model.cfg.vocab_size))
+    eng = LLMEngine(model, params, cfg)
     if follower:
         eng.follow_leader()
         return None
@@ -110,7 +122,8 @@ def main(argv=None) -> int:
         want, _ = run_family(fam, 1, False, False)  # one device, the XLA reference
         for variant in args.variant or PLAN[fam]:
             tp, _, how = variant.partition(":")
-            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas")
+            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas",
+                                    spec_refs=want if how == "spec" else None)
             same_ids = all(g[0] == w[0] for g, w in zip(got, want))
             diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, want))
             print(json.dumps(dict(family=fam, variant=variant, same_ids=same_ids, max_logprob_diff=diff,
