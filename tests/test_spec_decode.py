@@ -278,3 +278,22 @@ def test_verify_with_pallas_kernels_interpreted(name, monkeypatch):
     assert _ids(eng.generate([{"prompt_token_ids": p} for p in prompts], sp)) == ref
     st = eng.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+
+
+def test_lora_adapters_with_speculation(monkeypatch):
+    """Multi-LoRA (expert adapters on Qwen3-Next) under speculation: each row's verify window runs
+    its own adapter; greedy ids and logprobs equal transformers + peft's goldens."""
+    from tests.test_lora import LLM as _LLM
+    from tests.test_lora import LORA, LoRARequest, _check, _engine, _run
+
+    eng = _engine("qwen3_next_tiny", preemption_mode="recompute",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    g = dict(np.load(LORA / "qwen3_next_tiny" / "golden.npz"))
+    reqs = {"base": None, "experts": LoRARequest("e1", 1, str(LORA / "qwen3_next_tiny" / "experts")),
+            "experts2": LoRARequest("e2", 2, str(LORA / "qwen3_next_tiny" / "experts2"))}
+    names = ["experts", "base", "experts2", "experts"]
+    refs = [g["prompts"][i, : g["prompt_lens"][i]].tolist() + g[f"{n}_greedy"][i].tolist() for i, n in enumerate(names)]
+    monkeypatch.setattr(spec_decode, "ngram_propose", _oracle(refs, eng.vocab_size))
+    _check(_run(_LLM.from_engine(eng), g, names, reqs), g, names)
+    st = eng.stats()
+    assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
