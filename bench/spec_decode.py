@@ -13,7 +13,12 @@ cost (for the GPU; a tiny shape on the CPU to check it runs): random weights of 
     * end to end, the real n-gram drafter on greedy random weights (which fall into loops):
       generated tokens/s with and without speculation, acceptance per verify row.
 
+host (CPU): the engine's host loop per step over FakeModel (negligible device work), batch 64:
+    plain (steps dispatched one ahead), speculation finding few drafts (synchronous stepping), and
+    speculation with drafts that are always right (an oracle), as step time and tokens/s.
+
     python bench/spec_decode.py acceptance
+    python bench/spec_decode.py host
     python bench/spec_decode.py cost --shape llama3-8b --batches 1,64          # GPU
     python bench/spec_decode.py cost --shape smollm2-135m --num-layers 2 --batches 1,4 --steps 8   # CPU check
 """
@@ -92,11 +97,11 @@ def cost(a) -> dict:
     res = {"shape": a.shape, "num_layers": a.num_layers, "dtype": dtype, "k": k,
            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
-    real_propose = spec_decode.ngram_propose
+    real_propose = spec_decode.draft_tokens
     v = model.cfg.vocab_size
 
-    def full(tokens, kk, nmin, nmax):  # always kk drafts (cost only: mostly rejected)
-        return [int(tokens[-1])] * kk
+    def full(seq, kk, spec):  # always kk drafts (cost only: mostly rejected)
+        return [int(seq.token_ids[-1])] * kk
 
     for b in batches:
         prompts = [{"prompt_token_ids": rng.integers(3, v - 1, a.prompt_len).tolist()} for _ in range(b)]
@@ -116,12 +121,12 @@ def cost(a) -> dict:
         w1, s1 = wall(engines["plain"], 1)
         wn, sn = wall(engines["plain"], 1 + a.steps)
         run["decode_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
-        spec_decode.ngram_propose = full
+        spec_decode.draft_tokens = full
         try:
             w1, s1 = wall(engines["spec"], 2)
             wn, sn = wall(engines["spec"], 2 + a.steps)
         finally:
-            spec_decode.ngram_propose = real_propose
+            spec_decode.draft_tokens = real_propose
         run["verify_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
         run["verify_over_decode"] = run["verify_step_ms"] / run["decode_step_ms"]
         # end to end with the real n-gram drafter (greedy random weights loop)
@@ -144,9 +149,65 @@ def cost(a) -> dict:
     return res
 
 
+def host(a) -> dict:
+    import jax
+    import numpy as np
+
+    from metrale_jax.engine import spec_decode
+    from metrale_jax.engine.spec_decode import SpeculativeConfig
+    from metrale_jax.engine.testing import fake_engine, fake_next_token
+    from metrale_jax.sampling import RequestOutputKind, SamplingParams
+
+    batch, mt = a.host_batch, a.max_tokens
+    runs = {}
+    real = spec_decode.draft_tokens
+    cases = (("plain (one step ahead)", None),
+             ("spec k=4, 8-gram lookup: few drafts (synchronous)", SpeculativeConfig("ngram", 4, 8, 8)),
+             ("spec k=4, oracle drafts always right", SpeculativeConfig("ngram", 4)))
+    for name, spec in cases:
+        eng = fake_engine(use_ssm=False, max_model_len=512, num_kv_blocks=batch * 40, max_num_seqs=batch,
+                          max_num_batched_tokens=2048, decode_buckets=(batch,), mixed_decode_buckets=(batch,),
+                          prefill_buckets=(2048,), max_prefill_streams=4, speculative_config=spec)
+        w = np.asarray(eng.params["w"])
+        if "oracle" in name:
+            def oracle(seq, k, spec, w=w):
+                ids, out = list(seq.token_ids), []
+                for _ in range(k):
+                    out.append(fake_next_token(w, ids))
+                    ids.append(out[-1])
+                return out
+            spec_decode.draft_tokens = oracle
+        rng = np.random.default_rng(0)
+        sp = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        for i in range(batch):
+            eng.add_request(f"r{i}", {"prompt_token_ids": rng.integers(3, 60, 32).tolist()}, sp)
+        for _ in range(3):
+            eng.step()
+        times, n0 = [], eng.stats().generation_tokens_total
+        t0 = time.perf_counter()
+        try:
+            while eng.has_unfinished_requests():
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+        finally:
+            spec_decode.draft_tokens = real
+        dt = time.perf_counter() - t0
+        st = eng.stats()
+        runs[name] = dict(median_step_ms=1e3 * float(np.median(times)), steps=len(times),
+                          tokens_per_s=(st.generation_tokens_total - n0) / dt, spec_draft_tokens=st.spec_draft_tokens,
+                          spec_accepted_tokens=st.spec_accepted_tokens)
+        print(name, json.dumps(runs[name]), flush=True)
+    return dict(what=f"host loop per step, FakeModel (negligible device work), batch {batch}, greedy, FINAL_ONLY "
+                     "(the oracle's own Python lookups are in the third case's time)",
+                device=jax.devices()[0].platform, jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), runs=runs)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["acceptance", "cost"])
+    p.add_argument("what", choices=["acceptance", "cost", "host"])
+    p.add_argument("--host-batch", type=int, default=64)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--num-layers", type=int, default=None)
@@ -159,7 +220,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    res = acceptance(a) if a.what == "acceptance" else cost(a)
+    res = {"acceptance": acceptance, "cost": cost, "host": host}[a.what](a)
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

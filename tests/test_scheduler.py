@@ -53,12 +53,12 @@ def _assert_pools_whole(s: Scheduler):
 def _spec_oracle(w, use_ssm: bool):
     """A drafter that knows FakeModel's greedy continuation (no penalties) and corrupts one draft
     at a place that varies with the length, so drafts are accepted and rejected at every offset."""
-    def propose(tokens, k, nmin, nmax):
-        ids, out = list(tokens), []
+    def propose(seq, k, spec):  # spec_decode.draft_tokens' signature
+        ids, out = list(seq.token_ids), []
         for _ in range(k):
             out.append(fake_next_token(w, ids, use_ssm))
             ids.append(out[-1])
-        c = (len(tokens) * 7) % (k + 2)
+        c = (len(seq.token_ids) * 7) % (k + 2)
         if c < k:
             out[c] = (out[c] + 1) % w.shape[0]
         return out
@@ -94,12 +94,12 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
     eng = engine
     w = np.asarray(eng.params["w"])
     if eng.config.speculative_config is not None:
-        orig, spec_decode.ngram_propose = spec_decode.ngram_propose, _spec_oracle(w, eng.model.use_ssm)
+        orig, spec_decode.draft_tokens = spec_decode.draft_tokens, _spec_oracle(w, eng.model.use_ssm)
         try:
             _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
                           swap_space)
         finally:
-            spec_decode.ngram_propose = orig
+            spec_decode.draft_tokens = orig
         st_ = eng.stats()
         assert st_.spec_accepted_tokens <= st_.spec_draft_tokens
         event(f"spec accepted: {st_.spec_accepted_tokens > 0}")

@@ -25,7 +25,7 @@ from metrale_jax.engine import spec_decode
 from metrale_jax.engine.compile import CompileCounter
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import LLMEngine
-from metrale_jax.engine.spec_decode import SpeculativeConfig, ngram_propose
+from metrale_jax.engine.spec_decode import NgramIndex, SpeculativeConfig, ngram_propose
 from metrale_jax.sampling import SamplingParams
 from tests.conftest import FIXTURES
 from tests.test_engine_hybrid import HYBRIDS, hybrid_engine
@@ -72,8 +72,8 @@ def _assert_whole(eng: LLMEngine):
 def _oracle(refs: list[list[int]], vocab: int):
     """A drafter that knows the reference continuations: drafts them with the token at a place
     that varies with the length corrupted (or none), so each accepted length 0..k occurs."""
-    def propose(tokens, k, nmin, nmax):
-        t = list(tokens)
+    def propose(seq, k, spec):  # spec_decode.draft_tokens' signature
+        t = list(seq.token_ids)
         for ref in refs:
             if len(ref) > len(t) and ref[: len(t)] == t:
                 d = ref[len(t): len(t) + k]
@@ -81,7 +81,7 @@ def _oracle(refs: list[list[int]], vocab: int):
                 if c < len(d):
                     d[c] = (d[c] + 1) % vocab
                 return d
-        return ngram_propose(tokens, k, nmin, nmax)
+        return ngram_propose(t, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
     return propose
 
 
@@ -102,6 +102,16 @@ def test_ngram_propose_and_config():
     assert ngram_propose([5, 6, 7, 5, 6], 4, 2, 2) == [7, 5, 6]  # fewer when the history ends
     assert ngram_propose([1, 2, 3, 4], 3, 2, 4) == []
     assert ngram_propose([1, 1, 1], 0, 1, 2) == []
+    # the engine's incremental index gives the same drafts as the scan, step by step
+    rng = np.random.default_rng(0)
+    for nmin, nmax in ((1, 1), (2, 4), (3, 3)):
+        for _ in range(20):
+            toks = rng.integers(0, 4, 60).tolist()
+            idx = NgramIndex(nmin, nmax)
+            grow = 1
+            while grow <= len(toks):
+                assert idx.propose(toks[:grow], 3) == ngram_propose(toks[:grow], 3, nmin, nmax), (toks[:grow], nmin)
+                grow += int(rng.integers(1, 4))
     c = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative_config
     assert c == SpeculativeConfig("ngram", 3) and EngineConfig(speculative_config=c).speculative_config is c
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
@@ -138,7 +148,7 @@ def test_greedy_equals_plain_decoding(name, k, monkeypatch):
         nd, ntok, _ = _spec_delta(eng, b0)
         assert nd > 0 and ntok > 0
         # the oracle: accepted and rejected drafts at every window position
-        monkeypatch.setattr(spec_decode, "ngram_propose", _oracle([p + r for p, r in zip(prompts, ref)], vocab))
+        monkeypatch.setattr(spec_decode, "draft_tokens", _oracle([p + r for p, r in zip(prompts, ref)], vocab))
         b0 = _spec_now(eng)
         assert _ids(eng.generate([{"prompt_token_ids": p} for p in prompts], sp)) == ref
         nd, ntok, acc = _spec_delta(eng, b0)
@@ -164,7 +174,7 @@ def test_seeded_sampling_with_every_parameter_equals_plain(monkeypatch):
            SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16, ignore_eos=True, seed=3)]
     outs = base.generate([{"prompt_token_ids": p} for p in prompts], sps)
     ref = _ids(outs)
-    monkeypatch.setattr(spec_decode, "ngram_propose", _oracle([p + r for p, r in zip(prompts, ref)], vocab))
+    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle([p + r for p, r in zip(prompts, ref)], vocab))
     b0 = _spec_now(eng)
     got = eng.generate([{"prompt_token_ids": p} for p in prompts], sps)
     assert _ids(got) == ref
@@ -274,7 +284,7 @@ def test_verify_with_pallas_kernels_interpreted(name, monkeypatch):
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 12, 30)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], sp))
-    monkeypatch.setattr(spec_decode, "ngram_propose", _oracle([p + r for p, r in zip(prompts, ref)], 256))
+    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle([p + r for p, r in zip(prompts, ref)], 256))
     assert _ids(eng.generate([{"prompt_token_ids": p} for p in prompts], sp)) == ref
     st = eng.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
@@ -293,7 +303,7 @@ def test_lora_adapters_with_speculation(monkeypatch):
             "experts2": LoRARequest("e2", 2, str(LORA / "qwen3_next_tiny" / "experts2"))}
     names = ["experts", "base", "experts2", "experts"]
     refs = [g["prompts"][i, : g["prompt_lens"][i]].tolist() + g[f"{n}_greedy"][i].tolist() for i, n in enumerate(names)]
-    monkeypatch.setattr(spec_decode, "ngram_propose", _oracle(refs, eng.vocab_size))
+    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle(refs, eng.vocab_size))
     _check(_run(_LLM.from_engine(eng), g, names, reqs), g, names)
     st = eng.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens

@@ -71,7 +71,7 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
         cfg = cfg.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         prompts, _ = _requests(int(model.cfg.vocab_size))
         refs = [p["prompt_token_ids"] + r for p, (r, _) in zip(prompts, spec_refs)]
-        spec_decode.ngram_propose = _oracle(refs, int(model.cfg.vocab_size))
+        spec_decode.draft_tokens = _oracle(refs, int(model.cfg.vocab_size))
     eng = LLMEngine(model, params, cfg)
     if follower:
         eng.follow_leader()
