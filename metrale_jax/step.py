@@ -139,7 +139,8 @@ def jit_packed_step(kind: str):
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                            max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens)
         # this step's samples, padded to the fixed width the next step reads them at
-        nxt = jnp.zeros_like(prev_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
+        r = min(out.token_ids.shape[0], prev_tokens.shape[0])  # (a verify step's samples are cut)
+        nxt = jnp.zeros_like(prev_tokens).at[:r].set(out.token_ids[:r])
         if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
             state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
         return state, out, nxt

@@ -26,18 +26,18 @@ from metrale_jax.engine.compile import CompileCounter
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import LLMEngine
 from metrale_jax.engine.spec_decode import NgramIndex, SpeculativeConfig, ngram_propose
+from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.sampling import SamplingParams
 from tests.conftest import FIXTURES
-from tests.test_engine_hybrid import HYBRIDS, hybrid_engine
+from tests.test_engine_hybrid import HYBRID_CONFIG, HYBRIDS, hybrid_engine
+from tests.test_engine_models import TINY_CONFIG
 
 FAMILIES = ["llama_tiny", "qwen3_tiny", "qwen3_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
 
-# block_size 4 (windows cross blocks), one verify bucket, prefill chunks beside decode rows
-CONFIG = EngineConfig(
-    dtype="float32", max_model_len=96, block_size=4, num_kv_blocks=120, max_num_seqs=4, max_num_batched_tokens=24,
-    decode_buckets=(4,), mixed_decode_buckets=(4,), prefill_buckets=(24,), max_prefill_streams=2, max_logprobs=2,
-    show_progress=False,
-)
+# the configs of tests/test_engine_models.py and test_engine_hybrid.py (block_size 4: windows cross
+# blocks; prefill chunks beside decode rows): the plain steps compile to the executables those
+# tests compiled (JAX's persistent cache serves them), only the verify steps are new
+CONFIG = TINY_CONFIG
 _MODELS: dict = {}
 _ENGINES: dict = {}
 
@@ -53,7 +53,10 @@ def _engine(name: str, k: int | None) -> LLMEngine:
         _MODELS[name] = load_model(FIXTURES / name, dtype="float32", show_progress=False)
     if (name, k) not in _ENGINES:
         spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
-        _ENGINES[name, k] = LLMEngine(*_MODELS[name], CONFIG.replace(speculative_config=spec))
+        # (test_engine_models' kernel choice: the reference attention, layers unrolled for qwen3_tiny)
+        base = HYBRID_CONFIG if name in HYBRIDS else \
+            CONFIG.replace(attention=AttentionConfig(unroll_layers=name == "qwen3_tiny"))
+        _ENGINES[name, k] = LLMEngine(*_MODELS[name], base.replace(speculative_config=spec))
     return _ENGINES[name, k]
 
 
@@ -122,8 +125,8 @@ def test_ngram_propose_and_config():
         SpeculativeConfig("ngram", 0)
 
 
-# CI runs k = 4 on one attention model and the two hybrid kinds (GDN, Mamba-2 + MoE); the rest
-# (each ~10-30 s of compiles on 2 cores) are `slow`: `pytest -m slow tests/test_spec_decode.py`
+# CI runs k = 4 on Llama and the two hybrid kinds (GDN + gated attention + MoE; Mamba-2 + attention
+# + MoE); the rest (each 10-60 s of compiles on 2 cores) are `slow`: `pytest -m slow tests/test_spec_decode.py`
 _FAST = {("llama_tiny", 4), ("qwen3_next_tiny", 4), ("nemotron_h_tiny", 4)}
 
 
@@ -135,9 +138,10 @@ def test_greedy_equals_plain_decoding(name, k, monkeypatch):
     rng = np.random.default_rng(3)
     rep = rng.integers(3, vocab, 4).tolist()
     # repeated-token prompts (n-gram drafts), an odd-length random one, a long one prefilled in
-    # chunks, one that runs into max_model_len (96: its rows draft fewer tokens near the end)
+    # chunks, one that runs into max_model_len (its rows draft fewer tokens near the end)
+    mml = _engine(name, k).config.max_model_len
     prompts = [rep * 4, [7, 8, 7, 8, 7, 8, 7], rng.integers(3, vocab, 13).tolist(), rng.integers(3, vocab, 40).tolist(),
-               rng.integers(3, vocab, 83).tolist()]
+               rng.integers(3, vocab, mml - 13).tolist()]
     sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 17, 30, 9, 13)]
     ref = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], sp))
     eng = _engine(name, k)
@@ -217,9 +221,9 @@ def test_random_sampling_chi_square():
            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
     model, params = random_model(cfg, scale=0.3, seed=1)  # a spread-out law (draft acceptance ~0.3)
     k = 2
-    econf = EngineConfig(dtype="float32", max_model_len=32, block_size=4, num_kv_blocks=400, max_num_seqs=32,
-                         max_num_batched_tokens=512, decode_buckets=(32,), mixed_decode_buckets=(32,),
-                         prefill_buckets=(512,), max_prefill_streams=32, max_logprobs=0, show_progress=False,
+    econf = EngineConfig(dtype="float32", max_model_len=32, block_size=4, num_kv_blocks=200, max_num_seqs=16,
+                         max_num_batched_tokens=128, decode_buckets=(16,), mixed_decode_buckets=(16,),
+                         prefill_buckets=(128,), max_prefill_streams=16, max_logprobs=0, show_progress=False,
                          speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1})
     eng = LLMEngine(model, params, econf)
     prompt = [0, 1, 2, 0, 1, 2, 0, 1]
@@ -274,8 +278,6 @@ def test_cli_serve_option_and_metrics():
 def test_verify_with_pallas_kernels_interpreted(name, monkeypatch):
     """The GPU path of a verify step (Pallas prefill attention, conv1d and KV-write kernels, the
     Python layer loop), interpreted on the CPU: the same greedy tokens as plain decoding."""
-    from metrale_jax.layers.attention import AttentionConfig
-
     base = _engine(name, None)
     att = AttentionConfig(use_pallas=True, interpret=True, unroll_layers=True)
     eng = LLMEngine(*_MODELS.get(name) or load_model(FIXTURES / name, dtype="float32", show_progress=False),

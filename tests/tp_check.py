@@ -24,9 +24,10 @@ import numpy as np
 
 # every family at TP=2; TP=4 where the KV heads divide (llama) and where they do not (Qwen3-Next:
 # 2 KV heads, replicated); expert parallelism; the Pallas kernels
-# and speculative decoding (`:spec`, k = 3, drafts from the reference outputs, some corrupted)
+# (`--variant 2:spec`: speculative decoding, k = 3, drafts from the reference outputs, some corrupted;
+# not in the plan for test time: test_two_processes_match_one's slow case covers it)
 PLAN = {"llama_tiny": ("2", "4", "2:pallas"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
-        "qwen3_next_tiny": ("2", "4", "2:spec"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
+        "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
 
 
 def _config(tp: int, expert_parallel: bool, interpret_kernels: bool):

@@ -209,7 +209,9 @@ class CompilationManager:
         self.builder = builder
         self.placement = placement  # parallel.Placement under tensor parallelism, else None
         self.buckets = list_buckets(cfg)
-        self.max_rows = max(b.num_sample_rows for b in self.buckets)  # width of next_tokens
+        # width of next_tokens (verify steps are followed synchronously: nobody reads their samples
+        # there, so they do not widen it, and the other steps compile as without speculation)
+        self.max_rows = max(b.num_sample_rows for b in self.buckets if b.kind != "verify")
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
