@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora]
+#   bash bench/gpu_session.sh [tests] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -108,6 +108,14 @@ fi
 if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
   timeout ${LORA_LIMIT:-400} python3 bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
     --kernels auto,masked,gather --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
+fi
+if [[ $parts == *prefix* ]]; then  # issue 17: TTFT of a 4,000-token second request, cached vs uncached, and from the host tier
+  timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape llama3-8b --prefix-len 4000 \
+    --out "$OUT/prefix_cache_llama3_8b.json" 2>&1 | tail -5
+  timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape llama3-8b --prefix-len 4000 --host-tier 16 \
+    --out "$OUT/prefix_cache_llama3_8b_host_tier.json" 2>&1 | tail -5
+  timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape qwen3-next-80b-a3b --num-layers 12 --prefix-len 4000 \
+    --out "$OUT/prefix_cache_qwen3_next_12l.json" 2>&1 | tail -5
 fi
 # at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
                         "it later (auto: swap for models with SSM state)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the cached KV blocks (and SSM snapshots) of earlier prompts' shared prefixes "
+                        "(default: EngineConfig's)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the model is split over (one host; several with jax.distributed)")
     g.add_argument("--enable-expert-parallel", action="store_true",
@@ -124,6 +127,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=getattr(args, "speculative_config", None),
     )
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
     kw.update(overrides)
     return EngineConfig(**kw)
 

@@ -140,3 +140,10 @@ class LoRAShapeError(LoRAError):
     """A LoRA tensor's shape does not fit the base model (another model's adapter)."""
 
     code = "lora_shape_mismatch"
+
+
+class InvalidStructuredOutputsError(InvalidRequestError):
+    """`structured_outputs` (a JSON schema, regex, choice list or grammar) is malformed, sets
+    other than exactly one constraint, or cannot be compiled against the model's tokenizer."""
+
+    code = "invalid_structured_outputs"

@@ -75,6 +75,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.llm_engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's name); False while requests run or caching is off."""
+        return self.llm_engine.reset_prefix_cache()
+
     # ---- generation ------------------------------------------------------------------------------
     def _run(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, lora_request: Any = None) -> list[RequestOutput]:

@@ -86,6 +86,14 @@ class Model:
         return spec(self.cfg) if spec is not None else {}
 
     @property
+    def decode_matches_prefill(self) -> bool:
+        """Whether a token goes through the decode path with the numerics of the prefill path (up to
+        rounding). False for Nemotron-H with a dt floor: transformers' prefill clamps dt and its
+        step path does not, so the prefix cache reuses only what prefill chunks computed."""
+        fn = getattr(self.family, "decode_matches_prefill", None)
+        return fn(self.cfg) if fn is not None else True
+
+    @property
     def has_ssm_state(self) -> bool:
         return bool(self.ssm_spec())
 

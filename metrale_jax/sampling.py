@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.errors import InvalidSamplingParamsError
+from metrale_jax.structured_output import StructuredOutputsParams
 
 Array = jax.Array
 
@@ -67,6 +68,8 @@ class SamplingParams:
     top_k: -1 or 0 = off. top_p: in (0, 1]. min_p: in [0, 1]. temperature 0 = greedy.
     max_tokens: None = up to max_model_len. seed: None = a seed drawn from the engine's RNG.
     logprobs / prompt_logprobs: None = off, k >= 0 = the chosen/prompt token plus the top k.
+    structured_outputs: None = free text; else a `StructuredOutputsParams` constraint (JSON schema,
+    regex, choice, grammar) every sampled token obeys (`metrale_jax.structured_output`).
     """
 
     n: int = 1
@@ -88,6 +91,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +154,10 @@ class SamplingParams:
                 bad(name, "must be None or an integer >= 0")
         if self.output_kind not in tuple(RequestOutputKind):
             bad("output_kind", f"must be one of {[k.name for k in RequestOutputKind]}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be None or a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
@@ -489,9 +497,22 @@ def _rank_and_top(lp: Array, target: Array, k: int) -> tuple[Array, Array, Array
     return rank, top_ids, top_lp
 
 
+# ---- structured output: the token bitmask ---------------------------------------------------------
+def apply_token_bitmask(logits: Array, bitmask: Array) -> Array:
+    """Ban tokens on f32[R, V] logits: token j of row r stays iff bit j % 32 of
+    `bitmask[r, j // 32]` (i32[R, ceil(V / 32)], llguidance's / xgrammar's packed layout) is set;
+    the others become -inf. A row of -1 (all bits set) is unchanged, bit for bit."""
+    r, v = logits.shape
+    w = bitmask.shape[-1]
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[R, W, 32]
+    allowed = bits.reshape(r, w * 32)[:, :v] != 0  # bool[R, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 # ---- sampling ------------------------------------------------------------------------------------
 def sample(
-    logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False
+    logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False,
+    bitmask: Array | None = None,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
@@ -507,8 +528,18 @@ def sample(
     host-computed flags. The same tokens and values either way. Cheap on the CPU (the CPU
     default, where the searches cost more than the step of a small model); on the GPU XLA
     evaluates a conditional's predicate on the host, which stalls the step queue, so off there.
+
+    bitmask: i32[S, ceil(V / 32)] structured-output masks (`apply_token_bitmask`; -1 rows =
+    unconstrained), applied first: the logprobs, penalties, the greedy argmax and every filter
+    see the banned tokens at -inf (vLLM applies its grammar bitmask to the logits before its
+    sampler too). With `branches`, skipped under `lax.cond` when every word is -1.
     """
     logits = logits.astype(jnp.float32)
+    if bitmask is not None:
+        if branches:
+            logits = jax.lax.cond(jnp.all(bitmask == -1), lambda x, m: x, apply_token_bitmask, logits, bitmask)
+        else:
+            logits = apply_token_bitmask(logits, bitmask)
     s, v = logits.shape
     k = max(max_logprobs, 1)
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
@@ -592,4 +623,5 @@ __all__ = [
     "SamplingParams", "RequestOutputKind", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
     "update_penalty_state", "sample", "prompt_logprobs", "FilterParams", "filter_logits", "search_passes",
     "SEARCH_WAYS", "CPU_SEARCH_WAYS", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
+    "apply_token_bitmask",
 ]

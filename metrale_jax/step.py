@@ -55,7 +55,8 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
 
 def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
           tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
-          prompt_lp_chunk: int = 64, prev_tokens: Array | None = None) -> tuple[StepState, SampleOutput]:
+          prompt_lp_chunk: int = 64, prev_tokens: Array | None = None,
+          bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
     if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
         from metrale_jax.engine.spec_decode import verify_step
 
@@ -68,7 +69,7 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
     ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
     logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[S, V]
     tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
-                                            branches=attn.sampler_branches)
+                                            branches=attn.sampler_branches, bitmask=bitmask)
     plp = prompt_logprobs(lambda h: model.compute_logits(params, h), hidden[n:], smd.prompt_lp_targets,
                           max_logprobs=max_logprobs, chunk=prompt_lp_chunk)
     out = SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
@@ -130,14 +131,17 @@ def jit_packed_step(kind: str):
     the previous step's sampled tokens `prev_tokens` i32[R] (R fixed for every bucket) for inputs
     the host does not know yet (`smd.token_src`), and returns its own samples padded to R:
     `(state, SampleOutput, next_tokens i32[R])`, so a step can be dispatched before the host has
-    read the previous one's output."""
+    read the previous one's output. `bitmask` i32[S, ceil(V / 32)] (S = the bucket's sampled
+    rows) is the structured-output token mask of each sampled row (-1 = unconstrained;
+    `sampling.apply_token_bitmask`)."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, prompt_lp_chunk,
+    def fn(params, state, ibuf, fbuf, prev_tokens, bitmask, *, layout, model, attn, max_logprobs, prompt_lp_chunk,
            placement=None):
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                           max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens)
+                           max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens,
+                           bitmask=bitmask)
         # this step's samples, padded to the fixed width the next step reads them at
         r = min(out.token_ids.shape[0], prev_tokens.shape[0])  # (a verify step's samples are cut)
         nxt = jnp.zeros_like(prev_tokens).at[:r].set(out.token_ids[:r])

@@ -206,6 +206,11 @@ BAD = [
     (b'{"prompt": "x", "model": "nope"}', 404, "model"),
     (b'{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo"),
     (b'{"prompt": "x", "suffix": "s"}', 400, "suffix"),
+    (b'{"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}', 400, "structured_outputs"),
+    (b'{"prompt": "x", "structured_outputs": {"regexp": "a"}}', 400, "structured_outputs"),
+    (b'{"prompt": "x", "guided_choice": []}', 400, "guided_choice"),
+    (b'{"prompt": "x", "guided_json": 5}', 400, "guided_json"),
+    (b'{"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"}', 400, "guided_regex"),
 ]
 BAD_CHAT = [
     (b'{"messages": []}', 400, "messages"),
@@ -216,8 +221,12 @@ BAD_CHAT = [
     (b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "messages"),  # the template raises
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400, "top_logprobs"),
     (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}', 400,
-     "response_format"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}', 400,
+     "response_format.type"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}', 400,
+     "response_format.json_schema"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "guided_regex": "a", "guided_choice": ["b"]}', 400,
+     "guided_choice"),
     (b'{"messages": "hi"}', 400, "messages"),
 ]
 
@@ -379,7 +388,8 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | 
 _FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
            "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "min_tokens", "stream", "stream_options", "echo", "model",
-           "stop_token_ids", "response_format", "best_of", "whatever"]
+           "stop_token_ids", "response_format", "best_of", "whatever", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice"]
 _VALUE = st.one_of(_JSON, st.integers(-3, 70), st.floats(-3, 3), st.sampled_from(["hi", "", "ab\u00e9", "\x00"]),
                    st.lists(st.integers(-2, 80), max_size=5),
                    st.just([{"role": "user", "content": "hey"}]), st.just({"include_usage": True}))

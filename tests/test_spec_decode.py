@@ -309,3 +309,27 @@ def test_lora_adapters_with_speculation(monkeypatch):
     _check(_run(_LLM.from_engine(eng), g, names, reqs), g, names)
     st = eng.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+
+
+def test_prefix_caching_with_speculation(monkeypatch):
+    """Prefix caching (KV blocks and SSM snapshots, decode-time ones included) on Qwen3-Next with
+    speculation: a second turn restores the first turn's cached state, and the snapshots taken
+    after verify steps are of verified states at block boundaries: the same tokens as plain."""
+    name = "qwen3_next_tiny"
+    base = _engine(name, None)
+    model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+    eng = LLMEngine(model, params, HYBRID_CONFIG.replace(
+        enable_prefix_caching=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    rng = np.random.default_rng(11)
+    first = [rng.integers(3, 256, n).tolist() for n in (9, 14)]
+    sp = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    ref1 = _ids(base.generate([{"prompt_token_ids": p} for p in first], sp))
+    second = [p + r + [7, 8] for p, r in zip(first, ref1)]
+    ref2 = _ids(base.generate([{"prompt_token_ids": p} for p in second], sp))
+    refs = [p + r for p, r in zip(first + second, ref1 + ref2)]
+    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle(refs, 256))
+    assert _ids(eng.generate([{"prompt_token_ids": p} for p in first], sp)) == ref1
+    assert _ids(eng.generate([{"prompt_token_ids": p} for p in second], sp)) == ref2
+    st = eng.stats()
+    assert st.prefix_cache_hits > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    _assert_whole(eng)

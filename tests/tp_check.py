@@ -26,16 +26,17 @@ import numpy as np
 # 2 KV heads, replicated); expert parallelism; the Pallas kernels
 # (`--variant 2:spec`: speculative decoding, k = 3, drafts from the reference outputs, some corrupted;
 # not in the plan for test time: test_two_processes_match_one's slow case covers it)
-PLAN = {"llama_tiny": ("2", "4", "2:pallas"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
+PLAN = {"llama_tiny": ("2", "4", "2:pallas", "2:features"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
         "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
 
 
-def _config(tp: int, expert_parallel: bool, interpret_kernels: bool):
+def _config(tp: int, expert_parallel: bool, interpret_kernels: bool, features: bool = False):
     from metrale_jax.engine.config import EngineConfig
     from metrale_jax.layers.attention import AttentionConfig
 
     attention = AttentionConfig(use_pallas=True, interpret=True) if interpret_kernels else None
-    return EngineConfig(dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=20, max_num_seqs=4,
+    extra = dict(enable_prefix_caching=True, enable_lora=True, max_loras=2, max_lora_rank=8) if features else {}
+    return EngineConfig(**extra,dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=20, max_num_seqs=4,
                         max_num_batched_tokens=32, decode_buckets=(4,), prefill_buckets=(32,), max_prefill_streams=2,
                         max_logprobs=3, show_progress=False, compilation_cache_dir=None, attention=attention,
                         swap_block_buckets=(12,), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
@@ -55,16 +56,18 @@ def _requests(vocab: int):
 
 
 def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool, follower: bool = False,
-               spec_refs: list | None = None):
+               features: bool = False, spec_refs: list | None = None):
     """The requests through `LLM.generate` -> ([(ids, logprobs + prompt logprobs f64[...])], stats);
-    None on a follower process (which runs the leader's steps until it is done). `spec_refs`: the
-    reference outputs, for speculative decoding with drafts taken from them (some corrupted)."""
+    None on a follower process (which runs the leader's steps until it is done). `features`: also
+    with prefix caching and LoRA adapters (tests/fixtures/data/lora), a second turn that hits the
+    cache, and one completion through the HTTP server. `spec_refs`: the reference outputs, for
+    speculative decoding with drafts taken from them (some corrupted)."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
     from tests.conftest import FIXTURES
 
     model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
-    cfg = _config(tp, expert_parallel, interpret_kernels)
+    cfg = _config(tp, expert_parallel, interpret_kernels, features)
     if spec_refs is not None:
         from metrale_jax.engine import spec_decode
         from tests.test_spec_decode import _oracle
@@ -78,7 +81,21 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
         eng.follow_leader()
         return None
     prompts, sps = _requests(int(model.cfg.vocab_size))
-    outs = LLM.from_engine(eng).generate(prompts, sps, use_tqdm=False)
+    llm = LLM.from_engine(eng)
+    if features:
+        from metrale_jax import LoRARequest
+
+        lora = [LoRARequest(n, i + 1, str(FIXTURES / "lora" / family / n)) for i, n in enumerate("ab")]
+        first = llm.generate(prompts, sps, use_tqdm=False, lora_request=[lora[0], None, lora[1], lora[0], None])
+        # the next turn of the first conversations: their prompts and replies come back from the cache
+        again = (0, 2, 3)
+        turn2 = [{"prompt_token_ids": first[i].prompt_token_ids + first[i].outputs[0].token_ids + [7]} for i in again]
+        outs = first + llm.generate(turn2, [sps[i] for i in again], use_tqdm=False,
+                                    lora_request=[lora[0], lora[1], lora[0]])
+        assert eng.stats().prefix_cache_hits > 0
+        outs[-1].outputs[0].token_ids = outs[-1].outputs[0].token_ids + _served(eng, turn2[-1], lora[0])
+    else:
+        outs = llm.generate(prompts, sps, use_tqdm=False)
     eng.release_followers()
     res = []
     for o in outs:
@@ -87,6 +104,23 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
         plp = [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] if o.prompt_logprobs else []
         res.append((c.token_ids, np.asarray(lps + plp)))
     return res, eng.stats()
+
+
+def _served(eng, prompt: dict, adapter) -> list[int]:
+    """One greedy completion of `prompt` with `adapter` (a LoRARequest) through the HTTP server
+    -> its token ids."""
+    import httpx
+
+    from metrale_jax.server.app import ServerConfig
+    from metrale_jax.server.runner import BackgroundServer
+
+    cfg = ServerConfig(model_names=("tiny",), lora_modules=(adapter,))
+    with BackgroundServer(eng, cfg) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json=dict(
+            model=adapter.lora_name, prompt=prompt["prompt_token_ids"], max_tokens=6, temperature=0, logprobs=1))
+    r.raise_for_status()
+    toks = r.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.split(":")[1]) for t in toks]
 
 
 def check_shard_heads() -> None:
@@ -120,13 +154,17 @@ def main(argv=None) -> int:
     check_shard_heads()
     ok = True
     for fam in args.family or list(PLAN):
+        variants = args.variant or PLAN[fam]
         want, _ = run_family(fam, 1, False, False)  # one device, the XLA reference
-        for variant in args.variant or PLAN[fam]:
+        if any(v.endswith(":features") for v in variants):
+            want_features, _ = run_family(fam, 1, False, False, features=True)
+        for variant in variants:
             tp, _, how = variant.partition(":")
-            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas",
+            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas", features=how == "features",
                                     spec_refs=want if how == "spec" else None)
-            same_ids = all(g[0] == w[0] for g, w in zip(got, want))
-            diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, want))
+            ref = want_features if how == "features" else want
+            same_ids = len(got) == len(ref) and all(g[0] == w[0] for g, w in zip(got, ref))
+            diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, ref))
             print(json.dumps(dict(family=fam, variant=variant, same_ids=same_ids, max_logprob_diff=diff,
                                   preemptions=stats.num_preemptions)), flush=True)
             ok &= same_ids and diff <= args.atol

@@ -212,6 +212,8 @@ class CompilationManager:
         # width of next_tokens (verify steps are followed synchronously: nobody reads their samples
         # there, so they do not widen it, and the other steps compile as without speculation)
         self.max_rows = max(b.num_sample_rows for b in self.buckets if b.kind != "verify")
+        self.mask_words = -(-builder.vocab_size // 32)  # W of the structured-output bitmask i32[S, W]
+        self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device (sent once)
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
@@ -236,16 +238,20 @@ class CompilationManager:
         ibuf = self._input((layout.num_i32,), jax.numpy.int32)
         fbuf = self._input((layout.num_f32,), jax.numpy.float32)
         prev = self._input((self.max_rows,), jax.numpy.int32)
-        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, layout=layout,
+        mask = self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32)
+        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, mask, layout=layout,
                                                   **self._static())
 
     def lower_swap(self, kind: str, m: int, state):
-        """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`."""
-        from metrale_jax.engine.swap import jit_gather, jit_scatter
+        """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`, or the SSM slot
+        copy ("copy") of `m` pairs (prefix caching)."""
+        from metrale_jax.engine.swap import jit_copy_slots, jit_gather, jit_scatter
 
         s = jax.tree.map(_abstract, state)
         blocks = self._input((m,), jax.numpy.int32)
         slot = self._input((), jax.numpy.int32)
+        if kind == "copy":
+            return jit_copy_slots().lower(s, blocks, blocks, roles=self.swap_roles, placement=self.placement)
         if kind == "gather":
             return jit_gather().lower(s, blocks, slot, roles=self.swap_roles, placement=self.placement)
         saved = jax.eval_shape(functools.partial(jit_gather(), roles=self.swap_roles), s, blocks, slot)
@@ -267,12 +273,18 @@ class CompilationManager:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         todo = [b for b in self.buckets if b not in self.executables]
-        if self.cfg.preemption_mode == "swap":
+        if self.cfg.swap_block_buckets:  # preemption by swap, or the prefix cache's host tier
             from metrale_jax.engine.swap import swap_roles
 
             self.swap_roles = swap_roles(self.model, state.model)
             todo += [(k, m) for m in self.cfg.swap_block_buckets for k in ("gather", "scatter")
                      if (k, m) not in self.swap_executables]
+        if self.cfg.max_ssm_snapshots:  # prefix caching's SSM snapshot copies
+            from metrale_jax.engine.swap import swap_roles
+
+            self.swap_roles = self.swap_roles or swap_roles(self.model, state.model)
+            if ("copy", self.num_copy_pairs) not in self.swap_executables:
+                todo.append(("copy", self.num_copy_pairs))
 
         def one(bucket):
             key = self._key(bucket, params, state)
@@ -337,15 +349,28 @@ class CompilationManager:
         n = _ceil_bucket(c.mixed_decode_buckets, num_decode)
         return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
 
-    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None):
-        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer) and
-        the previous step's `next_tokens` (zeros when None). Returns (state, out, next_tokens)."""
+    def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None, bitmask=None):
+        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer),
+        the previous step's `next_tokens` (zeros when None) and the structured-output `bitmask`
+        i32[bucket.num_sample_rows, mask_words] (None: no row constrained, a constant of -1 kept
+        on the device, so nothing is sent). Returns (state, out, next_tokens)."""
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
         if prev_tokens is None:
             prev_tokens = self.zero_tokens()
-        return exe(params, state, *dev_inputs, prev_tokens)
+        if bitmask is None:
+            bitmask = self.no_mask(bucket.num_sample_rows)
+        return exe(params, state, *dev_inputs, prev_tokens, bitmask)
+
+    def no_mask(self, rows: int):
+        """The all-allowed bitmask i32[rows, mask_words] (-1), made on the device once per size."""
+        m = self._no_masks.get(rows)
+        if m is None:
+            import numpy as np
+
+            m = self._no_masks[rows] = self.put(np.full((rows, self.mask_words), -1, np.int32))
+        return m
 
     def swap_bucket(self, num_blocks: int) -> int:
         return _ceil_bucket(self.cfg.swap_block_buckets, num_blocks)
@@ -377,6 +402,27 @@ class CompilationManager:
         b[: len(blocks)] = blocks
         return self.swap_executables[("scatter", m)](state, b, np.int32(slot), data.padded(self.swap_roles, m))
 
+    @property
+    def num_copy_pairs(self) -> int:
+        """Slot pairs per SSM copy call: a step's decode rows plus its prefill streams."""
+        return self.cfg.max_num_seqs + self.cfg.max_prefill_streams
+
+    def copy_ssm_slots(self, state, pairs: list[tuple[int, int]]):
+        """Copy SSM slot rows (source, destination) of `state` (donated), in calls of
+        `num_copy_pairs` pairs; returns the new state."""
+        import numpy as np
+
+        k = self.num_copy_pairs
+        exe = self.swap_executables[("copy", k)]
+        for i in range(0, len(pairs), k):
+            part = pairs[i:i + k]
+            src = np.zeros(k, np.int32)
+            dst = np.full(k, -1, np.int32)
+            src[: len(part)] = [p[0] for p in part]
+            dst[: len(part)] = [p[1] for p in part]
+            state = exe(state, src, dst)
+        return state
+
     def zero_tokens(self):
         import numpy as np
 
@@ -391,9 +437,10 @@ class CompilationManager:
         _, ibuf, fbuf = pack(self.builder, inputs)
         return self.put(ibuf, fbuf)
 
-    def put(self, ibuf, fbuf) -> tuple:
-        """Packed step inputs (`metadata_builder.pack`) to the device(s)."""
-        return jax.device_put((ibuf, fbuf), self._device())
+    def put(self, *host):
+        """Host step inputs (the packed metadata of `metadata_builder.pack`, a bitmask) to the
+        device (every device of the mesh under tensor parallelism): one array or a tuple."""
+        return jax.device_put(host if len(host) > 1 else host[0], self._device())
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:

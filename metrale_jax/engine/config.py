@@ -89,6 +89,15 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
+    # Automatic prefix caching (vLLM's name): freed full KV blocks stay cached under a hash of their
+    # prefix and new sequences reuse them (metrale_jax/cache/prefix_cache.py)
+    enable_prefix_caching: bool = False
+    # SSM pool slots for prefix-cache snapshots of the recurrent state, on top of max_ssm_slots;
+    # None: max_num_seqs with prefix caching on a model with SSM state, else 0
+    max_ssm_snapshots: int | None = None
+    # Host-memory tier of the prefix cache (vLLM's name), in GB: cached KV blocks evicted from the
+    # device are copied there and copied back on a hit; 0 = off. Separate from swap_space_gb.
+    kv_offloading_size: float = 0.0
     # Devices the steps span, on one mesh axis `tp` (metrale_jax/parallel.py): attention and MLP
     # heads, the KV and SSM pools and the vocabulary split over them, metadata replicated.
     tensor_parallel_size: int = 1
@@ -155,6 +164,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb={self.swap_space_gb} must be >= 0")
+        snaps = self.max_ssm_snapshots
+        if snaps is not None and snaps < 0:
+            raise ValueError(f"max_ssm_snapshots={snaps} must be >= 0")
+        snaps = (seqs if snaps is None else snaps) if self.enable_prefix_caching and uses_ssm else 0
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size={self.kv_offloading_size} must be >= 0")
+        offload = self.kv_offloading_size if self.enable_prefix_caching else 0.0
         if any(b < 1 for b in self.swap_block_buckets):
             raise ValueError(f"swap_block_buckets={self.swap_block_buckets} must be >= 1")
         cpu_loras = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
@@ -165,13 +181,13 @@ class EngineConfig:
             self, max_model_len=mml, max_num_seqs=seqs, max_num_batched_tokens=budget,
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
-            max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots,
+            max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots, max_ssm_snapshots=snaps,
             attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             max_cpu_loras=cpu_loras,
             compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
-            if mode == "swap" else (),
+            if mode == "swap" or offload else (), kv_offloading_size=offload,
         )
 
     @property

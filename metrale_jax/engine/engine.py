@@ -29,6 +29,7 @@ from metrale_jax.errors import (
     InvalidPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
+    InvalidStructuredOutputsError,
     MaxTokensTooLargeError,
     PromptTooLongError,
 )
@@ -69,6 +70,8 @@ class EngineStats:
     num_swaps: int = 0  # preemptions by swap (swap-outs) so far
     num_swap_ins: int = 0
     swap_bytes: int = 0  # host memory the swapped-out sequences hold now
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
     spec_num_drafts: int = 0  # verify rows that carried drafts (speculative decoding)
     spec_draft_tokens: int = 0  # drafts verified
     spec_accepted_tokens: int = 0  # drafts accepted (the bonus token excluded)
@@ -85,6 +88,8 @@ class _InFlight:
     arrays: list  # their device arrays (host copies started)
     want_lp: bool
     want_plp: bool
+    constrained: bool = False  # a sampled row follows a grammar (structured output)
+    advanced: bool = False  # its samples were fed to those grammars (`_advance_grammars`)
 
 
 def _on_gpu() -> bool:
@@ -137,6 +142,9 @@ class LLMEngine:
                              f"{jax.device_count()} ({jax.process_count()} processes), not {c.tensor_parallel_size}")
         if self.lockstep is not None and c.enable_lora:
             raise ValueError("LoRA adapters under jax.distributed (several processes) are not supported yet")
+        if self.lockstep is not None and c.kv_offloading_size:
+            raise ValueError("the prefix cache's host tier (kv_offloading_size) under jax.distributed (several "
+                             "processes) is not supported yet")
         if c.tensor_parallel_size > 1:
             t = time.perf_counter()
             self.sharder = Sharder(make_mesh(c.tensor_parallel_size), expert_parallel=c.enable_expert_parallel)
@@ -161,8 +169,9 @@ class LLMEngine:
                 f"max_model_len={c.max_model_len}; lower max_model_len or raise num_kv_blocks")
         pen_rows = c.max_penalty_rows or 0
         ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
+        # the sequences' slots, then the prefix cache's snapshot slots
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
-                                                max_ssm_slots=ssm_slots, penalty_rows=pen_rows)
+                                                max_ssm_slots=ssm_slots + c.max_ssm_snapshots, penalty_rows=pen_rows)
         placement = None
         if self.sharder is not None:
             placement = self.sharder.placement(self.state)
@@ -173,8 +182,9 @@ class LLMEngine:
             self.num_blocks * model.kv_bytes_per_block(c.block_size, kv_dtype) / 1e6, kv_dtype,
             c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens)
         if self.uses_ssm:
-            log.info("SSM pool: %d slots x %.3f MB (%.1f MB)", ssm_slots, model.ssm_bytes_per_slot() / 1e6,
-                     ssm_slots * model.ssm_bytes_per_slot() / 1e6)
+            log.info("SSM pool: %d slots + %d prefix-cache snapshots x %.3f MB (%.1f MB)", ssm_slots,
+                     c.max_ssm_snapshots, model.ssm_bytes_per_slot() / 1e6,
+                     (ssm_slots + c.max_ssm_snapshots) * model.ssm_bytes_per_slot() / 1e6)
         log.info("preemption: %s%s", c.preemption_mode, f" (block buckets {c.swap_block_buckets}, host space "
                  f"{c.swap_space_gb:g} GB)" if c.preemption_mode == "swap" else "")
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
@@ -207,6 +217,9 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # the dispatched step whose samples are not read yet
         self._next_tokens = self.compiler.zero_tokens()  # its samples, on the device
         self._swap_pending: list = []  # (Sequence, SwapData) copied out by the last step, not on the host yet
+        self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
+        self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
+        self._grammars = None  # structured output's GrammarCompiler, made by the first constrained request
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases
         log.info("engine ready in %.1fs (%s; %d executables, %d from the cache at %s)", self.startup_seconds,
@@ -246,13 +259,13 @@ class LLMEngine:
 
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
-        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots and
-        swap_space_bytes (tests use this)."""
+        max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots,
+        swap_space_bytes and prefix_caching (tests use this)."""
         c = self.config
         caps = dict(num_blocks=self.num_blocks, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, max_prefill_streams=c.max_prefill_streams,
                     max_prefill_tokens=c.prefill_buckets[-1], num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0,
-                    swap_space_bytes=int(c.swap_space_gb * 1e9))
+                    swap_space_bytes=int(c.swap_space_gb * 1e9), prefix_caching=c.enable_prefix_caching)
         for k, v in limits.items():
             if k not in caps or v > caps[k]:
                 raise ValueError(f"scheduler limit {k}={v} is unknown or above the compiled {caps.get(k)}")
@@ -264,7 +277,10 @@ class LLMEngine:
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
             swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
             swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
-            max_loras=c.max_loras if c.enable_lora else 0, **caps,
+            max_loras=c.max_loras if c.enable_lora else 0,
+            snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)),
+            cache_decoded=getattr(self.model, "decode_matches_prefill", True),
+            kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
 
@@ -292,7 +308,7 @@ class LLMEngine:
             act += 2 * 4 * rows * c.max_model_len * mc.num_kv_heads * mc.head_dim
         other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
         if self.uses_ssm:
-            other += c.max_ssm_slots * self.model.ssm_bytes_per_slot()
+            other += (c.max_ssm_slots + c.max_ssm_snapshots) * self.model.ssm_bytes_per_slot()
             if c.speculative_config:  # a verify step's per-position states (layers/spec_states.py)
                 other += c.max_num_seqs * (1 + c.speculative_config.num_speculative_tokens) * \
                     self.model.ssm_bytes_per_slot()
@@ -380,7 +396,19 @@ class LLMEngine:
             raise InvalidSamplingParamsError(f"stop_token_ids must be < vocab size {self.vocab_size}")
         if params.has_penalties and not self.config.max_penalty_rows:
             raise InvalidSamplingParamsError("penalties are disabled in this engine (max_penalty_rows=0)")
+        if params.structured_outputs is not None:
+            self.grammar_compiler().compile(params.structured_outputs)  # cached; raises if invalid
         return text, ids
+
+    def grammar_compiler(self):
+        """The structured-output `GrammarCompiler` over this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            from metrale_jax.structured_output import GrammarCompiler
+
+            if self.tokenizer is None:
+                raise InvalidStructuredOutputsError("structured output needs a tokenizer; this model has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         ids = set(params.stop_token_ids)
@@ -407,9 +435,13 @@ class LLMEngine:
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
+        grammar = (self.grammar_compiler().compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         for i in range(params.n):
             seq = Sequence(self._seq_ids, req, i, list(ids), len(ids))
             self._seq_ids += 1
+            if grammar is not None:
+                seq.grammar = self._grammars.matcher(grammar)
             if params.logprobs is not None:
                 seq.logprobs = []
             if i > 0 and not params.has_penalties and not self.uses_ssm:
@@ -448,8 +480,15 @@ class LLMEngine:
             ssm_slots_used=s.ssm_slots.num_used, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._gen_tokens, num_preemptions=s.num_preemptions,
             num_steps=self._steps, num_swapped=len({q.request.request_id for q in s.swapped}),
-            num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes, **self.spec_stats,
+            num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes,
+            prefix_cache_queries=s.prefix_cache.queries if s.prefix_cache else 0,
+            prefix_cache_hits=s.prefix_cache.hits if s.prefix_cache else 0, **self.spec_stats,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's name); False while requests run (or caching is off)."""
+        pc = self.scheduler.prefix_cache
+        return pc is not None and not self.has_unfinished_requests() and pc.reset()
 
     # ---- one step --------------------------------------------------------------------------------
     def _row_sampling(self, seq: Sequence) -> RowSampling:
@@ -487,6 +526,11 @@ class LLMEngine:
         Overlapped: this dispatches the next step to the device first, then reads and applies
         the previous step's samples while the device works, so each call returns the progress
         of the step dispatched by the previous call (the first call returns []).
+
+        Structured output: the mask of a constrained row depends on the token the previous step
+        sampled for it, so once the next step's inputs are built and sent, `_dispatch` waits for
+        the previous step's sampled ids, feeds them to the grammars and fills the masks before it
+        dispatches (the device idles for that much; everything else still overlaps).
         """
         sched = self.scheduler.schedule()
         while self.scheduler.dropped_swaps:  # the other processes drop their saved copies too
@@ -504,7 +548,44 @@ class LLMEngine:
             if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
                 d.to_host(self.compiler.swap_roles)
         self._swap_pending = [(seq, seq.swap.data) for seq in sched.swap_out if seq.swap is not None]
+        self._offload_to_host()
         return outputs
+
+    def _offload(self, sched) -> None:
+        """Prefix cache's host tier: start copying the evicted cached blocks out (before anything
+        writes them); `_offload_to_host` hands them to the cache at the end of `step()`."""
+        big = self.config.swap_block_buckets[-1]
+        ev = sched.kv_offload
+        for i in range(0, len(ev), big):
+            part = ev[i:i + big]
+            data = self.compiler.swap_out(self.state, [b for _, b in part], -1)
+            self._offload_pending.append(([k for k, _ in part], data))
+
+    def _offload_to_host(self) -> None:
+        """The copies `_offload` started, into the host tier. They ran right after the previous
+        step, whose samples `step()` has just read, so this barely waits."""
+        from metrale_jax.engine.swap import split_blocks
+
+        roles = self.compiler.swap_roles
+        for keys, data in self._offload_pending:
+            data.to_host(roles)
+            if self._slot_leaves is None:
+                kinds = [r for r in roles if r is not None]
+                self._slot_leaves = tuple(a for a, (kind, _) in zip(data.arrays, kinds) if kind == "slot")
+            for k, arrays in zip(keys, split_blocks(data, roles)):
+                self.scheduler.prefix_cache.host_put(k, arrays)
+        self._offload_pending = []
+
+    def _onload(self, sched) -> None:
+        """Prefix cache's host tier: write the hit blocks back into their new device blocks."""
+        from metrale_jax.engine.swap import join_blocks
+
+        big = self.config.swap_block_buckets[-1]
+        on = sched.kv_onload
+        for i in range(0, len(on), big):
+            part = on[i:i + big]
+            data = join_blocks([a for _, a in part], self.compiler.swap_roles, self._slot_leaves)
+            self.state = self.compiler.swap_in(self.state, data, [b for b, _ in part], -1)
 
     # ---- several processes (engine/lockstep.py) -------------------------------------------------
     def _announce(self, op: str, *args) -> None:
@@ -525,7 +606,9 @@ class LLMEngine:
     def _swap(self, sched) -> None:
         """Copy the swapped-out sequences' blocks and slots to the host, then write the resumed
         ones' saved state into their new blocks and slots, before the step runs (the freed blocks
-        may be reused by this very step)."""
+        may be reused by this very step). Evicted cached blocks go to the host tier first."""
+        if sched.kv_offload:
+            self._offload(sched)
         for seq in sched.swap_out:
             rec = seq.swap
             self._announce("swap_out", seq.seq_id, rec.blocks, rec.slot)
@@ -535,6 +618,11 @@ class LLMEngine:
             self._announce("swap_in", seq.seq_id, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.state = self.compiler.swap_in(self.state, rec.data, seq.blocks[: rec.num_blocks], seq.ssm_slot)
             self.scheduler.swapped_in(seq)
+        if sched.kv_onload:
+            self._onload(sched)
+        if sched.ssm_restores:  # prefix-cache hits: the cached SSM snapshots into the new sequences' slots
+            self._announce("ssm_copy", sched.ssm_restores)
+            self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_restores)
 
     def _dispatch(self, sched) -> _InFlight:
         self._steps += 1
@@ -558,16 +646,27 @@ class LLMEngine:
         bucket = self.compiler.bucket_for(len(rows), sched.num_prefill_tokens, len(chunks))
         inputs = build_step(self.builder, bucket, rows, chunks)
         _, ibuf, fbuf = pack(self.builder, inputs)
-        self._announce("step", inputs.bucket, ibuf, fbuf)
         dev = self.compiler.put(ibuf, fbuf)
-        self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
-                                                               self.state, dev, self._next_tokens)
-        self.scheduler.complete(sched)
-        self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
         # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
         n_bucket = bucket.num_seqs
         sampled = [(i, s) for i, s in enumerate(sched.decode)]
         sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
+        masked = [(s.grammar, row) for row, s in sampled if s.grammar is not None and s.status != SeqStatus.FINISHED]
+        bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
+        if masked:
+            if self._inflight is not None and self._inflight.constrained:
+                self._advance_grammars(self._inflight)  # waits for the previous step's samples
+            bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
+        self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
+        if bitmask is not None:
+            bitmask = self.compiler.put(bitmask)
+        self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
+                                                               self.state, dev, self._next_tokens, bitmask)
+        self.scheduler.complete(sched)
+        if sched.ssm_snapshots:  # prefix caching: SSM snapshots at the block boundaries this step reached
+            self._announce("ssm_copy", sched.ssm_snapshots)
+            self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_snapshots)
+        self._prompt_tokens += sum(c.length for c in sched.chunks if c.start < c.seq.prompt_len)
         for row, seq in sampled:
             seq.inflight += 1
             seq.inflight_row = row
@@ -581,7 +680,21 @@ class LLMEngine:
         arrays = [local(getattr(out, n)) for n in names]
         for a in arrays:
             a.copy_to_host_async()
-        return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp)
+        return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp, constrained=bool(masked))
+
+    def _advance_grammars(self, f: _InFlight) -> None:
+        """Feed a dispatched step's samples to its constrained rows' grammars, once (EOS is not fed:
+        it ends the sequence). A token the grammar rejects leaves its matcher in an error state,
+        which `_append_token` turns into finish_reason "abort"."""
+        if f.advanced:
+            return
+        f.advanced = True
+        toks = np.asarray(f.arrays[f.names.index("token_ids")])  # waits for the step
+        for row, seq in f.sampled:
+            if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted:
+                t = int(toks[row])
+                if t not in self.eos_token_ids:
+                    seq.grammar.consume_token(t)
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
@@ -589,6 +702,8 @@ class LLMEngine:
             from metrale_jax.engine.spec_decode import finish_verify
 
             return finish_verify(self, f)
+        if f.constrained:
+            self._advance_grammars(f)
         out = dict(zip(f.names, jax.device_get(f.arrays)))
         now = time.time()
         touched: dict[str, Request] = {}
@@ -656,7 +771,13 @@ class LLMEngine:
                                               out["top_logprobs"][row], p.logprobs))
         n_out = seq.num_outputs
         finish, reason = None, None
-        if n_out >= p.min_tokens:
+        if seq.grammar is not None and seq.grammar.is_error():
+            # the mask allowed nothing but what the grammar rejects (e.g. min_tokens banned the EOS of
+            # a finished grammar): stop rather than go on unconstrained
+            log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
+                        seq.request.request_id, t, seq.grammar.get_error())
+            finish = "abort"
+        if finish is None and n_out >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:
                 finish = "stop"
             elif t in seq.request.stop_ids:

@@ -6,9 +6,9 @@ HTTP server; before each device operation it sends the operation and its host in
 other processes (`Lockstep.send`: a pickled message broadcast with
 `multihost_utils.broadcast_one_to_all`, whose sizes are padded to powers of two so that only a
 few broadcast shapes ever compile), and they replay it on their devices (`follow`). The
-operations are the step (`"step"`: bucket and packed metadata), the swap copies of preemption
-(`"swap_out"` / `"swap_in"`, keyed by sequence id: each process keeps its own saved copy), and
-`"stop"`.
+operations are the step (`"step"`: bucket, packed metadata, structured-output bitmask), the swap
+copies of preemption (`"swap_out"` / `"swap_in"`, keyed by sequence id: each process keeps its own
+saved copy), the prefix cache's SSM slot copies (`"ssm_copy"`), and `"stop"`.
 
 Launch: the same command on every host, after `jax.distributed.initialize(...)` (JAX reads its
 cluster from Slurm / Open MPI, or takes `coordinator_address`, `num_processes`, `process_id`),
@@ -64,16 +64,19 @@ def follow(engine) -> None:
         if op == "stop":
             return
         if op == "step":
-            bucket, ibuf, fbuf = args
+            bucket, ibuf, fbuf, bitmask = args
             dev = engine.compiler.put(ibuf, fbuf)
+            mask = None if bitmask is None else engine.compiler.put(bitmask)
             engine.state, _, engine._next_tokens = engine.compiler.run(bucket, engine.params, engine.state, dev,
-                                                                       engine._next_tokens)
+                                                                       engine._next_tokens, mask)
         elif op == "swap_out":
             key, blocks, slot = args
             saved[key] = engine.compiler.swap_out(engine.state, blocks, slot)
         elif op == "swap_in":
             key, blocks, slot = args
             engine.state = engine.compiler.swap_in(engine.state, saved.pop(key), blocks, slot)
+        elif op == "ssm_copy":  # prefix caching's SSM snapshots and restores
+            engine.state = engine.compiler.copy_ssm_slots(engine.state, args[0])
         elif op == "drop":
             saved.pop(args[0], None)
         else:

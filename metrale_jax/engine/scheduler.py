@@ -32,6 +32,12 @@ references on those blocks (`BlockAllocator.share`) and compute only the remaini
 themselves. Shared blocks are never written again. (Not for penalised requests, whose penalty rows
 count the prompt, nor for models with SSM state, whose state would need a copy.)
 
+Prefix caching (`prefix_caching=True`, metrale_jax/cache/prefix_cache.py): the block allocator
+keeps the full blocks of freed sequences cached under their prefix hash (LRU); an admitted
+sequence shares the longest cached chain (plus, with SSM state, the snapshot at its end, which the
+step restores into its slot) and prefills only the rest. With SSM state, prefill chunks end on
+block boundaries so that snapshots can be taken there.
+
 A sequence whose one pending token is a generated one (`Sequence.decoding`) is a decode row: its
 token is written to the cache at position `num_computed` and the next token is sampled from it.
 Prompt tokens always go through prefill chunks, the last one too.
@@ -50,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale_jax.cache.allocator import BlockAllocator, SlotAllocator
+from metrale_jax.cache.prefix_cache import CachingBlockAllocator, PrefixCache
 from metrale_jax.sampling import SamplingParams
 
 
@@ -135,11 +142,13 @@ class Sequence:
     inflight_row: int = -1  # the sampled row of the newest of them in its step
     leader: Sequence | None = None  # n > 1: the sequence whose prompt KV blocks this one shares
     swap: SwapRecord | None = None  # set while SWAPPED
+    cache_state: Any = None  # prefix caching's record (metrale_jax.cache.prefix_cache.SeqCacheState)
     spec_len: int = 0  # drafts this step's decode row may carry (speculative decoding; 0 = plain)
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
     row_sampling: Any = None  # the engine's RowSampling of this sequence (cached across steps)
+    grammar: Any = None  # structured output: the sequence's llguidance LLMatcher (None = free text)
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -204,6 +213,14 @@ class ScheduledStep:
     preempted: list[Sequence]
     swap_out: list[Sequence] = field(default_factory=list)  # copy seq.swap's blocks/slot to host first
     swap_in: list[Sequence] = field(default_factory=list)  # then write seq.swap.data into seq.blocks/slot
+    # prefix caching, SSM pool slot copies (source, destination): restores of cached snapshots into
+    # admitted sequences' slots before the step runs, snapshots right after it
+    ssm_restores: list[tuple[int, int]] = field(default_factory=list)
+    ssm_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # prefix cache's host tier: (key, block) evicted cached blocks to copy to host memory first, then
+    # (block, host arrays) cached blocks to write back
+    kv_offload: list[tuple[bytes, int]] = field(default_factory=list)
+    kv_onload: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -222,6 +239,8 @@ class Scheduler:
         num_ssm_slots: int = 0, uses_ssm: bool = False, watermark_blocks: int | None = None,
         max_model_len: int = 1 << 62, preemption_mode: str = "recompute", swap_bytes_per_block: int = 0,
         swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, max_loras: int = 0,
+        prefix_caching: bool = False, snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
+        kv_offloading_bytes: int = 0,
         num_spec_tokens: int = 0,
     ):
         if preemption_mode not in PREEMPTION_MODES:
@@ -231,7 +250,10 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.max_streams = max_prefill_streams
         self.max_prefill_tokens = max_prefill_tokens
-        self.blocks = BlockAllocator(num_blocks)
+        self.blocks = CachingBlockAllocator(num_blocks) if prefix_caching else BlockAllocator(num_blocks)
+        # automatic prefix caching (metrale_jax/cache/prefix_cache.py); None = off
+        self.prefix_cache = (PrefixCache(self.blocks, block_size, uses_ssm, snapshot_slots, cache_decoded,
+                                         kv_offloading_bytes, swap_bytes_per_block) if prefix_caching else None)
         self.pen_rows = SlotAllocator(num_penalty_rows)
         self.ssm_slots = SlotAllocator(num_ssm_slots)
         self.uses_ssm = uses_ssm
@@ -260,8 +282,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def _free_device(self, seq: Sequence) -> None:
-        """Free the blocks and the SSM slot (not the penalty row)."""
+    def _free_device(self, seq: Sequence, written: bool = True) -> None:
+        """Free the blocks and the SSM slot (not the penalty row). `written`: the blocks hold the
+        sequence's computed tokens (False for blocks of a swap-in that was cancelled)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq, register=written)
         self.blocks.free(seq.blocks)
         seq.blocks = []
         if seq.ssm_slot >= 0:
@@ -315,7 +340,7 @@ class Scheduler:
         if seq in step.swap_in:  # resumed in this very step: back to the swapped list, untouched
             step.swap_in.remove(seq)
             self.num_swap_ins -= 1
-            self._free_device(seq)
+            self._free_device(seq, written=False)
             seq.status = SeqStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=lambda s: s.priority)
             return
@@ -429,6 +454,8 @@ class Scheduler:
                 length = min(length, budget, self.max_prefill_tokens - prefill)
                 fit = (len(seq.blocks) + self.blocks.num_free) * self.block_size - seq.num_computed
             length = min(length, fit)
+            if self.prefix_cache is not None:
+                length = self.prefix_cache.chunk_length(seq, seq.num_computed, length)
             seq.blocks += self.blocks.allocate(self._blocks_needed(seq, seq.num_computed + length))
             step.chunks.append(Chunk(seq, seq.num_computed, length))
             budget -= length
@@ -454,25 +481,41 @@ class Scheduler:
                 break
             if self.uses_ssm and self.ssm_slots.num_free == 0:
                 break
-            start = len(shared) * self.block_size
+            hit = None
+            if self.prefix_cache is not None and not shared:
+                hit = self.prefix_cache.lookup(seq)
+                shared = hit.blocks
+            start = (len(shared) + (len(hit.onload) if hit else 0)) * self.block_size
             spare = self.blocks.num_free - self.watermark
+            if hit is not None:  # cached blocks it takes count as free now; host-tier ones need new blocks
+                spare -= self.blocks.num_reclaimed(shared) + len(hit.onload)
             length = min(seq.pending - start, room, spare * self.block_size)
+            if self.prefix_cache is not None and length >= 1:
+                length = self.prefix_cache.chunk_length(seq, start, length)
             if length < 1:
                 break
             self.waiting.pop(i)
             self.blocks.share(shared)
             seq.blocks = list(shared)
+            if hit is not None and hit.onload:
+                seq.blocks += self.prefix_cache.onload(hit.onload, step)
             seq.num_computed = start
             seq.blocks += self.blocks.allocate(self._blocks_needed(seq, start + length))
             if wants_pen:
                 seq.pen_row = self.pen_rows.allocate()
             if self.uses_ssm:
                 seq.ssm_slot = self.ssm_slots.allocate()
+            if hit is not None:
+                self.prefix_cache.record(seq, hit)
+                if hit.snapshot >= 0:
+                    step.ssm_restores.append((hit.snapshot, seq.ssm_slot))
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.priority)
             step.chunks.append(Chunk(seq, start, length))
             budget -= length
             prefill += length
+        if self.prefix_cache is not None:
+            step.kv_offload = self.prefix_cache.take_evicted()
         return step
 
     def _lora_blocked(self, seq: Sequence) -> bool:
@@ -505,3 +548,5 @@ class Scheduler:
             seq.num_computed += 1
         for c in step.chunks:
             c.seq.num_computed += c.length
+        if self.prefix_cache is not None:
+            step.ssm_snapshots = self.prefix_cache.after_step(step)

@@ -292,7 +292,14 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
 # ---- the engine's side (host) ---------------------------------------------------------------------
 def dispatch_verify(engine, sched):
     """Build and run a verify step for `sched.decode` (no prefill chunks); -> the engine's _InFlight,
-    or None when no row has drafts (then a plain decode step is cheaper: 1 token per row, not 1 + k)."""
+    or None for a plain decode step: when no row has drafts (1 token per row instead of 1 + k), or
+    when a row follows a grammar (structured output masks one position per row: not speculated).
+
+    `Scheduler.complete` (which counts the computed tokens and, with prefix caching, registers the
+    filled blocks and picks the SSM snapshots to take) runs in `finish_verify`, once the accepted
+    counts are known: a snapshot is then only ever taken of a verified state at a block boundary."""
+    if any(getattr(s, "grammar", None) is not None for s in sched.decode):
+        return None
     from metrale_jax.engine.compile import _ceil_bucket
     from metrale_jax.engine.engine import _InFlight
     from metrale_jax.metadata_builder import StepBucket, pack
@@ -316,11 +323,10 @@ def dispatch_verify(engine, sched):
     bucket = StepBucket("verify", num_seqs=_ceil_bucket(engine.config.decode_buckets, len(rows)), num_spec=k)
     inputs = build_verify_step(engine.builder, bucket, rows)
     _, ibuf, fbuf = pack(engine.builder, inputs)
-    engine._announce("step", bucket, ibuf, fbuf)  # processes under jax.distributed run it too
+    engine._announce("step", bucket, ibuf, fbuf, None)  # processes under jax.distributed run it too
     dev = engine.compiler.put(ibuf, fbuf)
     engine.state, out, engine._next_tokens = engine.compiler.run(bucket, engine.params, engine.state, dev,
                                                                  engine._next_tokens)
-    engine.scheduler.complete(sched)  # t0 of every row is in the cache; accepted drafts are added on read
     for _, s, _ in sampled:
         s.inflight += 1
     from metrale_jax.sampling import F_LOGPROBS
@@ -337,7 +343,7 @@ def finish_verify(engine, f):
     """Apply a verify step's samples: each row emits its accepted drafts and one more token."""
     import time
 
-    from metrale_jax.engine.scheduler import SeqStatus
+    from metrale_jax.engine.scheduler import ScheduledStep, SeqStatus
     from metrale_jax.sampling import RequestOutputKind
 
     out = dict(zip(f.names, jax.device_get(f.arrays)))
@@ -345,6 +351,7 @@ def finish_verify(engine, f):
     now = time.time()
     touched = {}
     st = engine.spec_stats
+    live = []  # (sequence, accepted drafts) of the rows still running after their tokens
     for r, seq, n_drafts in f.sampled:
         seq.inflight -= 1
         req = seq.request
@@ -355,14 +362,24 @@ def finish_verify(engine, f):
             st["spec_accepted_tokens"] += a
         if req.aborted or seq.status == SeqStatus.FINISHED:
             continue
-        seq.num_computed += a  # the accepted drafts' K/V (and recurrent state) are in the cache
         for j in range(a + 1):
             engine._append_token(seq, r * w + j, out, f.want_lp)
             if seq.status == SeqStatus.FINISHED:
                 break
+        if seq.status == SeqStatus.RUNNING:
+            live.append((seq, a))
         if req.first_token_time is None:
             req.first_token_time = now
         touched[req.request_id] = req
+    # t0 and the accepted drafts are in the cache now (K/V, and the recurrent state of the last
+    # one): count them, then let prefix caching register the blocks and snapshot verified states
+    for seq, a in live:
+        seq.num_computed += a
+    done = ScheduledStep([seq for seq, _ in live], [], [])
+    engine.scheduler.complete(done)  # + 1 per row (t0)
+    if getattr(done, "ssm_snapshots", None):
+        engine._announce("ssm_copy", done.ssm_snapshots)
+        engine.state = engine.compiler.copy_ssm_slots(engine.state, done.ssm_snapshots)
     outputs = []
     for req in touched.values():
         if req.finished:

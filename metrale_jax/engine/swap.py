@@ -102,6 +102,29 @@ def scatter(state, blocks, slot, saved: tuple, *, roles: tuple[Role, ...], place
     return state if placement is None else placement.pin_state(state)
 
 
+def copy_slots(state, src, dst, *, roles: tuple[Role, ...], placement=None):
+    """Copy the SSM slot rows src i32[K] to dst i32[K] (dst -1 = padding, nothing written) in every
+    slot leaf of the step state (prefix-caching snapshots and their restores); returns the new
+    state. The destinations of one call are distinct; all rows are read before any is written."""
+    leaves, treedef = jax.tree.flatten(state.model)
+    new = []
+    for a, r in zip(leaves, roles):
+        if r is None or r[0] != "slot":
+            new.append(a)
+            continue
+        ax = r[1]
+        rows = jnp.take(a, jnp.maximum(src, 0), axis=ax)
+        idx = jnp.where(dst >= 0, dst, a.shape[ax])  # out of range: dropped
+        new.append(a.at[_index(ax, idx)].set(rows, mode="drop"))
+    state = replace_model_state(state, jax.tree.unflatten(treedef, new))
+    return state if placement is None else placement.pin_state(state)
+
+
+@functools.cache
+def jit_copy_slots():
+    return jax.jit(copy_slots, static_argnames=("roles", "placement"), donate_argnums=(0,))
+
+
 @functools.cache
 def jit_gather():
     return jax.jit(gather, static_argnames=("roles", "placement"))
@@ -110,6 +133,24 @@ def jit_gather():
 @functools.cache
 def jit_scatter():
     return jax.jit(scatter, static_argnames=("roles", "placement"), donate_argnums=(0,))
+
+
+def split_blocks(data: SwapData, roles: tuple[Role, ...]) -> list[tuple]:
+    """A host `SwapData` of n blocks -> n tuples of the block leaves of one block each (the prefix
+    cache's host tier keeps blocks one by one)."""
+    kinds = [r for r in roles if r is not None]
+    leaves = [(a, ax) for a, (kind, ax) in zip(data.arrays, kinds) if kind == "block"]
+    return [tuple(np.take(a, [i], axis=ax) for a, ax in leaves) for i in range(data.num_blocks)]
+
+
+def join_blocks(blocks: list[tuple], roles: tuple[Role, ...], slot_leaves: tuple) -> SwapData:
+    """The inverse of `split_blocks` for a scatter into n new blocks; the slot leaves come from
+    `slot_leaves` (any arrays of their shapes: they are written to slot -1, i.e. nowhere)."""
+    kinds = [r for r in roles if r is not None]
+    cols = iter(zip(*blocks))
+    slots = iter(slot_leaves)
+    arrays = tuple(np.concatenate(next(cols), axis=ax) if kind == "block" else next(slots) for kind, ax in kinds)
+    return SwapData(0, len(blocks), arrays, on_host=True)
 
 
 @dataclass

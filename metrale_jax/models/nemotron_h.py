@@ -71,6 +71,12 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, num_layers=len(pattern), extra=tuple(sorted(extra.items())))
 
 
+def decode_matches_prefill(cfg: ModelConfig) -> bool:
+    """Prefill clamps dt to [dt_min, dt_max], decode does not (`Model.decode_matches_prefill`);
+    softplus(dt) > 0, so a clamp to [0, inf) changes nothing."""
+    return cfg.get("dt_min", 0.0) <= 0 and cfg.get("dt_max", math.inf) == math.inf
+
+
 def _kinds(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(_CODES[c] for c in cfg.get("pattern"))
 

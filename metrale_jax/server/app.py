@@ -28,6 +28,9 @@ request field at fault or null.
                                      tokenized; a token id outside the vocabulary
                                    invalid_sampling_params: a value the engine refuses
                                    chat_template_error, no_chat_template, invalid_messages
+                                   invalid_structured_outputs: a JSON schema, regex, choice list or
+                                     grammar that does not compile (`response_format`,
+                                     `structured_outputs`, `guided_*`), or more than one of them
                                    (any other InvalidRequestError: its class's `code`, errors.py)
     401     authentication_error   invalid_api_key
     404     not_found_error        model_not_found (an unknown `model`), not_found (an unknown path)

@@ -65,6 +65,8 @@ class StatsSnapshot:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     num_steps: int = 0
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0

@@ -57,6 +57,10 @@ class _EngineCollector(Collector):
                                   value=getattr(s, "num_swaps", 0))
         yield GaugeMetricFamily("metrale_num_requests_swapped", "Sequences swapped out now.",
                                 value=getattr(s, "num_swapped", 0))
+        yield CounterMetricFamily("metrale_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=getattr(s, "prefix_cache_queries", 0))
+        yield CounterMetricFamily("metrale_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=getattr(s, "prefix_cache_hits", 0))
         yield CounterMetricFamily("metrale_engine_steps", "Engine steps run by the server.", value=s.num_steps)
         yield CounterMetricFamily("metrale_spec_decode_num_drafts", "Speculative verify rows that carried drafts.",
                                   value=getattr(s, "spec_num_drafts", 0))

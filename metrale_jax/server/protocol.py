@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from metrale_jax.errors import InvalidRequestError
+from metrale_jax.errors import InvalidRequestError, InvalidStructuredOutputsError
+from metrale_jax.structured_output import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,25 @@ class StreamOptions(_Base):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Base):
+    """OpenAI's `response_format.json_schema`: {"name", "description", "schema", "strict"}. The schema is
+    always enforced (`strict` or not), as vLLM does."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's `structured_outputs` request field: StructuredOutputsParams' fields
+_SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern")
+
+
 class _SamplingFields(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extras."""
 
@@ -94,6 +114,53 @@ class _SamplingFields(_Base):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request sets (400 when it sets several)."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None:
+            if rf.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise RequestError("response_format of type json_schema needs json_schema.schema",
+                                       param="response_format.json_schema")
+                given.append(("response_format", {"json": rf.json_schema.schema_}))
+            elif rf.type != "text":
+                raise RequestError(f"response_format type {rf.type!r} is not supported (text, json_object, "
+                                   "json_schema)", param="response_format.type", code="unsupported_value")
+        if self.structured_outputs is not None:
+            bad = sorted(set(self.structured_outputs) - set(_SO_FIELDS))
+            if bad:
+                raise RequestError(f"structured_outputs: unsupported fields {bad} (supported: {list(_SO_FIELDS)})",
+                                   param="structured_outputs", code="unsupported_parameter")
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            v = getattr(self, name)
+            if v is not None:
+                given.append((name, {key: v}))
+        if len(given) > 1:
+            raise RequestError(f"set one structured-output constraint, not {' and '.join(n for n, _ in given)}",
+                               param=given[1][0], code="invalid_structured_outputs")
+        if not given:
+            return None
+        param, kw = given[0]
+        if self.guided_whitespace_pattern is not None:
+            kw.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        try:
+            return StructuredOutputsParams(**kw)
+        except InvalidStructuredOutputsError as e:
+            raise RequestError(str(e), param=param, code=e.code) from None
 
     def _common_checks(self) -> None:
         if self.logit_bias:
@@ -130,6 +197,7 @@ class _SamplingFields(_Base):
             logprobs=logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            structured_outputs=self._structured_outputs(),
         )
 
     @property
@@ -195,10 +263,6 @@ class ChatMessage(_Base):
         return "\n".join(parts)
 
 
-class ResponseFormat(_Base):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -207,7 +271,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -228,9 +291,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("tools are not supported", param="tools", code="unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(f"response_format type {self.response_format.type!r} is not supported",
-                               param="response_format", code="unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

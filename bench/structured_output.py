@@ -1,0 +1,254 @@
+"""Structured output's cost per decode step, through `LLM.generate`: a batch of rows constrained by a
+nested JSON schema (llguidance masks filled on the host, applied on the device) against the same
+batch unconstrained.
+
+    python bench/structured_output.py --cpu [--out bench/results/structured_output_cpu_<date>]
+    python bench/structured_output.py --h200 [--out ...]     # on the GPU machine
+
+--cpu: the real SmolLM2-135M GGUF in float32, batch 8 (bar: <= 15% per decode step).
+--h200: Llama-3-8B's shape with random bf16 weights, batch 64, SmolLM2's tokenizer (49,152 ids)
+with the logits' vocabulary padded to Llama-3's 128,256 (ids past the tokenizer are banned for
+constrained rows; bar <= 5%, goal <= 2%). Random weights would mostly choose JSON whitespace,
+whose masks are cheap, so --h200 disallows free whitespace (the rows walk the schema's keys).
+
+Every row of both runs generates exactly `--tokens` tokens (ignore_eos) from its own prompt. The
+schema is an array of `grammar_libs.SCHEMA` orders without an item limit, so the grammar stays
+open; should a row close the array anyway, its later masks allow EOS only (still filled and
+sent every step). The time per decode step is (t(N) - t(N0)) / (N - N0): two `LLM.generate`
+calls of N and N0 tokens, so prefill and the first steps cancel; best of `--repeats`, the two
+modes interleaved. A step with constrained rows is dispatched only once the previous step's
+samples are on the host and fed to the grammars (engine.step), so the constrained time includes
+that stall; `stall_ms` is the host time from then to the dispatch (mask fill, transfer, launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from grammar_libs import SCHEMA  # noqa: E402
+
+ARRAY_SCHEMA = {"type": "array", "items": SCHEMA}
+
+
+def _prompts(n: int) -> list[list[dict]]:
+    topics = ["a bookshop", "a bakery", "a bike shop", "a florist", "a toy store", "a pharmacy", "a tea house",
+              "a record store", "a hardware store", "a cheese shop", "a fish market", "a print shop"]
+    return [[{"role": "user", "content": f"Write the orders of {topics[i % len(topics)]} (day {i}) as JSON."}]
+            for i in range(n)]
+
+
+def _engine(args):
+    import jax
+
+    from metrale_jax.engine import EngineConfig, LLMEngine
+    from metrale_jax.model import load_model
+
+    b = args.batch
+    if args.h200:
+        from metrale_jax.engine.bench import shape_config
+        from metrale_jax.loading.checkpoint import open_checkpoint
+        from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
+        from metrale_jax.model import random_model
+
+        config = shape_config(args.shape, args.num_layers)
+        if args.vocab_size:
+            config["vocab_size"] = args.vocab_size
+        model, params = random_model(config, dtype="bfloat16", seed=0, repeat_layers=True,
+                                     split_layers=jax.devices()[0].platform == "gpu")
+        ck = open_checkpoint(resolve_model(DEFAULT_MODEL))
+        # SmolLM2's 49,152 ids; the logits keep the shape's vocabulary (128,256 for Llama-3-8B)
+        model = dataclasses.replace(model, tokenizer=ck.tokenizer, eos_token_ids=tuple(ck.tokenizer.eos_token_ids))
+        cfg = EngineConfig(dtype="bfloat16", max_model_len=512, max_num_seqs=b, max_num_batched_tokens=1024,
+                           decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(1024,),
+                           show_progress=False)
+        name = f"random {args.shape} shape (bf16, vocab {config['vocab_size']}) + SmolLM2's tokenizer (49,152 ids)"
+    else:
+        from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
+
+        model, params = load_model(resolve_model(DEFAULT_MODEL), dtype="float32", show_progress=False)
+        cfg = EngineConfig(dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=40 * b, max_num_seqs=b,
+                           max_num_batched_tokens=128, decode_buckets=(b,), mixed_decode_buckets=(b,),
+                           prefill_buckets=(128,), max_prefill_streams=4, show_progress=False)
+        name = "SmolLM2-135M-Instruct GGUF (f32)"
+    t = time.perf_counter()
+    eng = LLMEngine(model, params, cfg)
+    return eng, name, time.perf_counter() - t
+
+
+def _device_mask_cost(eng, args) -> dict:
+    """The decode executable alone, inputs fixed, state fed back: with the constant all-allowed
+    mask (what an unconstrained batch runs) and with a mask that constrains every row."""
+    import jax
+    import numpy as np
+
+    from metrale_jax.metadata_builder import DecodeRow, RowSampling, build_step
+
+    rows = [DecodeRow(token=1, position=0, block_table=[0], sampling=RowSampling(temperature=0.7, seed=(i, 0, 0)))
+            for i in range(args.batch)]
+    inputs = build_step(eng.builder, eng.compiler.bucket_for(len(rows), 0, 0), rows, [])
+    bucket, dev = inputs.bucket, eng.compiler.transfer(inputs)
+    rng = np.random.default_rng(0)
+    bits = rng.random((bucket.num_sample_rows, eng.compiler.mask_words * 32)) < 0.05
+    mask = jax.device_put(np.packbits(bits, axis=1, bitorder="little").view(np.int32))
+    state = eng.state
+    for m in (None, mask):  # warm both
+        state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
+    jax.block_until_ready(o.token_ids)
+    wall, cpu = {"all_allowed": [], "masked": []}, {"all_allowed": [], "masked": []}
+    for _ in range(args.micro_rounds):  # interleaved one by one: a shared machine's load hits both alike
+        for name, m in (("all_allowed", None), ("masked", mask)):
+            t, c = time.perf_counter(), time.process_time()
+            state, o, _ = eng.compiler.run(bucket, eng.params, state, dev, None, m)
+            jax.block_until_ready(o.token_ids)
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    out = {}
+    for name in wall:
+        w, c = sorted(wall[name]), sorted(cpu[name])
+        out[name] = {"wall_min": round(w[0] * 1e3, 3), "wall_median": round(w[len(w) // 2] * 1e3, 3),
+                     "cpu_min": round(c[0] * 1e3, 3), "cpu_median": round(c[len(c) // 2] * 1e3, 3)}
+    eng.state = state
+    # the mask's unpacking and -inf select alone, on logits of the step's shape (min of many)
+    from metrale_jax.sampling import apply_token_bitmask
+
+    logits = jax.device_put(rng.standard_normal((bucket.num_sample_rows, eng.vocab_size)).astype(np.float32))
+    f = jax.jit(apply_token_bitmask)
+    jax.block_until_ready(f(logits, mask))
+    ts = []
+    for _ in range(100):
+        t = time.perf_counter()
+        jax.block_until_ready(f(logits, mask))
+        ts.append(time.perf_counter() - t)
+    out["apply_token_bitmask_alone_min"] = round(min(ts) * 1e3, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--cpu", action="store_true")
+    g.add_argument("--h200", action="store_true")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens0", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-layers", type=int, default=None, help="--h200: cut the model's depth")
+    ap.add_argument("--shape", default="llama3-8b", help="--h200: the random model's shape (engine.bench.SHAPES)")
+    ap.add_argument("--vocab-size", type=int, help="--h200: override the shape's vocabulary (>= 49,152)")
+    ap.add_argument("--micro-rounds", type=int, default=30, help="decode executable alone, rounds per mask kind")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    args.batch = args.batch or (64 if args.h200 else 8)
+
+    from metrale_jax.llm import LLM
+    from metrale_jax.sampling import SamplingParams
+    from metrale_jax.structured_output import StructuredOutputsParams
+
+    eng, name, startup = _engine(args)
+    llm = LLM.from_engine(eng)
+    prompts = _prompts(args.batch)
+    # random weights would mostly pick JSON whitespace (cheap masks): compact JSON makes them walk the schema
+    so = StructuredOutputsParams(json=ARRAY_SCHEMA, disable_any_whitespace=args.h200)
+
+    def params(n: int, constrained: bool) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.7, seed=7 + i, max_tokens=n, ignore_eos=True,
+                               structured_outputs=so if constrained else None) for i in range(len(prompts))]
+
+    # the stall: a step with constrained rows is dispatched only after the previous step's samples
+    # are on the host and fed to the grammars; from then (`_advance_grammars` returns) to the end
+    # of the dispatch (mask fill, mask transfer, launch) the device has nothing queued
+    stalls, mark = [], {}
+    advance, dispatch = eng._advance_grammars, eng._dispatch
+
+    def advance_timed(f):
+        done = f.advanced
+        advance(f)
+        if not done and f is eng._inflight:  # called by _dispatch for the step still in flight
+            mark["t"] = time.perf_counter()
+
+    def dispatch_timed(sched):
+        o = dispatch(sched)
+        if mark.get("t") is not None:
+            stalls.append(time.perf_counter() - mark["t"])
+            mark["t"] = None
+        return o
+
+    eng._advance_grammars, eng._dispatch = advance_timed, dispatch_timed
+
+    def timed(constrained: bool, n: int) -> tuple[float, float, list]:
+        t, c = time.perf_counter(), time.process_time()
+        outs = llm.chat(prompts, params(n, constrained), use_tqdm=False)
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt, dc, outs
+
+    llm.chat(prompts, params(args.tokens0, True), use_tqdm=False)  # warm: grammar compile, first masks
+    per_step = {"free": [], "constrained": []}
+    cpu_per_step = {"free": [], "constrained": []}  # process CPU time (all threads): less hit by others' load
+    texts = None
+    for _ in range(args.repeats):  # the modes interleaved, so that a shared machine's load hits both
+        for mode in ("free", "constrained"):
+            t1, c1, outs = timed(mode == "constrained", args.tokens)
+            t0, c0, _ = timed(mode == "constrained", args.tokens0)
+            per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
+            cpu_per_step[mode].append((c1 - c0) / (args.tokens - args.tokens0) * 1e3)
+            if mode == "constrained":
+                texts = [o.outputs[0].text for o in outs]
+    res = {k: min(v) for k, v in per_step.items()}
+    cpu = {k: min(v) for k, v in cpu_per_step.items()}
+    device = _device_mask_cost(eng, args)
+    # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
+    gc = eng.grammar_compiler()
+    g = gc.compile(so)
+    ms = [gc.matcher(g) for _ in range(args.batch)]
+    tk = eng.tokenizer.encode(json.dumps([{"id": 1, "customer": {"name": "A", "tier": "pro", "address": {
+        "city": "B", "country": "FR"}}, "items": [{"sku": "x", "qty": 1, "price": 2.5}], "status": "paid"}]),
+        add_special_tokens=False)
+    fills = []
+    for t in tk:
+        t0 = time.perf_counter()
+        gc.fill([(m, i) for i, m in enumerate(ms)], eng.compiler.buckets[0].num_sample_rows)
+        fills.append(time.perf_counter() - t0)
+        for m in ms:
+            m.consume_token(t)
+    fills.sort()
+    stalls.sort()
+    import jax
+
+    out = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": str(jax.devices()[0].device_kind), "platform": platform.platform(), "model": name,
+        "jax": jax.__version__, "llguidance": __import__("importlib.metadata").metadata.version("llguidance"),
+        "batch": args.batch, "tokens": [args.tokens0, args.tokens], "repeats": args.repeats,
+        "engine_startup_s": round(startup, 1),
+        "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
+        "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
+        "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),
+        "overhead_pct_of_medians": round(100 * (statistics.median(per_step["constrained"])
+                                                / statistics.median(per_step["free"]) - 1), 1),
+        "cpu_time_per_step_ms": {k: round(v, 3) for k, v in cpu.items()},
+        "cpu_time_overhead_pct": round(100 * (cpu["constrained"] / cpu["free"] - 1), 1),
+        "decode_executable_ms": device,
+        "stall_ms": {"median": round(stalls[len(stalls) // 2] * 1e3, 3), "n": len(stalls)} if stalls else None,
+        "mask_fill_batch_ms": {"median": round(fills[len(fills) // 2] * 1e3, 3), "max": round(fills[-1] * 1e3, 3)},
+        "sample_texts": [t[:160] for t in (texts or [])[:3]],
+    }
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Structured output: JSON schema, regex, choice and grammar constraints (vLLM's API, llguidance).
+
+    SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))   # or regex= / choice= /
+                                                                             # grammar= / json_object=True
+
+The constraint is compiled by llguidance (guidance-ai's Rust library; chosen over xgrammar after
+`bench/grammar_libs.py`, see the README) against the model's own tokenizer, the `tokenizers` JSON
+of a Hugging Face folder or of a GGUF file alike. Each constrained sequence owns an `LLMatcher`;
+before a step samples it, the host fills the row's packed bitmask (bit j of word w allows token
+32*w + j), and the step bans every other token on the device (`sampling.apply_token_bitmask`,
+ahead of every sampling rule). Ids at or past the tokenizer's vocabulary (a padded embedding) are
+always banned for a constrained row. A row whose grammar is complete may only sample EOS.
+
+The mask of a row depends on the token it sampled last. The engine dispatches step i+1 before it
+has read step i's samples; when both have constrained rows, `LLMEngine._dispatch` builds and sends
+step i+1's inputs, then waits for step i's sampled ids, feeds them to the grammars
+(`LLMEngine._advance_grammars`) and fills the masks before the launch: the device idles for the
+fill, the mask transfer and the launch (measured in `bench/structured_output.py`). The mask has
+one row per sampled row of the step (S; with speculative decoding S x (1 + k), llguidance's
+`fill_next_token_bitmask_par_with_draft_tokens` fills such rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale_jax.errors import InvalidStructuredOutputsError
+
+log = logging.getLogger(__name__)
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON schema, dict or string),
+    `regex`, `choice` (a list of strings), `grammar` (Lark, or llama.cpp's GBNF) or
+    `json_object=True` (any JSON object).
+
+    disable_any_whitespace: JSON without free whitespace between tokens (compact `,` and `:`);
+    by default any JSON whitespace is allowed, as vLLM. whitespace_pattern: a regex for the
+    whitespace between JSON tokens instead.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidStructuredOutputsError unless exactly one constraint is set, of the right type."""
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidStructuredOutputsError(
+                f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise InvalidStructuredOutputsError(f"json must be a JSON schema (dict or string), got "
+                                                f"{type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise InvalidStructuredOutputsError(f"regex must be a string, got {type(self.regex).__name__}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidStructuredOutputsError(f"grammar must be a string, got {type(self.grammar).__name__}")
+        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidStructuredOutputsError("choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise InvalidStructuredOutputsError("json_object must be true or absent")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise InvalidStructuredOutputsError("whitespace_pattern must be a string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A string that identifies the compiled grammar (the compile cache's key)."""
+        v = getattr(self, self.kind)
+        body = json.dumps(v, sort_keys=True) if not isinstance(v, str) else v
+        return f"{self.kind}|{self.disable_any_whitespace}|{self.whitespace_pattern}|{body}"
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError as e:  # a core dependency; absent only in a broken install
+        raise InvalidStructuredOutputsError(f"structured output needs the llguidance package: {e}") from e
+    return llguidance
+
+
+def grammar_text(p: StructuredOutputsParams) -> str:
+    """The llguidance grammar of `p` (not checked yet: `GrammarCompiler.compile` does)."""
+    llg = _llguidance()
+    M = llg.LLMatcher
+    kind = p.kind
+    try:
+        if kind in ("json", "json_object"):
+            if kind == "json_object":
+                schema: Any = {"type": "object"}
+            elif isinstance(p.json, str):
+                try:
+                    schema = json.loads(p.json)
+                except ValueError as e:
+                    raise InvalidStructuredOutputsError(f"json: the schema is not valid JSON: {e}") from None
+            else:
+                schema = p.json
+            if not isinstance(schema, dict):
+                raise InvalidStructuredOutputsError("json: a JSON schema must be a JSON object")
+            opts: dict[str, Any] = {}
+            if p.disable_any_whitespace:
+                opts["whitespace_flexible"] = False
+            if p.whitespace_pattern is not None:
+                opts["whitespace_pattern"] = p.whitespace_pattern
+            return M.grammar_from_json_schema(schema, defaults=opts or None)
+        if kind == "regex":
+            return M.grammar_from_regex(p.regex)
+        if kind == "choice":
+            # Lark string literals are JSON strings
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+        return llg.grammar_from("grammar", p.grammar)  # Lark, or GBNF converted to Lark
+    except InvalidStructuredOutputsError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise InvalidStructuredOutputsError(f"{kind}: {e}") from None
+
+
+def packed_width(vocab_size: int) -> int:
+    """Words of a packed token bitmask row: ceil(vocab_size / 32)."""
+    return -(-int(vocab_size) // 32)
+
+
+class GrammarCompiler:
+    """llguidance over one model's tokenizer: compiles constraints, makes matchers, fills masks.
+
+    vocab_size: the model's (logits') vocabulary, which may exceed the tokenizer's (padding);
+    masks are int32[rows, ceil(vocab_size / 32)].
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], *, cache_size: int = 256):
+        llg = _llguidance()
+        backend = getattr(tokenizer, "backend", tokenizer)  # metrale's Tokenizer or a tokenizers.Tokenizer
+        if not hasattr(backend, "to_str"):
+            raise InvalidStructuredOutputsError(
+                f"structured output needs a `tokenizers` tokenizer; this model's is a {type(tokenizer).__name__}")
+        n_tok = backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = int(vocab_size)
+        self.tokenizer_vocab = n_tok
+        self.llg_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=max(n_tok, self.vocab_size),
+                                             eos_token=list(eos_token_ids) or None)
+        self.width = packed_width(self.vocab_size)
+        self._llg_width = packed_width(self.llg_tokenizer.vocab_size)
+        # bits of the ids a constrained row may ever sample: those of the tokenizer, within the logits
+        valid = np.zeros(self.width * 32, np.uint8)
+        valid[: min(n_tok, self.vocab_size)] = 1
+        self.valid_row = np.packbits(valid, bitorder="little").view(np.int32)  # i32[W]
+        self._executor = llg.LLExecutor()
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache_size = cache_size
+
+    def compile(self, p: StructuredOutputsParams) -> str:
+        """The checked grammar of `p` (cached); InvalidStructuredOutputsError if it is invalid."""
+        key = p.key()
+        g = self._cache.get(key)
+        if g is not None:
+            self._cache.move_to_end(key)
+            return g
+        try:
+            g = grammar_text(p)
+            err = _llguidance().LLMatcher.validate_grammar(g, self.llg_tokenizer)
+        except InvalidStructuredOutputsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the library raises on a bad constraint is the caller's
+            raise InvalidStructuredOutputsError(f"invalid {p.kind} constraint: {type(e).__name__}: {e}") from None
+        if err:
+            raise InvalidStructuredOutputsError(f"invalid {p.kind} constraint: {err.strip()}")
+        self._cache[key] = g
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return g
+
+    def matcher(self, grammar: str):
+        """A fresh `LLMatcher` for one sequence."""
+        m = _llguidance().LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise InvalidStructuredOutputsError(f"grammar rejected: {m.get_error()}")
+        return m
+
+    def fill(self, rows: list[tuple[Any, int]], num_rows: int) -> np.ndarray:
+        """int32[num_rows, W]: row r of each (matcher, r) holds its next-token mask (padded ids
+        banned); every other row is -1 (all allowed)."""
+        out = np.full((num_rows, self._llg_width), -1, np.int32)
+        if rows:
+            _llguidance().numpy.fill_next_token_bitmask_par(self._executor, rows, out)
+        if self._llg_width != self.width:
+            out = np.ascontiguousarray(out[:, : self.width]) if self._llg_width > self.width else np.pad(
+                out, ((0, 0), (0, self.width - self._llg_width)), constant_values=-1)
+        idx = [r for _, r in rows]
+        out[idx] &= self.valid_row
+        return out
+
+
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "grammar_text", "packed_width"]

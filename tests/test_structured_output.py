@@ -1,0 +1,264 @@
+"""Structured output: the device-side bitmask against llguidance's own numpy reference, the sampler
+under a mask, request validation, and the real SmolLM2 GGUF constrained by a nested JSON schema, a
+regex and a choice list, through `LLM.generate` and through the HTTP server with the `openai`
+client (`response_format`). Every JSON output must parse and validate (`jsonschema`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+from metrale_jax.errors import InvalidSamplingParamsError, InvalidStructuredOutputsError
+from metrale_jax.metadata_builder import BuilderConfig, RowSampling, sampling_only
+from metrale_jax.sampling import SamplingParams, apply_token_bitmask, init_penalty_state, sample
+from metrale_jax.structured_output import GrammarCompiler, StructuredOutputsParams, packed_width
+from tests._smollm2 import smollm2_checkpoint, smollm2_gguf, smollm2_tokenizer  # noqa: F401
+
+llg_numpy = pytest.importorskip("llguidance.numpy")
+
+# nested objects, an array, enums, integers and numbers
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "weight": {"type": "number", "minimum": 0, "maximum": 100},
+        "owner": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                   "vip": {"type": "boolean"}},
+                  "required": ["city", "vip"], "additionalProperties": False},
+        "toys": {"type": "array", "items": {"enum": ["ball", "rope", "bell"]}, "maxItems": 2},
+    },
+    "required": ["name", "kind", "age", "weight", "owner", "toys"],
+    "additionalProperties": False,
+}
+
+
+# ---- the device side ----------------------------------------------------------------------------
+def _bits(rng, rows: int, vocab: int, p: float) -> np.ndarray:
+    allowed = rng.random((rows, packed_width(vocab) * 32)) < p
+    return np.packbits(allowed, axis=1, bitorder="little").view(np.int32)  # i32[rows, W]
+
+
+@pytest.mark.parametrize("vocab", [100, 128, 1000])
+def test_apply_token_bitmask_matches_llguidance(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    mask = _bits(rng, 5, vocab, 0.3)
+    mask[1] = -1  # an unconstrained row
+    mask[3, 0] = 0  # a word with nothing allowed, and one with everything
+    mask[3, -1] = -1
+    ref = logits.copy()
+    llg_numpy.apply_token_bitmask_inplace(ref, mask)
+    got = np.asarray(jax.jit(apply_token_bitmask)(logits, mask))
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(got[1], logits[1])  # bit for bit
+
+
+@pytest.mark.parametrize("branches", [False, True])
+def test_sample_obeys_the_mask(branches):
+    v, rows = 300, 6
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((rows, v)).astype(np.float32) * 3)
+    mask = _bits(rng, rows, v, 0.1)
+    mask[5] = -1  # free row
+    cfg = BuilderConfig(block_size=16, max_blocks_per_seq=1, vocab_size=v)
+    kinds = [dict(), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.5, top_k=20),
+             dict(temperature=1.0, min_p=0.05), dict()]
+    allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :v].astype(bool)
+    fn = jax.jit(lambda x, smd, m: sample(x, smd, init_penalty_state(0, v), max_logprobs=3, branches=branches,
+                                          bitmask=m))
+    free = jax.jit(lambda x, smd: sample(x, smd, init_penalty_state(0, v), max_logprobs=3, branches=branches))
+    for seed in range(10):
+        smd = sampling_only(cfg, [RowSampling(seed=(seed, 0, r), logprobs=True, **k) for r, k in enumerate(kinds)])
+        tok, lp, _, top_ids, top_lp = fn(logits, smd, mask)
+        tok = np.asarray(tok)
+        assert all(allowed[r, tok[r]] for r in range(rows)), (seed, tok)
+        ref = np.where(allowed[0], np.asarray(logits[0]), -np.inf)
+        assert tok[0] == np.argmax(ref)  # greedy: the best allowed token
+        # logprobs are of the masked distribution (vLLM applies the grammar before its sampler)
+        np.testing.assert_allclose(lp[0], jax.nn.log_softmax(ref)[tok[0]], rtol=1e-5)
+        assert np.all(allowed[0, np.asarray(top_ids[0])] | np.isneginf(np.asarray(top_lp[0])))
+        # an unconstrained row samples what it samples without any mask
+        assert tok[5] == int(free(logits, smd)[0][5])
+
+
+def test_params_validation():
+    with pytest.raises(InvalidStructuredOutputsError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidStructuredOutputsError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(InvalidStructuredOutputsError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(InvalidStructuredOutputsError, match="json"):
+        StructuredOutputsParams(json=5)
+    with pytest.raises(InvalidSamplingParamsError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+
+
+# ---- the grammar compiler over SmolLM2's tokenizer (GGUF) ----------------------------------------
+@pytest.fixture(scope="module")
+def compiler(smollm2_tokenizer):  # noqa: F811
+    # the logits' vocabulary padded past the tokenizer's 49,152 ids, as a padded embedding would be
+    return GrammarCompiler(smollm2_tokenizer, 49152 + 70, smollm2_tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize("bad", [
+    StructuredOutputsParams(json={"type": "objectx"}),
+    StructuredOutputsParams(json="{not json"),
+    StructuredOutputsParams(regex="[0-9"),
+    StructuredOutputsParams(grammar="start: foo"),
+    StructuredOutputsParams(grammar="root ::= (\"a\""),
+])
+def test_invalid_constraints_are_named_errors(compiler, bad):
+    with pytest.raises(InvalidStructuredOutputsError):
+        compiler.compile(bad)
+
+
+def test_masks_ban_padded_ids(compiler, smollm2_tokenizer):  # noqa: F811
+    tok = smollm2_tokenizer
+    assert compiler.width == packed_width(49152 + 70) == 1539
+    g = compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    m = compiler.matcher(g)
+    mask = compiler.fill([(m, 1)], 3)
+    assert mask.shape == (3, 1539) and np.all(mask[[0, 2]] == -1)
+    allowed = np.nonzero(np.unpackbits(mask[1].view(np.uint8), bitorder="little"))[0]
+    assert allowed.size and allowed.max() < 49152
+    assert all(t.startswith(("y", "n")) or t in ("yes", "no") for t in (tok.decode([int(i)]) for i in allowed))
+
+
+def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
+    for grammar in ('root ::= "yes" | "no" | "maybe " [0-9]', 'start: "yes" | "no" | "maybe " /[0-9]/'):
+        g = compiler.compile(StructuredOutputsParams(grammar=grammar))
+        for text, ok in (("maybe 7", True), ("no", True), ("nope", False), ("maybe x", False)):
+            m = compiler.matcher(g)
+            ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+            assert (m.consume_tokens(ids) and m.is_accepting()) == ok, (grammar, text)
+
+
+def test_server_protocol_mapping():
+    from metrale_jax.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+
+    def so(model, body):
+        return parse_request(model, json.dumps(body).encode()).to_sampling_params_kwargs(256)["structured_outputs"]
+
+    msgs = [{"role": "user", "content": "x"}]
+    assert so(ChatCompletionRequest, {"messages": msgs}) is None
+    assert so(ChatCompletionRequest, {"messages": msgs, "response_format": {"type": "text"}}) is None
+    assert so(ChatCompletionRequest, {"messages": msgs, "response_format": {"type": "json_object"}}).json_object
+    got = so(ChatCompletionRequest, {"messages": msgs, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}})
+    assert got.json == SCHEMA
+    assert so(CompletionRequest, {"prompt": "x", "guided_json": json.dumps(SCHEMA)}).json == json.dumps(SCHEMA)
+    assert so(CompletionRequest, {"prompt": "x", "guided_regex": "a+"}).regex == "a+"
+    assert so(CompletionRequest, {"prompt": "x", "guided_choice": ["a", "b"]}).choice == ["a", "b"]
+    assert so(CompletionRequest, {"prompt": "x", "guided_grammar": "start: /a/"}).grammar == "start: /a/"
+    got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    assert got.json == SCHEMA and got.disable_any_whitespace
+    with pytest.raises(RequestError) as e:
+        so(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_regex": "b"})
+    assert e.value.param == "guided_regex" and e.value.status == 400
+
+
+# ---- SmolLM2 through LLM.generate and the server --------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):  # noqa: F811
+    from metrale_jax.engine import EngineConfig, LLMEngine
+    from metrale_jax.llm import LLM
+    from metrale_jax.model import load_model
+
+    model, params = load_model(smollm2_gguf, dtype="float32", show_progress=False)
+    cfg = EngineConfig(dtype="float32", max_model_len=256, block_size=16, num_kv_blocks=144, max_num_seqs=8,
+                       max_num_batched_tokens=64, decode_buckets=(8,), mixed_decode_buckets=(8,),
+                       prefill_buckets=(64,), max_prefill_streams=4, max_logprobs=2, show_progress=False)
+    return LLM.from_engine(LLMEngine(model, params, cfg))
+
+
+ANIMALS = ["a cat", "a dog", "a parrot", "an old cat", "a puppy", "a canary", "a sleepy dog", "a kitten"]
+
+
+def _chat_prompt(llm, text: str) -> dict:
+    ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True)
+    return {"prompt_token_ids": ids}
+
+
+def test_json_schema_outputs_validate(llm):
+    from metrale_jax.engine.compile import CompileCounter
+
+    prompts = [_chat_prompt(llm, f"Describe {a} as a JSON object.") for a in ANIMALS]
+    sp = SamplingParams(temperature=0.8, seed=11, max_tokens=160,
+                        structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    with CompileCounter() as cc:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert cc.lowerings == 0  # a constrained request compiles nothing
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text  # the grammar ended with EOS
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({o.outputs[0].text for o in outs}) > 1
+
+
+def test_regex_and_choice_with_free_rows(llm, monkeypatch):
+    """A regex request with n=2, a choice request with n=3 and an unconstrained one in the same
+    batches; the unconstrained one must come out as it does alone, and steps without a constrained
+    row send no mask."""
+    eng = llm.llm_engine
+    masks = []  # the bitmask each step ran with (None: the compiler's constant, nothing sent)
+    run = eng.compiler.run
+    monkeypatch.setattr(eng.compiler, "run", lambda *a: (masks.append(a[5]), run(*a))[1])
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    p_free = _chat_prompt(llm, "Tell me about the sea.")
+    alone = llm.generate([p_free], free, use_tqdm=False)[0].outputs[0].token_ids
+    assert masks and all(m is None for m in masks)
+    masks.clear()
+    regex = r"[A-Z][a-z]{2,8} [0-9]{2}"
+    sps = [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=24,
+                          structured_outputs=StructuredOutputsParams(regex=regex)),
+           SamplingParams(temperature=1.0, seed=6, n=3, max_tokens=24,
+                          structured_outputs=StructuredOutputsParams(choice=["red", "green", "dark blue"])),
+           free]
+    prompts = [_chat_prompt(llm, "Name a person and an age."), _chat_prompt(llm, "Pick a colour."), p_free]
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    assert any(m is not None for m in masks) and masks[-1] is None  # the free row ends alone
+    for c in outs[0].outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+    assert all(c.finish_reason == "stop" and c.text in ("red", "green", "dark blue") for c in outs[1].outputs)
+    assert outs[2].outputs[0].token_ids == alone
+    # a bad constraint is rejected before anything is queued
+    with pytest.raises(InvalidStructuredOutputsError):
+        llm.generate(prompts, [sps[0], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")), free],
+                     use_tqdm=False)
+    assert not eng.has_unfinished_requests() and eng.stats().kv_blocks_used == 0
+
+
+def test_server_response_format(llm):
+    openai = pytest.importorskip("openai")
+    from metrale_jax.server import BackgroundServer, ServerConfig
+
+    with BackgroundServer(llm.llm_engine, ServerConfig(model_names=("smol",))) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+        msgs = [{"role": "user", "content": "Describe a cat as JSON."}]
+        r = client.chat.completions.create(
+            model="smol", messages=msgs, max_tokens=160, temperature=0.8, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
+        for ch in r.choices:
+            assert ch.finish_reason == "stop"
+            jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+        r = client.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=1.0,
+                                           extra_body={"guided_choice": ["meow", "purr"]})
+        assert r.choices[0].message.content in ("meow", "purr")
+        r = client.completions.create(model="smol", prompt="The year is", max_tokens=8,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+        assert re.fullmatch("[0-9]{4}", r.choices[0].text)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smol", messages=msgs, max_tokens=8, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+        assert e.value.body["code"] == "invalid_structured_outputs"
