@@ -77,6 +77,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                    help="devices the model is split over (one host; several with jax.distributed)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts by expert instead of by their inner dimension")
+    g.add_argument("--speculative-config", default=None, type=_spec_config,
+                   help='speculative decoding as JSON (vLLM\'s), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'')
+
+
+def _spec_config(text: str):
+    from metrale_jax.engine.spec_decode import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.of(text)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise argparse.ArgumentTypeError(f"bad --speculative-config: {e}") from None
 
 
 def kernels_from_args(args: argparse.Namespace):
@@ -113,6 +125,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         preemption_mode=args.preemption_mode, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        speculative_config=getattr(args, "speculative_config", None),
     )
     if getattr(args, "enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching

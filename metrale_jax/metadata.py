@@ -58,3 +58,6 @@ class BatchedAttnMetadata:
     num_tokens: int = dataclasses.field(metadata=dict(static=True), default=0)
     num_streams: int = dataclasses.field(metadata=dict(static=True), default=0)
     max_blocks_per_seq: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # > 0: a speculative verify step, each stream one row's window of at most this many tokens
+    # (1 + k); recurrent layers then keep the state after every position (layers/spec_states.py)
+    verify_width: int = dataclasses.field(metadata=dict(static=True), default=0)

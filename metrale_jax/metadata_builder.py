@@ -33,16 +33,24 @@ from metrale_jax.sampling import (
 
 @dataclass(frozen=True)
 class StepBucket:
-    """A compiled step's static shape. kind: "decode" (pmd None), "prefill" (dmd None), "mixed"."""
+    """A compiled step's static shape. kind: "decode" (pmd None), "prefill" (dmd None), "mixed",
+    or "verify" (speculative decoding: N rows of 1 + num_spec tokens, engine/spec_decode.py)."""
 
     kind: str
     num_seqs: int = 0  # N decode rows
     num_tokens: int = 0  # T prefill tokens
     num_streams: int = 0  # B prefill streams
+    num_spec: int = 0  # k: drafts per verify row
 
     def __post_init__(self) -> None:
-        if self.kind not in ("decode", "prefill", "mixed"):
+        if self.kind not in ("decode", "prefill", "mixed", "verify"):
             raise ValueError(f"unknown step kind {self.kind!r}")
+        if self.kind == "verify":
+            if self.num_seqs < 1 or self.num_spec < 1 or self.num_tokens or self.num_streams:
+                raise ValueError(f"verify bucket needs num_seqs, num_spec >= 1 only: {self}")
+            return
+        if self.num_spec:
+            raise ValueError(f"only verify buckets have num_spec: {self}")
         if self.kind != "prefill" and self.num_seqs < 1:
             raise ValueError(f"{self.kind} bucket needs num_seqs >= 1, got {self.num_seqs}")
         if self.kind != "decode" and (self.num_tokens < 1 or self.num_streams < 1):
@@ -54,13 +62,15 @@ class StepBucket:
 
     @property
     def total_tokens(self) -> int:
-        return self.num_seqs + self.num_tokens
+        return self.num_seqs * (1 + self.num_spec) + self.num_tokens
 
     @property
     def num_sample_rows(self) -> int:
-        return self.num_seqs + self.num_streams
+        return self.num_seqs * (1 + self.num_spec) + self.num_streams
 
     def __str__(self) -> str:
+        if self.kind == "verify":
+            return f"verify(N={self.num_seqs}, k={self.num_spec})"
         return f"{self.kind}(N={self.num_seqs}, T={self.num_tokens}, B={self.num_streams})"
 
 
@@ -167,7 +177,14 @@ def _slot(block_table: Sequence[int], pos: int, bs: int) -> int:
 def build_step(
     cfg: BuilderConfig, bucket: StepBucket, rows: Sequence[DecodeRow], chunks: Sequence[PrefillChunk]
 ) -> StepInputs:
-    """Fill one step's inputs in numpy, padded to `bucket`."""
+    """Fill one step's inputs in numpy, padded to `bucket` (a verify bucket takes
+    `engine.spec_decode.VerifyRow`s as `rows`)."""
+    if bucket.kind == "verify":
+        from metrale_jax.engine.spec_decode import build_verify_step
+
+        if chunks:
+            raise ValueError("a verify step has no prefill chunks")
+        return build_verify_step(cfg, bucket, rows)
     n, t, b = bucket.num_seqs, bucket.num_tokens, bucket.num_streams
     bs, mb = cfg.block_size, cfg.max_blocks_per_seq
     if len(rows) > n:

@@ -239,6 +239,7 @@ class SampleOutput:
     prompt_ranks: Array  # i32[P]
     prompt_top_ids: Array  # i32[P, K]
     prompt_top_logprobs: Array  # f32[P, K]
+    spec_accepted: Array | None = None  # i32[N]  verify steps: drafts each row accepted (engine/spec_decode.py)
 
 
 # ---- the penalty table ---------------------------------------------------------------------------

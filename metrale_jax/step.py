@@ -57,6 +57,10 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
           tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
           prompt_lp_chunk: int = 64, prev_tokens: Array | None = None,
           bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
+    if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
+        from metrale_jax.engine.spec_decode import verify_step
+
+        return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
     n = dmd.num_seqs if dmd is not None else 0
     if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
         src = smd.token_src
@@ -139,7 +143,8 @@ def jit_packed_step(kind: str):
                            max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens,
                            bitmask=bitmask)
         # this step's samples, padded to the fixed width the next step reads them at
-        nxt = jnp.zeros_like(prev_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
+        r = min(out.token_ids.shape[0], prev_tokens.shape[0])  # (a verify step's samples are cut)
+        nxt = jnp.zeros_like(prev_tokens).at[:r].set(out.token_ids[:r])
         if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
             state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
         return state, out, nxt

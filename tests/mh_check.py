@@ -20,6 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--family", default="llama_tiny")
+    ap.add_argument("--spec-refs", default=None,
+                    help="JSON file of the one-device outputs: speculative decoding with drafts from them")
     args = ap.parse_args(argv)
 
     import jax
@@ -28,7 +30,12 @@ def main(argv=None) -> int:
                                process_id=args.process_id)
     from tests.tp_check import run_family
 
-    res = run_family(args.family, jax.device_count(), False, False, follower=jax.process_index() != 0)
+    refs = None
+    if args.spec_refs:
+        with open(args.spec_refs) as f:
+            refs = [(ids, None) for ids in json.load(f)]
+    res = run_family(args.family, jax.device_count(), False, False, follower=jax.process_index() != 0,
+                     spec_refs=refs)
     if res is not None:
         for ids, lps in res[0]:
             print(json.dumps(dict(ids=ids, logprobs=lps.tolist())), flush=True)

@@ -13,21 +13,29 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
+from metrale_jax.engine import spec_decode
 from metrale_jax.engine.scheduler import Scheduler, SeqStatus
-from metrale_jax.engine.testing import fake_engine, fake_greedy
+from metrale_jax.engine.spec_decode import SpeculativeConfig
+from metrale_jax.engine.testing import fake_engine, fake_greedy, fake_next_token
 from metrale_jax.errors import PromptTooLongError
 from metrale_jax.sampling import SamplingParams
 
 # (use_ssm, preemption_mode): the defaults ("auto": swap with SSM state, recompute without) and
 # the other two combinations
 ENGINES = {"ssm-swap": (True, "auto"), "kv-only-recompute": (False, "auto"),
-           "ssm-recompute": (True, "recompute"), "kv-only-swap": (False, "swap")}
+           "ssm-recompute": (True, "recompute"), "kv-only-swap": (False, "swap"),
+           # speculative decoding (k = 3) with an oracle drafter (`_spec_oracle`)
+           "ssm-swap-spec": (True, "auto")}
+SPEC = SpeculativeConfig("ngram", 3)
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
 def engine(request):
     use_ssm, mode = ENGINES[request.param]
-    eng = fake_engine(use_ssm=use_ssm, **({} if mode == "auto" else {"preemption_mode": mode}))
+    kw = {} if mode == "auto" else {"preemption_mode": mode}
+    if request.param.endswith("-spec"):
+        kw["speculative_config"] = SPEC
+    eng = fake_engine(use_ssm=use_ssm, **kw)
     assert eng.config.preemption_mode == ("swap" if "swap" in request.param else "recompute")
     yield eng
     eng.scheduler = eng._new_scheduler()
@@ -40,6 +48,21 @@ def _assert_pools_whole(s: Scheduler):
     assert s.pen_rows.num_free == s.pen_rows.num_slots
     assert s.ssm_slots.num_free == s.ssm_slots.num_slots
     assert s.swap_bytes == 0
+
+
+def _spec_oracle(w, use_ssm: bool):
+    """A drafter that knows FakeModel's greedy continuation (no penalties) and corrupts one draft
+    at a place that varies with the length, so drafts are accepted and rejected at every offset."""
+    def propose(seq, k, spec):  # spec_decode.draft_tokens' signature
+        ids, out = list(seq.token_ids), []
+        for _ in range(k):
+            out.append(fake_next_token(w, ids, use_ssm))
+            ids.append(out[-1])
+        c = (len(seq.token_ids) * 7) % (k + 2)
+        if c < k:
+            out[c] = (out[c] + 1) % w.shape[0]
+        return out
+    return propose
 
 
 request_st = st.fixed_dictionaries(dict(
@@ -70,6 +93,23 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
                             ssm_slots, swap_space):
     eng = engine
     w = np.asarray(eng.params["w"])
+    if eng.config.speculative_config is not None:
+        orig, spec_decode.draft_tokens = spec_decode.draft_tokens, _spec_oracle(w, eng.model.use_ssm)
+        try:
+            _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
+                          swap_space)
+        finally:
+            spec_decode.draft_tokens = orig
+        st_ = eng.stats()
+        assert st_.spec_accepted_tokens <= st_.spec_draft_tokens
+        event(f"spec accepted: {st_.spec_accepted_tokens > 0}")
+    else:
+        _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
+                      swap_space)
+
+
+def _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
+                  swap_space):
     limits = dict(num_ssm_slots=ssm_slots) if eng.uses_ssm else {}
     if swap_space is not None:
         limits["swap_space_bytes"] = swap_space

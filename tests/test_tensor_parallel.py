@@ -47,13 +47,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family", ["mamba2_tiny"])  # swap preemption: the saved copies follow too
-def test_two_processes_match_one(family, tmp_path):
+@pytest.mark.parametrize("family,spec", [("mamba2_tiny", False),  # swap preemption: the saved copies follow too
+                                         pytest.param("qwen3_next_tiny", True, marks=pytest.mark.slow)])
+def test_two_processes_match_one(family, spec, tmp_path):
     from tests.tp_check import run_family
 
     port, env = _free_port(), dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "tests.mh_check", "--port", str(port), "--family", family, "--process-id"]
+    cmd = [sys.executable, "-m", "tests.mh_check", "--port", str(port), "--family", family]
+    if spec:  # speculative decoding, drafts from the one-device outputs: verify steps followed too
+        want, _ = run_family(family, 1, False, False)
+        (tmp_path / "refs.json").write_text(json.dumps([ids for ids, _ in want]))
+        cmd += ["--spec-refs", str(tmp_path / "refs.json")]
+    cmd += ["--process-id"]
     log = tmp_path / "follower.log"  # a file, not a pipe: a full pipe would stall the follower, then the leader
     with open(log, "w") as f:
         follower = subprocess.Popen(cmd + ["1"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -65,7 +71,7 @@ def test_two_processes_match_one(family, tmp_path):
     assert leader.returncode == 0, leader.stderr[-3000:]
     lines = [json.loads(x) for x in leader.stdout.splitlines() if x.startswith("{")]
     want, _ = run_family(family, 1, False, False)
-    assert lines[-1]["swaps"] > 0
+    assert lines[-1]["swaps"] > 0 or spec
     assert len(lines) - 1 == len(want)
     for got, (ids, lps) in zip(lines, want):
         assert got["ids"] == ids

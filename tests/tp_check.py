@@ -25,6 +25,8 @@ import numpy as np
 
 # every family at TP=2; TP=4 where the KV heads divide (llama) and where they do not (Qwen3-Next:
 # 2 KV heads, replicated); expert parallelism; the Pallas kernels
+# (`--variant 2:spec`: speculative decoding, k = 3, drafts from the reference outputs, some corrupted;
+# not in the plan for test time: test_two_processes_match_one's slow case covers it)
 # not tests.conftest's: importing it turns on JAX's persistent cache, which two processes of one run
 # must not write at once
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
@@ -59,15 +61,25 @@ def _requests(vocab: int):
 
 
 def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: bool, follower: bool = False,
-               features: bool = False):
+               features: bool = False, spec_refs: list | None = None):
     """The requests through `LLM.generate` -> ([(ids, logprobs + prompt logprobs f64[...])], stats);
     None on a follower process (which runs the leader's steps until it is done). `features`: also
     with prefix caching and LoRA adapters (tests/fixtures/data/lora), a second turn that hits the
-    cache, and one completion through the HTTP server."""
+    cache, and one completion through the HTTP server. `spec_refs`: the reference outputs, for
+    speculative decoding with drafts taken from them (some corrupted)."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
     model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
-    eng = LLMEngine(model, params, _config(tp, expert_parallel, interpret_kernels, features))
+    cfg = _config(tp, expert_parallel, interpret_kernels, features)
+    if spec_refs is not None:
+        from metrale_jax.engine import spec_decode
+        from tests.test_spec_decode import _oracle
+
+        cfg = cfg.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        prompts, _ = _requests(int(model.cfg.vocab_size))
+        refs = [p["prompt_token_ids"] + r for p, (r, _) in zip(prompts, spec_refs)]
+        spec_decode.draft_tokens = _oracle(refs, int(model.cfg.vocab_size))
+    eng = LLMEngine(model, params, cfg)
     if follower:
         eng.follow_leader()
         return None
@@ -151,7 +163,8 @@ def main(argv=None) -> int:
             want_features, _ = run_family(fam, 1, False, False, features=True)
         for variant in variants:
             tp, _, how = variant.partition(":")
-            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas", features=how == "features")
+            got, stats = run_family(fam, int(tp), how == "ep", how == "pallas", features=how == "features",
+                                    spec_refs=want if how == "spec" else None)
             ref = want_features if how == "features" else want
             same_ids = len(got) == len(ref) and all(g[0] == w[0] for g, w in zip(got, ref))
             diff = max(float(np.max(np.abs(g[1] - w[1]), initial=0.0)) for g, w in zip(got, ref))

@@ -188,6 +188,9 @@ def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
     """Every bucket of a resolved config: decode N's, prefill T's, and mixed (N, T) pairs."""
     b = cfg.max_prefill_streams
     out = [StepBucket("decode", num_seqs=n) for n in cfg.decode_buckets]
+    spec = cfg.speculative_config
+    if spec is not None:  # a verify step per decode N (a step where no row drafts stays a decode step)
+        out += [StepBucket("verify", num_seqs=n, num_spec=spec.num_speculative_tokens) for n in cfg.decode_buckets]
     out += [StepBucket("prefill", num_tokens=t, num_streams=b) for t in cfg.prefill_buckets]
     out += [StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=b)
             for n in cfg.mixed_decode_buckets for t in cfg.prefill_buckets]
@@ -207,7 +210,9 @@ class CompilationManager:
         self.builder = builder
         self.placement = placement  # parallel.Placement under tensor parallelism, else None
         self.buckets = list_buckets(cfg)
-        self.max_rows = max(b.num_sample_rows for b in self.buckets)  # width of next_tokens
+        # width of next_tokens (verify steps are followed synchronously: nobody reads their samples
+        # there, so they do not widen it, and the other steps compile as without speculation)
+        self.max_rows = max(b.num_sample_rows for b in self.buckets if b.kind != "verify")
         self.mask_words = -(-builder.vocab_size // 32)  # W of the structured-output bitmask i32[S, W]
         self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device (sent once)
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from metrale_jax.engine.spec_decode import SpeculativeConfig
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
@@ -111,6 +112,13 @@ class EngineConfig:
     # MoE models: LoRA slots for every routed expert too (max_loras * num_experts groups per layer:
     # gigabytes on a 128-expert model); False leaves them out and refuses adapters that train experts
     lora_experts: bool = True
+    # Speculative decoding (vLLM's `speculative_config`): a `SpeculativeConfig` or its dict, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}; None = off. With it, verify steps of N rows x
+    # (1 + k) tokens take the place of the decode steps (engine/spec_decode.py).
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)

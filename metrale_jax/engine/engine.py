@@ -72,6 +72,9 @@ class EngineStats:
     swap_bytes: int = 0  # host memory the swapped-out sequences hold now
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
+    spec_num_drafts: int = 0  # verify rows that carried drafts (speculative decoding)
+    spec_draft_tokens: int = 0  # drafts verified
+    spec_accepted_tokens: int = 0  # drafts accepted (the bonus token excluded)
 
 
 @dataclass
@@ -202,6 +205,7 @@ class LLMEngine:
             log.warning("the largest step needs %.2f GB of scratch but %.2f GB were reserved when sizing the KV "
                         "pool: lower gpu_memory_utilization or set num_kv_blocks if steps run out of memory",
                         self.compiler.temp_bytes / 1e9, reserve / 1e9)
+        self.spec_stats = dict.fromkeys(("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens"), 0)
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(c.seed)
@@ -277,6 +281,7 @@ class LLMEngine:
             snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)),
             cache_decoded=getattr(self.model, "decode_matches_prefill", True),
             kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
+            num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -304,6 +309,9 @@ class LLMEngine:
         other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
         if self.uses_ssm:
             other += (c.max_ssm_slots + c.max_ssm_snapshots) * self.model.ssm_bytes_per_slot()
+            if c.speculative_config:  # a verify step's per-position states (layers/spec_states.py)
+                other += c.max_num_seqs * (1 + c.speculative_config.num_speculative_tokens) * \
+                    self.model.ssm_bytes_per_slot()
         free = limit * c.gpu_memory_utilization - used - act - other
         blocks = int(free // per_block)
         self._scratch_reserve = act
@@ -474,7 +482,7 @@ class LLMEngine:
             num_steps=self._steps, num_swapped=len({q.request.request_id for q in s.swapped}),
             num_swaps=s.num_swaps, num_swap_ins=s.num_swap_ins, swap_bytes=s.swap_bytes,
             prefix_cache_queries=s.prefix_cache.queries if s.prefix_cache else 0,
-            prefix_cache_hits=s.prefix_cache.hits if s.prefix_cache else 0,
+            prefix_cache_hits=s.prefix_cache.hits if s.prefix_cache else 0, **self.spec_stats,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -531,6 +539,11 @@ class LLMEngine:
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
         outputs = self._finish_step(prev) if prev is not None else []
+        if self.config.speculative_config is not None and self._inflight is not None:
+            # speculative decoding steps synchronously: the next step's rows depend on how many
+            # drafts this one accepted (lengths, drafts), so read it before scheduling again
+            outputs += self._finish_step(self._inflight)
+            self._inflight = None
         for seq, d in self._swap_pending:  # copies started before the last step: bring them home
             if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
                 d.to_host(self.compiler.swap_roles)
@@ -613,6 +626,12 @@ class LLMEngine:
 
     def _dispatch(self, sched) -> _InFlight:
         self._steps += 1
+        if self.config.speculative_config is not None and sched.decode and not sched.chunks:
+            from metrale_jax.engine.spec_decode import dispatch_verify
+
+            f = dispatch_verify(self, sched)  # None when no row has drafts: a plain decode step
+            if f is not None:
+                return f
         rows = []
         for s in sched.decode:
             if s.inflight:  # its last token is the previous step's sample, still on the device
@@ -679,6 +698,10 @@ class LLMEngine:
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
+        if f.inputs.bucket.kind == "verify":
+            from metrale_jax.engine.spec_decode import finish_verify
+
+            return finish_verify(self, f)
         if f.constrained:
             self._advance_grammars(f)
         out = dict(zip(f.names, jax.device_get(f.arrays)))

@@ -143,6 +143,7 @@ class Sequence:
     leader: Sequence | None = None  # n > 1: the sequence whose prompt KV blocks this one shares
     swap: SwapRecord | None = None  # set while SWAPPED
     cache_state: Any = None  # prefix caching's record (metrale_jax.cache.prefix_cache.SeqCacheState)
+    spec_len: int = 0  # drafts this step's decode row may carry (speculative decoding; 0 = plain)
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
@@ -240,6 +241,7 @@ class Scheduler:
         swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, max_loras: int = 0,
         prefix_caching: bool = False, snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
         kv_offloading_bytes: int = 0,
+        num_spec_tokens: int = 0,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -270,6 +272,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0  # swap-outs
         self.num_swap_ins = 0
+        self.num_spec_tokens = num_spec_tokens  # k: a decode row may verify k drafts (blocks + budget)
 
     # ---- queue management ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -400,8 +403,18 @@ class Scheduler:
             step.swap_in.append(seq)
             self.num_swap_ins += 1
             if seq.decoding and not seq.at_limit(self.max_model_len):
+                seq.spec_len = 0
                 seq.blocks += self.blocks.allocate(self._blocks_needed(seq, seq.num_computed + 1))
                 step.decode.append(seq)
+
+    def _spec_len(self, seq: Sequence) -> int:
+        """Drafts a decode row may verify: k, fewer near max_tokens / max_model_len (the row emits
+        at most 1 + drafts tokens)."""
+        if not self.num_spec_tokens:
+            return 0
+        n = len(seq.token_ids) + seq.inflight
+        room = min((seq.request.params.max_tokens or 1 << 62) - (n - seq.prompt_len), self.max_model_len - n) - 1
+        return max(0, min(self.num_spec_tokens, room))
 
     def swapped_in(self, seq: Sequence) -> None:
         """The engine wrote `seq`'s saved state back: drop the host copy."""
@@ -413,14 +426,15 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SeqStatus.RUNNING or not seq.decoding or seq.at_limit(self.max_model_len):
                 continue
-            need = self._blocks_needed(seq, seq.num_computed + 1)
+            seq.spec_len = self._spec_len(seq)
+            need = self._blocks_needed(seq, seq.num_computed + 1 + seq.spec_len)
             if need and not self._make_room(seq, need, step):
                 continue
             seq.blocks += self.blocks.allocate(need)
             step.decode.append(seq)
         # 1b. swapped-out sequences come back before anything new is admitted
         self._resume_swapped(step)
-        budget = self.budget - len(step.decode)
+        budget = self.budget - sum(1 + s.spec_len for s in step.decode)
         prefill = 0
 
         # 2. running sequences in the middle of a prefill
@@ -436,7 +450,7 @@ class Scheduler:
                 if not self._make_room(seq, 1, step):
                     continue
                 prefill = step.num_prefill_tokens
-                budget = self.budget - len(step.decode) - prefill
+                budget = self.budget - sum(1 + s.spec_len for s in step.decode) - prefill
                 length = min(length, budget, self.max_prefill_tokens - prefill)
                 fit = (len(seq.blocks) + self.blocks.num_free) * self.block_size - seq.num_computed
             length = min(length, fit)

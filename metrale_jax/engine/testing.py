@@ -181,11 +181,19 @@ class FakeModel:
                 t2 = jnp.where(i >= 2, prev2, jnp.where(i == 1, tail[:, 1], tail[:, 0]))
                 ok = st["count"][stream] + i == pmd.positions
                 h = h + 2 * acc_tok + 5 * t1 + 11 * t2 + jnp.where(ok, 0, 13)
-                last = jnp.clip(pmd.cu_seqlens[1:] - 1, 0, t_tot - 1)
-                new = {"acc": acc_tok[last], "count": st["count"] + n_new,
-                       "tail": jnp.stack([t1[last], tok1[last]], axis=1)}
-                slots_w = jnp.where(n_new > 0, pmd.ssm_slots, -1)
-                ssm = {"fake": write_slots(ssm["fake"], slots_w, new)}
+                if pmd.verify_width:  # a verify step: the state after every token to the scratch
+                    from metrale_jax.layers.spec_states import SCRATCH
+
+                    rows = jnp.where(valid, stream * pmd.verify_width + i, -1)
+                    per_tok = {"acc": acc_tok, "count": st["count"][stream] + i + 1,
+                               "tail": jnp.stack([t1, tok1], axis=1)}
+                    ssm = {**ssm, SCRATCH: {"fake": write_slots(ssm[SCRATCH]["fake"], rows, per_tok)}}
+                else:
+                    last = jnp.clip(pmd.cu_seqlens[1:] - 1, 0, t_tot - 1)
+                    new = {"acc": acc_tok[last], "count": st["count"] + n_new,
+                           "tail": jnp.stack([t1[last], tok1[last]], axis=1)}
+                    slots_w = jnp.where(n_new > 0, pmd.ssm_slots, -1)
+                    ssm = {"fake": write_slots(ssm["fake"], slots_w, new)}
             hs.append(jnp.where(valid, h, 0))
         h = jnp.concatenate(hs) % v
         return FakeState(cache, ssm), jax.nn.one_hot(h, v, dtype=jnp.float32)

@@ -39,6 +39,7 @@ from metrale_jax.layers.mamba2 import gated_group_rms_norm, softplus, ssd_varlen
 from metrale_jax.layers.mlp import linear
 from metrale_jax.layers.moe import routed_experts
 from metrale_jax.layers.norms import rms_norm
+from metrale_jax.layers.spec_states import conv_states_per_position, ssd_per_position, verify_grid, write_scratch
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
 from metrale_jax.layers.stack import scan_layers, switch, take_layer
 from pallas_kernels.conv1d import causal_conv1d_varlen, naive_causal_conv1d_varlen
@@ -188,11 +189,13 @@ def _moe(cfg: ModelConfig, q: dict, x: jax.Array, tokamax_moe: bool = False) -> 
     return y + linear(_relu2(linear(x, q["shared_up"])), q["shared_down"])
 
 
-def _mamba(cfg: ModelConfig, q: dict, h, cu_seqlens, conv0, ssm0, n_decode: int = 0, kernels=None):
+def _mamba(cfg: ModelConfig, q: dict, h, cu_seqlens, conv0, ssm0, n_decode: int = 0, kernels=None, verify=None):
     """Mamba-2 mixer over varlen streams: the first `n_decode` streams are single-token decode rows
     (dt not clamped, as transformers' step path), the rest prefill streams (dt clamped below by
     time_step_min). h [T, H], conv0 f32[S, Cd, W-1], ssm0 f32[S, nh, P, N] -> (out [T, H], conv, ssm).
-    `kernels.use_pallas` picks the Pallas conv1d, SSD scan and state-update kernels."""
+    `kernels.use_pallas` picks the Pallas conv1d, SSD scan and state-update kernels. `verify` = (idx, mask)
+    of a verify step (`layers/spec_states.py`): every stream is a decode window, and conv / ssm are
+    the states after each position, f32[N, W, ...]."""
     nh, p, n, ng, inner, cd, _ = _dims(cfg)
     pallas = kernels is not None and kernels.use_pallas
     proj = linear(h, q["in_proj"])
@@ -204,7 +207,12 @@ def _mamba(cfg: ModelConfig, q: dict, h, cu_seqlens, conv0, ssm0, n_decode: int 
     B = xbc[:, inner:inner + ng * n].reshape(-1, ng, n)
     C = xbc[:, inner + ng * n:].reshape(-1, ng, n)
     dt_min, dt_max, D = cfg.get("dt_min"), cfg.get("dt_max"), q["D"].astype(jnp.float32)
-    if pallas:
+    if verify is not None:  # decode semantics (dt not clamped), state after every position
+        idx, mask = verify
+        conv = conv_states_per_position(proj[:, inner:inner + cd], conv0, idx)
+        dt = softplus(dt_raw.astype(jnp.float32) + q["dt_bias"].astype(jnp.float32))
+        y, ssm = ssd_per_position(x, dt, -jnp.exp(q["A_log"].astype(jnp.float32)), B, C, D, idx, mask, ssm0)
+    elif pallas:
         k = n_decode
         ys, states = [], []
         if k:
@@ -302,13 +310,16 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
     cu, ssm_slots, fresh = recurrent_streams(dmd, pmd)
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = params["embed"][tokens]
+    verify = verify_grid(pmd) if pmd is not None and pmd.verify_width else None
 
     def mamba(h, extra, c):
         kv, ssm = extra
         pool, i = ssm["mamba"], c[MAMBA]
         conv0 = read_layer(pool["conv"], ssm_slots, i, fresh)
         ssm0 = read_layer(pool["ssm"], ssm_slots, i, fresh)
-        out, conv, s = _mamba(cfg, take_layer(params["mamba"], i), h, cu, conv0, ssm0, n, attn_cfg)
+        out, conv, s = _mamba(cfg, take_layer(params["mamba"], i), h, cu, conv0, ssm0, n, attn_cfg, verify)
+        if verify is not None:  # per-position states to the step's scratch (write-on-accept)
+            return out, (kv, write_scratch(ssm, "mamba", i, {"conv": conv, "ssm": s}))
         pool = {"conv": write_layer(pool["conv"], ssm_slots, i, conv), "ssm": write_layer(pool["ssm"], ssm_slots, i, s)}
         return out, (kv, {**ssm, "mamba": pool})
 

@@ -38,6 +38,12 @@ from metrale_jax.layers.mlp import linear, swiglu_mlp
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
+from metrale_jax.layers.spec_states import (
+    conv_states_per_position,
+    gated_delta_per_position,
+    verify_grid,
+    write_scratch,
+)
 from metrale_jax.layers.ssm_state import read_layer, recurrent_streams, write_layer
 from metrale_jax.layers.stack import scan_layers, switch, take_layer
 from metrale_jax.lora.ops import LoRAInputs, token_slots
@@ -198,12 +204,15 @@ def _attn_out(ap: dict, o: jax.Array, gate: jax.Array) -> jax.Array:
     return linear(o, ap["wo"])
 
 
-def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0, kernels: AttentionConfig | None = None):
+def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0, kernels: AttentionConfig | None = None,
+         verify=None):
     """The Gated DeltaNet mixer over varlen streams.
 
     h [T, H], cu_seqlens i32[B+1], conv0 f32[B, C, W-1], rec0 f32[B, HV, dk, dv]
     -> (out [T, H], conv f32[B, C, W-1], rec f32[B, HV, dk, dv]). `kernels.use_pallas` picks the
     Pallas conv1d and chunked delta-rule kernels; otherwise the float32 XLA references run.
+    `verify` = (idx, mask) of a verify step (`layers/spec_states.py`): conv / rec are then the
+    states after each window position, f32[N, W, ...].
     """
     if kernels is not None and kernels.use_pallas:
         conv_fn = functools.partial(causal_conv1d_varlen, interpret=kernels.interpret)
@@ -215,13 +224,18 @@ def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0, kern
     qkvz = linear(h, gp["w_qkvz"])
     mixed, z = qkvz[:, : 2 * kd + vd], qkvz[:, 2 * kd + vd:]
     b, a = jnp.split(linear(h, gp["w_ba"]).astype(jnp.float32), 2, axis=-1)
+    pre_conv = mixed
     mixed, conv = conv_fn(mixed, gp["conv_w"], None, cu_seqlens=cu_seqlens, initial_state=conv0, silu=True)
     q = mixed[:, :kd].reshape(-1, nk, dk)
     k = mixed[:, kd: 2 * kd].reshape(-1, nk, dk)
     v = mixed[:, 2 * kd:].reshape(-1, nv, dv)
     beta = jax.nn.sigmoid(b)
     g = -jnp.exp(gp["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + gp["dt_bias"].astype(jnp.float32))
-    o, rec = rule_fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=rec0, use_qk_l2norm=True)
+    if verify is not None:
+        conv = conv_states_per_position(pre_conv, conv0, verify[0])
+        o, rec = gated_delta_per_position(q, k, v, g, beta, *verify, rec0, use_qk_l2norm=True)
+    else:
+        o, rec = rule_fn(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=rec0, use_qk_l2norm=True)
     o = rms_norm(o, gp["norm"], cfg.rms_norm_eps)  # plain weight, per head
     o = o.astype(jnp.float32) * jax.nn.silu(z.reshape(-1, nv, dv).astype(jnp.float32))
     return linear(o.reshape(-1, vd).astype(h.dtype), gp["wo"]), conv, rec
@@ -285,13 +299,16 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
     kinds = np.asarray(_kinds(cfg), np.int32)  # numpy: static under the Python layer loop
     # expert LoRA (engines built with enable_lora): each token's expert-LoRA slot, i32[N + T]
     moe_slot = token_slots(dmd, pmd, "moe_row_adapter") if "lora" in params["layers"] else None
+    verify = verify_grid(pmd) if pmd is not None and pmd.verify_width else None
 
     def gdn_branch(x, h, kv, ssm, ia, ig):
         gp = take_layer(params["gdn"], ig)
         pool = ssm["gdn"]
         conv0 = read_layer(pool["conv"], ssm_slots, ig, fresh)
         rec0 = read_layer(pool["rec"], ssm_slots, ig, fresh)
-        out, conv, rec = _gdn(cfg, gp, h, cu, conv0, rec0, attn)
+        out, conv, rec = _gdn(cfg, gp, h, cu, conv0, rec0, attn, verify)
+        if verify is not None:  # per-position states to the step's scratch (write-on-accept)
+            return x + out, kv, write_scratch(ssm, "gdn", ig, {"conv": conv, "rec": rec})
         pool = {"conv": write_layer(pool["conv"], ssm_slots, ig, conv),
                 "rec": write_layer(pool["rec"], ssm_slots, ig, rec)}
         return x + out, kv, {**ssm, "gdn": pool}

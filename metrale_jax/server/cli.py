@@ -59,7 +59,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         flag = "--" + f.name.replace("_", "-")
         doc = f"EngineConfig.{f.name}" + ("; None: chosen at start-up" if optional else "")
-        if tp is bool:
+        if f.name == "speculative_config":
+            group.add_argument(flag, dest=f.name, type=str, default=None,
+                               help=doc + ' as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        elif tp is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=doc)
         elif tp is str and optional:
             group.add_argument(flag, dest=f.name, type=_optional_str, default=default, help=doc + " ('none' = None)")

@@ -68,6 +68,9 @@ class StatsSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @staticmethod
     def read(engine: Any, num_steps: int) -> StatsSnapshot:

@@ -62,6 +62,13 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("metrale_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=getattr(s, "prefix_cache_hits", 0))
         yield CounterMetricFamily("metrale_engine_steps", "Engine steps run by the server.", value=s.num_steps)
+        yield CounterMetricFamily("metrale_spec_decode_num_drafts", "Speculative verify rows that carried drafts.",
+                                  value=getattr(s, "spec_num_drafts", 0))
+        yield CounterMetricFamily("metrale_spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                  value=getattr(s, "spec_draft_tokens", 0))
+        yield CounterMetricFamily("metrale_spec_decode_num_accepted_tokens",
+                                  "Draft tokens accepted (the bonus token excluded).",
+                                  value=getattr(s, "spec_accepted_tokens", 0))
 
 
 class ServerMetrics:

@@ -1,0 +1,391 @@
+"""Speculative decoding: the config, the n-gram (prompt lookup) drafter, the verify step's inputs
+and the verify step itself.
+
+A verify step replaces the decode step when `EngineConfig.speculative_config` is set. Each of its
+N rows carries 1 + k_r tokens, k_r <= k (k = num_speculative_tokens): the row's last sampled token
+t0 at position p, then the drafts d1..d_k_r at p+1..p+k_r. The rows are the streams of a ragged
+prefill layout (`BatchedAttnMetadata` with `verify_width` W = 1 + k, T = N * W tokens), so the
+paged attention is the prefill path's and the K/V of every window position is written; recurrent
+layers keep the state after every position in the step's scratch (`layers/spec_states.py`).
+
+Sampling: the target distribution of every window position is sampled with the ordinary sampler
+(`sampling.sample`: penalties, min_tokens suppression, temperature, min_p, top-k / top-p through
+`filter_logits`, the row's seed and output index), sampled row r * W + j. Row r accepts drafts
+while the sample of position j equals d_{j+1}; it emits the samples of positions 0..a_r (the
+accepted drafts, then the bonus / correction token). For greedy rows that is the usual rule
+(accept while draft == argmax, plus one bonus token). For random rows it IS the standard
+speculative-sampling rule with a one-hot draft distribution q (the n-gram and argmax-MTP drafters
+are deterministic): accepting d with probability min(1, p(d) / q(d)) = p(d) and, on rejection,
+drawing from the normalized residual max(p - q, 0) = p without d, gives the same law as drawing
+x ~ p and accepting iff x == d (then P(accept) = p(d) and x | x != d ~ p without d, normalized).
+So the output distribution is exactly the target's. A discarded position's noise (same seed and
+output index as the next step's first position) was never observed, so reusing it is harmless.
+
+Penalties: a row's window position j sees the penalty counts of the table plus its drafts
+d1..dj (an expanded per-position penalty table); after acceptance the table counts t0 and the
+accepted drafts only.
+
+Write-on-accept: the accepted count a_r is computed inside the step, which copies the state of
+position a_r of every recurrent layer into the sequence's slot. K/V of rejected positions lies
+past the sequence's new length (p + 1 + a_r) and is overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.metadata import BatchedAttnMetadata
+
+SPEC_METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: `{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 4}`."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # shortest suffix n-gram the n-gram drafter looks up
+    prompt_lookup_max: int = 4  # longest (tried first)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} must be one of {SPEC_METHODS}")
+        if self.method == "mtp":
+            raise NotImplementedError("speculative_config method='mtp' is not implemented yet (use 'ngram')")
+        if not 1 <= int(self.num_speculative_tokens) <= 32:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 32]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min={self.prompt_lookup_min} <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @staticmethod
+    def of(value) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, a dict (vLLM's keys) or its JSON text -> SpeculativeConfig | None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            value = json.loads(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        bad = sorted(set(value) - known)
+        if bad:
+            raise ValueError(f"unknown speculative_config keys {bad}; known: {sorted(known)}")
+        return SpeculativeConfig(**value)
+
+
+# ---- the n-gram drafter (host) --------------------------------------------------------------------
+def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, nmin: int, nmax: int) -> list[int]:
+    """Prompt lookup: the longest suffix n-gram (n from nmax down to nmin) that occurs earlier in
+    `tokens`; returns up to k tokens that followed its latest earlier occurrence ([] if none)."""
+    if k <= 0:
+        return []
+    a = np.asarray(tokens, np.int64)
+    n_tok = a.shape[0]
+    for n in range(min(nmax, n_tok - 1), nmin - 1, -1):
+        pat = a[n_tok - n:]
+        # windows starting at 0..n_tok-n-1 (an occurrence before the suffix itself)
+        win = np.lib.stride_tricks.sliding_window_view(a[: n_tok - 1], n)
+        hits = np.flatnonzero((win == pat).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return a[start: start + k].tolist()
+    return []
+
+
+class NgramIndex:
+    """Incremental prompt lookup over one sequence's growing tokens, with `ngram_propose`'s answers:
+    for each n in [nmin, nmax], the latest start of every n-gram followed by at least one token.
+    Each step adds the new windows (O(new tokens x n's)) instead of rescanning the sequence."""
+
+    def __init__(self, nmin: int, nmax: int):
+        self.nmin, self.nmax = nmin, nmax
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(nmin, nmax + 1)}
+        self.next_start = dict.fromkeys(self.latest, 0)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        n_tok = len(tokens)
+        for n, table in self.latest.items():  # windows starting at next_start .. n_tok-1-n
+            for s in range(self.next_start[n], n_tok - n):
+                table[tuple(tokens[s: s + n])] = s
+            self.next_start[n] = max(self.next_start[n], n_tok - n)
+        if k <= 0:
+            return []
+        for n in range(min(self.nmax, n_tok - 1), self.nmin - 1, -1):
+            s = self.latest[n].get(tuple(tokens[n_tok - n:]))
+            if s is not None:
+                return list(tokens[s + n: s + n + k])
+        return []
+
+
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
+
+
+def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
+    """Up to k drafts for `seq` (a scheduler Sequence) after its last token: the n-gram drafter,
+    with an index kept per sequence (tests and benches swap this function for other drafters)."""
+    idx = _INDEXES.get(seq)
+    if idx is None:
+        idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return idx.propose(seq.token_ids, k)
+
+
+# ---- the verify step's inputs (host) --------------------------------------------------------------
+@dataclass
+class VerifyRow:
+    """One sequence's window: `tokens` = [t0, d1..d_k_r] at positions `position`.. in `block_table`.
+    `sampling` is the row's RowSampling for position 0 (out_index of t0's successor);
+    `suppress_until` = min_tokens: positions whose output index is below it suppress `stop_ids`."""
+
+    tokens: Sequence[int]
+    position: int
+    block_table: Sequence[int]
+    sampling: object  # metadata_builder.RowSampling
+    ssm_slot: int = -1
+    suppress_until: int = 0
+    stop_ids: Sequence[int] = ()
+    lora_slot: int = -1  # as DecodeRow's (set by the LoRA manager's assign_slots)
+    moe_lora_slot: int = -1
+
+
+def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
+    """A verify step's inputs (numpy), padded to `bucket` (kind "verify", N rows, k drafts):
+    pmd with N streams and T = N * (1 + k) tokens; sampled row r * (1 + k) + j = row r's position j."""
+    from metrale_jax.metadata_builder import StepInputs, _sampling_metadata
+
+    n, w = bucket.num_seqs, bucket.num_spec + 1
+    t = n * w
+    bs, mb = cfg.block_size, cfg.max_blocks_per_seq
+    if len(rows) > n:
+        raise ValueError(f"{len(rows)} verify rows do not fit bucket {bucket}")
+    tokens = np.zeros(t, np.int32)
+    pos = np.zeros(t, np.int32)
+    slots = np.full(t, -1, np.int32)
+    bt = np.zeros((n, mb), np.int32)
+    cu = np.zeros(n + 1, np.int32)
+    kv_lens = np.zeros(n, np.int32)
+    ssm = np.full(n, -1, np.int32)
+    lslot = np.full(n, -1, np.int32)
+    mslot = np.full(n, -1, np.int32)
+    tok_pen_rows = np.full(t, -1, np.int32)
+    tok_is_output = np.zeros(t, np.bool_)
+    samp = []
+    o = 0
+    for r, row in enumerate(rows):
+        L = len(row.tokens)
+        if not 1 <= L <= w:
+            raise ValueError(f"a verify row carries 1..{w} tokens, got {L}")
+        if len(row.block_table) > mb:
+            raise ValueError(f"block table of {len(row.block_table)} blocks exceeds {mb}")
+        p = np.arange(row.position, row.position + L, dtype=np.int32)
+        btab = np.asarray(row.block_table, np.int32)
+        tokens[o: o + L] = row.tokens
+        pos[o: o + L] = p
+        slots[o: o + L] = btab[p // bs] * bs + p % bs
+        bt[r, : len(btab)] = btab
+        kv_lens[r] = row.position + L
+        ssm[r] = row.ssm_slot
+        lslot[r], mslot[r] = row.lora_slot, row.moe_lora_slot
+        rs = row.sampling
+        tok_pen_rows[o] = rs.pen_row  # t0 is counted now; accepted drafts once accepted (in the step)
+        tok_is_output[o] = True
+        for j in range(L):
+            pos_rs = copy.copy(rs)  # (dataclasses.replace costs 4x more: the host loop's hot path)
+            pos_rs.out_index = rs.out_index + j
+            pos_rs.suppress_ids = tuple(row.stop_ids) if pos_rs.out_index < row.suppress_until else ()
+            samp.append((r * w + j, o + j, pos_rs))
+        o += L
+        cu[r + 1] = o
+    cu[len(rows) + 1:] = o
+    pmd = BatchedAttnMetadata(
+        positions=pos, positions_h=pos, positions_w=pos, slots=slots, block_tables=bt, cu_seqlens=cu,
+        kv_lens=kv_lens, ssm_slots=ssm, seq_slot=lslot, moe_row_adapter=mslot, num_tokens=t, num_streams=n,
+        max_blocks_per_seq=mb, verify_width=w)
+    smd = _sampling_metadata(cfg, n * w, samp, tok_pen_rows, tok_is_output, np.full(n, -1, np.int32),
+                             np.full(t, -1, np.int32))
+    return StepInputs(bucket, None, pmd, tokens, smd, [r for r, _, _ in samp])
+
+
+# ---- the verify step (device) ---------------------------------------------------------------------
+def _window_penalties(ps, smd, tok_grid, mask, w: int):
+    """Per-position penalty table: sampled row r*W+j sees table row pen_rows[r*W+j] plus the drafts
+    of positions 1..j of its window. -> (PenaltyState [S, V], smd with pen_rows = own row or -1)."""
+    from metrale_jax.sampling import PenaltyState
+
+    rows = ps.prompt_seen.shape[0]
+    if rows == 0:
+        return ps, smd
+    n = tok_grid.shape[0]
+    v = ps.out_counts.shape[1]
+    has = smd.pen_rows >= 0
+    r = jnp.clip(smd.pen_rows, 0, rows - 1)
+    drafted = mask & (jnp.arange(w)[None, :] >= 1)  # [N, W]: positions 1.. hold drafts
+    onehot = jax.nn.one_hot(jnp.where(drafted, tok_grid, v), v, dtype=jnp.int32)  # [N, W, V] (v -> zeros)
+    extra = jnp.cumsum(onehot, axis=1).reshape(n * w, v)
+    counts = jnp.where(has[:, None], ps.out_counts[r] + extra, 0)
+    seen = ps.prompt_seen[r] & has[:, None]
+    own = jnp.where(has, jnp.arange(n * w, dtype=jnp.int32), -1)
+    return PenaltyState(seen, counts), dataclasses.replace(smd, pen_rows=own)
+
+
+def accepted_drafts(samples, tokens, md: BatchedAttnMetadata):
+    """samples i32[N * W] (row r*W+j: the target's sample at row r's position j), tokens i32[T]
+    -> i32[N]: how many leading drafts each row accepts (sample of j == draft at j + 1)."""
+    from metrale_jax.layers.spec_states import verify_grid
+
+    w = md.verify_width
+    idx, mask = verify_grid(md)
+    n = idx.shape[0]
+    s = samples.reshape(n, w)
+    drafts = tokens[idx]  # [N, W]; column j+1 is the draft checked by the sample of column j
+    ok = (s[:, :-1] == drafts[:, 1:]) & mask[:, 1:]
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, attn, max_logprobs: int):
+    """One verify step (see the module doc) -> (state, SampleOutput with `spec_accepted` i32[N])."""
+    from metrale_jax.layers.spec_states import add_scratch, commit, verify_grid
+    from metrale_jax.sampling import PenaltyState, SampleOutput, sample, update_penalty_state
+    from metrale_jax.step import StepState
+
+    n, w = pmd.num_streams, pmd.verify_width
+    pen = update_penalty_state(state.penalties, tokens, smd)  # t0 of each penalized row
+    ms = state.model
+    if ms.ssm:
+        ms = dataclasses.replace(ms, ssm=add_scratch(ms.ssm, n * w))
+    ms, hidden = model.forward_paged(params, ms, tokens, None, pmd, attn)
+    logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[N * W, V]
+    idx, mask = verify_grid(pmd)
+    tok_grid = tokens[idx]
+    wps, wsmd = _window_penalties(pen, smd, tok_grid, mask, w)
+    tok, lp, rank, top_ids, top_lp = sample(logits, wsmd, wps, max_logprobs=max_logprobs,
+                                            branches=attn.sampler_branches)
+    acc = accepted_drafts(tok, tokens, pmd)
+    if ms.ssm:
+        ms = dataclasses.replace(ms, ssm=commit(ms.ssm, pmd.ssm_slots, acc, w))
+    rows = pen.prompt_seen.shape[0]
+    if rows:  # count the accepted drafts (positions 1..a_r) of penalized rows
+        j = jnp.arange(w)[None, :]
+        row_pen = smd.pen_rows.reshape(n, w)[:, 0]
+        keep = mask & (j >= 1) & (j <= acc[:, None]) & (row_pen[:, None] >= 0)
+        r = jnp.where(keep, row_pen[:, None], rows).reshape(-1)
+        pen = PenaltyState(pen.prompt_seen, pen.out_counts.at[r, tok_grid.reshape(-1)].add(1, mode="drop"))
+    k = max(max_logprobs, 1)
+    t = tokens.shape[0]
+    out = SampleOutput(tok, lp, rank, top_ids, top_lp, jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
+                       jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32), spec_accepted=acc)
+    return StepState(ms, pen), out
+
+
+# ---- the engine's side (host) ---------------------------------------------------------------------
+def dispatch_verify(engine, sched):
+    """Build and run a verify step for `sched.decode` (no prefill chunks); -> the engine's _InFlight,
+    or None for a plain decode step: when no row has drafts (1 token per row instead of 1 + k), or
+    when a row follows a grammar (structured output masks one position per row: not speculated).
+
+    `Scheduler.complete` (which counts the computed tokens and, with prefix caching, registers the
+    filled blocks and picks the SSM snapshots to take) runs in `finish_verify`, once the accepted
+    counts are known: a snapshot is then only ever taken of a verified state at a block boundary."""
+    if any(getattr(s, "grammar", None) is not None for s in sched.decode):
+        return None
+    from metrale_jax.engine.compile import _ceil_bucket
+    from metrale_jax.engine.engine import _InFlight
+    from metrale_jax.metadata_builder import StepBucket, pack
+    from metrale_jax.parallel import local
+
+    spec = engine.config.speculative_config
+    rows, sampled = [], []
+    for s in sched.decode:
+        assert not s.inflight, "speculative decoding steps synchronously"
+        drafts = draft_tokens(s, s.spec_len, spec) if s.spec_len else []
+        p = s.request.params
+        rows.append(VerifyRow(tokens=[s.token_ids[-1], *drafts], position=s.num_computed, block_table=s.blocks,
+                              sampling=engine._row_sampling(s), ssm_slot=s.ssm_slot, suppress_until=p.min_tokens,
+                              stop_ids=tuple(sorted(engine._stop_ids(p))) if p.min_tokens else ()))
+        sampled.append((len(sampled), s, len(drafts)))
+    if not any(n for _, _, n in sampled):
+        return None
+    k = spec.num_speculative_tokens
+    if engine.lora is not None:
+        engine.lora.assign_slots(engine, sched, rows, [])
+    bucket = StepBucket("verify", num_seqs=_ceil_bucket(engine.config.decode_buckets, len(rows)), num_spec=k)
+    inputs = build_verify_step(engine.builder, bucket, rows)
+    _, ibuf, fbuf = pack(engine.builder, inputs)
+    engine._announce("step", bucket, ibuf, fbuf, None)  # processes under jax.distributed run it too
+    dev = engine.compiler.put(ibuf, fbuf)
+    engine.state, out, engine._next_tokens = engine.compiler.run(bucket, engine.params, engine.state, dev,
+                                                                 engine._next_tokens)
+    for _, s, _ in sampled:
+        s.inflight += 1
+    from metrale_jax.sampling import F_LOGPROBS
+
+    want_lp = bool(inputs.smd.flags[F_LOGPROBS])
+    names = ["token_ids", "logprobs", "spec_accepted"] + (["ranks", "top_ids", "top_logprobs"] if want_lp else [])
+    arrays = [local(getattr(out, n)) for n in names]
+    for a in arrays:
+        a.copy_to_host_async()
+    return _InFlight(sched, inputs, sampled, names, arrays, want_lp, False)
+
+
+def finish_verify(engine, f):
+    """Apply a verify step's samples: each row emits its accepted drafts and one more token."""
+    import time
+
+    from metrale_jax.engine.scheduler import ScheduledStep, SeqStatus
+    from metrale_jax.sampling import RequestOutputKind
+
+    out = dict(zip(f.names, jax.device_get(f.arrays)))
+    w = f.inputs.bucket.num_spec + 1
+    now = time.time()
+    touched = {}
+    st = engine.spec_stats
+    live = []  # (sequence, accepted drafts) of the rows still running after their tokens
+    for r, seq, n_drafts in f.sampled:
+        seq.inflight -= 1
+        req = seq.request
+        a = min(int(out["spec_accepted"][r]), n_drafts)
+        if n_drafts:
+            st["spec_num_drafts"] += 1
+            st["spec_draft_tokens"] += n_drafts
+            st["spec_accepted_tokens"] += a
+        if req.aborted or seq.status == SeqStatus.FINISHED:
+            continue
+        for j in range(a + 1):
+            engine._append_token(seq, r * w + j, out, f.want_lp)
+            if seq.status == SeqStatus.FINISHED:
+                break
+        if seq.status == SeqStatus.RUNNING:
+            live.append((seq, a))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        touched[req.request_id] = req
+    # t0 and the accepted drafts are in the cache now (K/V, and the recurrent state of the last
+    # one): count them, then let prefix caching register the blocks and snapshot verified states
+    for seq, a in live:
+        seq.num_computed += a
+    done = ScheduledStep([seq for seq, _ in live], [], [])
+    engine.scheduler.complete(done)  # + 1 per row (t0)
+    if getattr(done, "ssm_snapshots", None):
+        engine._announce("ssm_copy", done.ssm_snapshots)
+        engine.state = engine.compiler.copy_ssm_slots(engine.state, done.ssm_snapshots)
+    outputs = []
+    for req in touched.values():
+        if req.finished:
+            req.finish_time = now
+            engine.requests.pop(req.request_id, None)
+        elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
+            continue
+        outputs.append(engine._request_output(req))
+    return outputs

@@ -1,0 +1,116 @@
+"""Multi-token prediction (MTP) heads: the draft model that Qwen3-Next (and DeepSeek-V3, GLM-4.5)
+checkpoints ship under `mtp.*`, as vLLM defines it (`Qwen3NextMultiTokenPredictor`):
+
+    x_i = fc(concat(norm_e(embed(tok[i+1])), norm_h(h[i])))      (fc: 2H -> H, no bias)
+    x   = decoder_layer(x)          one full-attention layer of the family, causal over i
+    logits = lm_head(norm(x))       the target's embedding table and LM head, shared
+
+h[i] is the target's last hidden state at position i (after its final norm: what its LM head
+reads) and tok[i+1] the token that followed; position i's logits predict tok[i+2]. With k > 1
+drafts the head is applied again on its own output (layer `step % num_mtp_layers`).
+
+`mtp_head` is the family-independent part; a family supplies its norm and decoder layer.
+Qwen3-Next's: `load_qwen3_next_mtp` (reads `mtp.*`; the main loader skips them, so they cost no
+memory unless asked for) and `qwen3_next_mtp_logits` (dense, for research and the reference test).
+Not wired into the engine's verify step yet (issue 16: the MTP drafter is future work).
+
+Parameter tree: fc [2H, H], norm_embed / norm_hidden / norm [H], and per MTP layer (Lm of them)
+layers/{in_norm, post_norm [Lm, H], router, experts_*, shared_*} and attn/{wq, wkv, wo, q_norm,
+k_norm} in the layouts of `models/qwen3_next.py`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.layers.attention import dense_causal_attention
+from metrale_jax.layers.stack import take_layer
+
+
+def mtp_head(norm, mtp: dict, embed_rows, hidden, layer_fn):
+    """The family-independent MTP head up to its final norm: embed_rows [..., H] (embeddings of
+    tok[i+1]), hidden [..., H] (target h[i]) -> [..., H]. `norm(x, w)` is the family's RMSNorm,
+    `layer_fn(x)` its decoder layer (residuals included)."""
+    x = jnp.concatenate([norm(embed_rows, mtp["norm_embed"]), norm(hidden, mtp["norm_hidden"])], axis=-1)
+    x = jnp.einsum("...i,io->...o", x, mtp["fc"].astype(x.dtype))
+    return norm(layer_fn(x), mtp["norm"])
+
+
+# ---- Qwen3-Next ------------------------------------------------------------------------------------
+def num_mtp_layers(names) -> int:
+    """How many `mtp.layers.<i>.` a checkpoint's tensor names hold."""
+    ids = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
+    return max(ids) + 1 if ids else 0
+
+
+def load_qwen3_next_mtp(cfg: ModelConfig, reader) -> dict:
+    """Read a Qwen3-Next checkpoint's `mtp.*` tensors through a WeightReader (device arrays)."""
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    e, im, ish = cfg.get("num_experts"), cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
+    lm = num_mtp_layers(reader.source.names())
+    if lm == 0:
+        raise ValueError("the checkpoint has no mtp.layers.* tensors")
+    st, get = reader.stacked, reader.get
+    layers = {"in_norm": st(lm, (h,)), "post_norm": st(lm, (h,)), "router": st(lm, (h, e)),
+              "experts_gate_up": st(lm, (e, h, 2 * im)), "experts_down": st(lm, (e, im, h)),
+              "shared_gate_up": st(lm, (h, 2 * ish)), "shared_down": st(lm, (ish, h)), "shared_gate": st(lm, (h, 1))}
+    attn = {"wq": st(lm, (h, hq * 2 * d)), "wkv": st(lm, (h, 2 * hkv * d)), "wo": st(lm, (hq * d, h)),
+            "q_norm": st(lm, (d,)), "k_norm": st(lm, (d,))}
+    for i in range(lm):
+        p = f"mtp.layers.{i}."
+        layers["in_norm"][i] = get(p + "input_layernorm.weight", (h,))
+        layers["post_norm"][i] = get(p + "post_attention_layernorm.weight", (h,))
+        m = p + "mlp."
+        layers["router"][i] = get(m + "gate.weight", (e, h), cast=True).T
+        for j in range(e):
+            q = f"{m}experts.{j}."
+            gu = np.concatenate([get(q + "gate_proj.weight", (im, h), cast=True), get(q + "up_proj.weight", (im, h),
+                                                                                      cast=True)])
+            layers["experts_gate_up"][i, j] = gu.T
+            layers["experts_down"][i, j] = get(q + "down_proj.weight", (h, im), cast=True).T
+        s = m + "shared_expert."
+        gu = np.concatenate([get(s + "gate_proj.weight", (ish, h), cast=True), get(s + "up_proj.weight", (ish, h),
+                                                                                   cast=True)])
+        layers["shared_gate_up"][i] = gu.T
+        layers["shared_down"][i] = get(s + "down_proj.weight", (h, ish), cast=True).T
+        layers["shared_gate"][i] = get(m + "shared_expert_gate.weight", (1, h), cast=True).T
+        a = p + "self_attn."
+        attn["wq"][i] = get(a + "q_proj.weight", (hq * 2 * d, h), cast=True).T
+        wk, wv = get(a + "k_proj.weight", (hkv * d, h)), get(a + "v_proj.weight", (hkv * d, h))
+        attn["wkv"][i] = np.concatenate([wk, wv]).T
+        attn["wo"][i] = get(a + "o_proj.weight", (h, hq * d), cast=True).T
+        attn["q_norm"][i] = get(a + "q_norm.weight", (d,))
+        attn["k_norm"][i] = get(a + "k_norm.weight", (d,))
+    mtp = {"fc": np.ascontiguousarray(get("mtp.fc.weight", (h, 2 * h), cast=True).T),
+           "norm_embed": get("mtp.pre_fc_norm_embedding.weight", (h,)),
+           "norm_hidden": get("mtp.pre_fc_norm_hidden.weight", (h,)),
+           "norm": get("mtp.norm.weight", (h,)), "layers": layers, "attn": attn}
+    return reader.to_device(mtp)
+
+
+def qwen3_next_mtp_logits(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidden, positions, lengths,
+                          step: int = 0):
+    """Dense MTP draft logits. tokens_next i32[B, T] (tok[i+1]), hidden [B, T, H] (target h[i]),
+    positions i32[B, T] (i), lengths i32[B] -> f32[B, T, V] (position i predicts tok[i+2])."""
+    from metrale_jax.models import qwen3_next as q3
+
+    b, t = tokens_next.shape
+    nl = mtp["layers"]["in_norm"].shape[0]
+    lp, ap = take_layer(mtp["layers"], step % nl), take_layer(mtp["attn"], step % nl)
+
+    def norm(x, w):
+        return q3._norm(cfg, x, w)
+
+    def layer(x):  # x [B, T, H]: Qwen3NextDecoderLayer with full attention
+        xf = x.reshape(b * t, -1)
+        q, k, v, gate = q3._attn_qkv(cfg, ap, norm(xf, lp["in_norm"]), positions.reshape(-1))
+        o = dense_causal_attention(*(a.reshape((b, t) + a.shape[1:]) for a in (q, k, v)), lengths,
+                                   cfg.head_dim**-0.5)
+        xf = xf + q3._attn_out(ap, o.reshape(b * t, -1, cfg.head_dim), gate)
+        xf = xf + q3._moe(cfg, lp, norm(xf, lp["post_norm"]))
+        return xf.reshape(b, t, -1)
+
+    y = mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer)
+    return q3.compute_logits(cfg, params, y)
