@@ -721,8 +721,12 @@ class LLMEngine:
         for c in f.sched.chunks:  # prompt logprobs progress without sampling
             if c.seq.request.prompt_logprobs is not None and not c.seq.request.aborted:
                 touched.setdefault(c.seq.request.request_id, c.seq.request)
+        return self._outputs(touched.values(), now)
+
+    def _outputs(self, touched, now: float) -> list[RequestOutput]:
+        """The outputs of the requests a step advanced (finished ones leave `requests`)."""
         outputs = []
-        for req in touched.values():
+        for req in touched:
             if req.finished:
                 req.finish_time = now
                 self.requests.pop(req.request_id, None)

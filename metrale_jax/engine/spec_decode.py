@@ -344,7 +344,6 @@ def finish_verify(engine, f):
     import time
 
     from metrale_jax.engine.scheduler import ScheduledStep, SeqStatus
-    from metrale_jax.sampling import RequestOutputKind
 
     out = dict(zip(f.names, jax.device_get(f.arrays)))
     w = f.inputs.bucket.num_spec + 1
@@ -380,12 +379,4 @@ def finish_verify(engine, f):
     if getattr(done, "ssm_snapshots", None):
         engine._announce("ssm_copy", done.ssm_snapshots)
         engine.state = engine.compiler.copy_ssm_slots(engine.state, done.ssm_snapshots)
-    outputs = []
-    for req in touched.values():
-        if req.finished:
-            req.finish_time = now
-            engine.requests.pop(req.request_id, None)
-        elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
-            continue
-        outputs.append(engine._request_output(req))
-    return outputs
+    return engine._outputs(touched.values(), now)
