@@ -26,6 +26,10 @@ def main(argv=None) -> int:
 
     import jax
 
+    # two processes must not write JAX's persistent cache at once (tests.conftest, imported by the
+    # speculative case, turns it on): a half-written entry crashes a later run that reads it
+    jax.config.update("jax_enable_compilation_cache", False)
+
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                                process_id=args.process_id)
     from tests.tp_check import run_family

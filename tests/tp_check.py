@@ -149,6 +149,9 @@ def check_shard_heads() -> None:
 
 
 def main(argv=None) -> int:
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)  # see FIXTURES above
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", action="append", default=None)
     ap.add_argument("--variant", action="append", default=None, help="N, N:ep or N:pallas")
