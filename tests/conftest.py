@@ -1,4 +1,6 @@
-"""Shared pytest setup: JAX's persistent compilation cache, and skipping `gpu` tests off-GPU."""
+"""Shared pytest setup: skipping `gpu` tests off-GPU. JAX's persistent compilation cache stays
+off on the CPU (compile.setup_compilation_cache: a cached XLA:CPU executable read back can abort
+the process in jax 0.11.2); on the GPU it lives under ~/.cache/metrale_jax/jax_cache_tests."""
 
 import os
 from pathlib import Path
@@ -7,8 +9,9 @@ import jax
 import pytest
 
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "metrale_jax" / "jax_cache_tests"
-jax.config.update("jax_compilation_cache_dir", str(_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 

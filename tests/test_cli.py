@@ -26,8 +26,8 @@ from tests.conftest import FIXTURES
 ROOT = Path(__file__).resolve().parents[1]
 # one engine shape and compilation cache (the suite's, conftest.py) for every test that builds an
 # engine, in this process or in a subprocess, so that they share compiled executables
-ENGINE_ARGS = ["--max-model-len", "2048", "--sample-seed", "3",
-               "--compilation-cache-dir", jax.config.jax_compilation_cache_dir]
+ENGINE_ARGS = ["--max-model-len", "2048", "--sample-seed", "3"] + (
+    ["--compilation-cache-dir", jax.config.jax_compilation_cache_dir] if jax.config.jax_compilation_cache_dir else [])
 
 
 @pytest.fixture(scope="module")
