@@ -56,25 +56,15 @@ MIN_ROTATION_BYTES = 256e6
 
 
 def _memcpy() -> float:
+    """torch copy_ bandwidth (bytes/s): bench/kernels/linear.py's measurement."""
+    import sys
+
     import torch
 
-    n = 2**30
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        ts.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2 * n / float(np.median(ts))  # read + write bytes / s
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from linear import _memcpy as memcpy
+
+    return memcpy(torch)
 
 
 def _weights(key, n, k, kind, group, copies):
