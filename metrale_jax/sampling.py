@@ -53,11 +53,12 @@ _MAX_SEED = 2**64
 
 class RequestOutputKind(enum.IntEnum):
     """What `LLMEngine.step()` returns for a request, as vLLM: CUMULATIVE, every step, the whole
-    output so far (the default; a streaming server diffs consecutive outputs); FINAL_ONLY, one
-    output when the request finishes (what `LLM.generate` uses: no per-step copies of growing
-    token lists). (vLLM's DELTA is not offered.)"""
+    output so far (the default); DELTA, every step, only what is new since the request's last
+    output (token ids, text, logprobs; what the server streams: nothing grows with the output);
+    FINAL_ONLY, one output when the request finishes (what `LLM.generate` uses)."""
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

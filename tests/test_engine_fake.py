@@ -127,7 +127,39 @@ def test_output_kinds(eng, W):
         fake_greedy(W, p, 12, use_ssm=True, ignore_eos=True)
     assert seen["fin"][0].outputs[0].text == seen["cum"][-1].outputs[0].text
     with pytest.raises(InvalidSamplingParamsError, match="output_kind"):
-        SamplingParams(output_kind=1)
+        SamplingParams(output_kind=3)
+
+
+def test_delta_outputs_concatenate_to_the_final_output(eng, W):
+    """DELTA returns only what is new: its token ids, text and logprobs, concatenated over the
+    steps, are the CUMULATIVE request's final ones (n=2, a stop string held back, logprobs and
+    prompt logprobs, the latter sent once); no output comes with nothing new."""
+    p = _ids(9, 5)
+    text = eng.tokenizer.decode(fake_greedy(W, p, 30, use_ssm=True, ignore_eos=True))
+    stop = text[20:23]
+    kw = dict(temperature=0.8, seed=3, n=2, max_tokens=30, ignore_eos=True, stop=stop, logprobs=2, prompt_logprobs=1)
+    for rid, kind in (("cum", RequestOutputKind.CUMULATIVE), ("delta", RequestOutputKind.DELTA)):
+        eng.add_request(rid, {"prompt_token_ids": p}, SamplingParams(output_kind=kind, **kw))
+    seen = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    final = {c.index: c for c in seen["cum"][-1].outputs}
+    assert [o.prompt_logprobs is not None for o in seen["delta"]].count(True) == 1
+    assert seen["delta"][0].prompt_logprobs == seen["cum"][-1].prompt_logprobs
+    assert all(o.finished or o.prompt_logprobs is not None or any(c.token_ids or c.text for c in o.outputs)
+               for o in seen["delta"])
+    for i in (0, 1):
+        parts = [c for o in seen["delta"] for c in o.outputs if c.index == i]
+        assert [t for c in parts for t in c.token_ids] == final[i].token_ids
+        assert "".join(c.text for c in parts) == final[i].text and stop not in final[i].text
+        assert [lp for c in parts for lp in c.logprobs] == final[i].logprobs
+        assert parts[-1].finish_reason == final[i].finish_reason
+    joined = seen["delta"][0]  # RequestOutput.add (the server's Subscription) joins deltas in place
+    for o in seen["delta"][1:]:
+        joined.add(o)
+    assert joined.finished and joined.prompt_logprobs == seen["cum"][-1].prompt_logprobs
+    assert sorted(joined.outputs, key=lambda c: c.index) == sorted(seen["cum"][-1].outputs, key=lambda c: c.index)
 
 
 def test_min_tokens_suppresses_eos(eng, W):

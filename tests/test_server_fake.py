@@ -424,8 +424,9 @@ def _access_lines(caplog) -> list[str]:
 
 
 def test_access_log_one_line_per_request(caplog):
-    with caplog.at_level(logging.DEBUG, logger="metrale_jax.server.access"):
-        with BackgroundServer(FakeEngine(step_delay_s=0.001), ServerConfig(model_names=(MODEL,))) as srv, \
+    # (capture from this server's start on: the module's server may still log its last request)
+    with BackgroundServer(FakeEngine(step_delay_s=0.001), ServerConfig(model_names=(MODEL,))) as srv:
+        with caplog.at_level(logging.DEBUG, logger="metrale_jax.server.access"), \
                 httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5}).status_code == 200
             ev = stream_post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale_jax.errors import EmptyPromptError, InvalidSamplingParamsError, MaxTokensTooLargeError, PromptTooLongError
-from metrale_jax.sampling import SamplingParams
+from metrale_jax.sampling import RequestOutputKind, SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
@@ -61,6 +61,23 @@ class _Seq:
     logprobs: list | None = None
     finish: str | None = None
     stop_reason: str | int | None = None
+    sent_ids: int = 0  # RequestOutputKind.DELTA: tokens and characters returned already
+    sent_text: int = 0
+
+    def output(self, params: SamplingParams) -> CompletionOutput:
+        """CUMULATIVE: everything so far; DELTA: what is new, holding back text that could still
+        become a stop string (as LLMEngine)."""
+        if params.output_kind != RequestOutputKind.DELTA:
+            return CompletionOutput(self.index, self.text, list(self.ids), None,
+                                    list(self.logprobs) if self.logprobs is not None else None,
+                                    self.finish, self.stop_reason)
+        hold = max((len(x) for x in params.stop), default=1) - 1
+        end = len(self.text) if self.finish is not None else max(0, len(self.text) - hold)
+        out = CompletionOutput(self.index, self.text[self.sent_text:end], self.ids[self.sent_ids:], None,
+                               self.logprobs[self.sent_ids:] if self.logprobs is not None else None,
+                               self.finish, self.stop_reason)
+        self.sent_ids, self.sent_text = len(self.ids), max(self.sent_text, end)
+        return out
 
 
 @dataclass
@@ -182,12 +199,10 @@ class FakeEngine:
                                          or len(r.prompt_ids) + len(s.ids) >= self.config.max_model_len):
                     s.finish = "length"
             done = all(s.finish is not None for s in r.seqs)
-            outs.append(RequestOutput(
-                request_id=r.rid, prompt=r.prompt, prompt_token_ids=list(r.prompt_ids), prompt_logprobs=None,
-                outputs=[CompletionOutput(s.index, s.text, list(s.ids), None,
-                                          list(s.logprobs) if s.logprobs is not None else None,
-                                          s.finish, s.stop_reason) for s in r.seqs],
-                finished=done))
+            if done or p.output_kind != RequestOutputKind.FINAL_ONLY:
+                outs.append(RequestOutput(request_id=r.rid, prompt=r.prompt, prompt_token_ids=r.prompt_ids,
+                                          prompt_logprobs=None, outputs=[s.output(p) for s in r.seqs],
+                                          finished=done))
             if done:
                 del self.reqs[r.rid]
         return outs

@@ -76,7 +76,7 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that give none
     attention: AttentionConfig | None = None  # None: the Pallas kernels on GPU, the XLA reference on CPU
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX persistent cache; None = off
-    compile_workers: int | None = None  # threads lowering/compiling buckets; None: min(8, CPU count)
+    compile_workers: int | None = None  # threads lowering/compiling buckets; None: min(8, CPU count), 1 on the CPU
     show_progress: bool = True
     # Run every compiled step once at start-up on padding inputs (which write nothing), so that
     # the first requests pay no first-execution costs (command-buffer capture, Mosaic GPU kernel
@@ -185,7 +185,8 @@ class EngineConfig:
             attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             max_cpu_loras=cpu_loras,
-            compile_workers=self.compile_workers or max(1, min(8, os.cpu_count() or 1)),
+            # one compile thread on the CPU: in jax 0.11.2 two XLA:CPU compiles at once can crash the process
+            compile_workers=self.compile_workers or (max(1, min(8, os.cpu_count() or 1)) if on_gpu else 1),
             swap_block_buckets=_swap_buckets(-(-mml // self.block_size), self.swap_block_buckets)
             if mode == "swap" or offload else (), kv_offloading_size=offload,
         )

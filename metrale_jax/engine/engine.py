@@ -732,7 +732,11 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
             elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(self._request_output(req))
+            out = self._request_output(req)
+            if (req.params.output_kind == RequestOutputKind.DELTA and not req.finished
+                    and out.prompt_logprobs is None and not any(o.token_ids or o.text for o in out.outputs)):
+                continue  # nothing new
+            outputs.append(out)
         return outputs
 
     # ---- outputs ---------------------------------------------------------------------------------
@@ -801,25 +805,37 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _request_output(self, req: Request) -> RequestOutput:
+        """The request's output: whole (CUMULATIVE, FINAL_ONLY) or what is new since its last
+        output (DELTA: slices of the new part only, so a long stream costs nothing per token that
+        grows with the output). Text that could still become a stop string is held back."""
+        delta = req.params.output_kind == RequestOutputKind.DELTA
         outs = []
         hold = max((len(s) for s in req.params.stop), default=1) - 1
         for seq in req.seqs:
-            text = seq.text
-            if seq.finish_reason is None and hold > 0:
-                text = text[: max(0, len(text) - hold)]
+            end = len(seq.text) if seq.finish_reason is not None else max(0, len(seq.text) - hold)
+            first = seq.prompt_len + seq.sent_tokens if delta else seq.prompt_len
+            lps = None
+            if seq.logprobs is not None:
+                lps = seq.logprobs[seq.sent_tokens:] if delta else list(seq.logprobs)
             outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_ids,  # a new list (a slice)
+                index=seq.index, text=seq.text[seq.sent_text:end] if delta else seq.text[:end],
+                token_ids=seq.token_ids[first:],  # a new list (a slice)
                 cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             ))
+            if delta:
+                seq.sent_tokens, seq.sent_text = seq.num_outputs, max(seq.sent_text, end)
         plp = None
-        if req.prompt_logprobs is not None:
+        if req.prompt_logprobs is not None and not (delta and req.prompt_logprobs_sent):
             plp = list(req.prompt_logprobs)
             plp[0] = None
+            # DELTA: sent once, complete (with the first output that follows the whole prompt)
+            req.prompt_logprobs_sent = delta and all(s.num_computed >= s.prompt_len for s in req.seqs)
+            if delta and not req.prompt_logprobs_sent:
+                plp = None
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time}
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, req.finished,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, req.finished,
                              metrics=metrics)
 
     # ---- convenience -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Request outputs, shaped like vLLM's (`RequestOutput`, `CompletionOutput`, `Logprob`).
 
-Outputs are cumulative: every `LLMEngine.step()` returns the whole text / token ids so far; a
-streaming server diffs consecutive outputs.
+`SamplingParams.output_kind` picks what `LLMEngine.step()` returns: the whole text / token ids so
+far (CUMULATIVE), only what is new (DELTA: the server streams these; `RequestOutput.add` joins
+deltas), or one final output (FINAL_ONLY).
 """
 
 from __future__ import annotations
@@ -49,3 +50,21 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times (seconds)
+
+    def add(self, later: RequestOutput) -> None:
+        """Append a later DELTA output of the same request to this one (in place): token ids, text
+        and logprobs concatenate; finish state, cumulative logprob and metrics are the later's."""
+        mine = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            a = mine.get(o.index)
+            if a is None:
+                self.outputs.append(o)
+                continue
+            a.text += o.text
+            a.token_ids = a.token_ids + o.token_ids
+            if o.logprobs is not None:
+                a.logprobs = (a.logprobs or []) + o.logprobs
+            a.cumulative_logprob, a.finish_reason, a.stop_reason = o.cumulative_logprob, o.finish_reason, o.stop_reason
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.metrics = later.finished, later.metrics

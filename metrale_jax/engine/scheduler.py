@@ -101,6 +101,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # eos (unless ignore_eos) + stop_token_ids
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict | None] | None = None  # filled as prefill chunks compute them
+    prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: returned already
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -151,6 +152,8 @@ class Sequence:
     grammar: Any = None  # structured output: the sequence's llguidance LLMatcher (None = free text)
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
+    sent_tokens: int = 0  # RequestOutputKind.DELTA: output tokens (and their logprobs) already returned
+    sent_text: int = 0  # ... and characters of `text`
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

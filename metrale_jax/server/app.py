@@ -66,10 +66,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from metrale_jax.engine.outputs import CompletionOutput
 from metrale_jax.errors import InvalidPromptError, InvalidRequestError, MetraleError
 from metrale_jax.llm import chat_template_error_message
 from metrale_jax.lora.request import LoRARequest
-from metrale_jax.sampling import SamplingParams
+from metrale_jax.sampling import RequestOutputKind, SamplingParams
 from metrale_jax.server.engine_loop import (
     DrainTimeoutError,
     EngineDeadError,
@@ -209,7 +210,7 @@ class _Generation:
         self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
-        self.final: dict[int, Any] = {}  # choice index -> CompletionOutput (last seen)
+        self.final: dict[int, Any] = {}  # choice index -> CompletionOutput: the deltas so far, joined
 
     def engine_ids(self, num_prompts: int) -> list[str]:
         return [f"{self.id}-{i}" for i in range(num_prompts)]
@@ -219,14 +220,24 @@ class _Generation:
         return int(rid.rsplit("-", 1)[1])
 
     def _observe(self, out: Any) -> list[tuple[_Choice, Any]]:
+        """Add a DELTA output to the choices' whole outputs so far (`final`, owned here)."""
         pi = self.prompt_index(out.request_id)
         self.prompt_tokens[pi] = len(out.prompt_token_ids or ())
         res = []
         for o in out.outputs:
             ci = pi * self.n + o.index
-            self.completion_tokens[ci] = len(o.token_ids)
-            self.final[ci] = o
-            res.append((self.choices[ci], o))
+            acc = self.final.get(ci)
+            if acc is None:
+                acc = self.final[ci] = CompletionOutput(o.index, "", [], None, None)
+            acc.text += o.text
+            acc.token_ids.extend(o.token_ids)
+            if o.logprobs is not None:
+                acc.logprobs = acc.logprobs or []
+                acc.logprobs.extend(o.logprobs)
+            acc.cumulative_logprob, acc.finish_reason, acc.stop_reason = o.cumulative_logprob, o.finish_reason, \
+                o.stop_reason
+            self.completion_tokens[ci] = len(acc.token_ids)
+            res.append((self.choices[ci], acc))
         return res
 
     def usage(self) -> dict:
@@ -634,7 +645,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         if access is not None:
             access["request_id"] = gen.id
             access["gen"] = gen
-        params = SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)  # _Generation joins them
         reqs = [(rid, p, params, lora) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
         return await loop_.submit(reqs)
 

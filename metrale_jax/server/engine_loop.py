@@ -86,14 +86,14 @@ class _Tracked:
     arrival: float
     first_token: float | None = None
     last_token: dict[int, float] = field(default_factory=dict)  # output index -> time of its last token
-    num_tokens: dict[int, int] = field(default_factory=dict)  # output index -> tokens seen
 
 
 class Subscription:
     """The outputs of a group of engine requests that one HTTP request made (one per prompt).
 
     Iterate `updates()` on the event loop: each item is the list of outputs that changed since the
-    last item (latest cumulative output per request). It ends when every request has finished.
+    last item (one DELTA output per request: the engine's deltas since the last item, joined).
+    It ends when every request has finished.
     """
 
     def __init__(self, owner: EngineLoop, request_ids: Sequence[str]):
@@ -113,7 +113,9 @@ class Subscription:
         rid = out.request_id
         if rid not in self._changed:
             self._changed.append(rid)
-        self._latest[rid] = out
+            self._latest[rid] = out
+        else:  # the reader has not taken the previous delta yet
+            self._latest[rid].add(out)
         if out.finished:
             self._unfinished.discard(rid)
         self._event.set()
@@ -255,7 +257,7 @@ class EngineLoop:
             tr = self._tracked.get(rid)
             if tr is not None and m is not None:
                 for o in out.outputs:
-                    n_new = len(o.token_ids) - tr.num_tokens.get(o.index, 0)
+                    n_new = len(o.token_ids)  # a DELTA output: its new tokens
                     if n_new <= 0:
                         continue
                     if tr.first_token is None:
@@ -266,7 +268,6 @@ class EngineLoop:
                         for _ in range(n_new):
                             m.itl.observe(gap)
                     tr.last_token[o.index] = now
-                    tr.num_tokens[o.index] = len(o.token_ids)
             sub._push(out)
             if out.finished:
                 self._subs.pop(rid, None)
