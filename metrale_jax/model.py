@@ -121,7 +121,7 @@ class Model:
 
 def load_model(
     path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
-    quantization: str | None = None, revision: str | None = None, split_layers: bool = False,
+    quantization: str | None = None, revision: str | None = None, split_layers: bool = False, sharder=None,
 ) -> tuple[Model, dict]:
     """Load a checkpoint (HF safetensors directory, GGUF file, a known alias, or a Hugging Face
     repo id `org/name` at `revision`, fetched with huggingface_hub: `loading/hub.py`) -> (model, params).
@@ -138,7 +138,10 @@ def load_model(
     default), which otherwise splits them itself, through host memory (11-12 s for 8B weights);
     `LLM(...)` / `LLMEngine.from_config` ask for it when the engine will walk the layers in Python.
     Leave it off for `model.forward` under `lax.scan` (research use), which would re-stack the
-    parts. Raises a `LoadError` subclass naming the file or tensor on any problem.
+    parts. `sharder` (a `parallel.Sharder`): place every parameter on its tensor-parallel shards
+    while reading, a layer at a time (each device receives only its slice, and the host holds one
+    layer of a parameter, never the whole model); `LLM(..., tensor_parallel_size=N)` asks for it.
+    Raises a `LoadError` subclass naming the file or tensor on any problem.
     """
     from metrale_jax.layers.stack import device_put_layers, host_stacked
     from metrale_jax.loading import orbax_io
@@ -175,12 +178,16 @@ def load_model(
     try:
         if cache_dir is not None and orbax_io.has_params(cache_dir):
             host, _ = orbax_io.restore_params(cache_dir)
-            params = device_put_layers(host) if split_layers else jax.tree.map(jax.device_put, host)
+            if sharder is not None:
+                params = WeightReader(None, dtype, split_layers=split_layers, sharder=sharder).to_device(host)
+            else:
+                params = device_put_layers(host) if split_layers else jax.tree.map(jax.device_put, host)
             log.info("restored converted parameters from %s", cache_dir)
         else:
             reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
                                   quantize_fp8=quantization == "fp8", split_layers=split_layers,
-                                  w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization))
+                                  w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization),
+                                  sharder=sharder)
             params = fam.load_params(cfg, reader)
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
@@ -212,10 +219,10 @@ def _w4_quantization(quantization) -> str | None:
 
 def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2,
                  repeat_layers: bool = False, quantization: str | None = None,
-                 split_layers: bool = False) -> tuple[Model, dict]:
+                 split_layers: bool = False, sharder=None) -> tuple[Model, dict]:
     """A model of `config`'s architecture (an HF config.json dict) with random weights
     (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`; quantization and
-    split_layers as in `load_model`)."""
+    split_layers and sharder as in `load_model`)."""
     from metrale_jax.loading.random_weights import RandomWeightReader
 
     cfg = ModelConfig.from_hf(config)
@@ -224,7 +231,7 @@ def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: flo
     params = fam.load_params(cfg, RandomWeightReader(dtype, seed=seed, scale=scale, repeat_layers=repeat_layers,
                                                     quantize_fp8=_check_quantization(quantization),
                                                     quantize_w4=_w4_quantization(quantization),
-                                                    split_layers=split_layers))
+                                                    split_layers=split_layers, sharder=sharder))
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
                   eos_token_ids=tuple(cfg.eos_token_ids))
     return model, params

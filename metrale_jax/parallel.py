@@ -126,13 +126,25 @@ class Sharder:
 
     def param_sharding(self, path, x) -> NamedSharding:
         names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path]
-        name = next((n for n in reversed(names) if n and not n.isdigit() and n != "parts"), "")
+        return self.sharding_for(names, x.shape)
+
+    def sharding_for(self, names, shape: tuple[int, ...]) -> NamedSharding:
+        """The placement of a parameter of `shape` (layer-stacked or one layer's) whose tree path
+        has the keys `names` (the loader streams per-layer arrays through this)."""
+        names = [n for n in names if n and not n.isdigit() and n != "parts"]
+        name = names[-1] if names else ""
         if name in ("w8", "scale_inv"):  # an `Fp8Linear`: [..., N, K] weight and block scales
-            name = next((n for n in reversed(names[:-1]) if n and not n.isdigit() and n != "parts"), name)
-            dim = param_dim(name, x.ndim, self.expert_parallel)
+            name = names[-2] if len(names) > 1 else name
+            dim = param_dim(name, len(shape), self.expert_parallel)
             dim = {-1: -2, -2: -1}.get(dim, dim)  # stored transposed
-            return self._sharding(name, x.shape, dim)
-        return self._sharding(name, x.shape, param_dim(name, x.ndim, self.expert_parallel))
+            return self._sharding(name, shape, dim)
+        return self._sharding(name, shape, param_dim(name, len(shape), self.expert_parallel))
+
+    def put(self, names, x) -> jax.Array:
+        """Host array `x` placed by the rules, each device receiving only its own slice (no
+        cross-process check, unlike `jax.device_put`: every process passes the same `x`)."""
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, self.sharding_for(names, x.shape), lambda idx: x[idx])
 
     def state_sharding(self, path, x) -> NamedSharding:
         names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]

@@ -89,3 +89,29 @@ def test_rules():
     assert sh.param_sharding(path, x).spec == P(None, None, "tp")
     with pytest.raises(ValueError, match="needs that many devices"):
         make_mesh(len(jax.devices()) + 1)
+
+
+def test_streamed_loading_holds_one_layer_on_the_host():
+    """With a sharder the loader sends each layer to the devices as soon as it is read: the host's
+    peak (numpy allocations, tracemalloc) stays a small fraction of the parameters, where the
+    plain load holds all of them; the parameters are the same."""
+    import tracemalloc
+
+    from metrale_jax.model import random_model
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=1024,
+               num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+               max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True, torch_dtype="float32")
+    peaks, trees = [], []
+    for sharder in (None, Sharder(make_mesh(1))):
+        tracemalloc.start()
+        try:
+            _, params = random_model(cfg, sharder=sharder)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        trees.append(params)
+    total = sum(x.nbytes for x in jax.tree.leaves(trees[0]))
+    assert peaks[0] > total and peaks[1] < 0.35 * total, (peaks, total)
+    for a, b in zip(jax.tree.leaves(trees[0]), jax.tree.leaves(trees[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

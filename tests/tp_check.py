@@ -69,7 +69,11 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
     speculative decoding with drafts taken from them (some corrupted)."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
-    model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False)
+    from metrale_jax.parallel import Sharder, make_mesh
+
+    # at TP > 1 the loader streams each parameter to its shards (as LLMEngine.from_config does)
+    sharder = Sharder(make_mesh(tp), expert_parallel=expert_parallel) if tp > 1 else None
+    model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False, sharder=sharder)
     cfg = _config(tp, expert_parallel, interpret_kernels, features)
     if spec_refs is not None:
         from metrale_jax.engine import spec_decode
@@ -148,6 +152,30 @@ def check_shard_heads() -> None:
     assert seen == [(3, 2)], seen
 
 
+def check_streamed_loading() -> None:
+    """`load_model(sharder=...)` gives the parameters of a plain load, each placed as the rules
+    say, stacked or per layer (dense, MoE with and without expert parallelism, FP8 linears and FP8
+    experts, the hybrids)."""
+    import jax
+
+    from metrale_jax import load_model
+    from metrale_jax.layers.stack import host_stacked
+    from metrale_jax.parallel import Sharder, make_mesh
+
+    for family, ep in (("llama_fp8_tiny", False), ("qwen3_moe_fp8_tiny", True), ("qwen3_moe_tiny", False),
+                       ("qwen3_next_tiny", False), ("nemotron_h_tiny", True)):
+        _, want = load_model(FIXTURES / family, dtype="float32", show_progress=False)
+        for split in (False, True):
+            sharder = Sharder(make_mesh(2), expert_parallel=ep)
+            _, got = load_model(FIXTURES / family, dtype="float32", show_progress=False, split_layers=split,
+                                sharder=sharder)
+            placed = jax.tree_util.tree_leaves_with_path(got)
+            assert placed and all(x.sharding == sharder.param_sharding(p, x) for p, x in placed), family
+            assert any(len(x.sharding.device_set) == 2 and not x.sharding.is_fully_replicated for _, x in placed)
+            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(host_stacked(got))):
+                np.testing.assert_array_equal(np.asarray(w), g, err_msg=f"{family} {jax.tree_util.keystr(p)}")
+
+
 def main(argv=None) -> int:
     import jax
 
@@ -158,6 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--atol", type=float, default=1e-4)
     args = ap.parse_args(argv)
     check_shard_heads()
+    check_streamed_loading()
     ok = True
     for fam in args.family or list(PLAN):
         variants = args.variant or PLAN[fam]

@@ -230,11 +230,15 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from metrale_jax.model import load_model
 
-        make_mesh(config.tensor_parallel_size)  # enough devices? (before the model loads)
-        # per-layer arrays straight from the loader when the steps will walk the layers in Python
+        mesh = make_mesh(config.tensor_parallel_size)  # enough devices? (before the model loads)
+        # per-layer arrays straight from the loader when the steps will walk the layers in Python;
+        # with tensor parallelism, each device receives only its shards, a layer at a time
         split = config.attention.unroll_layers if config.attention is not None else _on_gpu()
+        sharder = Sharder(mesh, expert_parallel=config.enable_expert_parallel) \
+            if config.tensor_parallel_size > 1 else None
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
-                                   revision=config.revision, quantization=config.quantization, split_layers=split)
+                                   revision=config.revision, quantization=config.quantization, split_layers=split,
+                                   sharder=sharder)
         return cls(model, params, config)
 
     # ---- LoRA adapters (vLLM's LLMEngine names; the logic lives in metrale_jax/lora) ---------------

@@ -19,13 +19,14 @@ from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear
 from metrale_jax.loading.weights import FP8
 
 
-def _stack(reader, num_layers: int, num_experts: int, k: int, parts, desc: str) -> Fp8Linear:
-    """parts(i, j) -> [(name, N_j)] of layer i, expert j (output order)."""
+def _stack(reader, num_layers: int, num_experts: int, k: int, parts, desc: str, key: str) -> Fp8Linear:
+    """parts(i, j) -> [(name, N_j)] of layer i, expert j (output order); key: the parameter's name."""
     sizes = [n for _, n in parts(0, 0)]
     padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
     starts = np.cumsum([0] + padded[:-1]).tolist()
-    w8 = np.zeros((num_layers, num_experts, sum(padded), k), FP8)
-    scale = np.ones((num_layers, num_experts, sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), np.float32)
+    w8 = reader.stacked(num_layers, (num_experts, sum(padded), k), (key, "w8"), dtype=FP8, fill=0)
+    scale = reader.stacked(num_layers, (num_experts, sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)),
+                           (key, "scale_inv"), dtype=np.float32, fill=1)
     for i in reader.progress(range(num_layers), desc):
         for j in range(num_experts):
             for (name, n), start in zip(parts(i, j), starts):
@@ -47,7 +48,9 @@ def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: i
         return [(prefix.format(i, j) + "gate_proj.weight", inter), (prefix.format(i, j) + "up_proj.weight", inter)]
 
     return {
-        "experts_gate_up": _stack(reader, num_layers, num_experts, hidden, gate_up, "experts gate|up (fp8)"),
+        "experts_gate_up": _stack(reader, num_layers, num_experts, hidden, gate_up, "experts gate|up (fp8)",
+                                  "experts_gate_up"),
         "experts_down": _stack(reader, num_layers, num_experts, inter,
-                               lambda i, j: [(prefix.format(i, j) + "down_proj.weight", hidden)], "experts down (fp8)"),
+                               lambda i, j: [(prefix.format(i, j) + "down_proj.weight", hidden)], "experts down (fp8)",
+                               "experts_down"),
     }

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from metrale_jax.layers.linear import Fp8Linear, W4Linear
-from metrale_jax.loading.weights import WeightReader
+from metrale_jax.loading.weights import LayerStack, WeightReader
 
 _TILE = 1_048_573  # a prime near 2**20
 
@@ -31,9 +31,10 @@ class _NoSource:
 class RandomWeightReader(WeightReader):
     def __init__(self, dtype, seed: int = 0, scale: float = 0.2, tile_above: int = 1 << 24, show_progress=False,
                  repeat_layers: bool = False, quantize_fp8: bool = False, split_layers: bool = False,
-                 quantize_w4: str | None = None):
+                 quantize_w4: str | None = None, sharder=None):
         super().__init__(_NoSource(), dtype, origin="<random>", show_progress=show_progress,
-                         quantize_fp8=quantize_fp8, split_layers=split_layers, quantize_w4=quantize_w4)
+                         quantize_fp8=quantize_fp8, split_layers=split_layers, quantize_w4=quantize_w4,
+                         sharder=sharder)
         self.seed = seed
         self.scale = scale
         self.tile_above = tile_above
@@ -54,15 +55,19 @@ class RandomWeightReader(WeightReader):
         arr = self._draw(name, shape)
         return self.cast(arr) if cast else arr
 
-    def linears(self, num_layers: int, k: int, parts, desc: str = ""):
+    def linears(self, num_layers: int, k: int, parts, desc: str = "", name: str = ""):
         if not self.repeat_layers:
-            return super().linears(num_layers, k, parts, desc)
-        one = super().linears(1, k, parts, desc)
+            return super().linears(num_layers, k, parts, desc, name)
+        one = super().linears(1, k, parts, desc, name)
+
+        def repeat(a):  # streamed (a sharder): copies of the one layer on the device
+            return a.repeated(num_layers) if isinstance(a, LayerStack) else np.repeat(a, num_layers, 0)
+
         if isinstance(one, Fp8Linear):
-            return Fp8Linear(np.repeat(one.w8, num_layers, 0), np.repeat(one.scale_inv, num_layers, 0), one.segments)
+            return Fp8Linear(repeat(one.w8), repeat(one.scale_inv), one.segments)
         if isinstance(one, W4Linear):
-            return jax.tree.map(lambda a: np.repeat(a, num_layers, 0), one)
-        return np.repeat(one, num_layers, 0)
+            return jax.tree.map(repeat, one)
+        return repeat(one)
 
     def _draw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])

@@ -35,6 +35,57 @@ def np_dtype(dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+class LayerStack:
+    """One layer-stacked parameter f[n, *shape], filled one layer at a time (`stack[i] = ...`,
+    `stack[i, j, a:b] = ...`, layers in order) and streamed: when layer i + 1 begins, layer i goes
+    to the device through `place(names, array)` and its host buffer is dropped, so the host never
+    holds more than one layer of it. `names`: the parameter's tree-path keys (the tensor-parallel
+    rules place by them); `WeightReader.to_device` checks them against the tree it is given."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], dtype, names: tuple[str, ...], place, fill=None):
+        self.shape = (n,) + tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.names = names
+        self._place, self._fill = place, fill
+        self.parts: list = []  # the device arrays of the finished layers
+        self._buf: np.ndarray | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __setitem__(self, idx, value) -> None:
+        i, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        if self._buf is not None and i == len(self.parts) + 1:
+            self._flush()
+        if i != len(self.parts):
+            raise RuntimeError(f"{'/'.join(self.names)}: layer {i} written out of order (at layer "
+                               f"{len(self.parts)}; a weight map must fill the layers in order)")
+        if self._buf is None:
+            self._buf = (np.empty(self.shape[1:], self.dtype) if self._fill is None
+                         else np.full(self.shape[1:], self._fill, self.dtype))
+        self._buf[rest if rest else ...] = value
+
+    def _flush(self) -> None:
+        self.parts.append(self._place(self.names, self._buf))
+        self._buf = None
+
+    def repeated(self, n: int) -> LayerStack:
+        """A finished stack of `n` layers, each a device copy of this one-layer stack's layer."""
+        (one,) = self.finish()
+        out = LayerStack(n, self.shape[1:], self.dtype, self.names, self._place)
+        out.parts = [one] + [jax.numpy.copy(one) for _ in range(n - 1)]
+        return out
+
+    def finish(self) -> list:
+        """The per-layer device arrays, once every layer was written."""
+        if self._buf is not None:
+            self._flush()
+        if len(self.parts) != self.shape[0]:
+            raise RuntimeError(f"{'/'.join(self.names)}: {len(self.parts)} of {self.shape[0]} layers written")
+        return self.parts
+
+
 class WeightReader:
     """Reads HF-named tensors from a TensorSource into numpy arrays of one dtype.
 
@@ -44,7 +95,7 @@ class WeightReader:
     """
 
     def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False,
-                 split_layers: bool = False, w4_scheme=None, quantize_w4: str | None = None):
+                 split_layers: bool = False, w4_scheme=None, quantize_w4: str | None = None, sharder=None):
         self.source = source
         self.dtype = np_dtype(dtype)
         self.origin = origin
@@ -53,7 +104,10 @@ class WeightReader:
         self.quantize_fp8 = quantize_fp8
         self.w4_scheme = w4_scheme  # quant.w4.W4Scheme of a 4-bit checkpoint (linears_w4.py)
         self.quantize_w4 = quantize_w4  # "int4" | "nvfp4": quantize the decoder linears at load
-        self._names = set(source.names())
+        # parallel.Sharder: stream layer-stacked parameters to their shards a layer at a time
+        # (`LayerStack`; named `stacked`/`linears` calls) instead of building them on the host
+        self.sharder = sharder
+        self._names = set(source.names()) if source is not None else set()
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -111,10 +165,12 @@ class WeightReader:
         w8 = np.asarray(self.source.load(name))
         return w8, check_fp8_weight(w8, self._scale_of(name), name=name)
 
-    def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = ""):
+    def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = "",
+                name: str = ""):
         """One (possibly fused) linear per layer, stacked: parts(i) lists layer i's checkpoint
         weights [N_j, K] in output order. -> f[L, K, sum N_j], or an `Fp8Linear` when the
-        checkpoint stores these weights in FP8 (or with quantize_fp8)."""
+        checkpoint stores these weights in FP8 (or with quantize_fp8). name: its key in the
+        parameter tree (for the tensor-parallel placement while streaming)."""
         if self.w4_scheme is not None or self.quantize_w4:
             from metrale_jax.loading.linears_w4 import read_w4_linears
 
@@ -127,15 +183,16 @@ class WeightReader:
             raise LoadError(f"{self.origin}: the fused weights {first} mix FP8 and non-FP8 tensors")
         sizes = [n for _, n in parts(0)]
         if not fp8:
-            out = self.stacked(num_layers, (k, sum(sizes)))
+            out = self.stacked(num_layers, (k, sum(sizes)), name)
             for i in self.progress(range(num_layers), desc):
                 # cast, then transpose: a same-dtype strided copy (4x faster than a casting one)
                 out[i] = np.concatenate([self.get(name, (n, k), cast=True) for name, n in parts(i)]).T
             return out
         padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
         starts = np.cumsum([0] + padded[:-1]).tolist()
-        w8 = np.zeros((num_layers, sum(padded), k), FP8)
-        scale = np.ones((num_layers, sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), np.float32)
+        w8 = self.stacked(num_layers, (sum(padded), k), (name, "w8"), dtype=FP8, fill=0)
+        scale = self.stacked(num_layers, (sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), (name, "scale_inv"),
+                             dtype=np.float32, fill=1)
         for i in self.progress(range(num_layers), desc):
             for (name, n), start in zip(parts(i), starts):
                 q, s = self.fp8_weight(name, (n, k))
@@ -146,17 +203,57 @@ class WeightReader:
     def cast(self, arr: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(arr.astype(self.dtype))
 
-    def stacked(self, n: int, shape: tuple[int, ...], name: str = "") -> np.ndarray:
-        return np.empty((n,) + tuple(shape), self.dtype)
+    def stacks(self, n: int, **shapes: tuple[int, ...]) -> dict:
+        """{name: self.stacked(n, shape, name)} for each name=shape: a weight map's stacked parameters."""
+        return {name: self.stacked(n, shape, name) for name, shape in shapes.items()}
+
+    def stacked(self, n: int, shape: tuple[int, ...], name: str | tuple[str, ...] = "", dtype=None, fill=None):
+        """f[n, *shape] of the model dtype (or `dtype`) for a weight map to fill layer by layer:
+        a host array (uninitialized unless `fill`), or with a sharder a streaming `LayerStack`.
+        name: the parameter's key in the tree (a tuple for nested keys, e.g. ("wqkv", "w8"))."""
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if self.sharder is not None:
+            return LayerStack(n, shape, dtype, (name,) if isinstance(name, str) else tuple(name), self.sharder.put,
+                              fill)
+        if fill is None:
+            return np.empty((n,) + tuple(shape), dtype)
+        return np.full((n,) + tuple(shape), fill, dtype)
 
     def progress(self, it: Iterable, desc: str):
         return tqdm(it, desc=f"loading {desc}", disable=None if self.show_progress else True, leave=False)
 
     def to_device(self, tree):
         """Place the tree on the device as built (FP8 weights and their f32 scales keep their dtypes);
-        with `split_layers`, layer-stacked leaves as per-layer arrays (`layers.stack.device_put_layers`)."""
+        with `split_layers`, layer-stacked leaves as per-layer arrays (`layers.stack.device_put_layers`);
+        with a sharder, every leaf on its shards (`LayerStack`s are there already)."""
+        if self.sharder is not None:
+            return self._to_shards(tree)
         if self.split_layers:
             from metrale_jax.layers.stack import device_put_layers
 
             return device_put_layers(tree)
         return jax.tree.map(jax.device_put, tree)
+
+    def _to_shards(self, tree):
+        from metrale_jax.layers.stack import GLOBAL_KEYS, Unstacked
+
+        sharder = self.sharder
+
+        def place(path, x):
+            names = tuple(str(getattr(k, "key", getattr(k, "name", ""))) for k in path)
+            keys = tuple(n for n in names if n)
+            if isinstance(x, LayerStack):
+                if x.names[-1] != keys[-1] or (len(x.names) > 1 and x.names[-2] != keys[-2]):
+                    raise RuntimeError(f"a weight map named {'/'.join(x.names)} the parameter it put at "
+                                       f"{'/'.join(keys)} (a bug: its tensor-parallel placement would be wrong)")
+                parts = x.finish()
+            elif keys[0] in GLOBAL_KEYS:
+                return sharder.put(keys, x)
+            else:  # a layer-stacked leaf built on the host (4-bit linears)
+                parts = [sharder.put(keys, np.asarray(x)[i]) for i in range(x.shape[0])]
+            if self.split_layers:
+                return Unstacked(parts)
+            stacked = sharder.sharding_for(keys, (len(parts),) + parts[0].shape)
+            return jax.jit(lambda *p: jax.numpy.stack(p), out_shardings=stacked)(*parts)
+
+        return jax.tree_util.tree_map_with_path(place, tree, is_leaf=lambda x: isinstance(x, LayerStack))

@@ -60,18 +60,16 @@ def load_params(cfg: ModelConfig, reader: WeightReader, load_mlp=None) -> dict:
     a = "model.layers.{}.self_attn."
     layers = {
         "wqkv": reader.linears(L, h, lambda i: [(a.format(i) + f"{x}_proj.weight", s * d)
-                                               for x, s in (("q", hq), ("k", hkv), ("v", hkv))], "qkv"),
-        "wo": reader.linears(L, hq * d, lambda i: [(a.format(i) + "o_proj.weight", h)], "o_proj"),
+                                               for x, s in (("q", hq), ("k", hkv), ("v", hkv))], "qkv", "wqkv"),
+        "wo": reader.linears(L, hq * d, lambda i: [(a.format(i) + "o_proj.weight", h)], "o_proj", "wo"),
         **load_mlp(cfg, reader),
-        "attn_norm": reader.stacked(L, (h,)),
-        "mlp_norm": reader.stacked(L, (h,)),
+        **reader.stacks(L, attn_norm=(h,), mlp_norm=(h,)),
     }
     qkv = (hq + 2 * hkv) * d
     if cfg.attention_bias:
-        layers["bqkv"] = reader.stacked(L, (qkv,))
+        layers["bqkv"] = reader.stacked(L, (qkv,), "bqkv")
     if cfg.qk_norm:
-        layers["q_norm"] = reader.stacked(L, (d,))
-        layers["k_norm"] = reader.stacked(L, (d,))
+        layers.update(reader.stacks(L, q_norm=(d,), k_norm=(d,)))
     for i in reader.progress(range(L), "norms"):
         p, q = f"model.layers.{i}.", a.format(i)
         if cfg.attention_bias:
@@ -97,8 +95,8 @@ def load_dense_mlp(cfg: ModelConfig, reader: WeightReader) -> dict:
     m = "model.layers.{}.mlp."
     return {
         "w_gate_up": reader.linears(L, h, lambda i: [(m.format(i) + "gate_proj.weight", inter),
-                                                     (m.format(i) + "up_proj.weight", inter)], "gate_up"),
-        "w_down": reader.linears(L, inter, lambda i: [(m.format(i) + "down_proj.weight", h)], "down_proj"),
+                                                     (m.format(i) + "up_proj.weight", inter)], "gate_up", "w_gate_up"),
+        "w_down": reader.linears(L, inter, lambda i: [(m.format(i) + "down_proj.weight", h)], "down_proj", "w_down"),
     }
 
 

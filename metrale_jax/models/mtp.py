@@ -52,12 +52,10 @@ def load_qwen3_next_mtp(cfg: ModelConfig, reader) -> dict:
     lm = num_mtp_layers(reader.source.names())
     if lm == 0:
         raise ValueError("the checkpoint has no mtp.layers.* tensors")
-    st, get = reader.stacked, reader.get
-    layers = {"in_norm": st(lm, (h,)), "post_norm": st(lm, (h,)), "router": st(lm, (h, e)),
-              "experts_gate_up": st(lm, (e, h, 2 * im)), "experts_down": st(lm, (e, im, h)),
-              "shared_gate_up": st(lm, (h, 2 * ish)), "shared_down": st(lm, (ish, h)), "shared_gate": st(lm, (h, 1))}
-    attn = {"wq": st(lm, (h, hq * 2 * d)), "wkv": st(lm, (h, 2 * hkv * d)), "wo": st(lm, (hq * d, h)),
-            "q_norm": st(lm, (d,)), "k_norm": st(lm, (d,))}
+    stacks, get = reader.stacks, reader.get
+    layers = stacks(lm, in_norm=(h,), post_norm=(h,), router=(h, e), experts_gate_up=(e, h, 2 * im),
+                    experts_down=(e, im, h), shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1))
+    attn = stacks(lm, wq=(h, hq * 2 * d), wkv=(h, 2 * hkv * d), wo=(hq * d, h), q_norm=(d,), k_norm=(d,))
     for i in range(lm):
         p = f"mtp.layers.{i}."
         layers["in_norm"][i] = get(p + "input_layernorm.weight", (h,))

@@ -105,24 +105,22 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     nh, p, n, ng, inner, cd, w = _dims(cfg)
     kinds = _kinds(cfg)
     count = {k: kinds.count(k) for k in (MAMBA, ATTN, MLP, MOE)}
-    st, get = reader.stacked, reader.get
-    params = {"layers": {"norm": st(len(kinds), (h,))}}
+    stacks, get = reader.stacks, reader.get
+    params = {"layers": stacks(len(kinds), norm=(h,))}
     if count[MAMBA]:
         lm = count[MAMBA]
-        params["mamba"] = {"in_proj": st(lm, (h, inner + cd + nh)), "conv_w": st(lm, (cd, w)),
-                           "conv_b": st(lm, (cd,)), "dt_bias": st(lm, (nh,)), "A_log": st(lm, (nh,)),
-                           "D": st(lm, (nh,)), "norm": st(lm, (inner,)), "out": st(lm, (inner, h))}
+        params["mamba"] = stacks(lm, in_proj=(h, inner + cd + nh), conv_w=(cd, w), conv_b=(cd,), dt_bias=(nh,),
+                                 A_log=(nh,), D=(nh,), norm=(inner,), out=(inner, h))
     if count[ATTN]:
-        params["attn"] = {"wqkv": st(count[ATTN], (h, (hq + 2 * hkv) * d)), "wo": st(count[ATTN], (hq * d, h))}
+        params["attn"] = stacks(count[ATTN], wqkv=(h, (hq + 2 * hkv) * d), wo=(hq * d, h))
     if count[MLP]:
         im = cfg.intermediate_size
-        params["mlp"] = {"up": st(count[MLP], (h, im)), "down": st(count[MLP], (im, h))}
+        params["mlp"] = stacks(count[MLP], up=(h, im), down=(im, h))
     if count[MOE]:
         e, im, ish, le = cfg.get("n_routed_experts"), cfg.get("moe_intermediate_size"), \
             cfg.get("moe_shared_expert_intermediate_size"), count[MOE]
-        params["moe"] = {"router": st(le, (h, e)), "e_bias": st(le, (e,)), "experts_up": st(le, (e, h, im)),
-                         "experts_down": st(le, (e, im, h)), "shared_up": st(le, (h, ish)),
-                         "shared_down": st(le, (ish, h))}
+        params["moe"] = stacks(le, router=(h, e), e_bias=(e,), experts_up=(e, h, im), experts_down=(e, im, h),
+                               shared_up=(h, ish), shared_down=(ish, h))
     idx = dict.fromkeys(count, 0)
     for i in reader.progress(range(len(kinds)), "layers"):
         pre = f"backbone.layers.{i}."

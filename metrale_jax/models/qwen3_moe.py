@@ -32,9 +32,8 @@ def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
 
     e, h, inter, L = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size"), cfg.num_layers
     fp8 = fp8_experts(reader, L, e, h, inter, "model.layers.{}.mlp.experts.{}.")
-    out = {"router": reader.stacked(L, (h, e))}
-    out.update(fp8 or {"experts_gate_up": reader.stacked(L, (e, h, 2 * inter)),
-                       "experts_down": reader.stacked(L, (e, inter, h))})
+    out = reader.stacks(L, router=(h, e))
+    out.update(fp8 or reader.stacks(L, experts_gate_up=(e, h, 2 * inter), experts_down=(e, inter, h)))
     for i in reader.progress(range(L), "experts"):
         p = f"model.layers.{i}.mlp."
         out["router"][i] = reader.get(p + "gate.weight", (e, h), cast=True).T

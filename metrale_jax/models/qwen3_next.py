@@ -101,19 +101,18 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     la, lg, L = kinds.count(ATTN), kinds.count(GDN), cfg.num_layers
     kd, vd, r = nk * dk, nv * dv, nv // nk
     c = 2 * kd + vd
-    st = reader.stacked
+    stacks = reader.stacks
     from metrale_jax.loading.experts_fp8 import fp8_experts
 
     fp8 = fp8_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # block-FP8 experts stay FP8
     layers = {
-        "in_norm": st(L, (h,)), "post_norm": st(L, (h,)), "router": st(L, (h, e)),
-        **(fp8 or {"experts_gate_up": st(L, (e, h, 2 * im)), "experts_down": st(L, (e, im, h))}),
-        "shared_gate_up": st(L, (h, 2 * ish)), "shared_down": st(L, (ish, h)), "shared_gate": st(L, (h, 1)),
+        **stacks(L, in_norm=(h,), post_norm=(h,), router=(h, e)),
+        **(fp8 or stacks(L, experts_gate_up=(e, h, 2 * im), experts_down=(e, im, h))),
+        **stacks(L, shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1)),
     }
-    attn = {"wq": st(la, (h, hq * 2 * d)), "wkv": st(la, (h, 2 * hkv * d)), "wo": st(la, (hq * d, h)),
-            "q_norm": st(la, (d,)), "k_norm": st(la, (d,))}
-    gdn = {"w_qkvz": st(lg, (h, 2 * kd + 2 * vd)), "w_ba": st(lg, (h, 2 * nv)), "conv_w": st(lg, (c, w)),
-           "dt_bias": st(lg, (nv,)), "A_log": st(lg, (nv,)), "norm": st(lg, (dv,)), "wo": st(lg, (vd, h))}
+    attn = stacks(la, wq=(h, hq * 2 * d), wkv=(h, 2 * hkv * d), wo=(hq * d, h), q_norm=(d,), k_norm=(d,))
+    gdn = stacks(lg, w_qkvz=(h, 2 * kd + 2 * vd), w_ba=(h, 2 * nv), conv_w=(c, w), dt_bias=(nv,), A_log=(nv,),
+                 norm=(dv,), wo=(vd, h))
     ia = ig = 0
     for i in reader.progress(range(L), "layers"):
         p = f"model.layers.{i}."
