@@ -55,10 +55,10 @@ class RandomWeightReader(WeightReader):
         arr = self._draw(name, shape)
         return self.cast(arr) if cast else arr
 
-    def linears(self, num_layers: int, k: int, parts, desc: str = "", name: str = ""):
+    def linears(self, num_layers: int, k: int, parts, desc: str = "", key: str = ""):
         if not self.repeat_layers:
-            return super().linears(num_layers, k, parts, desc, name)
-        one = super().linears(1, k, parts, desc, name)
+            return super().linears(num_layers, k, parts, desc, key)
+        one = super().linears(1, k, parts, desc, key)
 
         def repeat(a):  # streamed (a sharder): copies of the one layer on the device
             return a.repeated(num_layers) if isinstance(a, LayerStack) else np.repeat(a, num_layers, 0)

@@ -166,10 +166,10 @@ class WeightReader:
         return w8, check_fp8_weight(w8, self._scale_of(name), name=name)
 
     def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = "",
-                name: str = ""):
+                key: str = ""):
         """One (possibly fused) linear per layer, stacked: parts(i) lists layer i's checkpoint
         weights [N_j, K] in output order. -> f[L, K, sum N_j], or an `Fp8Linear` when the
-        checkpoint stores these weights in FP8 (or with quantize_fp8). name: its key in the
+        checkpoint stores these weights in FP8 (or with quantize_fp8). key: its name in the
         parameter tree (for the tensor-parallel placement while streaming)."""
         if self.w4_scheme is not None or self.quantize_w4:
             from metrale_jax.loading.linears_w4 import read_w4_linears
@@ -183,15 +183,15 @@ class WeightReader:
             raise LoadError(f"{self.origin}: the fused weights {first} mix FP8 and non-FP8 tensors")
         sizes = [n for _, n in parts(0)]
         if not fp8:
-            out = self.stacked(num_layers, (k, sum(sizes)), name)
+            out = self.stacked(num_layers, (k, sum(sizes)), key)
             for i in self.progress(range(num_layers), desc):
                 # cast, then transpose: a same-dtype strided copy (4x faster than a casting one)
                 out[i] = np.concatenate([self.get(name, (n, k), cast=True) for name, n in parts(i)]).T
             return out
         padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
         starts = np.cumsum([0] + padded[:-1]).tolist()
-        w8 = self.stacked(num_layers, (sum(padded), k), (name, "w8"), dtype=FP8, fill=0)
-        scale = self.stacked(num_layers, (sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), (name, "scale_inv"),
+        w8 = self.stacked(num_layers, (sum(padded), k), (key, "w8"), dtype=FP8, fill=0)
+        scale = self.stacked(num_layers, (sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), (key, "scale_inv"),
                              dtype=np.float32, fill=1)
         for i in self.progress(range(num_layers), desc):
             for (name, n), start in zip(parts(i), starts):
