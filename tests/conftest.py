@@ -24,7 +24,15 @@ def has_gpu() -> bool:
         return False
 
 
+# the longest files first: with `-n 2` (pytest-xdist, a file per worker at a time) they must not
+# be the last ones running alone
+_FIRST = ("test_tensor_parallel.py", "test_spec_decode.py", "test_startup.py", "test_gpu_acceptance_smoke.py",
+          "test_fp8_model.py", "test_scheduler.py", "test_paged_forward.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: the rest keep their order
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
@@ -33,12 +41,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _num_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_code():
-    """Drop JAX's caches after each test module. XLA:CPU keeps every compiled executable's code in
-    memory maps of its own (three per object file); kept for the whole run, they reached Linux's
-    limit of 65,530 maps per process (`vm.max_map_count`) late in the suite, and the next compile
-    crashed the process. Engines that modules keep alive on purpose keep their executables."""
+    """Drop JAX's caches after a test module when the process nears Linux's limit of 65,530
+    memory maps (`vm.max_map_count`). XLA:CPU keeps every compiled executable's code in maps of
+    its own (three per object file); kept for the whole run they reached the limit late in the
+    suite and the next compile crashed the process. (Not after every module: later modules reuse
+    earlier ones' executables, and recompiling them cost minutes.)"""
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _num_maps() > 30_000:
+        jax.clear_caches()
+        gc.collect()

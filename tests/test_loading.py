@@ -606,7 +606,11 @@ def test_orbax_round_trip(tmp_path):
         w = np.asarray(w)
         assert np.asarray(g).dtype == w.dtype and np.asarray(g).shape == w.shape, path
         np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8))
-    # Saving again replaces the entry.
+    # Saving again keeps a complete entry (another process saved the same conversion first) and
+    # replaces an incomplete one.
+    save_params({"a": np.ones(2, np.float32)}, d, {"v": 2})
+    assert restore_params(d)[1] == meta
+    (d / "meta.json").unlink()
     save_params({"a": np.ones(2, np.float32)}, d, {"v": 2})
     got, got_meta = restore_params(d)
     assert got_meta == {"v": 2} and list(got) == ["a"]

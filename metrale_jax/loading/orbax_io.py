@@ -40,7 +40,9 @@ def _to_host(tree: Any) -> Any:
 def save_params(params: Any, directory: str | os.PathLike, meta: dict) -> Path:
     """Save a pytree of jax/numpy arrays (`params`) and a JSON-able dict (`meta`) to `directory`.
 
-    An existing save at `directory` is replaced. Returns the directory.
+    An incomplete one at `directory` is replaced; a complete one is kept (another process saved
+    the same parameters first: several servers or test workers may convert one model at once).
+    Returns the directory.
     """
     import orbax.checkpoint as ocp
 
@@ -54,9 +56,15 @@ def save_params(params: Any, directory: str | os.PathLike, meta: dict) -> Path:
             ckptr.save(tmp / "params", _to_host(params))
             ckptr.wait_until_finished()
         (tmp / "meta.json").write_text(meta_text)
+        if has_params(directory):
+            return directory
         if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            os.replace(tmp, directory)
+        except OSError:
+            if not has_params(directory):  # not another process's complete save: a real failure
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
