@@ -91,20 +91,22 @@ def test_quantize_on_load(tmp_path):
     assert 0 < _rel(got, np.asarray(ref_model.forward(ref, toks))) < 0.3
 
 
-def test_engine_generates_from_fp8_checkpoint():
+# True: the GPU's layer loop over per-layer arrays (Fp8Linear fields split); False (the scan over
+# stacked FP8 linears, forward_paged's path in test_fp8_kernel_in_decode_steps_matches_xla_dequant) is slow
+@pytest.mark.parametrize("unroll", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_engine_generates_from_fp8_checkpoint(unroll):
     model, params = load_model(FP8, dtype="float32")
     prompt = [5, 17, 42, 99, 3, 250, 7]
     fwd = jax.jit(model.forward)
     ids = list(prompt)
     for _ in range(8):  # greedy by repeated dense forwards: the reference
         ids.append(int(jnp.argmax(fwd(params, jnp.asarray([ids]))[0, -1])))
-    for unroll in (False, True):  # True: the GPU's layer loop over per-layer arrays (Fp8Linear fields split)
-        llm = LLM(model=str(FP8), dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=16,
-                  attention=AttentionConfig(unroll_layers=unroll))
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        assert out[0].outputs[0].token_ids == ids[len(prompt):]
+    llm = LLM(model=str(FP8), dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=16,
+              attention=AttentionConfig(unroll_layers=unroll))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == ids[len(prompt):]
     w = llm.llm_engine.params["layers"]["wqkv"]
-    assert isinstance(w, Fp8Linear) and isinstance(w.w8, Unstacked) and isinstance(w.scale_inv, Unstacked)
+    assert isinstance(w, Fp8Linear) and isinstance(w.w8, Unstacked) == unroll == isinstance(w.scale_inv, Unstacked)
 
 
 @pytest.fixture

@@ -436,12 +436,15 @@ def test_access_log_one_line_per_request(caplog):
             assert c.post("/v1/completions", json={"prompt": "a", "n": 0}).status_code == 400  # the schema's
             for path in ("/health", "/metrics", "/v1/models"):
                 assert c.get(path).status_code == 200
-    lines = _access_lines(caplog)
+            # a stream's line is written when its response closes, which can come after the client
+            # read [DONE] (so after later requests' lines)
+            wait_until(lambda: len(_access_lines(caplog)) >= 5, what="five access-log lines")
+    lines = sorted(_access_lines(caplog), key=lambda x: "/chat/" not in x)  # the stream's first
     assert len(lines) == 5, lines
     pat = r"{} {} {} id={} prompt_tokens={} completion_tokens={} \d+\.\d{{3}}s"
     chat_prompt = len(FakeTokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True))
-    for line, want in zip(lines, [("POST", "/v1/completions", 200, r"cmpl-[0-9a-f]{32}", 3, 5),
-                                  ("POST", "/v1/chat/completions", 200, r"chatcmpl-[0-9a-f]{32}", chat_prompt, 8),
+    for line, want in zip(lines, [("POST", "/v1/chat/completions", 200, r"chatcmpl-[0-9a-f]{32}", chat_prompt, 8),
+                                  ("POST", "/v1/completions", 200, r"cmpl-[0-9a-f]{32}", 3, 5),
                                   ("POST", "/v1/completions", 400, r"cmpl-[0-9a-f]{32}", 0, 0),
                                   ("POST", "/v1/completions", 400, "-", 0, 0),
                                   ("GET", "/v1/models", 200, "-", 0, 0)]):
