@@ -129,7 +129,8 @@ def test_warm_start_same_tokens_gpu(tmp_path):
     assert cc2.backend_compiles == 0 and _run(eng2) == cold
 
 
-@pytest.mark.parametrize("name,pallas", [("qwen3_next_tiny", False), ("nemotron_h_tiny", True)])
+@pytest.mark.parametrize("name,pallas", [pytest.param("qwen3_next_tiny", False, marks=pytest.mark.slow),
+                                         ("nemotron_h_tiny", True)])
 def test_warm_up_runs_every_step_and_writes_nothing(tmp_path, name, pallas):
     """Also through the Pallas kernels (interpret mode), as the GPU's warm-up runs them."""
     from metrale_jax.layers.attention import AttentionConfig
