@@ -102,7 +102,7 @@ def test_engine_generates_from_fp8_checkpoint(unroll):
     for _ in range(8):  # greedy by repeated dense forwards: the reference
         ids.append(int(jnp.argmax(fwd(params, jnp.asarray([ids]))[0, -1])))
     llm = LLM(model=str(FP8), dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=16,
-              attention=AttentionConfig(unroll_layers=unroll))
+              max_num_batched_tokens=32, attention=AttentionConfig(unroll_layers=unroll))
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ids[len(prompt):]
     w = llm.llm_engine.params["layers"]["wqkv"]

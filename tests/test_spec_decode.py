@@ -292,6 +292,7 @@ def test_verify_with_pallas_kernels_interpreted(name, monkeypatch):
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
 
 
+@pytest.mark.slow
 def test_lora_adapters_with_speculation(monkeypatch):
     """Multi-LoRA (expert adapters on Qwen3-Next) under speculation: each row's verify window runs
     its own adapter; greedy ids and logprobs equal transformers + peft's goldens."""
