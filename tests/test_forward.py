@@ -72,6 +72,7 @@ def smollm2():
     return model, params, golden
 
 
+@pytest.mark.slow  # (test_engine_models' twin runs the same golden through the engine)
 def test_smollm2_greedy_and_logprobs(smollm2):
     model, params, golden = smollm2
     cases = golden["cases"]

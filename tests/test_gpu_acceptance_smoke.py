@@ -43,6 +43,7 @@ def _assert_passed(rc: int, report: dict, family: str) -> dict:
     return res
 
 
+@pytest.mark.slow  # (the GPU session runs the real thing; the checks below run in CI)
 def test_cpu_smoke_llama(tmp_path):
     rc, report = _run(tmp_path, "llama3-8b")
     res = _assert_passed(rc, report, "llama3-8b")

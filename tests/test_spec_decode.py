@@ -312,6 +312,7 @@ def test_lora_adapters_with_speculation(monkeypatch):
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
 
 
+@pytest.mark.slow
 def test_prefix_caching_with_speculation(monkeypatch):
     """Prefix caching (KV blocks and SSM snapshots, decode-time ones included) on Qwen3-Next with
     speculation: a second turn restores the first turn's cached state, and the snapshots taken
