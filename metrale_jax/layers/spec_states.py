@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta.naive import l2norm
+from pallas_kernels.gated_delta.naive import scaled_qk
 
 SCRATCH = "verify_scratch"  # key of the per-position states in the SSM dict during a verify step
 
@@ -60,15 +60,8 @@ def gated_delta_per_position(q, k, v, g, beta, idx, mask, rec0, *, scale=None, u
     """The gated delta rule (pallas_kernels/gated_delta/naive.py, same arithmetic) over each row's
     window, keeping every state. q/k [T, H, K], v [T, HV, V], g/beta f32[T, HV], idx/mask [N, W],
     rec0 f32[N, HV, K, V] -> (o [T, HV, V] in q.dtype, states f32[N, W, HV, K, V])."""
-    t, h, dk = q.shape
-    hv = v.shape[1]
-    grp = hv // h
-    scale = dk**-0.5 if scale is None else scale
-    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = jnp.repeat(qf, grp, axis=1) * scale
-    kf = jnp.repeat(kf, grp, axis=1)
+    t = q.shape[0]
+    qf, kf = scaled_qk(q, k, v.shape[1], scale, use_qk_l2norm)  # f32[T, HV, K]
     xs = tuple(jnp.swapaxes(a[idx], 0, 1) for a in (qf, kf, v.astype(jnp.float32), g.astype(jnp.float32),
                                                      beta.astype(jnp.float32)))  # [W, N, ...]
 

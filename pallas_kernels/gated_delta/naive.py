@@ -27,6 +27,17 @@ def l2norm(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def scaled_qk(q, k, v_heads: int, scale: float | None, use_qk_l2norm: bool):
+    """q, k [T, H, K] -> f32[T, HV, K] each: optionally L2-normalised, repeated over the HV // H
+    value heads of each key head, q times `scale` (K ** -0.5 when None)."""
+    grp = v_heads // q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    return jnp.repeat(qf, grp, axis=1) * scale, jnp.repeat(kf, grp, axis=1)
+
+
 def token_stream_ids(cu_seqlens, num_tokens: int):
     """i32[T]: the stream each token belongs to (B for tokens at or after cu_seqlens[-1])."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -47,15 +58,8 @@ def naive_gated_delta_rule(
     use_qk_l2norm: bool = False,
 ):
     """-> (o [T, HV, V] in q.dtype, final_state f32[B, HV, K, V]). Plain f32 scan over tokens."""
-    t_len, h, dk = q.shape
-    hv = v.shape[1]
-    grp = hv // h
-    scale = dk**-0.5 if scale is None else scale
-    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = jnp.repeat(qf, grp, axis=1) * scale  # [T, HV, K]
-    kf = jnp.repeat(kf, grp, axis=1)
+    t_len = q.shape[0]
+    qf, kf = scaled_qk(q, k, v.shape[1], scale, use_qk_l2norm)  # f32[T, HV, K]
     vf = v.astype(jnp.float32)
     sid = token_stream_ids(cu_seqlens, t_len)
     num_streams = initial_state.shape[0]
