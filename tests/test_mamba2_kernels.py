@@ -241,6 +241,15 @@ def test_tuned_table_lookup_by_stream_count():
     assert ssd_params_for(8, 64, 128, 1, jnp.float32, 4).num_stages == 2
 
 
+def test_dot_mode_auto_is_exact_for_float32():
+    from pallas_kernels.mamba2.ssd import resolve_dot_mode
+
+    assert resolve_dot_mode("auto", jnp.bfloat16) == "bf16"
+    assert resolve_dot_mode("auto", jnp.float16) == "f16"
+    assert resolve_dot_mode("auto", jnp.float32) == "ieee"  # not TF32: a float32 model asked for float32
+    assert resolve_dot_mode("tf32", jnp.float32) == "tf32"
+
+
 # ---- Triton lowering for an H200, checked on the CPU machine -------------------------------------
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
@@ -297,6 +306,7 @@ def _rel_l2(got, want):
         (jnp.bfloat16, 2, SSDParams(block_p=32, num_warps=8), 2e-2),
         (jnp.float32, 2, SSDParams(dot_mode="tf32"), 5e-3),
         (jnp.float32, 2, SSDParams(dot_mode="ieee"), 1e-4),
+        (jnp.float32, 1, SSDParams(), 1e-4),  # auto: exact for float32 inputs
     ],
 )
 def test_ssd_chunk_scan_gpu(dtype, ngroups, params, tol):

@@ -190,6 +190,26 @@ def test_w4_kernel_rejects_bad_input():
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 
 
+@pytest.mark.parametrize("kind,g,params", [
+    ("int4", 128, W4Params()), ("int4", 128, W4Params(group_partial=True)), ("int4", 128, W4Params(scale_tile=True)),
+    ("fp4", 16, W4Params()), ("fp4", 16, W4Params(scale_tile=True)), ("fp4", 16, W4Params(gemv=True)),
+])
+def test_w4_kernel_lowers_for_h200(kind, g, params):
+    """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
+    e.g. an integer fill cast to float8 scales, without a GPU; PTX still needs the GPU run)."""
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    m, n, k = (1 if params.gemv else 8), 1024, 4096
+    sds = jax.ShapeDtypeStruct
+    scale_dt = jnp.float8_e4m3fn if kind == "fp4" else jnp.bfloat16
+    aux = sds((n,), jnp.float32) if kind == "fp4" else sds((n, k // g), jnp.uint8)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = skinny_matmul_w4.trace(sds((m, k), jnp.bfloat16), sds((n, k // 2), jnp.uint8),
+                                        sds((n, k // g), scale_dt), aux, k=k, group_size=g, kind=kind, params=params)
+        low = traced.lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in low.as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,m,n,k,g", [("int4", 1, 4096, 4096, 128), ("int4", 64, 1024, 4096, 128),
                                           ("fp4", 8, 6144, 4096, 16), ("int4", 3, 200, 1000, 128)])

@@ -106,6 +106,12 @@ def w4_params_for(kind: str, m: int, n: int, k: int) -> W4Params:
     return dataclasses.replace(p, gemv=False) if p.gemv and m > 1 else p
 
 
+def _load_scale(ref, mask):
+    """f32 scales of a masked gather from `ref` (f16 | bf16 | f32 | float8_e4m3fn), 0 where masked.
+    No `other=` fill: Triton cannot cast an integer splat to float8 (the fill is applied after)."""
+    return jnp.where(mask, plgpu_triton.load(ref, mask=mask).astype(jnp.float32), 0.0)
+
+
 def _e2m1(c):
     """i32 codes 0..15 -> f32 e2m1 values."""
     mag = c & 7
@@ -142,14 +148,17 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             g_mask = n_ok[:, None] & (gidx < ng)[None, :]
 
             def tile(ref, dtype):
-                t = plgpu_triton.load(ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0).astype(dtype)
+                if dtype == jnp.float32:
+                    t = _load_scale(ref.at[ncols[:, None], gidx[None, :]], g_mask)
+                else:
+                    t = plgpu_triton.load(ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0).astype(dtype)
                 return jnp.broadcast_to(t[:, :, None], (block_n, nsg, group // 2)).reshape(block_n, half)
 
             s = tile(s_ref, jnp.float32)
             z = None if fp4 else tile(aux_ref, jnp.int32)
         else:  # one gathered scale (and zero) per byte column
             grp = jnp.minimum((2 * j) // group, ng - 1)
-            s = plgpu_triton.load(s_ref.at[ncols[:, None], grp[None, :]], mask=t_mask, other=0).astype(jnp.float32)
+            s = _load_scale(s_ref.at[ncols[:, None], grp[None, :]], t_mask)
             z = None if fp4 else plgpu_triton.load(aux_ref.at[ncols[:, None], grp[None, :]], mask=t_mask,
                                                    other=0).astype(jnp.int32)
         if fp4:
@@ -191,7 +200,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                                   eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, sub/2]
             g = jnp.minimum(k0 // group, ng - 1)
             gcol = jnp.full((block_n,), g, jnp.int32)
-            s = plgpu_triton.load(s_ref.at[ncols, gcol], mask=n_ok, other=0).astype(jnp.float32)  # f32[BN]
+            s = _load_scale(s_ref.at[ncols, gcol], n_ok)  # f32[BN]
             ke, ko = 2 * j, 2 * j + 1
             xe = plgpu_triton.load(x_ref.at[rows[:, None], ke[None, :]],
                                    mask=row_ok[:, None] & (ke < k)[None, :], other=0.0)  # [Mp, sub/2]

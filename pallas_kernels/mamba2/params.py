@@ -19,8 +19,8 @@ _TUNED_PATH = pathlib.Path(__file__).with_name("tuned_params.json")
 
 #: How the SSD scan's four matmuls per chunk are fed to the tensor cores.
 #: "auto": the inputs' own 16-bit dtype when x is bf16/f16 (f32 accumulation; mamba_ssm and FLA do
-#: the same), TF32 when x is f32. "bf16": always bf16 operands. "tf32": f32 operands at TF32.
-#: "ieee": exact f32 (slow on GPU: no tensor cores).
+#: the same), exact f32 ("ieee") when x is f32. "bf16": always bf16 operands. "tf32": f32 operands at
+#: TF32 (~1e-3 relative). "ieee": exact f32 (slower on GPU: no tensor cores).
 DOT_MODES = ("auto", "bf16", "tf32", "ieee")
 
 
