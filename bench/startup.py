@@ -61,6 +61,7 @@ def child(args) -> None:
     ttft = time.perf_counter() - t2
     res = dict(load_s=load_s, ready_s=ready_s, first_token_s=ttft, phases=eng.startup_phases,
                executables=len(eng.compiler.executables), cache_hits=eng.compiler.cache_hits,
+               cache_misses=eng.compiler.cache_misses, cache_unsaved=eng.compiler.cache_unsaved,
                buckets=[str(b) for b in eng.compiler.buckets],
                jax_events={k: round(v, 3) for k, v in sorted(events.items(), key=lambda kv: -kv[1])[:14]},
                jax_event_counts={k: counts[k] for k in sorted(events, key=lambda k: -events[k])[:14]})
@@ -88,6 +89,7 @@ def main() -> int:
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--generate", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--runs", default="cold,warm,warm_jax_cache_only", help="which of the three start-ups to run")
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)  # the child's
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -101,7 +103,8 @@ def main() -> int:
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     cache = tempfile.mkdtemp(prefix="metrale_startup_")
     gen = ["--generate", str(args.generate)] if args.generate else []
-    runs = [("cold", []), ("warm", gen), ("warm_jax_cache_only", [])]
+    runs = [(label, extra) for label, extra in (("cold", []), ("warm", gen), ("warm_jax_cache_only", []))
+            if label in args.runs.split(",")]
     for label, extra in runs:
         if label == "warm_jax_cache_only":
             shutil.rmtree(os.path.join(cache, "metrale_executables"), ignore_errors=True)
@@ -114,6 +117,9 @@ def main() -> int:
         nan = float("nan")
         print(f"{label:22s} ready {r.get('ready_s', nan):7.1f} s  first token {r.get('first_token_s', nan):6.2f} s"
               f"  load {r.get('load_s', nan):6.1f} s  phases {r.get('phases')}  hits {r.get('cache_hits')}", flush=True)
+        misses = r.get("cache_misses") or {}
+        if r.get("cache_unsaved") or (misses and (label != "cold" or set(misses.values()) != {"absent"})):
+            print(f"  executable cache misses {r.get('cache_misses')}  not saved {r.get('cache_unsaved')}")
         if "error" in r:
             print(r["error"][-1500:])
         if "generate" in r:

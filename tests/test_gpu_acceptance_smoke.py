@@ -132,6 +132,22 @@ def test_compare_greedy():
     assert acc.top2_gaps(ent) == pytest.approx([0.2, 0.01])
 
 
+def test_compare_greedy_noise_rule():
+    """16-bit runs: a divergence before a near tie passes only where each run's token is among the
+    other's top logprobs; the noise is the largest logprob difference of the same token before it."""
+    lone = [_lp(1, [(1, -0.5), (2, -0.9)]), _lp(3, [(3, -0.6), (4, -0.7), (5, -3.0)])]
+    swapped = [_lp(1, [(1, -0.45), (2, -0.95)]), _lp(4, [(4, -0.6), (3, -0.65)])]
+    far = [_lp(1, [(1, -0.45), (2, -0.95)]), _lp(9, [(9, -0.1), (8, -2.0)])]
+    gaps = acc.top2_gaps(lone)  # 0.4, 0.1: no near tie
+    r = acc.compare_greedy([1, 4], [1, 3], gaps, batch_lps=swapped, lone_lps=lone, allow_noise=True)
+    assert r["status"] == "diverged_within_noise" and r["noise"] == pytest.approx(0.05) and r["in_top_at_diff"]
+    strict = acc.compare_greedy([1, 4], [1, 3], gaps, batch_lps=swapped, lone_lps=lone)  # float32: fails
+    assert strict["status"] == "mismatch"
+    r = acc.compare_greedy([1, 9], [1, 3], gaps, batch_lps=far, lone_lps=lone, allow_noise=True)
+    assert r["status"] == "mismatch" and r["in_top_at_diff"] is False  # a token the lone run never ranked
+    assert acc.compare_greedy([1, 3], [1, 3], gaps, batch_lps=lone, lone_lps=lone)["noise"] == 0.0
+
+
 def test_compare_twins():
     ref = [_lp(5, [(5, -0.1), (6, -2.0)]), _lp(7, [(7, -0.2), (8, -0.2004)])]
     close = [_lp(5, [(5, -0.1005), (6, -2.0)]), _lp(7, [(7, -0.2), (8, -0.2)])]

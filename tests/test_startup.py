@@ -88,6 +88,8 @@ def test_warm_start_loads_every_step_without_tracing(tmp_path, exe_cache_here):
     eng, cc = _engine("llama_tiny", tmp_path, warm_up=on_gpu)
     n = len(eng.compiler.executables) + len(eng.compiler.swap_executables)
     assert eng.compiler.cache_hits == 0 and cc.lowerings >= n
+    assert len(eng.compiler.cache_misses) == n and set(eng.compiler.cache_misses.values()) == {"absent"}
+    assert eng.compiler.cache_unsaved == {}
     cold = _run(eng) if on_gpu else None
     eng2, cc2 = _engine("llama_tiny", tmp_path, warm_up=on_gpu)
     assert eng2.compiler.cache_hits == n
@@ -109,6 +111,8 @@ def test_broken_cache_entry_is_a_miss(tmp_path, exe_cache_here):
     (eng.compiler.exe_cache.dir / f"{keys[0]}.exe").write_bytes(b"not an executable")
     eng2, cc2 = _engine("llama_tiny", tmp_path, max_logprobs=1)
     assert eng2.compiler.cache_hits == n - 1
+    (why,) = eng2.compiler.cache_misses.values()  # the reason is kept (the start-up bench reports it)
+    assert why.startswith("unusable: ")
     assert (eng.compiler.exe_cache.dir / f"{keys[0]}.exe").read_bytes() != b"not an executable"  # replaced
 
 

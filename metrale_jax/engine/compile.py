@@ -157,33 +157,36 @@ class ExecutableCache:
         return h.hexdigest()[:40]
 
     def load(self, key: str):
+        """(the executable, None) or (None, why it missed: "off", "absent", "unusable: ...")."""
         if self.dir is None:
-            return None
+            return None, "off"
         path = self.dir / f"{key}.exe"
         if not path.is_file():
-            return None
+            return None, "absent"
         from jax.experimental import serialize_executable
 
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), None
         except Exception as e:  # noqa: BLE001 - a stale or broken entry is a miss
             log.info("executable cache entry %s unusable (%s: %s): recompiling", path.name, type(e).__name__, e)
-            return None
+            return None, f"unusable: {type(e).__name__}: {str(e)[:300]}"
 
-    def save(self, key: str, exe) -> None:
+    def save(self, key: str, exe) -> str | None:
+        """Write the entry; returns why it was not written (None when it was, or when off)."""
         if self.dir is None:
-            return
+            return None
         from jax.experimental import serialize_executable
 
         try:
             blob = pickle.dumps(serialize_executable.serialize(exe))
+            tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+            tmp.write_bytes(blob)
+            os.replace(tmp, self.dir / f"{key}.exe")
         except Exception as e:  # noqa: BLE001 - e.g. executables with constants cannot be serialized
             log.info("executable %s not cached: %s: %s", key[:12], type(e).__name__, e)
-            return
-        tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_bytes(blob)
-        os.replace(tmp, self.dir / f"{key}.exe")
+            return f"{type(e).__name__}: {str(e)[:300]}"
+        return None
 
 
 def list_buckets(cfg: EngineConfig) -> list[StepBucket]:
@@ -223,6 +226,8 @@ class CompilationManager:
         self.compile_seconds = 0.0
         self.warmup_seconds = 0.0
         self.cache_hits = 0  # executables loaded from the ExecutableCache at start-up
+        self.cache_misses: dict[str, str] = {}  # str(bucket) -> why it was compiled ("absent", ...)
+        self.cache_unsaved: dict[str, str] = {}  # str(bucket) -> why its executable was not cached
         self.temp_bytes = 0  # the largest executable's scratch memory
         self.exe_cache = ExecutableCache(executable_cache_dir())
 
@@ -291,14 +296,18 @@ class CompilationManager:
 
         def one(bucket):
             key = self._key(bucket, params, state)
-            exe = self.exe_cache.load(key)
+            exe, why = self.exe_cache.load(key)
             if exe is not None:
                 return bucket, exe, True
+            if why != "off":
+                self.cache_misses[str(bucket)] = why
             if isinstance(bucket, tuple):
                 exe = self.lower_swap(*bucket, state).compile()
             else:
                 exe = self.lower(bucket, params, state).compile()
-            self.exe_cache.save(key, exe)
+            unsaved = self.exe_cache.save(key, exe)
+            if unsaved:
+                self.cache_unsaved[str(bucket)] = unsaved
             return bucket, exe, False
 
         workers = max(1, min(self.cfg.compile_workers or 1, len(todo)))
