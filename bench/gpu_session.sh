@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -29,8 +29,9 @@ python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__ve
 
 if [[ $parts == *tests* ]]; then
   gpu_files=${GPU_TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py | grep -v test_server)}
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_LIMIT:-200} python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
-    $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  # --dist load (not the CPU addopts' loadfile: one file's GPU tests would run on one worker)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_LIMIT:-200} python3 -m pytest -q -m gpu -n 12 --dist load \
+    -p no:cacheprovider -p no:benchmark -rf --tb=line --timeout 200 $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $parts == *throughput* ]]; then
   timeout 250 python3 bench/throughput.py --random-weights --shape llama3-8b --dtype bfloat16 \
@@ -89,8 +90,16 @@ if [[ $parts == *serve* ]]; then
     -- --dtype bfloat16 --max-num-seqs 64 2>&1 | tail -20
   cp /tmp/metrale_bench_serve.log "$OUT/serve_server.log" 2>/dev/null; tail -15 /tmp/metrale_bench_serve.log
 fi
+if [[ $parts == *twins* ]]; then  # the acceptance run's float32 twins alone, every family in its own process
+  for f in ${TWIN_FAMILIES:-llama3-8b qwen3-next-80b-a3b qwen3-30b-a3b nemotron-h-8b mamba2-2.7b}; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TWINS_LIMIT:-200} python3 bench/gpu_acceptance.py --family "$f" \
+      --skip traffic --out "$OUT/twins_$f" > "$OUT/twins_$f.log" 2>&1 &
+  done
+  wait
+  for f in "$OUT"/twins_*.log; do grep -v "^ *[0-9.]* us\|Delay kernel" "$f" | tail -4; done
+fi
 if [[ $parts == *startup* ]]; then  # default engine: cold / warm / JAX-cache-only start-up, TTFT, batch-64 generate
-  timeout ${STARTUP_LIMIT:-330} python3 bench/startup.py --shape llama3-8b --generate 64 \
+  timeout ${STARTUP_LIMIT:-330} python3 bench/startup.py --shape llama3-8b ${STARTUP_ARGS:---generate 64} \
     --out "$OUT/startup_llama3_8b.json" 2>&1 | tail -20
 fi
 if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greedy vs top_p, bf16 and FP8
