@@ -82,6 +82,7 @@ class BuilderConfig:
     max_blocks_per_seq: int
     vocab_size: int
     max_suppress_ids: int = 16  # M: ids a row may forbid (eos + stop ids under min_tokens)
+    max_prompt_lp_tokens: int = 128  # prompt-logprob rows of a prefill / mixed step: min(T, this)
 
 
 @dataclass
@@ -229,7 +230,10 @@ def build_step(
         )
 
     pmd = None
-    prompt_lp_targets = np.full(t, -1, np.int32)
+    nplp = min(t, cfg.max_prompt_lp_tokens)
+    prompt_lp_rows = np.zeros(nplp, np.int32)
+    prompt_lp_targets = np.full(nplp, -1, np.int32)
+    j_plp = 0
     reset_rows = np.full(b, -1, np.int32)
     last_token_row = []
     if bucket.kind != "decode":
@@ -256,8 +260,14 @@ def build_step(
             tok_pen_rows[n + o : n + o + L] = c.pen_row
             if c.num_output_tokens:
                 tok_is_output[n + o + L - c.num_output_tokens : n + o + L] = True
-            if c.prompt_lp_targets is not None:
-                prompt_lp_targets[o : o + L] = c.prompt_lp_targets
+            if c.prompt_lp_targets is not None:  # compacted: one row per position with a target
+                at = np.flatnonzero(np.asarray(c.prompt_lp_targets) >= 0)
+                if j_plp + len(at) > nplp:
+                    raise ValueError(f"more than {nplp} prompt-logprob tokens in bucket {bucket} "
+                                     f"(max_prompt_lp_tokens={cfg.max_prompt_lp_tokens})")
+                prompt_lp_rows[j_plp : j_plp + len(at)] = o + at
+                prompt_lp_targets[j_plp : j_plp + len(at)] = np.asarray(c.prompt_lp_targets)[at]
+                j_plp += len(at)
             if c.reset_penalty_row:
                 reset_rows[j] = c.pen_row
             bt[j, : len(btab)] = btab
@@ -277,14 +287,14 @@ def build_step(
     # sampled rows: decode rows 0..len(rows)-1, then stream j at row n + j
     samp: list[tuple[int, int, RowSampling]] = [(i, i, r.sampling) for i, r in enumerate(rows)]
     samp += [(n + j, last_token_row[j], c.sampling) for j, c in enumerate(chunks) if c.sampling]
-    smd = _sampling_metadata(cfg, s, samp, tok_pen_rows, tok_is_output, reset_rows, prompt_lp_targets,
-                             token_src)
+    smd = _sampling_metadata(cfg, s, samp, tok_pen_rows, tok_is_output, reset_rows, prompt_lp_rows,
+                             prompt_lp_targets, token_src)
     return StepInputs(bucket, dmd, pmd, tokens, smd, [r for r, _, _ in samp])
 
 
 def _sampling_metadata(
     cfg: BuilderConfig, s: int, samp: list[tuple[int, int, RowSampling]], tok_pen_rows: np.ndarray,
-    tok_is_output: np.ndarray, reset_rows: np.ndarray, prompt_lp_targets: np.ndarray,
+    tok_is_output: np.ndarray, reset_rows: np.ndarray, prompt_lp_rows: np.ndarray, prompt_lp_targets: np.ndarray,
     token_src: np.ndarray | None = None,
 ) -> SamplingMetadata:
     m = cfg.max_suppress_ids
@@ -323,7 +333,8 @@ def _sampling_metadata(
         logits_indices=li, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq, pen_rows=pen,
         seeds=seeds, out_index=out_index, suppress_ids=sup, flags=flags, tok_pen_rows=tok_pen_rows,
-        tok_is_output=tok_is_output, reset_rows=reset_rows, prompt_lp_targets=prompt_lp_targets,
+        tok_is_output=tok_is_output, reset_rows=reset_rows, prompt_lp_rows=prompt_lp_rows,
+        prompt_lp_targets=prompt_lp_targets,
         token_src=np.full(tok_pen_rows.shape, -1, np.int32) if token_src is None else token_src,
     )
 
@@ -336,7 +347,7 @@ def sampling_only(
     s = num_rows if num_rows is not None else len(rows)
     samp = [(i, i, r) for i, r in enumerate(rows)]
     z = np.full(0, -1, np.int32)
-    return _sampling_metadata(cfg, s, samp, z, z.astype(np.bool_), z, z)
+    return _sampling_metadata(cfg, s, samp, z, z.astype(np.bool_), z, z, z)
 
 
 def abstract_step_inputs(cfg: BuilderConfig, bucket: StepBucket) -> tuple:

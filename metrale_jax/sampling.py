@@ -23,9 +23,10 @@ from `lax.top_k` in rounds of <= 16. On the CPU (`sample(branches=True)`, where 
 costs nothing) the filters, the draw and the top logprobs are skipped under `lax.cond` when no row
 needs them, and the thresholds are read off 256 `lax.top_k` candidates when every row's nucleus
 fits in them: the same tokens either way.
-Only `prompt_logprobs` keeps a `lax.cond` on the GPU (it runs the LM head over prefill tokens, so computing
-it unasked would cost a prefill's worth of LM head; decode steps have no prompt tokens and skip it
-statically).
+Prompt logprobs are branch-free too: a prefill or mixed step computes them for a bounded number of
+its prompt tokens (`EngineConfig.max_prompt_logprobs_tokens`, gathered rows; a request asking for
+them prefills at most that many tokens per step), in the same LM-head matmul as the sampled rows,
+so the weights are read once; on the CPU they stay under `lax.cond`.
 
 Penalties need to know which tokens a sequence has seen. That lives on the device in
 `PenaltyState` (a row per penalised sequence, part of the donated engine state): each step counts
@@ -196,7 +197,8 @@ def init_penalty_state(rows: int, vocab: int) -> PenaltyState:
 @dataclass(frozen=True)
 class SamplingMetadata:
     """Per-row sampling inputs of one step. S = sampled rows, T = the step's input tokens,
-    B = prefill streams, P = prefill tokens (prompt-logprob rows), M = suppressed ids per row.
+    B = prefill streams, P = prompt-logprob rows (min(T, max_prompt_logprobs_tokens)), M = suppressed
+    ids per row.
 
     Pad rows: logits_indices 0, temperature 0, pen_rows -1, suppress_ids -1.
     """
@@ -218,7 +220,8 @@ class SamplingMetadata:
     tok_pen_rows: Array  # i32[T]  PenaltyState row of each input token; -1 = not counted
     tok_is_output: Array  # bool[T]  input token is a generated token (count) vs prompt (presence)
     reset_rows: Array  # i32[B]  PenaltyState rows cleared before this step's tokens are counted
-    prompt_lp_targets: Array  # i32[P]  next prompt token for each prefill token; -1 = none
+    prompt_lp_rows: Array  # i32[P]  prefill token (0..T-1 among the step's prefill tokens) of each row
+    prompt_lp_targets: Array  # i32[P]  the next prompt token, whose logprob that row gives; -1 = none
     token_src: Array  # i32[T]  row of the previous step's sampled tokens that IS this input token
     #                   (overlapped stepping: the host does not know it yet); -1 = use `tokens`
 
@@ -576,42 +579,16 @@ def sample(
     return tok, chosen, ranks, top_ids, top_lp
 
 
-def prompt_logprobs(
-    logits_fn, hidden: Array, targets: Array, *, max_logprobs: int, chunk: int = 64
-) -> tuple[Array, Array, Array, Array]:
-    """Logprob, rank and top-k of each `targets` i32[P] token, from hidden f32[P, H].
-
-    `logits_fn(h f32[c, H]) -> f32[c, V]` is the model's LM head. Runs under `lax.cond` (nothing
-    when no target is set) and in chunks of `chunk` rows so the [P, V] logits are never whole.
-    Returns (logprobs f32[P], ranks i32[P], top_ids i32[P, K], top_logprobs f32[P, K]).
-    """
-    p = targets.shape[0]
+def prompt_logprobs(logits: Array, targets: Array, *, max_logprobs: int) -> tuple[Array, Array, Array, Array]:
+    """Logprob, rank and top-k of each `targets` i32[P] token (-1 = none: zeros) from its row of
+    f32[P, V] logits. Returns (logprobs f32[P], ranks i32[P], top_ids i32[P, K], top_logprobs
+    f32[P, K]), K = max(max_logprobs, 1). P is bounded (`EngineConfig.max_prompt_logprobs_tokens`
+    rows per step), so a step computes it branch-free (`step._step`)."""
     k = max(max_logprobs, 1)
-    if p == 0:
-        z = jnp.zeros((0,), jnp.float32)
-        return z, z.astype(jnp.int32), jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
-    c = min(chunk, p)
-    pad = (-p) % c
-
-    def compute(hidden: Array, targets: Array):
-        h = jnp.pad(hidden, ((0, pad), (0, 0)))
-        t = jnp.pad(targets, (0, pad), constant_values=-1)
-
-        def one(args):
-            hc, tc = args
-            lp = jax.nn.log_softmax(logits_fn(hc).astype(jnp.float32), axis=-1)
-            tl = jnp.take_along_axis(lp, jnp.maximum(tc, 0)[:, None], axis=-1)[:, 0]
-            rank, ids, top = _rank_and_top(lp, tc, k)
-            return jnp.where(tc >= 0, tl, 0.0), rank, ids, top
-
-        outs = jax.lax.map(one, (h.reshape(-1, c, h.shape[-1]), t.reshape(-1, c)))
-        return tuple(o.reshape(-1, *o.shape[2:])[:p] for o in outs)
-
-    def nothing(hidden: Array, targets: Array):
-        return (jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.int32),
-                jnp.zeros((p, k), jnp.int32), jnp.zeros((p, k), jnp.float32))
-
-    return jax.lax.cond(jnp.any(targets >= 0), compute, nothing, hidden, targets)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tl = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    rank, ids, top = _rank_and_top(lp, targets, k)
+    return jnp.where(targets >= 0, tl, 0.0), rank, ids, top
 
 
 def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:

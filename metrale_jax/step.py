@@ -55,8 +55,7 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
 
 def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
           tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
-          prompt_lp_chunk: int = 64, prev_tokens: Array | None = None,
-          bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
+          prev_tokens: Array | None = None, bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
     if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
         from metrale_jax.engine.spec_decode import verify_step
 
@@ -67,11 +66,28 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens)
     pen = update_penalty_state(state.penalties, tokens, smd)
     ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
-    logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[S, V]
+    s = smd.logits_indices.shape[0]
+    p = smd.prompt_lp_targets.shape[0]  # prompt-logprob rows (0 in decode steps)
+    plp_hidden = hidden[n + smd.prompt_lp_rows]  # [P, H]
+    k = max(max_logprobs, 1)
+
+    def plp_of(logits):
+        return prompt_logprobs(logits, smd.prompt_lp_targets, max_logprobs=max_logprobs)
+
+    def no_plp():
+        return (jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.int32), jnp.zeros((p, k), jnp.int32),
+                jnp.zeros((p, k), jnp.float32))
+
+    if p and not attn.sampler_branches:  # one LM-head matmul for the sampled and the prompt-logprob rows
+        both = model.compute_logits(params, jnp.concatenate([hidden[smd.logits_indices], plp_hidden]))
+        logits, plp = both[:s], plp_of(both[s:])  # f32[S, V], P rows
+    else:  # the CPU: the prompt rows' LM head only when asked (a conditional costs nothing there)
+        logits = model.compute_logits(params, hidden[smd.logits_indices])  # f32[S, V]
+        plp = no_plp() if not p else jax.lax.cond(
+            jnp.any(smd.prompt_lp_targets >= 0), lambda h: plp_of(model.compute_logits(params, h)),
+            lambda h: no_plp(), plp_hidden)
     tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
                                             branches=attn.sampler_branches, bitmask=bitmask)
-    plp = prompt_logprobs(lambda h: model.compute_logits(params, h), hidden[n:], smd.prompt_lp_targets,
-                          max_logprobs=max_logprobs, chunk=prompt_lp_chunk)
     out = SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
     return StepState(ms, pen), out
 
@@ -84,21 +100,18 @@ def decode_step(params, state: StepState, md: AttnMetadata, tokens: Array, smd: 
 
 def mixed_step(params, state: StepState, dmd: AttnMetadata, pmd: BatchedAttnMetadata, tokens: Array,
                smd: SamplingMetadata, *, model, attn: AttentionConfig = AttentionConfig(),
-               max_logprobs: int = 20, prompt_lp_chunk: int = 64):
+               max_logprobs: int = 20):
     """Decode rows plus prefill chunks: tokens i32[N + T] -> (state, SampleOutput)."""
-    return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
-                 prompt_lp_chunk=prompt_lp_chunk)
+    return _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
 
 
 def prefill_step(params, state: StepState, pmd: BatchedAttnMetadata, tokens: Array, smd: SamplingMetadata,
-                 *, model, attn: AttentionConfig = AttentionConfig(), max_logprobs: int = 20,
-                 prompt_lp_chunk: int = 64):
+                 *, model, attn: AttentionConfig = AttentionConfig(), max_logprobs: int = 20):
     """Prefill chunks only: tokens i32[T] -> (state, SampleOutput)."""
-    return _step(params, state, None, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
-                 prompt_lp_chunk=prompt_lp_chunk)
+    return _step(params, state, None, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
 
 
-_STATIC = ("model", "attn", "max_logprobs", "prompt_lp_chunk", "placement")
+_STATIC = ("model", "attn", "max_logprobs", "placement")
 
 
 @functools.cache
@@ -109,13 +122,13 @@ def jit_step(kind: str):
     the kind has none, so the engine calls all of them the same way.
     """
 
-    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, prompt_lp_chunk, placement=None):
+    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, placement=None):
         if kind == "decode":
             assert pmd is None
         elif kind == "prefill":
             assert dmd is None
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                           max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk)
+                           max_logprobs=max_logprobs)
         if placement is not None:
             state, out = placement.pin_state(state), placement.replicate(out)
         return state, out
@@ -136,11 +149,11 @@ def jit_packed_step(kind: str):
     `sampling.apply_token_bitmask`)."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, ibuf, fbuf, prev_tokens, bitmask, *, layout, model, attn, max_logprobs, prompt_lp_chunk,
+    def fn(params, state, ibuf, fbuf, prev_tokens, bitmask, *, layout, model, attn, max_logprobs,
            placement=None):
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                           max_logprobs=max_logprobs, prompt_lp_chunk=prompt_lp_chunk, prev_tokens=prev_tokens,
+                           max_logprobs=max_logprobs, prev_tokens=prev_tokens,
                            bitmask=bitmask)
         # this step's samples, padded to the fixed width the next step reads them at
         r = min(out.token_ids.shape[0], prev_tokens.shape[0])  # (a verify step's samples are cut)

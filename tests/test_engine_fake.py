@@ -372,3 +372,31 @@ def test_no_compilation_while_serving(eng):
         eng.compiler.run(StepBucket("decode", num_seqs=3), eng.params, eng.state, ())
 
 
+
+
+# ---- prompt logprobs: bounded rows per step, no conditional on the GPU path ------------------------
+@pytest.mark.parametrize("branches", [True, False], ids=["cpu_cond", "gpu_branch_free"])
+def test_prompt_logprobs_rows_per_step_are_bounded(W, branches):
+    """max_prompt_logprobs_tokens=5: a 37-token prompt asking prompt logprobs prefills at most 5
+    tokens per step (the builder refuses a step with more), beside a request that does not ask,
+    and both match the host reference; the GPU form (no `lax.cond`) gives the same values."""
+    from metrale_jax.layers.attention import AttentionConfig
+
+    e = fake_engine(use_ssm=True, max_prompt_logprobs_tokens=5, attention=AttentionConfig(sampler_branches=branches))
+    if not branches:
+        text = e.compiler.lower(e.compiler.buckets[-1], e.params, e.state).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text  # mixed step: no conditional
+    p, q = _ids(37, 21), _ids(20, 22)
+    steps0 = e.stats().num_steps
+    e.add_request("plp", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
+    e.add_request("other", {"prompt_token_ids": q}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outs = e.run_to_completion()
+    assert e.stats().num_steps - steps0 >= 36 // 5  # 36 prompt positions, 5 per step
+    assert outs["other"].outputs[0].token_ids == fake_greedy(W, q, 6, use_ssm=True, ignore_eos=True)
+    plp = outs["plp"].prompt_logprobs
+    assert len(plp) == len(p) and plp[0] is None
+    for i in range(1, len(p)):
+        ref = _log_softmax(W[fake_hash(p[:i], True, 64)])
+        assert abs(plp[i][p[i]].logprob - ref[p[i]]) < 1e-4
+        assert plp[i][p[i]].rank == int((ref >= ref[p[i]]).sum())
+        assert set(np.argsort(-ref)[:2]) <= set(plp[i])

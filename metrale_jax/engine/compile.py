@@ -233,7 +233,7 @@ class CompilationManager:
 
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
-                    prompt_lp_chunk=self.cfg.prompt_logprobs_chunk, placement=self.placement)
+                    placement=self.placement)
 
     def _input(self, shape, dtype) -> jax.ShapeDtypeStruct:
         """A host input's abstract value: replicated on the mesh under tensor parallelism."""
@@ -274,7 +274,7 @@ class CompilationManager:
         # pool sizing knobs...), so that those do not cost a recompile
         return self.exe_cache.key(
             repr(m.cfg), getattr(m, "family_name", type(m).__name__), getattr(m, "dtype", ""),
-            repr(self.cfg.attention), self.cfg.max_logprobs, self.cfg.prompt_logprobs_chunk,
+            repr(self.cfg.attention), self.cfg.max_logprobs,
             repr(self.builder), repr(bucket), self.max_rows, _tree_signature(params), _tree_signature(state))
 
     def compile_all(self, params, state) -> float:

@@ -82,7 +82,12 @@ class EngineConfig:
     # the first requests pay no first-execution costs (command-buffer capture, Mosaic GPU kernel
     # loading) and a step that cannot run fails at start-up. None: on for the GPU, off for the CPU.
     warm_up: bool | None = None
-    prompt_logprobs_chunk: int = 64  # prefill rows per LM-head chunk when prompt logprobs are on
+    # Prompt tokens per step whose logprobs can be computed (`prompt_logprobs`): on the GPU every
+    # prefill / mixed step computes min(T, this) gathered rows in its LM-head matmul, asked or not
+    # (no conditional: one weights pass, ~1-2% of a small mixed step at 128); a request asking
+    # for prompt logprobs prefills at most this many tokens per step. Evaluation runs that score
+    # long prompts may raise it (up to max_num_batched_tokens).
+    max_prompt_logprobs_tokens: int = 128
     # Preemption when blocks run out: "swap" (copy the sequence's KV blocks and SSM slot to host
     # memory, write them back on resume), "recompute" (free them, prefill again), or "auto": swap
     # for models with SSM state (a recompute replays the whole recurrence), recompute otherwise.
@@ -153,6 +158,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.max_prefill_streams < 1:
             raise ValueError(f"max_prefill_streams={self.max_prefill_streams} must be >= 1")
+        if self.max_prompt_logprobs_tokens < 1:
+            raise ValueError(f"max_prompt_logprobs_tokens={self.max_prompt_logprobs_tokens} must be >= 1")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         mode = self.preemption_mode

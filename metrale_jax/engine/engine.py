@@ -188,7 +188,8 @@ class LLMEngine:
         log.info("preemption: %s%s", c.preemption_mode, f" (block buckets {c.swap_block_buckets}, host space "
                  f"{c.swap_space_gb:g} GB)" if c.preemption_mode == "swap" else "")
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
-                                     vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids)
+                                     vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids,
+                                     max_prompt_lp_tokens=c.max_prompt_logprobs_tokens)
         jax.block_until_ready(self.state)
         phases["kv_pool"] = time.perf_counter() - t
         self.compiler = CompilationManager(model, c, self.builder, placement)
@@ -286,6 +287,7 @@ class LLMEngine:
             cache_decoded=getattr(self.model, "decode_matches_prefill", True),
             kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
+            max_prompt_lp_tokens=c.max_prompt_logprobs_tokens,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
@@ -758,18 +760,20 @@ class LLMEngine:
         return d
 
     def _record_prompt_logprobs(self, chunks: list[Chunk], inputs: StepInputs, out: dict) -> None:
-        tgt = inputs.smd.prompt_lp_targets
-        o = 0
-        for c in chunks:
+        """Row j of the step's prompt logprobs is prefill token `prompt_lp_rows[j]` (the builder
+        compacts the chunks' targets in order): its chunk and position."""
+        rows, tgt = inputs.smd.prompt_lp_rows, inputs.smd.prompt_lp_targets
+        ends = np.cumsum([c.length for c in chunks])
+        for j in np.flatnonzero(tgt >= 0):
+            ci = int(np.searchsorted(ends, rows[j], side="right"))
+            c = chunks[ci]
             req = c.seq.request
-            k = req.params.prompt_logprobs
-            for i in range(c.length):
-                t = int(tgt[o + i])
-                if t >= 0 and req.prompt_logprobs is not None:
-                    req.prompt_logprobs[c.start + i + 1] = self._lp_dict(
-                        t, out["prompt_logprobs"][o + i], out["prompt_ranks"][o + i],
-                        out["prompt_top_ids"][o + i], out["prompt_top_logprobs"][o + i], k)
-            o += c.length
+            if req.prompt_logprobs is None:
+                continue
+            i = int(rows[j]) - int(ends[ci] - c.length)
+            req.prompt_logprobs[c.start + i + 1] = self._lp_dict(
+                int(tgt[j]), out["prompt_logprobs"][j], out["prompt_ranks"][j], out["prompt_top_ids"][j],
+                out["prompt_top_logprobs"][j], req.params.prompt_logprobs)
 
     def _append_token(self, seq: Sequence, row: int, out: dict, want_lp: bool) -> None:
         p = seq.request.params

@@ -244,7 +244,7 @@ class Scheduler:
         swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, max_loras: int = 0,
         prefix_caching: bool = False, snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
         kv_offloading_bytes: int = 0,
-        num_spec_tokens: int = 0,
+        num_spec_tokens: int = 0, max_prompt_lp_tokens: int = 1 << 62,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -276,6 +276,7 @@ class Scheduler:
         self.num_swaps = 0  # swap-outs
         self.num_swap_ins = 0
         self.num_spec_tokens = num_spec_tokens  # k: a decode row may verify k drafts (blocks + budget)
+        self.max_prompt_lp_tokens = max_prompt_lp_tokens  # prompt-logprob positions per step (the step's rows)
 
     # ---- queue management ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -423,8 +424,21 @@ class Scheduler:
         """The engine wrote `seq`'s saved state back: drop the host copy."""
         self._drop_swap(seq)
 
+    @staticmethod
+    def _prompt_lp_positions(seq: Sequence, start: int) -> int:
+        """Positions from `start` on whose prompt logprob this sequence still needs (an upper
+        bound: the first sequence of a request asking `prompt_logprobs`, up to its prompt's end)."""
+        if seq.request.prompt_logprobs is None or seq.index != 0:
+            return 0
+        return max(0, seq.prompt_len - 1 - start)
+
+    def _cap_prompt_lp(self, seq: Sequence, start: int, length: int, left: int) -> int:
+        """`length` cut so the chunk has at most `left` prompt-logprob positions."""
+        return length if self._prompt_lp_positions(seq, start) <= left else min(length, left)
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep([], [], [])
+        plp_left = self.max_prompt_lp_tokens
         # 1. decode rows, oldest first
         for seq in list(self.running):
             if seq.status != SeqStatus.RUNNING or not seq.decoding or seq.at_limit(self.max_model_len):
@@ -456,9 +470,12 @@ class Scheduler:
                 budget = self.budget - sum(1 + s.spec_len for s in step.decode) - prefill
                 length = min(length, budget, self.max_prefill_tokens - prefill)
                 fit = (len(seq.blocks) + self.blocks.num_free) * self.block_size - seq.num_computed
-            length = min(length, fit)
+            length = self._cap_prompt_lp(seq, seq.num_computed, min(length, fit), plp_left)
+            if length < 1:
+                continue
             if self.prefix_cache is not None:
                 length = self.prefix_cache.chunk_length(seq, seq.num_computed, length)
+            plp_left -= min(length, self._prompt_lp_positions(seq, seq.num_computed))
             seq.blocks += self.blocks.allocate(self._blocks_needed(seq, seq.num_computed + length))
             step.chunks.append(Chunk(seq, seq.num_computed, length))
             budget -= length
@@ -492,11 +509,13 @@ class Scheduler:
             spare = self.blocks.num_free - self.watermark
             if hit is not None:  # cached blocks it takes count as free now; host-tier ones need new blocks
                 spare -= self.blocks.num_reclaimed(shared) + len(hit.onload)
-            length = min(seq.pending - start, room, spare * self.block_size)
+            length = self._cap_prompt_lp(seq, start, min(seq.pending - start, room, spare * self.block_size),
+                                         plp_left)
             if self.prefix_cache is not None and length >= 1:
                 length = self.prefix_cache.chunk_length(seq, start, length)
             if length < 1:
                 break
+            plp_left -= min(length, self._prompt_lp_positions(seq, start))
             self.waiting.pop(i)
             self.blocks.share(shared)
             seq.blocks = list(shared)

@@ -214,7 +214,7 @@ def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
         kv_lens=kv_lens, ssm_slots=ssm, seq_slot=lslot, moe_row_adapter=mslot, num_tokens=t, num_streams=n,
         max_blocks_per_seq=mb, verify_width=w)
     smd = _sampling_metadata(cfg, n * w, samp, tok_pen_rows, tok_is_output, np.full(n, -1, np.int32),
-                             np.full(t, -1, np.int32))
+                             np.zeros(0, np.int32), np.zeros(0, np.int32))
     return StepInputs(bucket, None, pmd, tokens, smd, [r for r, _, _ in samp])
 
 
@@ -283,9 +283,8 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
         r = jnp.where(keep, row_pen[:, None], rows).reshape(-1)
         pen = PenaltyState(pen.prompt_seen, pen.out_counts.at[r, tok_grid.reshape(-1)].add(1, mode="drop"))
     k = max(max_logprobs, 1)
-    t = tokens.shape[0]
-    out = SampleOutput(tok, lp, rank, top_ids, top_lp, jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
-                       jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32), spec_accepted=acc)
+    out = SampleOutput(tok, lp, rank, top_ids, top_lp, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32),
+                       jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32), spec_accepted=acc)
     return StepState(ms, pen), out
 
 
