@@ -84,20 +84,23 @@ request_st = st.fixed_dictionaries(dict(
     max_seqs=st.integers(2, 4),
     streams=st.integers(1, 2),
     ssm_slots=st.integers(1, 4),
+    plp_rows=st.integers(1, 16),
     seed=st.integers(0, 2**16),
 )
-def test_prefix_cache_property(engine, reqs, num_blocks, budget, max_seqs, streams, ssm_slots, seed):
+def test_prefix_cache_property(engine, reqs, num_blocks, budget, max_seqs, streams, ssm_slots, plp_rows, seed):
     eng = engine
     w = np.asarray(eng.params["w"])
     limits = dict(num_ssm_slots=ssm_slots) if eng.uses_ssm else {}
     eng.scheduler = sched = eng._new_scheduler(
         num_blocks=num_blocks, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
-        max_prefill_streams=streams, **limits)
+        max_prefill_streams=streams, max_prompt_lp_tokens=plp_rows, **limits)
     orig_schedule = sched.schedule
 
     def schedule():
         step = orig_schedule()
         check_writes(sched, step)
+        plp = sum(min(c.length, sched._prompt_lp_positions(c.seq, c.start)) for c in step.chunks)
+        assert plp <= plp_rows, f"{plp} prompt-logprob positions in one step (limit {plp_rows})"
         return step
 
     sched.schedule = schedule

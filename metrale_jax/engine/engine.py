@@ -265,12 +265,13 @@ class LLMEngine:
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
         max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots,
-        swap_space_bytes and prefix_caching (tests use this)."""
+        swap_space_bytes, prefix_caching and max_prompt_lp_tokens (tests use this)."""
         c = self.config
         caps = dict(num_blocks=self.num_blocks, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, max_prefill_streams=c.max_prefill_streams,
                     max_prefill_tokens=c.prefill_buckets[-1], num_ssm_slots=c.max_ssm_slots if self.uses_ssm else 0,
-                    swap_space_bytes=int(c.swap_space_gb * 1e9), prefix_caching=c.enable_prefix_caching)
+                    swap_space_bytes=int(c.swap_space_gb * 1e9), prefix_caching=c.enable_prefix_caching,
+                    max_prompt_lp_tokens=c.max_prompt_logprobs_tokens)
         for k, v in limits.items():
             if k not in caps or v > caps[k]:
                 raise ValueError(f"scheduler limit {k}={v} is unknown or above the compiled {caps.get(k)}")
@@ -287,7 +288,6 @@ class LLMEngine:
             cache_decoded=getattr(self.model, "decode_matches_prefill", True),
             kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
-            max_prompt_lp_tokens=c.max_prompt_logprobs_tokens,
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
