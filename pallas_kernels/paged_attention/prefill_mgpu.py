@@ -529,6 +529,7 @@ def paged_prefill_attention_mgpu(
         scratch_types=scratch,
         grid=(nt, hkv),
         grid_names=("tile", "head"),
+        kernel_name="paged_prefill_attention_mgpu",
         **kw,
     )(sched, layer_row, block_tables.astype(jnp.int32), qp, kp, vp)
     return out if tp == t else out[:t]
