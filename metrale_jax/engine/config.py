@@ -84,7 +84,7 @@ class EngineConfig:
     warm_up: bool | None = None
     # Prompt tokens per step whose logprobs can be computed (`prompt_logprobs`): on the GPU every
     # prefill / mixed step computes min(T, this) gathered rows in its LM-head matmul, asked or not
-    # (no conditional: one weights pass, ~1-2% of a small mixed step at 128); a request asking
+    # (no conditional, and the weights are read once; its GPU cost is not measured yet); a request asking
     # for prompt logprobs prefills at most this many tokens per step. Evaluation runs that score
     # long prompts may raise it (up to max_num_batched_tokens).
     max_prompt_logprobs_tokens: int = 128
