@@ -2,6 +2,7 @@
 
     python bench/gpu_acceptance.py [--family NAME ...] [--out DIR] [--cpu-smoke] [--skip traffic,server,twins,lone]
     bash bench/gpu_session.sh acceptance          (on the GPU machine)
+    python bench/gpu_acceptance.py --engine-config '{"enable_prefix_caching":true}'   (a variant)
 
 Per family (random weights, `random_model(shape_config(shape, layers), repeat_layers=True)`):
 
@@ -154,6 +155,7 @@ class Plan:
     twin_max_tokens: int
     twin_seqs: int
     twin_tokens: int
+    overrides: tuple = ()  # (name, value) EngineConfig fields set on the traffic engine (--engine-config)
 
 
 GPU_PLAN = Plan(False, "bfloat16", 2048, KV_BLOCKS, 1500, 300, 40, 60, 8, 6, 24, 2,
@@ -658,7 +660,7 @@ def engine_config(plan: Plan, attention=None):
     """The traffic engine's config: the defaults, but for dtype, max_model_len and the KV pool."""
     from metrale_jax.engine.config import EngineConfig
 
-    kw = SMOKE_BUCKETS if plan.smoke else {}
+    kw = (SMOKE_BUCKETS if plan.smoke else {}) | dict(plan.overrides)
     return EngineConfig(dtype=plan.dtype, max_model_len=plan.max_model_len, num_kv_blocks=plan.num_kv_blocks,
                         show_progress=False, attention=attention, **kw)
 
@@ -756,7 +758,8 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
             steps=st.num_steps, batch_wall_s=round(batch_wall, 2), staggered_wall_s=round(stag_wall, 2),
             generated_tokens=int(gen_tokens), prompt_tokens=int(st.prompt_tokens_total),
             tokens_per_s=round(gen_tokens / max(batch_wall + stag_wall, 1e-9), 1),
-            preemptions=st.num_preemptions, swaps=st.num_swaps, swap_ins=st.num_swap_ins)
+            preemptions=st.num_preemptions, swaps=st.num_swaps, swap_ins=st.num_swap_ins,
+            prefix_cache_hits=st.prefix_cache_hits)
         checks["all_finished"] = check(not problems, problems=problems[:20], num_problems=len(problems))
         checks["aborts"] = check(not abort_bad, aborted=len(run["aborted"]), problems=abort_bad)
         checks["stop_derived"] = check(not stop_bad, problems=stop_bad, divergences=stop_div)
@@ -984,6 +987,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma list of parts to leave out: traffic, server, twins, lone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--git-commit", default=None, help="record this commit (where the tree has no .git)")
+    p.add_argument("--engine-config", default="{}",
+                   help='JSON of EngineConfig fields for the traffic engine, e.g. \'{"enable_prefix_caching": true}\' '
+                        "(a variant beside the defaults; the twins keep theirs)")
     args = p.parse_args(argv)
     names = [n for f in (args.family or [",".join(FAMILIES)]) for n in f.split(",") if n]
     unknown = [n for n in names if n not in FAMILIES]
@@ -997,13 +1003,21 @@ def main(argv: list[str] | None = None) -> int:
 
         jax.config.update("jax_platforms", "cpu")
     plan = SMOKE_PLAN if args.cpu_smoke else GPU_PLAN
+    try:
+        overrides = json.loads(args.engine_config)
+        assert isinstance(overrides, dict)
+    except (ValueError, AssertionError):
+        p.error(f"--engine-config must be a JSON object; got {args.engine_config!r}")
+    plan = dataclasses.replace(plan, overrides=tuple(sorted(overrides.items())))
     env = environment()
     if args.git_commit:
         env["git_commit"] = args.git_commit
-    stem = "acceptance_" + env["date_utc"][:10] + ("_cpu_smoke" if args.cpu_smoke else "")
+    stem = "acceptance_" + env["date_utc"][:10] + ("_cpu_smoke" if args.cpu_smoke else "") + (
+        "_" + "_".join(k for k, _ in plan.overrides) if plan.overrides else "")
     report = dict(environment=env, cpu_smoke=args.cpu_smoke, skip=sorted(skip), families=[],
                   engine_config=f"EngineConfig(dtype={plan.dtype!r}, max_model_len={plan.max_model_len}, "
-                                f"num_kv_blocks={plan.num_kv_blocks}, show_progress=False)")
+                                f"num_kv_blocks={plan.num_kv_blocks}, show_progress=False"
+                                + "".join(f", {k}={v!r}" for k, v in plan.overrides) + ")")
     for name in names:
         print(f"[acceptance] {name} ...", flush=True)
         r = run_family(FAMILIES[name], plan, args.seed, skip)
