@@ -1,0 +1,76 @@
+"""Every step kind of the GPU's default configuration lowers for an H200, on the CPU.
+
+The GPU's kernel choices (`config.default_kernels(on_gpu=True)`: the Pallas attention, scan and
+FP8 / 4-bit decode kernels, the Mosaic GPU prefill where it applies, the branch-free sampler) are
+cross-lowered to StableHLO for an abstract H200 (`lowering_platforms=("cuda",)`): a Triton or
+Mosaic GPU lowering error, an unsupported op or layout, shows up here instead of on the GPU
+machine (an NVFP4 scale load did, 2026-12-01). PTX generation and running still need the GPU.
+Also checked: the steps hold no conditional (`stablehlo.case`), which XLA would run from the host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from metrale_jax import load_model
+from metrale_jax.engine.config import default_kernels
+from metrale_jax.layers.linear import use_fp8_kernel
+from metrale_jax.layers.stack import split_layers
+from metrale_jax.metadata_builder import BuilderConfig, StepBucket, packed_layout
+from metrale_jax.model import random_model
+from metrale_jax.step import init_step_state, jit_packed_step
+from tests.conftest import FIXTURES
+
+BUCKETS = (StepBucket("decode", num_seqs=4), StepBucket("prefill", num_tokens=64, num_streams=2),
+           StepBucket("mixed", num_seqs=4, num_tokens=64, num_streams=2))
+
+
+def _lower_steps(model, params) -> dict[str, str]:
+    """StableHLO text of each BUCKETS step with the GPU's default kernels, lowered for an H200."""
+    attn = default_kernels(on_gpu=True)
+    if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
+        params = split_layers(params)
+    if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
+        params = use_fp8_kernel(params)
+    sds = jax.ShapeDtypeStruct
+    p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
+    slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
+    state = jax.eval_shape(lambda: init_step_state(model, 64, 16, max_ssm_slots=slots, penalty_rows=4))
+    builder = BuilderConfig(block_size=16, max_blocks_per_seq=8, vocab_size=model.cfg.vocab_size, max_suppress_ids=4)
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200)
+    out = {}
+    for bucket in BUCKETS:
+        lay = packed_layout(builder, bucket)
+        args = (p, state, sds((lay.num_i32,), jnp.int32), sds((lay.num_f32,), jnp.float32), sds((8,), jnp.int32),
+                sds((bucket.num_sample_rows, -(-model.cfg.vocab_size // 32)), jnp.int32))
+        with jax.sharding.use_abstract_mesh(mesh):
+            traced = jit_packed_step(bucket.kind).trace(*args, layout=lay, model=model, attn=attn, max_logprobs=5,
+                                                        placement=None)
+            out[bucket.kind] = traced.lower(lowering_platforms=("cuda",)).as_text()
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen3_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny",
+                                  "llama_fp8_tiny", "llama_nvfp4_ct_tiny", "llama_gptq_tiny"])
+def test_default_gpu_steps_lower_for_h200(name):
+    model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
+    texts = _lower_steps(model, params)
+    for kind, text in texts.items():
+        assert "__gpu$xla.gpu.triton" in text, (name, kind)  # the Pallas kernels, not the XLA reference
+        assert "stablehlo.case" not in text, (name, kind)
+    if "fp8" in name or "nvfp4" in name or "gptq" in name:  # the weight-streaming decode kernel
+        assert "skinny_matmul" in texts["decode"] or "_w4_kernel" in texts["decode"], name
+
+
+def test_mosaic_prefill_lowers_for_h200():
+    """head_dim 64, bf16 pools: the prefill and mixed steps take the Mosaic GPU prefill kernel."""
+    cfg = dict(architectures=["Qwen3ForCausalLM"], vocab_size=97, hidden_size=128, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+               rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    model, params = random_model(cfg, dtype="bfloat16", seed=0)
+    texts = _lower_steps(model, params)
+    assert "mosaic_gpu" not in texts["decode"]
+    assert "mosaic_gpu" in texts["prefill"] and "mosaic_gpu" in texts["mixed"]
