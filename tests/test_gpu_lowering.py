@@ -24,7 +24,8 @@ from metrale_jax.step import init_step_state, jit_packed_step
 from tests.conftest import FIXTURES
 
 BUCKETS = (StepBucket("decode", num_seqs=4), StepBucket("prefill", num_tokens=64, num_streams=2),
-           StepBucket("mixed", num_seqs=4, num_tokens=64, num_streams=2))
+           StepBucket("mixed", num_seqs=4, num_tokens=64, num_streams=2),
+           StepBucket("verify", num_seqs=4, num_spec=2))  # speculative decoding's verify step
 
 
 def _lower_steps(model, params) -> dict[str, str]:
@@ -73,4 +74,4 @@ def test_mosaic_prefill_lowers_for_h200():
     model, params = random_model(cfg, dtype="bfloat16", seed=0)
     texts = _lower_steps(model, params)
     assert "mosaic_gpu" not in texts["decode"]
-    assert "mosaic_gpu" in texts["prefill"] and "mosaic_gpu" in texts["mixed"]
+    assert all("mosaic_gpu" in texts[k] for k in ("prefill", "mixed", "verify"))
