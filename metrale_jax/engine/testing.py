@@ -157,7 +157,7 @@ class FakeModel:
             n = dmd.num_seqs if dmd is not None else 0
             t = jnp.arange(t_tot)
             b = pmd.num_streams
-            stream = jnp.clip(jnp.searchsorted(pmd.cu_seqlens, t, side="right") - 1, 0, b - 1)
+            stream = jnp.clip(jnp.searchsorted(pmd.cu_seqlens, t, side="right", method="compare_all") - 1, 0, b - 1)
             valid = t < pmd.cu_seqlens[-1]
             n_new = pmd.cu_seqlens[1:] - pmd.cu_seqlens[:-1]
             qpos = pmd.kv_lens[stream] - n_new[stream] + (t - pmd.cu_seqlens[stream])

@@ -148,7 +148,7 @@ def prefill_attention_ref(q, cache: KVCache, layer, md: BatchedAttnMetadata, sca
     b = md.block_tables.shape[0]
     hkv = cache.k.shape[-2]
     t = jnp.arange(t_tot)
-    stream = jnp.clip(jnp.searchsorted(md.cu_seqlens, t, side="right") - 1, 0, b - 1)  # i32[T]
+    stream = jnp.clip(jnp.searchsorted(md.cu_seqlens, t, side="right", method="compare_all") - 1, 0, b - 1)  # i32[T]
     valid = t < md.cu_seqlens[-1]
     n_new = md.cu_seqlens[1:] - md.cu_seqlens[:-1]
     qpos = md.kv_lens[stream] - n_new[stream] + (t - md.cu_seqlens[stream])  # i32[T]

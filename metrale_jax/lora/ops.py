@@ -50,7 +50,8 @@ def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field
         parts.append(getattr(dmd, field))
     if pmd is not None:
         j = jnp.arange(pmd.num_tokens, dtype=jnp.int32)
-        stream = jnp.searchsorted(pmd.cu_seqlens[1:], j, side="right")  # i32[T]: stream of each token
+        # i32[T]: stream of each token (compare_all: no while loop in the step)
+        stream = jnp.searchsorted(pmd.cu_seqlens[1:], j, side="right", method="compare_all")
         per = getattr(pmd, field)[jnp.clip(stream, 0, pmd.num_streams - 1)]
         parts.append(jnp.where(j < pmd.cu_seqlens[-1], per, -1).astype(jnp.int32))
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

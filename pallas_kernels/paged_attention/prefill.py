@@ -169,7 +169,7 @@ def tile_schedule(cu_seqlens, num_tokens: int, block_q: int):
     cum = jnp.cumsum(tiles)
     nt = -(-num_tokens // block_q) + b + 1
     j = jnp.arange(nt, dtype=jnp.int32)
-    stream = jnp.searchsorted(cum, j, side="right").astype(jnp.int32)  # > B: unused
+    stream = jnp.searchsorted(cum, j, side="right", method="compare_all").astype(jnp.int32)  # > B: unused
     used = stream <= b
     sc = jnp.minimum(stream, b)
     t0 = starts[sc] + (j - (cum[sc] - tiles[sc])) * block_q

@@ -146,7 +146,7 @@ def _grid_tiles(cu_seqlens, num_tokens: int, tile: int):
     cum = jnp.cumsum(tiles)
     nt = num_tokens // tile + 2 * (b + 1)
     j = jnp.arange(nt, dtype=jnp.int32)
-    stream = jnp.searchsorted(cum, j, side="right").astype(jnp.int32)  # > B: unused
+    stream = jnp.searchsorted(cum, j, side="right", method="compare_all").astype(jnp.int32)  # > B: unused
     used = stream <= b
     sc = jnp.minimum(stream, b)
     qs = first[sc] + (j - (cum[sc] - tiles[sc])) * tile
