@@ -75,8 +75,7 @@ def gated_delta_per_position(q, k, v, g, beta, idx, mask, rec0, *, scale=None, u
         s = jnp.where(m_t[:, None, None, None], s, st)
         return s, (o, s)
 
-    # unrolled: W = 1 + k positions is few, and XLA's GPU runtime may check a loop's condition on the host
-    _, (o, states) = jax.lax.scan(step, rec0.astype(jnp.float32), xs + (mask.T,), unroll=True)
+    _, (o, states) = jax.lax.scan(step, rec0.astype(jnp.float32), xs + (mask.T,))
     o = _scatter_tokens(jnp.swapaxes(o, 0, 1), idx, mask, t)
     return o.astype(q.dtype), jnp.swapaxes(states, 0, 1)
 
@@ -98,7 +97,7 @@ def ssd_per_position(x, dt, A, B, C, D, idx, mask, ssm0):
         s = jnp.where(m_t[:, None, None, None], s, st)
         return s, (y, s)
 
-    _, (y, states) = jax.lax.scan(step, ssm0.astype(jnp.float32), xs + (mask.T,), unroll=True)  # (as above)
+    _, (y, states) = jax.lax.scan(step, ssm0.astype(jnp.float32), xs + (mask.T,))
     return _scatter_tokens(jnp.swapaxes(y, 0, 1), idx, mask, t), jnp.swapaxes(states, 0, 1)
 
 
