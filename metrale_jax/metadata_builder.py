@@ -261,12 +261,13 @@ def build_step(
             if c.num_output_tokens:
                 tok_is_output[n + o + L - c.num_output_tokens : n + o + L] = True
             if c.prompt_lp_targets is not None:  # compacted: one row per position with a target
-                at = np.flatnonzero(np.asarray(c.prompt_lp_targets) >= 0)
+                tg = np.asarray(c.prompt_lp_targets)
+                at = np.flatnonzero(tg >= 0)
                 if j_plp + len(at) > nplp:
                     raise ValueError(f"more than {nplp} prompt-logprob tokens in bucket {bucket} "
                                      f"(max_prompt_lp_tokens={cfg.max_prompt_lp_tokens})")
                 prompt_lp_rows[j_plp : j_plp + len(at)] = o + at
-                prompt_lp_targets[j_plp : j_plp + len(at)] = np.asarray(c.prompt_lp_targets)[at]
+                prompt_lp_targets[j_plp : j_plp + len(at)] = tg[at]
                 j_plp += len(at)
             if c.reset_penalty_row:
                 reset_rows[j] = c.pen_row
