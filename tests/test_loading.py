@@ -117,6 +117,39 @@ def test_safetensors_tiny_fixture_checkpoint_matches_safe_open():
             np.testing.assert_array_equal(src.load(name), f.get_tensor(name))
 
 
+def test_safetensors_load_is_a_read_only_view_that_outlives_close(tmp_path):
+    """Tensors come back as views into the file mapping (no copy); writing to one is refused,
+    and closing the source does not pull the mapping from under arrays still in use."""
+    ref = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, ml_dtypes.bfloat16)}
+    save_file(ref, str(tmp_path / "model.safetensors"))
+    src = SafetensorsSource(tmp_path)
+    a = src.load("a")
+    with pytest.raises(ValueError, match="read-only"):
+        a[0, 0] = 1.0
+    src.close()
+    np.testing.assert_array_equal(a, ref["a"])
+    np.testing.assert_array_equal(src.load("b"), ref["b"])  # reopens after close
+
+
+@pytest.mark.parametrize("rows", [(1,), (15, 64), (300, 1, 257), (513,)])
+@pytest.mark.parametrize("k", [1, 63, 130])
+def test_transpose_into_matches_numpy(rows, k):
+    """The banded, threaded transposition equals concatenate(parts).T for awkward row counts
+    (band edges at 256), casting float32 parts into a bfloat16 destination, into a view."""
+    from metrale_jax.loading.weights import transpose_into
+
+    rng = np.random.default_rng(sum(rows) + k)
+    parts = [rng.standard_normal((n, k)).astype(np.float32) for n in rows]
+    dst = np.full((2, k, sum(rows) + 3), np.nan, ml_dtypes.bfloat16)
+    transpose_into(dst[1, :, 2:-1], parts)
+    np.testing.assert_array_equal(dst[1, :, 2:-1], np.concatenate(parts).T.astype(ml_dtypes.bfloat16))
+    assert np.isnan(dst[0]).all() and np.isnan(dst[1, :, :2]).all() and np.isnan(dst[1, :, -1]).all()
+    with pytest.raises(ValueError, match="do not fill"):
+        transpose_into(dst[1], parts)
+    with pytest.raises(ValueError, match="does not transpose"):
+        transpose_into(dst[1, :, 2:-1], [p.T for p in parts] if k != 1 else [np.zeros((1, k + 1))])
+
+
 def _write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
     """A safetensors file with dtypes numpy's save_file cannot write (fp8); byte layout per the spec."""
     header, blobs, off = {}, [], 0

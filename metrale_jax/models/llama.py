@@ -86,7 +86,7 @@ def load_params(cfg: ModelConfig, reader: WeightReader, load_mlp=None) -> dict:
         "norm": reader.get("model.norm.weight", (h,), cast=True),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(reader.get("lm_head.weight", (cfg.vocab_size, h), cast=True).T)
+        params["lm_head"] = reader.transposed(reader.get("lm_head.weight", (cfg.vocab_size, h), cast=True))
     return reader.to_device(params)
 
 

@@ -61,27 +61,27 @@ def load_qwen3_next_mtp(cfg: ModelConfig, reader) -> dict:
         layers["in_norm"][i] = get(p + "input_layernorm.weight", (h,))
         layers["post_norm"][i] = get(p + "post_attention_layernorm.weight", (h,))
         m = p + "mlp."
-        layers["router"][i] = get(m + "gate.weight", (e, h), cast=True).T
+        reader.put_t(layers["router"], i, get(m + "gate.weight", (e, h), cast=True))
         for j in range(e):
             q = f"{m}experts.{j}."
             gu = np.concatenate([get(q + "gate_proj.weight", (im, h), cast=True), get(q + "up_proj.weight", (im, h),
                                                                                       cast=True)])
-            layers["experts_gate_up"][i, j] = gu.T
-            layers["experts_down"][i, j] = get(q + "down_proj.weight", (h, im), cast=True).T
+            reader.put_t(layers["experts_gate_up"], (i, j), gu)
+            reader.put_t(layers["experts_down"], (i, j), get(q + "down_proj.weight", (h, im), cast=True))
         s = m + "shared_expert."
         gu = np.concatenate([get(s + "gate_proj.weight", (ish, h), cast=True), get(s + "up_proj.weight", (ish, h),
                                                                                    cast=True)])
-        layers["shared_gate_up"][i] = gu.T
-        layers["shared_down"][i] = get(s + "down_proj.weight", (h, ish), cast=True).T
-        layers["shared_gate"][i] = get(m + "shared_expert_gate.weight", (1, h), cast=True).T
+        reader.put_t(layers["shared_gate_up"], i, gu)
+        reader.put_t(layers["shared_down"], i, get(s + "down_proj.weight", (h, ish), cast=True))
+        reader.put_t(layers["shared_gate"], i, get(m + "shared_expert_gate.weight", (1, h), cast=True))
         a = p + "self_attn."
-        attn["wq"][i] = get(a + "q_proj.weight", (hq * 2 * d, h), cast=True).T
-        wk, wv = get(a + "k_proj.weight", (hkv * d, h)), get(a + "v_proj.weight", (hkv * d, h))
-        attn["wkv"][i] = np.concatenate([wk, wv]).T
-        attn["wo"][i] = get(a + "o_proj.weight", (h, hq * d), cast=True).T
+        reader.put_t(attn["wq"], i, get(a + "q_proj.weight", (hq * 2 * d, h), cast=True))
+        wk, wv = get(a + "k_proj.weight", (hkv * d, h), cast=True), get(a + "v_proj.weight", (hkv * d, h), cast=True)
+        reader.put_t(attn["wkv"], i, wk, wv)
+        reader.put_t(attn["wo"], i, get(a + "o_proj.weight", (h, hq * d), cast=True))
         attn["q_norm"][i] = get(a + "q_norm.weight", (d,))
         attn["k_norm"][i] = get(a + "k_norm.weight", (d,))
-    mtp = {"fc": np.ascontiguousarray(get("mtp.fc.weight", (h, 2 * h), cast=True).T),
+    mtp = {"fc": reader.transposed(get("mtp.fc.weight", (h, 2 * h), cast=True)),
            "norm_embed": get("mtp.pre_fc_norm_embedding.weight", (h,)),
            "norm_hidden": get("mtp.pre_fc_norm_hidden.weight", (h,)),
            "norm": get("mtp.norm.weight", (h,)), "layers": layers, "attn": attn}

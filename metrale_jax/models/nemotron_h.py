@@ -130,34 +130,34 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         idx[kind] += 1
         if kind == MAMBA:
             q = params["mamba"]
-            q["in_proj"][j] = get(m + "in_proj.weight", (inner + cd + nh, h), cast=True).T
+            reader.put_t(q["in_proj"], j, get(m + "in_proj.weight", (inner + cd + nh, h), cast=True))
             q["conv_w"][j] = get(m + "conv1d.weight", (cd, 1, w))[:, 0]
             q["conv_b"][j] = get(m + "conv1d.bias", (cd,)) if reader.has(m + "conv1d.bias") else 0.0
             for name in ("dt_bias", "A_log", "D"):
                 q[name][j] = get(m + name, (nh,))
             q["norm"][j] = get(m + "norm.weight", (inner,))
-            q["out"][j] = get(m + "out_proj.weight", (h, inner), cast=True).T
+            reader.put_t(q["out"], j, get(m + "out_proj.weight", (h, inner), cast=True))
         elif kind == ATTN:
-            wq, wk, wv = (get(m + f"{x}_proj.weight", (s * d, h)) for x, s in (("q", hq), ("k", hkv), ("v", hkv)))
-            params["attn"]["wqkv"][j] = np.concatenate([wq, wk, wv]).T
-            params["attn"]["wo"][j] = get(m + "o_proj.weight", (h, hq * d), cast=True).T
+            reader.put_t(params["attn"]["wqkv"], j, *(get(m + f"{x}_proj.weight", (s * d, h), cast=True)
+                                                      for x, s in (("q", hq), ("k", hkv), ("v", hkv))))
+            reader.put_t(params["attn"]["wo"], j, get(m + "o_proj.weight", (h, hq * d), cast=True))
         elif kind == MLP:
-            params["mlp"]["up"][j] = get(m + "up_proj.weight", (cfg.intermediate_size, h), cast=True).T
-            params["mlp"]["down"][j] = get(m + "down_proj.weight", (h, cfg.intermediate_size), cast=True).T
+            reader.put_t(params["mlp"]["up"], j, get(m + "up_proj.weight", (cfg.intermediate_size, h), cast=True))
+            reader.put_t(params["mlp"]["down"], j, get(m + "down_proj.weight", (h, cfg.intermediate_size), cast=True))
         else:
             q, e = params["moe"], cfg.get("n_routed_experts")
             im, ish = cfg.get("moe_intermediate_size"), cfg.get("moe_shared_expert_intermediate_size")
-            q["router"][j] = get(m + "gate.weight", (e, h), cast=True).T
+            reader.put_t(q["router"], j, get(m + "gate.weight", (e, h), cast=True))
             q["e_bias"][j] = get(m + "gate.e_score_correction_bias", (e,))
             for x in range(e):
-                q["experts_up"][j, x] = get(m + f"experts.{x}.up_proj.weight", (im, h), cast=True).T
-                q["experts_down"][j, x] = get(m + f"experts.{x}.down_proj.weight", (h, im), cast=True).T
-            q["shared_up"][j] = get(m + "shared_experts.up_proj.weight", (ish, h), cast=True).T
-            q["shared_down"][j] = get(m + "shared_experts.down_proj.weight", (h, ish), cast=True).T
+                reader.put_t(q["experts_up"], (j, x), get(m + f"experts.{x}.up_proj.weight", (im, h), cast=True))
+                reader.put_t(q["experts_down"], (j, x), get(m + f"experts.{x}.down_proj.weight", (h, im), cast=True))
+            reader.put_t(q["shared_up"], j, get(m + "shared_experts.up_proj.weight", (ish, h), cast=True))
+            reader.put_t(q["shared_down"], j, get(m + "shared_experts.down_proj.weight", (h, ish), cast=True))
     params["embed"] = get("backbone.embeddings.weight", (cfg.vocab_size, h), cast=True)
     params["norm_f"] = get("backbone.norm_f.weight", (h,), cast=True)
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("lm_head.weight", (cfg.vocab_size, h), cast=True).T)
+        params["lm_head"] = reader.transposed(get("lm_head.weight", (cfg.vocab_size, h), cast=True))
     return reader.to_device(params)
 
 

@@ -9,8 +9,6 @@ the released Qwen3-MoE models.
 
 import dataclasses
 
-import numpy as np
-
 from metrale_jax.config import ModelConfig
 from metrale_jax.models import llama
 from metrale_jax.models.llama import compute_logits, forward, forward_paged, num_attention_layers
@@ -36,13 +34,13 @@ def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
     out.update(fp8 or reader.stacks(L, experts_gate_up=(e, h, 2 * inter), experts_down=(e, inter, h)))
     for i in reader.progress(range(L), "experts"):
         p = f"model.layers.{i}.mlp."
-        out["router"][i] = reader.get(p + "gate.weight", (e, h), cast=True).T
+        reader.put_t(out["router"], i, reader.get(p + "gate.weight", (e, h), cast=True))
         for j in range(0 if fp8 else e):
             q = f"{p}experts.{j}."
             g = reader.get(q + "gate_proj.weight", (inter, h), cast=True)
             u = reader.get(q + "up_proj.weight", (inter, h), cast=True)
-            out["experts_gate_up"][i, j] = np.concatenate([g, u], axis=0).T
-            out["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, inter), cast=True).T
+            reader.put_t(out["experts_gate_up"], (i, j), g, u)
+            reader.put_t(out["experts_down"], (i, j), reader.get(q + "down_proj.weight", (h, inter), cast=True))
     return out
 
 

@@ -119,41 +119,42 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         layers["in_norm"][i] = reader.get(p + "input_layernorm.weight", (h,))
         layers["post_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
         m = p + "mlp."
-        layers["router"][i] = reader.get(m + "gate.weight", (e, h), cast=True).T
+        reader.put_t(layers["router"], i, reader.get(m + "gate.weight", (e, h), cast=True))
         for j in range(0 if fp8 else e):
             q = f"{m}experts.{j}."
             g_ = reader.get(q + "gate_proj.weight", (im, h), cast=True)
             u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)
-            layers["experts_gate_up"][i, j] = np.concatenate([g_, u_]).T
-            layers["experts_down"][i, j] = reader.get(q + "down_proj.weight", (h, im), cast=True).T
+            reader.put_t(layers["experts_gate_up"], (i, j), g_, u_)
+            reader.put_t(layers["experts_down"], (i, j), reader.get(q + "down_proj.weight", (h, im), cast=True))
         s = m + "shared_expert."
         g_ = reader.get(s + "gate_proj.weight", (ish, h), cast=True)
         u_ = reader.get(s + "up_proj.weight", (ish, h), cast=True)
-        layers["shared_gate_up"][i] = np.concatenate([g_, u_]).T
-        layers["shared_down"][i] = reader.get(s + "down_proj.weight", (h, ish), cast=True).T
-        layers["shared_gate"][i] = reader.get(m + "shared_expert_gate.weight", (1, h), cast=True).T
+        reader.put_t(layers["shared_gate_up"], i, g_, u_)
+        reader.put_t(layers["shared_down"], i, reader.get(s + "down_proj.weight", (h, ish), cast=True))
+        reader.put_t(layers["shared_gate"], i, reader.get(m + "shared_expert_gate.weight", (1, h), cast=True))
         if kinds[i] == ATTN:
             a = p + "self_attn."
-            attn["wq"][ia] = reader.get(a + "q_proj.weight", (hq * 2 * d, h), cast=True).T
-            wk, wv = reader.get(a + "k_proj.weight", (hkv * d, h)), reader.get(a + "v_proj.weight", (hkv * d, h))
-            attn["wkv"][ia] = np.concatenate([wk, wv]).T
-            attn["wo"][ia] = reader.get(a + "o_proj.weight", (h, hq * d), cast=True).T
+            reader.put_t(attn["wq"], ia, reader.get(a + "q_proj.weight", (hq * 2 * d, h), cast=True))
+            wk, wv = (reader.get(a + f"{x}_proj.weight", (hkv * d, h), cast=True) for x in "kv")
+            reader.put_t(attn["wkv"], ia, wk, wv)
+            reader.put_t(attn["wo"], ia, reader.get(a + "o_proj.weight", (h, hq * d), cast=True))
             attn["q_norm"][ia] = reader.get(a + "q_norm.weight", (d,))
             attn["k_norm"][ia] = reader.get(a + "k_norm.weight", (d,))
             ia += 1
         else:
             a = p + "linear_attn."
             # Rows come grouped per key head as [q (dk), k (dk), v (r dv), z (r dv)]; regroup as q | k | v | z.
-            qkvz = reader.get(a + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h)).reshape(nk, 2 * dk + 2 * r * dv, h)
+            qkvz = reader.get(a + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h), cast=True)
+            qkvz = qkvz.reshape(nk, 2 * dk + 2 * r * dv, h)
             parts = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-            gdn["w_qkvz"][ig] = np.concatenate([x.reshape(-1, h) for x in parts]).T
-            ba = reader.get(a + "in_proj_ba.weight", (2 * nv, h)).reshape(nk, 2 * r, h)
-            gdn["w_ba"][ig] = np.concatenate([ba[:, :r].reshape(-1, h), ba[:, r:].reshape(-1, h)]).T
+            reader.put_t(gdn["w_qkvz"], ig, *[x.reshape(-1, h) for x in parts])
+            ba = reader.get(a + "in_proj_ba.weight", (2 * nv, h), cast=True).reshape(nk, 2 * r, h)
+            reader.put_t(gdn["w_ba"], ig, ba[:, :r].reshape(-1, h), ba[:, r:].reshape(-1, h))
             gdn["conv_w"][ig] = reader.get(a + "conv1d.weight", (c, 1, w))[:, 0]
             gdn["dt_bias"][ig] = reader.get(a + "dt_bias", (nv,))
             gdn["A_log"][ig] = reader.get(a + "A_log", (nv,))
             gdn["norm"][ig] = reader.get(a + "norm.weight", (dv,))
-            gdn["wo"][ig] = reader.get(a + "out_proj.weight", (h, vd), cast=True).T
+            reader.put_t(gdn["wo"], ig, reader.get(a + "out_proj.weight", (h, vd), cast=True))
             ig += 1
     params = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
