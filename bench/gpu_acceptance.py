@@ -18,10 +18,10 @@ Per family (random weights, `random_model(shape_config(shape, layers), repeat_la
    requests), then a staggered part driven by `add_request` / `step` / `abort` (60 requests
    arriving between steps, 10 of them aborted: 8 mid-stream, 2 on arrival; 4 whose stop id / stop
    string is a token the same prompt produced greedily in the batch part, so they must stop),
-   then 6 greedy requests re-run one at a time (logprobs=2), then the HTTP server (the app on
+   then 6 greedy requests re-run one at a time (with the logprobs they had), then the HTTP server (the app on
    uvicorn in a thread, httpx clients in threads): plain, n=2, logprobs, SSE streams with usage,
    stop strings, and client disconnects mid-stream. Prompts 1-1,500 tokens, outputs 1-300
-   tokens; greedy, temperature with top-k/top-p/min-p, the three penalties, n=2, logprobs=5,
+   tokens; greedy, temperature with top-k/top-p/min-p, the three penalties, n=2, logprobs=5 and 20,
    prompt_logprobs=3, stop strings and stop ids.
 3. Checks (each pass/fail with details): no exception; every request finished by length (with
    exactly its token count) or stop (with a stop id / string / EOS that ends it), or was aborted
@@ -259,12 +259,13 @@ def make_params(kind: str, max_tokens: int, rng: np.random.Generator, vocab: int
 
     seed = int(rng.integers(0, 2**31))
     kw: dict[str, Any] = dict(max_tokens=max_tokens)
-    if kind == "greedy":  # (greedy rows carry logprobs: the lone comparison reads both sides')
-        kw |= dict(temperature=0.0, logprobs=2)
-    elif kind == "greedy_lp":
+    if kind == "greedy":  # (greedy rows carry top-5 logprobs, as the lone re-runs do: the
+        # lone comparison reads both sides' and needs the same k on both, as vLLM's rule does)
         kw |= dict(temperature=0.0, logprobs=5)
+    elif kind == "greedy_lp":
+        kw |= dict(temperature=0.0, logprobs=20)
     elif kind == "greedy_ignore_eos":
-        kw |= dict(temperature=0.0, ignore_eos=True, logprobs=2)
+        kw |= dict(temperature=0.0, ignore_eos=True, logprobs=5)
     elif kind == "sample":
         kw |= dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=seed)
     elif kind == "penalty":
@@ -273,7 +274,7 @@ def make_params(kind: str, max_tokens: int, rng: np.random.Generator, vocab: int
     elif kind == "n2":
         kw |= dict(n=2, temperature=1.0, top_k=20, seed=seed)
     elif kind == "prompt_lp":
-        kw |= dict(temperature=0.0, prompt_logprobs=3, logprobs=2)
+        kw |= dict(temperature=0.0, prompt_logprobs=3, logprobs=5)
     elif kind == "stop_str":
         kw |= dict(temperature=0.9, seed=seed, stop=["77", "q9"])
     elif kind == "stop_ids":
@@ -779,7 +780,7 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
             results, div = [], []
             for s in picks:
                 o = batch_out.get(s.rid) or run["final"][s.rid]
-                lone = llm.generate([s.prompt], [s.params.clone(logprobs=max(5, s.params.logprobs or 0))])[0]
+                lone = llm.generate([s.prompt], [s.params.clone()])[0]
                 cmp = compare_greedy(list(o.outputs[0].token_ids), list(lone.outputs[0].token_ids),
                                      top2_gaps(lone.outputs[0].logprobs), batch_lps=o.outputs[0].logprobs,
                                      lone_lps=lone.outputs[0].logprobs, allow_noise=plan.dtype != "float32")
