@@ -6,6 +6,14 @@ start-up cancel out. Prompts are random token ids (ignore_eos, so the lengths ho
 
     python bench/generate_speed.py                                   # SmolLM2-135M f32 on the CPU
     python bench/generate_speed.py --shape llama3-8b --batches 1,8,64  # random bf16 weights (GPU)
+
+Variants per batch: greedy, temperature 0.7 + top_p 0.9 (`top_p`), and the same with logprobs=5
+(`top_p_lp5`). Beside them, in the same run: the device step of the engine's own decode
+executable for that batch (`measure_decode_latency`: inputs fixed, state fed back) and, at batch
+1, the weights+KV roofline over a memcpy measured in the run. Random weights give near-uniform
+logits or very peaked ones (`random_model`'s Llama-3-8B shape, 1 layer: a nucleus of 1-6 tokens),
+so the bench reports the nucleus size (the model's own logits over the prompt at T=0.7), and
+`--lm-head-scale auto` scales the LM head so that the median nucleus holds ~100 tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,33 +39,55 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantization", default=None, help="fp8: quantize the decoder linears at load")
+    p.add_argument("--lm-head-scale", default="1", help="multiply the (untied) LM head by this; "
+                   "'auto': the scale that leaves a median top_p=0.9 nucleus of ~100 tokens")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax
-    import numpy as np
 
     from metrale_jax import LLM, LLMEngine, SamplingParams, load_model, random_model
-    from metrale_jax.engine.bench import shape_config
+    from metrale_jax.engine.bench import measure_decode_latency, memcpy_bandwidth, shape_config
     from metrale_jax.engine.config import EngineConfig
 
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = a.dtype or ("bfloat16" if on_gpu else "float32")
     if a.shape:
         model, params = random_model(shape_config(a.shape, a.num_layers), dtype=dtype, repeat_layers=True,
-                                     split_layers=on_gpu)
+                                     split_layers=on_gpu, quantization=a.quantization)
     else:
-        model, params = load_model(a.model, dtype=dtype, show_progress=False, split_layers=on_gpu)
+        model, params = load_model(a.model, dtype=dtype, show_progress=False, split_layers=on_gpu,
+                                   quantization=a.quantization)
+    rng = np.random.default_rng(0)
+    logits = prompt_logits(model, params, rng.integers(3, model.cfg.vocab_size - 1, a.prompt_len).tolist())
+    scale = scale_for_nucleus(logits) if a.lm_head_scale == "auto" else float(a.lm_head_scale)
+    nucleus = nucleus_sizes(logits, scale)
+    del logits
+    if scale != 1.0:
+        if "lm_head" not in params:
+            raise SystemExit("--lm-head-scale needs an untied LM head")
+        params["lm_head"] = params["lm_head"] * scale
+    print(f"LM head x{scale:.3g}: top_p=0.9 nucleus at T=0.7 over the prompt's positions: median "
+          f"{int(np.median(nucleus))}, range {min(nucleus)}-{max(nucleus)} of {model.cfg.vocab_size} tokens",
+          flush=True)
     batches = [int(b) for b in a.batches.split(",")]
     cfg = EngineConfig(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
                        max_num_seqs=max(batches) if not on_gpu else None, show_progress=False)
-    llm = LLM.from_engine(LLMEngine(model, params, cfg))
-    rng = np.random.default_rng(0)
-    res = {"model": a.shape or a.model, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
+    eng = LLMEngine(model, params, cfg)
+    llm = LLM.from_engine(eng)
+    bw, bw_how = memcpy_bandwidth()
+    res = {"model": a.shape or a.model, "dtype": dtype, "quantization": a.quantization,
+           "lm_head_scale": scale, "device": str(jax.devices()[0].device_kind),
+           "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "nucleus_tokens": {"median": int(np.median(nucleus)), "min": min(nucleus), "max": max(nucleus)},
+           "memcpy_gb_s": bw / 1e9, "memcpy": bw_how, "runs": [], "device_steps": []}
+    variants = (("greedy", dict(temperature=0)), ("top_p", dict(temperature=0.7, top_p=0.9, seed=1)),
+                ("top_p_lp5", dict(temperature=0.7, top_p=0.9, seed=1, logprobs=5)))
     for b in batches:
         prompts = [{"prompt_token_ids": rng.integers(3, model.cfg.vocab_size - 1, a.prompt_len).tolist()}
                    for _ in range(b)]
-        for name, kw in (("greedy", dict(temperature=0)), ("top_p", dict(temperature=0.7, top_p=0.9, seed=1))):
+        for name, kw in variants:
             def wall(n, prompts=prompts, kw=kw):
                 t = time.perf_counter()
                 llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **kw))
@@ -66,14 +98,54 @@ def main() -> int:
             tn = min(wall(1 + a.steps) for _ in range(a.repeats))
             step = (tn - t1) / a.steps
             res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step))
-            print(f"batch {b:3d} {name:7s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s)", flush=True)
+            print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s)", flush=True)
+        lat = measure_decode_latency(eng, argparse.Namespace(context=a.prompt_len, decode_steps=a.steps, seed=0,
+                                                             profile=None), b, bw)
+        res["device_steps"].append(lat)
     for b in batches:
-        g, t = (next(r for r in res["runs"] if r["batch"] == b and r["sampling"] == s) for s in ("greedy", "top_p"))
-        print(f"batch {b:3d}: top_p costs {100 * (t['step_ms'] / g['step_ms'] - 1):+.1f}% over greedy")
+        g, t, lp = (next(r for r in res["runs"] if r["batch"] == b and r["sampling"] == s) for s in
+                    ("greedy", "top_p", "top_p_lp5"))
+        lat = next(x for x in res["device_steps"] if x["batch"] == b)
+        print(f"batch {b:3d}: top_p costs {100 * (t['step_ms'] / g['step_ms'] - 1):+.1f}% over greedy, logprobs=5 "
+              f"{100 * (lp['step_ms'] / t['step_ms'] - 1):+.1f}% more; generate greedy step "
+              f"{g['step_ms'] / lat['device_step_ms']:.3f}x the device step ({lat['device_step_ms']:.2f} ms); "
+              f"roofline ratio {lat['roofline_step_ms'] / g['step_ms']:.3f} (generate), "
+              f"{lat['roofline_ratio_device']:.3f} (device; {bw / 1e9:.0f} GB/s {bw_how})", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
+
+def prompt_logits(model, params, tokens: list[int]):
+    """f32[T, V]: the model's next-token logits at each position of `tokens` (the dense research
+    forward, run before the engine takes the memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(model.forward)(params, jnp.asarray([tokens], jnp.int32))[0]
+
+
+def nucleus_sizes(logits, scale: float = 1.0, temperature: float = 0.7, top_p: float = 0.9) -> list[int]:
+    """Tokens in the top_p nucleus at `temperature` of each row of scale * logits f32[T, V] (scaling
+    the LM head scales the logits: the same numbers as the scaled model's)."""
+    import jax
+    import jax.numpy as jnp
+
+    probs = jnp.sort(jax.nn.softmax(scale * logits / temperature, axis=-1), axis=-1)[:, ::-1]
+    n = (jnp.cumsum(probs, axis=-1) < top_p).sum(axis=-1) + 1
+    return [int(x) for x in jax.device_get(n)]
+
+
+def scale_for_nucleus(logits, target: int = 100) -> float:
+    """The LM-head scale (bisected geometrically in [1e-3, 1e3]) whose median nucleus is ~target tokens."""
+    lo, hi = 1e-3, 1e3
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        if float(np.median(nucleus_sizes(logits, mid))) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 if __name__ == "__main__":
     sys.exit(main())
