@@ -173,3 +173,42 @@ def test_compile_cache_follows_xdg_cache_home(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(tmp_path / "metrale_jax" / "jax_cache")
+
+
+_FRESH_PROCESS_RUN = """
+import json, sys
+from metrale_jax import LLM, SamplingParams
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.engine import LLMEngine
+from metrale_jax.model import random_model
+config = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=512, rms_norm_eps=1e-5,
+              max_position_embeddings=512, rope_theta=10000.0, torch_dtype="bfloat16")
+model, params = random_model(config, dtype="bfloat16", split_layers=True)
+eng = LLMEngine(model, params, EngineConfig(dtype="bfloat16", max_model_len=512, show_progress=False,
+                                            compilation_cache_dir=sys.argv[1]))
+outs = LLM.from_engine(eng).generate([list(range(3, 200)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
+c = eng.compiler
+print(json.dumps(dict(hits=c.cache_hits, n=len(c.executables) + len(c.swap_executables), misses=c.cache_misses,
+                      tokens=[list(o.outputs[0].token_ids) for o in outs])))
+"""
+
+
+@pytest.mark.gpu
+def test_warm_start_in_a_fresh_process_gpu(tmp_path):
+    """A warm start in a new process (as users restart a server) loads every step, the bf16 Mosaic
+    prefill ones included (they failed to link when nothing had imported JAX's Mosaic GPU module
+    yet: `compile._link_mosaic_gpu_runtime`), and gives the cold start's tokens."""
+    import json
+    import subprocess
+    import sys
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_RUN, str(tmp_path)], capture_output=True,
+                             text=True, check=True, cwd=FIXTURES.parents[2])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold["hits"] == 0 and warm["misses"] == {}
+    assert warm["hits"] == warm["n"] == cold["n"]
+    assert warm["tokens"] == cold["tokens"]

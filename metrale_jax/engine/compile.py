@@ -132,6 +132,24 @@ def executable_cache_dir() -> str | None:
     return os.path.join(root, "metrale_executables") if root else None
 
 
+@functools.cache
+def _link_mosaic_gpu_runtime() -> None:
+    """Import JAX's Mosaic GPU module before deserializing: importing it sets
+    MOSAIC_GPU_RUNTIME_LIB_PATH, which a Mosaic GPU custom call reads to link its kernel's host
+    code against the runtime library. A process that deserializes a step holding a Mosaic kernel
+    (the bf16 prefill attention) before it has lowered any otherwise fails to link it ("Failed to
+    lookup host symbol ... paged_prefill_attention_mgpu_mosaic_gpu"): on the H200 (2026-12-01) a
+    warm start recompiled 3 of its 8 prefill/mixed executables so, the others having loaded after
+    a recompile's lowering had imported the module."""
+    if jax.devices()[0].platform == "gpu":
+        import importlib
+
+        try:
+            importlib.import_module("jax.experimental.mosaic.gpu")
+        except ImportError:  # a jaxlib without Mosaic GPU: no such kernels either
+            pass
+
+
 class ExecutableCache:
     """Compiled steps serialized on disk (`<dir>/<key>.exe`), keyed without tracing (module doc).
 
@@ -165,6 +183,7 @@ class ExecutableCache:
             return None, "absent"
         from jax.experimental import serialize_executable
 
+        _link_mosaic_gpu_runtime()
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), None
