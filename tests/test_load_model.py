@@ -4,6 +4,7 @@ import json
 import logging
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -186,3 +187,31 @@ def test_forward_is_differentiable():
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
         assert np.isfinite(np.asarray(leaf)).all(), path
     assert float(np.abs(np.asarray(grads["layers"]["wqkv"])).sum()) > 0
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "qwen3_moe_tiny", "qwen3_moe_fp8_tiny", "llama_fp8_tiny",
+                                  "llama_gptq_tiny", "llama_nvfp4_ct_tiny", "qwen3_next_tiny", "nemotron_h_tiny",
+                                  "mamba2_tiny"])
+def test_split_layers_load_equals_stacked(name):
+    """Loading straight into per-layer device arrays (the GPU layout, each layer streamed to the
+    device as soon as it is read) gives, layer by layer, exactly the stacked load's parameters,
+    for every family and weight format."""
+    from metrale_jax.layers.stack import Unstacked
+
+    _, stacked = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+    _, split = load_model(FIXTURES / name, dtype="float32", show_progress=False, split_layers=True)
+    want = jax.tree_util.tree_flatten_with_path(stacked)[0]
+    got = jax.tree_util.tree_flatten_with_path(split, is_leaf=lambda x: isinstance(x, Unstacked))[0]
+    assert [p for p, _ in got] == [p for p, _ in want]
+    n_split = 0
+    for (path, g), (_, w) in zip(got, want):
+        if isinstance(g, Unstacked):
+            n_split += 1
+            assert len(g.parts) == w.shape[0], path
+            for i, part in enumerate(g.parts):
+                assert part.dtype == w.dtype and part.shape == w.shape[1:], path
+                np.testing.assert_array_equal(np.asarray(part), np.asarray(w[i]), err_msg=str(path))
+        else:
+            assert g.dtype == w.dtype, path
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(path))
+    assert n_split >= 4

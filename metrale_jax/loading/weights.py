@@ -266,35 +266,31 @@ class WeightReader:
 
     def stacked(self, n: int, shape: tuple[int, ...], name: str | tuple[str, ...] = "", dtype=None, fill=None):
         """f[n, *shape] of the model dtype (or `dtype`) for a weight map to fill layer by layer:
-        a host array (uninitialized unless `fill`), or with a sharder a streaming `LayerStack`.
+        a host array (uninitialized unless `fill`), or, with a sharder or `split_layers`, a
+        `LayerStack` that streams each finished layer to the device (to its shards), so the host
+        holds one layer of it and the copies overlap the reading of the next layer.
         name: the parameter's key in the tree (a tuple for nested keys, e.g. ("wqkv", "w8"))."""
         dtype = self.dtype if dtype is None else np.dtype(dtype)
-        if self.sharder is not None:
-            return LayerStack(n, shape, dtype, (name,) if isinstance(name, str) else tuple(name), self.sharder.put,
-                              fill)
+        if self.sharder is not None or self.split_layers:
+            return LayerStack(n, shape, dtype, (name,) if isinstance(name, str) else tuple(name), self._put, fill)
         if fill is None:
             return np.empty((n,) + tuple(shape), dtype)
         return np.full((n,) + tuple(shape), fill, dtype)
+
+    def _put(self, names: tuple[str, ...], x):
+        """One array on the device: on its tensor-parallel shards with a sharder (placed by its names)."""
+        return self.sharder.put(names, x) if self.sharder is not None else jax.device_put(x)
 
     def progress(self, it: Iterable, desc: str):
         return tqdm(it, desc=f"loading {desc}", disable=None if self.show_progress else True, leave=False)
 
     def to_device(self, tree):
         """Place the tree on the device as built (FP8 weights and their f32 scales keep their dtypes);
-        with `split_layers`, layer-stacked leaves as per-layer arrays (`layers.stack.device_put_layers`);
+        with `split_layers`, layer-stacked leaves as per-layer arrays (`layers.stack.Unstacked`);
         with a sharder, every leaf on its shards (`LayerStack`s are there already)."""
-        if self.sharder is not None:
-            return self._to_shards(tree)
-        if self.split_layers:
-            from metrale_jax.layers.stack import device_put_layers
-
-            return device_put_layers(tree)
-        return jax.tree.map(jax.device_put, tree)
-
-    def _to_shards(self, tree):
+        if self.sharder is None and not self.split_layers:
+            return jax.tree.map(jax.device_put, tree)
         from metrale_jax.layers.stack import GLOBAL_KEYS, Unstacked
-
-        sharder = self.sharder
 
         def place(path, x):
             names = tuple(str(getattr(k, "key", getattr(k, "name", ""))) for k in path)
@@ -305,12 +301,12 @@ class WeightReader:
                                        f"{'/'.join(keys)} (a bug: its tensor-parallel placement would be wrong)")
                 parts = x.finish()
             elif keys[0] in GLOBAL_KEYS:
-                return sharder.put(keys, x)
+                return self._put(keys, x)
             else:  # a layer-stacked leaf built on the host (4-bit linears)
-                parts = [sharder.put(keys, np.asarray(x)[i]) for i in range(x.shape[0])]
+                parts = [self._put(keys, np.asarray(x)[i]) for i in range(x.shape[0])]
             if self.split_layers:
                 return Unstacked(parts)
-            stacked = sharder.sharding_for(keys, (len(parts),) + parts[0].shape)
+            stacked = self.sharder.sharding_for(keys, (len(parts),) + parts[0].shape)
             return jax.jit(lambda *p: jax.numpy.stack(p), out_shardings=stacked)(*parts)
 
         return jax.tree_util.tree_map_with_path(place, tree, is_leaf=lambda x: isinstance(x, LayerStack))
