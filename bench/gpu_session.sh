@@ -3,11 +3,13 @@
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
 #   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
-# Issue 14's checks in one 30-minute device budget, back to back (a machine idle 30 s is given
-# back; H200, 2026-12-01): `tests` (56 s in session 8; over 130 s in session 9: give it its own
-# call), `startup loading` (~220 s + ~120 s), then `acceptance` with
-# "--family llama3-8b --family qwen3-30b-a3b --family mamba2-2.7b" (~450 s), then
-# "--family qwen3-next-80b-a3b --family nemotron-h-8b" (~440 s). Run parts one after another:
+# A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
+# `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
+# then `startup loading` (~220 s + ~120 s), `acceptance` with
+# "--family llama3-8b --family qwen3-30b-a3b --family mamba2-2.7b" (~490 s), then
+# "--family qwen3-next-80b-a3b --family nemotron-h-8b" (~455 s), `generate` (3 runs, ~400 s); with
+# ACCEPTANCE_ARGS='... --engine-config {"enable_prefix_caching":true}' the same traffic with
+# prefix caching on (Mamba-2 alone: 79 s). Run parts one after another:
 # five acceptance processes plus pytest at once starved the 16 cores and finished nothing in 185 s.
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
