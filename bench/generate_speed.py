@@ -42,6 +42,8 @@ def main() -> int:
     p.add_argument("--quantization", default=None, help="fp8: quantize the decoder linears at load")
     p.add_argument("--lm-head-scale", default="1", help="multiply the (untied) LM head by this; "
                    "'auto': the scale that leaves a median top_p=0.9 nucleus of ~100 tokens")
+    p.add_argument("--profile", default=None, help="a directory: profile the device step (top-p rows) of each "
+                   "batch there (kernels, idle gaps between them)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax
@@ -49,6 +51,7 @@ def main() -> int:
     from metrale_jax import LLM, LLMEngine, SamplingParams, load_model, random_model
     from metrale_jax.engine.bench import measure_decode_latency, memcpy_bandwidth, shape_config
     from metrale_jax.engine.config import EngineConfig
+    from metrale_jax.metadata_builder import RowSampling
 
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = a.dtype or ("bfloat16" if on_gpu else "float32")
@@ -99,8 +102,11 @@ def main() -> int:
             step = (tn - t1) / a.steps
             res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step))
             print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s)", flush=True)
+        # the device step with top-p rows (the sampler has no branch on the GPU: greedy rows run
+        # the same graph), profiled on request
         lat = measure_decode_latency(eng, argparse.Namespace(context=a.prompt_len, decode_steps=a.steps, seed=0,
-                                                             profile=None), b, bw)
+                                                             profile=a.profile), b, bw,
+                                     RowSampling(temperature=0.7, top_p=0.9, seed=(1, 0, 0)))
         res["device_steps"].append(lat)
     for b in batches:
         g, t, lp = (next(r for r in res["runs"] if r["batch"] == b and r["sampling"] == s) for s in

@@ -116,7 +116,7 @@ if [[ $parts == *startup* ]]; then  # default engine: cold / warm / JAX-cache-on
 fi
 if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greedy vs top_p (+logprobs=5) vs the device
   # step, bf16 as loaded, bf16 with the LM head scaled to a ~100-token nucleus, FP8 (~130 s each)
-  for run in "generate_llama3_8b:--batches 1,8,64" "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
+  for run in "generate_llama3_8b:--batches 1,8,64 --profile $OUT/profile_generate" "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue

@@ -392,8 +392,9 @@ def measure_throughput(eng, args, n: int) -> dict:
                 prompt_len=list(args.prompt_len), output_len=list(args.output_len))
 
 
-def measure_decode_latency(eng, args, batch: int, bw: float) -> dict:
-    """Fill `batch` rows with `args.context` tokens of context, then time pure decode steps."""
+def measure_decode_latency(eng, args, batch: int, bw: float, sampling=None) -> dict:
+    """Fill `batch` rows with `args.context` tokens of context, then time pure decode steps
+    (the device alone: rows sampled as `sampling`, a `RowSampling`; greedy by default)."""
     import jax
 
     from metrale_jax.metadata_builder import DecodeRow, RowSampling, build_step
@@ -419,7 +420,7 @@ def measure_decode_latency(eng, args, batch: int, bw: float) -> dict:
     seqs = [eng.requests[r].seqs[0] for r in rids]
     # (re-)decode each row's last cached token: its block exists, unlike the next position's
     rows = [DecodeRow(token=s.token_ids[s.num_computed - 1], position=s.num_computed - 1, block_table=s.blocks,
-                      sampling=RowSampling()) for s in seqs]
+                      sampling=sampling or RowSampling()) for s in seqs]
     inputs = build_step(eng.builder, eng.compiler.bucket_for(len(rows), 0, 0), rows, [])
     bucket = inputs.bucket
     dev = eng.compiler.transfer(inputs)
