@@ -80,6 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from metrale_jax.engine.testing import synthetic_tokenizer  # noqa: E402
+
 MIN_GAP = 0.05  # lone-run top-2 logprob gap below which a greedy divergence is reported, not failed
 TWIN_TOL = 1e-3  # float32 twins: |logprob(Pallas) - logprob(XLA reference)|
 KV_BLOCKS = 384  # GPU traffic KV pool (x 16 tokens)
@@ -177,31 +179,6 @@ def family_config(fam: Family, plan: Plan, twin: bool = False) -> dict:
 
 
 # ---- a tokenizer for random-weight models -------------------------------------------------------
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def piece(i: int) -> str:
-    """Token i's text: a letter and a number ("a0", "b0", ..., "a1", ...), unique per id."""
-    return f"{_LETTERS[i % 26]}{i // 26}"
-
-
-def synthetic_tokenizer(vocab_size: int, eos_ids: tuple[int, ...]):
-    """A `metrale_jax.loading.tokenizer.Tokenizer` over the whole vocabulary: token i decodes to
-    `piece(i)`, EOS ids to special tokens "<eos{i}>" (skipped in text)."""
-    from tokenizers import AddedToken, decoders
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import WordLevel
-
-    from metrale_jax.loading.tokenizer import Tokenizer
-
-    vocab = {(f"<eos{i}>" if i in eos_ids else piece(i)): i for i in range(vocab_size)}
-    tok = HFTokenizer(WordLevel(vocab=vocab, unk_token=piece(0) if 0 not in eos_ids else piece(1)))
-    tok.decoder = decoders.Fuse()
-    specials = [f"<eos{i}>" for i in eos_ids if i < vocab_size]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return Tokenizer(tok, eos_token=specials[0] if specials else None)
-
-
 def untile_vocab(params: dict, seed: int, scale: float = 0.2) -> dict:
     """Fresh draws for the embedding table and the LM head (`params["embed"]` f[V, H],
     `params["lm_head"]` f[H, V]): the random-weight reader tiles tensors above 16M elements with

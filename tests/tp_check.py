@@ -69,7 +69,8 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
     """The requests through `LLM.generate` -> ([(ids, logprobs + prompt logprobs f64[...])], stats);
     None on a follower process (which runs the leader's steps until it is done). `features`: also
     with prefix caching and LoRA adapters (tests/fixtures/data/lora), a second turn that hits the
-    cache, and one completion through the HTTP server. `spec_refs`: the reference outputs, for
+    cache, one completion through the HTTP server, and two structured-output requests (a choice,
+    greedy and sampled; the model gets `synthetic_tokenizer`). `spec_refs`: the reference outputs, for
     speculative decoding with drafts taken from them (some corrupted)."""
     from metrale_jax import LLM, load_model
     from metrale_jax.engine.engine import LLMEngine
@@ -78,6 +79,13 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
     # at TP > 1 the loader streams each parameter to its shards (as LLMEngine.from_config does)
     sharder = Sharder(make_mesh(tp), expert_parallel=expert_parallel) if tp > 1 else None
     model, params = load_model(FIXTURES / family, dtype="float32", show_progress=False, sharder=sharder)
+    if features:  # a tokenizer over the fixture's vocabulary, for structured output
+        import dataclasses
+
+        from metrale_jax.engine.testing import synthetic_tokenizer
+
+        model = dataclasses.replace(model, tokenizer=synthetic_tokenizer(model.cfg.vocab_size,
+                                                                         tuple(model.eos_token_ids)))
     cfg = _config(tp, expert_parallel, interpret_kernels, features)
     if spec_refs is not None:
         from metrale_jax.engine import spec_decode
@@ -105,6 +113,16 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
                                     lora_request=[lora[0], lora[1], lora[0]])
         assert eng.stats().prefix_cache_hits > 0
         outs[-1].outputs[0].token_ids = outs[-1].outputs[0].token_ids + _served(eng, turn2[-1], lora[0])
+        # structured output: the grammar's masks over the (vocabulary-sharded) logits
+        from metrale_jax.sampling import SamplingParams
+        from metrale_jax.structured_output import StructuredOutputsParams
+
+        choice = StructuredOutputsParams(choice=["b3c4d5", "e6", "f7g8"])
+        so = llm.generate(prompts[:2], [SamplingParams(temperature=t, seed=3, max_tokens=8, logprobs=1,
+                                                       structured_outputs=choice) for t in (0.0, 1.0)],
+                          use_tqdm=False)
+        assert all(o.outputs[0].text in choice.choice for o in so), [o.outputs[0].text for o in so]
+        outs += so
     else:
         outs = llm.generate(prompts, sps, use_tqdm=False)
     eng.release_followers()
@@ -130,8 +148,8 @@ def _served(eng, prompt: dict, adapter) -> list[int]:
         r = httpx.post(srv.url + "/v1/completions", timeout=120, json=dict(
             model=adapter.lora_name, prompt=prompt["prompt_token_ids"], max_tokens=6, temperature=0, logprobs=1))
     r.raise_for_status()
-    toks = r.json()["choices"][0]["logprobs"]["tokens"]
-    return [int(t.split(":")[1]) for t in toks]
+    toks = r.json()["choices"][0]["logprobs"]["tokens"]  # "token_id:N" without a tokenizer, else the text
+    return [int(t.split(":")[1]) if t.startswith("token_id:") else eng.model.tokenizer.token_to_id(t) for t in toks]
 
 
 def check_shard_heads() -> None:

@@ -261,3 +261,33 @@ def fake_engine(use_ssm: bool = True, **overrides):
         cfg = EngineConfig(**{**FAKE_ENGINE_CONFIG, **overrides})
         _ENGINES[key] = LLMEngine(model, model.init_params(), cfg)
     return _ENGINES[key]
+
+
+# ---- a tokenizer for models without one ------------------------------------------------------------
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def piece(i: int) -> str:
+    """Token i's text: a letter and a number ("a0", "b0", ..., "a1", ...), unique per id."""
+    return f"{_LETTERS[i % 26]}{i // 26}"
+
+
+def synthetic_tokenizer(vocab_size: int, eos_ids: tuple[int, ...]):
+    """A `metrale_jax.loading.tokenizer.Tokenizer` over the whole vocabulary of a random-weight or
+    tiny fixture model: token i decodes to `piece(i)`, EOS ids to special tokens "<eos{i}>"
+    (skipped in text). Its byte-level decoder lets llguidance build structured-output masks."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from metrale_jax.loading.tokenizer import Tokenizer
+
+    vocab = {(f"<eos{i}>" if i in eos_ids else piece(i)): i for i in range(vocab_size)}
+    tok = HFTokenizer(WordLevel(vocab=vocab, unk_token=piece(0) if 0 not in eos_ids else piece(1)))
+    # text splits into its pieces (a letter starts each), so "b3c4" encodes to [79, 106]: the
+    # grammar matcher tokenizes the text it forces
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[a-z][0-9]+"), behavior="isolated")
+    tok.decoder = decoders.ByteLevel()  # (pieces are ASCII: bytes as they are; llguidance reads it)
+    specials = [f"<eos{i}>" for i in eos_ids if i < vocab_size]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return Tokenizer(tok, eos_token=specials[0] if specials else None)
