@@ -11,8 +11,10 @@ drafts the head is applied again on its own output (layer `step % num_mtp_layers
 
 `mtp_head` is the family-independent part; a family supplies its norm and decoder layer.
 Qwen3-Next's: `load_qwen3_next_mtp` (reads `mtp.*`; the main loader skips them, so they cost no
-memory unless asked for) and `qwen3_next_mtp_logits` (dense, for research and the reference test).
-Not wired into the engine's verify step yet (issue 16: the MTP drafter is future work).
+memory unless asked for), `qwen3_next_mtp_logits` (dense, for research and the reference test)
+and `qwen3_next_mtp_paged` (over a step's paged metadata, its K/V in a KV-pool layer of its own:
+what the engine's steps will run). Not wired into the engine's steps yet (issue 16: the MTP
+drafter is future work).
 
 Parameter tree: fc [2H, H], norm_embed / norm_hidden / norm [H], and per MTP layer (Lm of them)
 layers/{in_norm, post_norm [Lm, H], router, experts_*, shared_*} and attn/{wq, wkv, wo, q_norm,
@@ -24,8 +26,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig
-from metrale_jax.layers.attention import dense_causal_attention
+from metrale_jax.layers.attention import AttentionConfig, dense_causal_attention, paged_attention
 from metrale_jax.layers.stack import take_layer
 
 
@@ -112,3 +115,34 @@ def qwen3_next_mtp_logits(cfg: ModelConfig, params: dict, mtp: dict, tokens_next
 
     y = mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer)
     return q3.compute_logits(cfg, params, y)
+
+
+def qwen3_next_mtp_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: int, tokens_next, hidden, dmd, pmd,
+                         attn: AttentionConfig = AttentionConfig(), step: int = 0):
+    """The MTP head over one step's tokens, paged: tokens_next i32[N + T] (tok[i+1] for each of the
+    step's tokens i: decode rows, then prefill tokens, as `forward_paged`), hidden [N + T, H] (the
+    target's final hidden state at i) -> (kv, logits f32[N + T, V]). The MTP layer's K/V of the
+    step's positions go to KV-pool layer `layer` (one the target does not use) at the step's slots,
+    and its attention reads that layer through the step's block tables, so earlier steps' MTP K/V
+    (written the same way) are its context."""
+    from metrale_jax.models import qwen3_next as q3
+
+    parts = [m for m in (dmd, pmd) if m is not None]
+    positions = jnp.concatenate([m.positions for m in parts])
+    slots = jnp.concatenate([m.slots for m in parts])
+    nl = mtp["layers"]["in_norm"].shape[0]
+    lp, ap = take_layer(mtp["layers"], step % nl), take_layer(mtp["attn"], step % nl)
+    out = {}
+
+    def norm(x, w):
+        return q3._norm(cfg, x, w)
+
+    def layer_fn(x):  # x [N + T, H]: Qwen3NextDecoderLayer with full attention, paged
+        q, k, v, gate = q3._attn_qkv(cfg, ap, norm(x, lp["in_norm"]), positions)
+        out["kv"] = write_kv(kv, layer, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
+        o = paged_attention(q, out["kv"], layer, dmd, pmd, cfg.head_dim**-0.5, attn)
+        x = x + q3._attn_out(ap, o, gate)
+        return x + q3._moe(cfg, lp, norm(x, lp["post_norm"]), attn.tokamax_moe)
+
+    y = mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer_fn)
+    return out["kv"], q3.compute_logits(cfg, params, y)
