@@ -9,8 +9,8 @@ start-up cancel out. Prompts are random token ids (ignore_eos, so the lengths ho
 
 Variants per batch: greedy, temperature 0.7 + top_p 0.9 (`top_p`), and the same with logprobs=5
 (`top_p_lp5`). Beside them, in the same run: the device step of the engine's own decode
-executable for that batch (`measure_decode_latency`: inputs fixed, state fed back) and, at batch
-1, the weights+KV roofline over a memcpy measured in the run. Random weights give near-uniform
+executable for that batch (`measure_decode_latency`: inputs fixed, state fed back) and the
+weights+KV roofline over a memcpy measured in the run. Random weights give near-uniform
 logits or very peaked ones (`random_model`'s Llama-3-8B shape, 1 layer: a nucleus of 1-6 tokens),
 so the bench reports the nucleus size (the model's own logits over the prompt at T=0.7), and
 `--lm-head-scale auto` scales the LM head so that the median nucleus holds ~100 tokens.
@@ -152,6 +152,7 @@ def scale_for_nucleus(logits, target: int = 100) -> float:
         else:
             hi = mid
     return hi
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -178,7 +178,7 @@ def family_config(fam: Family, plan: Plan, twin: bool = False) -> dict:
     return shape_config(fam.shape, fam.layers)
 
 
-# ---- a tokenizer for random-weight models -------------------------------------------------------
+# ---- random-weight vocabularies ------------------------------------------------------------------
 def untile_vocab(params: dict, seed: int, scale: float = 0.2) -> dict:
     """Fresh draws for the embedding table and the LM head (`params["embed"]` f[V, H],
     `params["lm_head"]` f[H, V]): the random-weight reader tiles tensors above 16M elements with

@@ -432,6 +432,11 @@ class Scheduler:
             return 0
         return max(0, seq.prompt_len - 1 - start)
 
+    def _cap_prompt_lp(self, seq: Sequence, start: int, length: int, left: int) -> tuple[int, int]:
+        """(`length` cut so that a chunk from `start` has at most `left` prompt-logprob positions,
+        the sequence's prompt-logprob positions from `start`)."""
+        plp = self._prompt_lp_positions(seq, start)
+        return (min(length, left) if plp > left else length), plp
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep([], [], [])
@@ -467,10 +472,7 @@ class Scheduler:
                 budget = self.budget - sum(1 + s.spec_len for s in step.decode) - prefill
                 length = min(length, budget, self.max_prefill_tokens - prefill)
                 fit = (len(seq.blocks) + self.blocks.num_free) * self.block_size - seq.num_computed
-            length = min(length, fit)
-            plp = self._prompt_lp_positions(seq, seq.num_computed)
-            if plp > plp_left:  # at most the step's prompt-logprob rows left
-                length = min(length, plp_left)
+            length, plp = self._cap_prompt_lp(seq, seq.num_computed, min(length, fit), plp_left)
             if length < 1:
                 continue
             if self.prefix_cache is not None:
@@ -509,10 +511,8 @@ class Scheduler:
             spare = self.blocks.num_free - self.watermark
             if hit is not None:  # cached blocks it takes count as free now; host-tier ones need new blocks
                 spare -= self.blocks.num_reclaimed(shared) + len(hit.onload)
-            length = min(seq.pending - start, room, spare * self.block_size)
-            plp = self._prompt_lp_positions(seq, start)
-            if plp > plp_left:  # at most the step's prompt-logprob rows left
-                length = min(length, plp_left)
+            length, plp = self._cap_prompt_lp(seq, start, min(seq.pending - start, room, spare * self.block_size),
+                                              plp_left)
             if self.prefix_cache is not None and length >= 1:
                 length = self.prefix_cache.chunk_length(seq, start, length)
             if length < 1:

@@ -24,7 +24,6 @@ k_norm} in the layouts of `models/qwen3_next.py`.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig
@@ -67,20 +66,17 @@ def load_qwen3_next_mtp(cfg: ModelConfig, reader) -> dict:
         reader.put_t(layers["router"], i, get(m + "gate.weight", (e, h), cast=True))
         for j in range(e):
             q = f"{m}experts.{j}."
-            gu = np.concatenate([get(q + "gate_proj.weight", (im, h), cast=True), get(q + "up_proj.weight", (im, h),
-                                                                                      cast=True)])
-            reader.put_t(layers["experts_gate_up"], (i, j), gu)
+            reader.put_t(layers["experts_gate_up"], (i, j), *(get(q + f"{x}_proj.weight", (im, h), cast=True)
+                                                                for x in ("gate", "up")))
             reader.put_t(layers["experts_down"], (i, j), get(q + "down_proj.weight", (h, im), cast=True))
         s = m + "shared_expert."
-        gu = np.concatenate([get(s + "gate_proj.weight", (ish, h), cast=True), get(s + "up_proj.weight", (ish, h),
-                                                                                   cast=True)])
-        reader.put_t(layers["shared_gate_up"], i, gu)
+        reader.put_t(layers["shared_gate_up"], i, *(get(s + f"{x}_proj.weight", (ish, h), cast=True)
+                                                      for x in ("gate", "up")))
         reader.put_t(layers["shared_down"], i, get(s + "down_proj.weight", (h, ish), cast=True))
         reader.put_t(layers["shared_gate"], i, get(m + "shared_expert_gate.weight", (1, h), cast=True))
         a = p + "self_attn."
         reader.put_t(attn["wq"], i, get(a + "q_proj.weight", (hq * 2 * d, h), cast=True))
-        wk, wv = get(a + "k_proj.weight", (hkv * d, h), cast=True), get(a + "v_proj.weight", (hkv * d, h), cast=True)
-        reader.put_t(attn["wkv"], i, wk, wv)
+        reader.put_t(attn["wkv"], i, *(get(a + f"{x}_proj.weight", (hkv * d, h), cast=True) for x in "kv"))
         reader.put_t(attn["wo"], i, get(a + "o_proj.weight", (h, hq * d), cast=True))
         attn["q_norm"][i] = get(a + "q_norm.weight", (d,))
         attn["k_norm"][i] = get(a + "k_norm.weight", (d,))
@@ -91,30 +87,42 @@ def load_qwen3_next_mtp(cfg: ModelConfig, reader) -> dict:
     return reader.to_device(mtp)
 
 
-def qwen3_next_mtp_logits(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidden, positions, lengths,
-                          step: int = 0):
-    """Dense MTP draft logits. tokens_next i32[B, T] (tok[i+1]), hidden [B, T, H] (target h[i]),
-    positions i32[B, T] (i), lengths i32[B] -> f32[B, T, V] (position i predicts tok[i+2])."""
+def _qwen3_next_mtp(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidden, positions, attend, step: int,
+                    tokamax_moe: bool = False):
+    """The Qwen3-Next MTP head over S flat tokens: tokens_next i32[S] (tok[i+1]), hidden [S, H]
+    (target h[i]), positions i32[S] (i); `attend(q, k, v) -> o [S, Hq, D]` is its attention (dense
+    or paged) -> logits f32[S, V]."""
     from metrale_jax.models import qwen3_next as q3
 
-    b, t = tokens_next.shape
     nl = mtp["layers"]["in_norm"].shape[0]
     lp, ap = take_layer(mtp["layers"], step % nl), take_layer(mtp["attn"], step % nl)
 
     def norm(x, w):
         return q3._norm(cfg, x, w)
 
-    def layer(x):  # x [B, T, H]: Qwen3NextDecoderLayer with full attention
-        xf = x.reshape(b * t, -1)
-        q, k, v, gate = q3._attn_qkv(cfg, ap, norm(xf, lp["in_norm"]), positions.reshape(-1))
-        o = dense_causal_attention(*(a.reshape((b, t) + a.shape[1:]) for a in (q, k, v)), lengths,
-                                   cfg.head_dim**-0.5)
-        xf = xf + q3._attn_out(ap, o.reshape(b * t, -1, cfg.head_dim), gate)
-        xf = xf + q3._moe(cfg, lp, norm(xf, lp["post_norm"]))
-        return xf.reshape(b, t, -1)
+    def layer(x):  # x [S, H]: Qwen3NextDecoderLayer with full attention
+        q, k, v, gate = q3._attn_qkv(cfg, ap, norm(x, lp["in_norm"]), positions)
+        x = x + q3._attn_out(ap, attend(q, k, v), gate)
+        return x + q3._moe(cfg, lp, norm(x, lp["post_norm"]), tokamax_moe)
 
     y = mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer)
     return q3.compute_logits(cfg, params, y)
+
+
+def qwen3_next_mtp_logits(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidden, positions, lengths,
+                          step: int = 0):
+    """Dense MTP draft logits. tokens_next i32[B, T] (tok[i+1]), hidden [B, T, H] (target h[i]),
+    positions i32[B, T] (i), lengths i32[B] -> f32[B, T, V] (position i predicts tok[i+2])."""
+    b, t = tokens_next.shape
+
+    def attend(q, k, v):  # causal within each sequence
+        o = dense_causal_attention(*(a.reshape((b, t) + a.shape[1:]) for a in (q, k, v)), lengths,
+                                   cfg.head_dim**-0.5)
+        return o.reshape((b * t,) + o.shape[2:])
+
+    logits = _qwen3_next_mtp(cfg, params, mtp, tokens_next.reshape(-1), hidden.reshape(b * t, -1),
+                             positions.reshape(-1), attend, step)
+    return logits.reshape(b, t, -1)
 
 
 def qwen3_next_mtp_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: int, tokens_next, hidden, dmd, pmd,
@@ -125,24 +133,14 @@ def qwen3_next_mtp_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: i
     step's positions go to KV-pool layer `layer` (one the target does not use) at the step's slots,
     and its attention reads that layer through the step's block tables, so earlier steps' MTP K/V
     (written the same way) are its context."""
-    from metrale_jax.models import qwen3_next as q3
-
     parts = [m for m in (dmd, pmd) if m is not None]
-    positions = jnp.concatenate([m.positions for m in parts])
     slots = jnp.concatenate([m.slots for m in parts])
-    nl = mtp["layers"]["in_norm"].shape[0]
-    lp, ap = take_layer(mtp["layers"], step % nl), take_layer(mtp["attn"], step % nl)
     out = {}
 
-    def norm(x, w):
-        return q3._norm(cfg, x, w)
-
-    def layer_fn(x):  # x [N + T, H]: Qwen3NextDecoderLayer with full attention, paged
-        q, k, v, gate = q3._attn_qkv(cfg, ap, norm(x, lp["in_norm"]), positions)
+    def attend(q, k, v):
         out["kv"] = write_kv(kv, layer, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
-        o = paged_attention(q, out["kv"], layer, dmd, pmd, cfg.head_dim**-0.5, attn)
-        x = x + q3._attn_out(ap, o, gate)
-        return x + q3._moe(cfg, lp, norm(x, lp["post_norm"]), attn.tokamax_moe)
+        return paged_attention(q, out["kv"], layer, dmd, pmd, cfg.head_dim**-0.5, attn)
 
-    y = mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer_fn)
-    return out["kv"], q3.compute_logits(cfg, params, y)
+    logits = _qwen3_next_mtp(cfg, params, mtp, tokens_next, hidden, jnp.concatenate([m.positions for m in parts]),
+                             attend, step, attn.tokamax_moe)
+    return out["kv"], logits
