@@ -317,6 +317,33 @@ def test_greedy_rows_take_the_argmax_beside_filtered_rows():
     np.testing.assert_array_equal(rank, [int((ref[i] >= ref[i, tok[i]]).sum()) for i in range(6)])
 
 
+@pytest.mark.parametrize("v,chunk", [(1000, 64), (4096, 256), (300, 16)])
+def test_chunked_top_k_equals_lax_top_k(v, chunk):
+    """`_top_k` through chunks (padded when V is not a multiple) gives lax.top_k's ids and values,
+    ties in id order: rows of few distinct values (many ties), a row mostly -inf (fewer finite
+    values than n), a row of one value; and the top 20 logprobs in two rounds."""
+    from metrale_jax.sampling import _top_k, _top_logprobs
+
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((5, v)).astype(np.float32)
+    x[1] = rng.integers(0, 3, v)  # ties everywhere
+    x[2] = -np.inf
+    x[2, rng.choice(v, 5, replace=False)] = rng.standard_normal(5)
+    x[3] = 0.5
+    x[4, -7:] = 9.0  # the best ones in the last, padded chunk
+    for n in (1, 5, 16):
+        want_val, want_idx = jax.lax.top_k(jnp.asarray(x), n)
+        val, idx = _top_k(jnp.asarray(x), n, chunk)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+        np.testing.assert_array_equal(np.asarray(val), np.asarray(want_val))
+    ids, vals = _top_logprobs(jnp.asarray(x), 20, chunk)
+    ref_ids, ref_vals = _top_logprobs(jnp.asarray(x), 20, chunk=v)  # v: no chunks
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+    order = np.argsort(-x[0], kind="stable")[:20]
+    np.testing.assert_array_equal(np.asarray(ids)[0], order)
+
+
 def test_sampler_has_no_sort_no_conditional_no_loop():
     """The lowered sampler (what XLA is given) holds no sort, no conditional and no loop."""
     rows = [RowSampling(temperature=0.7, top_p=0.9, top_k=50, seed=seed_words(1, 0), logprobs=True)] * 6

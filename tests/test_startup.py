@@ -205,7 +205,8 @@ def test_warm_start_in_a_fresh_process_gpu(tmp_path):
 
     def run():
         out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_RUN, str(tmp_path)], capture_output=True,
-                             text=True, check=True, cwd=FIXTURES.parents[2])
+                             text=True, cwd=FIXTURES.parents[2])
+        assert out.returncode == 0, out.stderr[-4000:]  # (the H200, session 10: it failed, stderr unseen)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     cold, warm = run(), run()
