@@ -87,21 +87,41 @@ def main() -> int:
            "memcpy_gb_s": bw / 1e9, "memcpy": bw_how, "runs": [], "device_steps": []}
     variants = (("greedy", dict(temperature=0)), ("top_p", dict(temperature=0.7, top_p=0.9, seed=1)),
                 ("top_p_lp5", dict(temperature=0.7, top_p=0.9, seed=1, logprobs=5)))
+    # each engine step's wall time inside `generate` (where a slow generate step comes from: a few
+    # long steps, every step, or time outside the steps)
+    step_times: list[float] = []
+    engine_step = eng.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = engine_step()
+        step_times.append(time.perf_counter() - t)
+        return out
+
+    eng.step = timed_step
     for b in batches:
         prompts = [{"prompt_token_ids": rng.integers(3, model.cfg.vocab_size - 1, a.prompt_len).tolist()}
                    for _ in range(b)]
         for name, kw in variants:
             def wall(n, prompts=prompts, kw=kw):
+                step_times.clear()
                 t = time.perf_counter()
                 llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **kw))
-                return time.perf_counter() - t
+                return time.perf_counter() - t, list(step_times)
 
             wall(1 + a.steps)  # warm
-            t1 = min(wall(1) for _ in range(a.repeats))
-            tn = min(wall(1 + a.steps) for _ in range(a.repeats))
+            t1, _ = min(wall(1) for _ in range(a.repeats))
+            tn, steps_n = min(wall(1 + a.steps) for _ in range(a.repeats))
             step = (tn - t1) / a.steps
-            res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step))
-            print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s)", flush=True)
+            ms = np.asarray(steps_n) * 1e3
+            res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step,
+                                    engine_steps=len(ms), engine_step_ms_median=float(np.median(ms)),
+                                    engine_step_ms_max=float(ms.max()), engine_steps_ms_top5=sorted(ms)[-5:],
+                                    outside_steps_ms=1e3 * tn - float(ms.sum())))
+            print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s); "
+                  f"1+N run: {len(ms)} engine steps, median {np.median(ms):.2f} ms, 5 longest "
+                  f"{', '.join(f'{x:.1f}' for x in sorted(ms)[-5:])} ms, outside steps {1e3 * tn - ms.sum():.1f} ms",
+                  flush=True)
         # the device step with top-p rows (the sampler has no branch on the GPU: greedy rows run
         # the same graph), profiled on request
         lat = measure_decode_latency(eng, argparse.Namespace(context=a.prompt_len, decode_steps=a.steps, seed=0,

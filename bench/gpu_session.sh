@@ -120,7 +120,8 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue
-    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 32 --repeats 2 $extra \
+    # 128 decode steps (the issue's max_tokens=129): at 32 (session 10) batch 64 read 1.18x the device step
+    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps ${GENERATE_STEPS:-128} --repeats 2 $extra \
       --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     grep -v "rematerialization" "$OUT/$name.log" | tail -10
   done
