@@ -2,7 +2,7 @@
 
     python bench/gpu_acceptance.py [--family NAME ...] [--out DIR] [--cpu-smoke] [--skip traffic,server,twins,lone]
     bash bench/gpu_session.sh acceptance          (on the GPU machine)
-    python bench/gpu_acceptance.py --engine-config '{"enable_prefix_caching":true}'   (a variant)
+    python bench/gpu_acceptance.py --engine-config '{"enable_prefix_caching":false}'   (a variant)
 
 Per family (random weights, `random_model(shape_config(shape, layers), repeat_layers=True)`):
 
@@ -44,7 +44,10 @@ Per family (random weights, `random_model(shape_config(shape, layers), repeat_la
 4. Small-width twins (same architecture and layer pattern, hidden 256, float32, XLA's dots at full
    precision): greedy ids of an engine with the default kernels (Pallas on the GPU) equal those of
    `attention=AttentionConfig()` (the XLA reference) exactly, and logprobs agree within 1e-3; and
-   that engine's batched rows equal each prompt run alone (strict 0.05 rule, `twins_alone`).
+   that engine's batched rows equal each prompt run alone (strict 0.05 rule, `twins_alone`; with
+   prefix caching on, the default, the lone runs hit the cache), and the second turns of two
+   conversations (turn 1 + its reply + 5 ids; cache hits, at least turn 1's block-aligned length
+   minus a block) equal the reference's full prefill (`prefix_cache`).
    (The twins compile 4 buckets, not the default set, to keep the run short; float32 pools take
    the Triton prefill kernel, so the Mosaic prefill is covered only by the bf16 traffic, not by
    this comparison.)
@@ -808,6 +811,7 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
     prompts = [random_prompt(rng, n, vocab, ()) for n in plan.twin_prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=plan.twin_max_tokens, ignore_eos=True, logprobs=5)
     outs, kernels, alone = {}, {}, []
+    caching, turn2, hits = False, [], {}
     # XLA's float32 dots default to TF32 on the GPU (~1e-3 relative): both engines compile their
     # XLA dots at full float32, so what differs is the kernels
     precision = jax.config.jax_default_matmul_precision
@@ -815,12 +819,25 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
     try:
         for name, attn in (("default", None), ("xla_reference", AttentionConfig())):
             model, params = build_model(cfg, "float32", seed, tokenizer=False)
-            eng = LLMEngine(model, params, twin_config(plan, attn))
+            ecfg = twin_config(plan, attn)
+            if name == "xla_reference":  # the reference computes every token (no prefix cache)
+                ecfg = dataclasses.replace(ecfg, enable_prefix_caching=False)
+            eng = LLMEngine(model, params, ecfg)
             kernels[name] = "Pallas" if eng.config.attention.use_pallas else "XLA"
             llm = LLM.from_engine(eng)
             outs[name] = llm.generate(prompts, sp)
             if name == "default":
-                alone = [llm.generate([p], sp)[0] for p in prompts]
+                caching = eng.config.enable_prefix_caching
+                h0 = eng.stats().prefix_cache_hits
+                alone = [llm.generate([p], sp)[0] for p in prompts]  # with caching on: cache hits
+                # second turns of the two longest conversations: turn 1 + its reply + 5 new ids
+                turn2 = [p + list(o.outputs[0].token_ids) + random_prompt(rng, 5, vocab, ())
+                         for p, o in list(zip(prompts, outs[name]))[-2:]]
+                h1 = eng.stats().prefix_cache_hits
+                outs["turn2"] = llm.generate(turn2, sp)
+                hits = dict(alone=h1 - h0, turn2=eng.stats().prefix_cache_hits - h1, block_size=eng.config.block_size)
+            else:
+                outs["turn2_reference"] = llm.generate(turn2, sp)
             del eng, model, params, llm
             _free()
     finally:
@@ -838,7 +855,16 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
                            lone_lps=one.logprobs)
         r["prompt_len"] = p
         lone_res.append(r)
-    return dict(
+    out = {}
+    if caching:  # the default engine's second turns (cache hits) against the reference's full prefill
+        bs = hits["block_size"]
+        # issue 17's bar: hits >= turn 1's block-aligned length (prompt + reply) minus one block
+        want = sum(max(0, (len(p) - 5) // bs * bs - bs) for p in turn2)
+        t2 = [compare_twins(list(r.outputs[0].token_ids), r.outputs[0].logprobs, list(g.outputs[0].token_ids),
+                            g.outputs[0].logprobs) for r, g in zip(outs["turn2_reference"], outs["turn2"])]
+        out["prefix_cache"] = check(all(r["passed"] for r in t2) and hits["turn2"] >= want, hits=hits,
+                                    turn2_min_hits=want, turn2_lens=[len(p) for p in turn2], results=t2)
+    return out | dict(
         twins=check(all(r["passed"] for r in results), kernels=kernels, hidden=cfg["hidden_size"],
                     layers=cfg["num_hidden_layers"], max_logprob_err=max(r["max_logprob_err"] for r in results),
                     results=results),
@@ -899,7 +925,7 @@ def environment() -> dict:
 
 
 CHECK_ORDER = ("no_exception", "all_finished", "aborts", "stop_derived", "preemption", "no_compiles", "pool_empty",
-               "greedy_alone", "server", "twins", "twins_alone")
+               "greedy_alone", "server", "twins", "twins_alone", "prefix_cache")  # (the last: with caching on)
 
 
 def _mark(c: dict | None) -> str:

@@ -15,19 +15,20 @@ from metrale_jax.sampling import SamplingParams
 
 
 def test_config_fields():
-    assert EngineConfig().enable_prefix_caching is False
+    assert EngineConfig().enable_prefix_caching is True  # on by default, as in vLLM
     kw = dict(max_position_embeddings=512, on_gpu=False)
     assert EngineConfig(enable_prefix_caching=True).resolve(**kw, uses_ssm=True).max_ssm_snapshots == 16
     assert EngineConfig(enable_prefix_caching=True, max_ssm_snapshots=3).resolve(**kw, uses_ssm=True
                                                                                   ).max_ssm_snapshots == 3
     assert EngineConfig(enable_prefix_caching=True).resolve(**kw).max_ssm_snapshots == 0  # no SSM state
-    assert EngineConfig(max_ssm_snapshots=3).resolve(**kw, uses_ssm=True).max_ssm_snapshots == 0  # caching off
+    assert EngineConfig(max_ssm_snapshots=3, enable_prefix_caching=False).resolve(
+        **kw, uses_ssm=True).max_ssm_snapshots == 0  # caching off
     with pytest.raises(ValueError, match="max_ssm_snapshots"):
         EngineConfig(max_ssm_snapshots=-1).resolve(**kw)
     # the host tier: swap copies compiled for it; off without caching
     c = EngineConfig(enable_prefix_caching=True, kv_offloading_size=0.5).resolve(**kw)
     assert c.kv_offloading_size == 0.5 and c.preemption_mode == "recompute" and c.swap_block_buckets
-    c = EngineConfig(kv_offloading_size=0.5).resolve(**kw)
+    c = EngineConfig(kv_offloading_size=0.5, enable_prefix_caching=False).resolve(**kw)
     assert c.kv_offloading_size == 0 and not c.swap_block_buckets
     with pytest.raises(ValueError, match="kv_offloading_size"):
         EngineConfig(kv_offloading_size=-1).resolve(**kw)
@@ -39,7 +40,7 @@ def test_serve_flags():
 
     p = argparse.ArgumentParser()
     add_serve_subcommand(p.add_subparsers())
-    for argv, on in ((["serve", "m"], False), (["serve", "m", "--enable-prefix-caching"], True),
+    for argv, on in ((["serve", "m"], True), (["serve", "m", "--enable-prefix-caching"], True),
                      (["serve", "m", "--no-enable-prefix-caching"], False)):
         assert engine_config_from_args(p.parse_args(argv), "m").enable_prefix_caching is on
 

@@ -94,9 +94,9 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
-    # Automatic prefix caching (vLLM's name): freed full KV blocks stay cached under a hash of their
-    # prefix and new sequences reuse them (metrale_jax/cache/prefix_cache.py)
-    enable_prefix_caching: bool = False
+    # Automatic prefix caching (vLLM's name; on by default as in vLLM): freed full KV blocks stay
+    # cached under a hash of their prefix and new sequences reuse them (metrale_jax/cache/prefix_cache.py)
+    enable_prefix_caching: bool = True
     # SSM pool slots for prefix-cache snapshots of the recurrent state, on top of max_ssm_slots;
     # None: max_num_seqs with prefix caching on a model with SSM state, else 0
     max_ssm_snapshots: int | None = None

@@ -262,6 +262,19 @@ class LLMEngine:
 
         resolve_for(self.lora, lora_request)
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, s: Scheduler) -> None:
+        """Install a scheduler over the device pools. The pools hold what the previous scheduler
+        wrote, so a scheduler installed again (tests and benches swap them) forgets its cached
+        prefixes: their blocks may have been overwritten meanwhile."""
+        if getattr(self, "_scheduler", None) is not None and s.prefix_cache is not None:
+            s.prefix_cache.reset()
+        self._scheduler = s
+
     def _new_scheduler(self, **limits: int) -> Scheduler:
         """A fresh scheduler. `limits` may lower (never raise) num_blocks, max_num_seqs,
         max_num_batched_tokens, max_prefill_streams, max_prefill_tokens, num_ssm_slots,
