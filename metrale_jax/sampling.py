@@ -19,10 +19,10 @@ queued behind this one) and no sort over the vocabulary. Penalties, the filters,
 and the logprobs are computed for every row and selected per row. `filter_logits` applies
 min_p / top_k / top_p with thresholds found by a fixed number of passes over [R, V] (a k-ary
 search over float32 bit patterns: 8 passes of 15 thresholds on a GPU); the top logprobs come
-from `lax.top_k` in rounds of <= 16, over chunks of the row on a GPU (`_top_k`). On the CPU (`sample(branches=True)`, where a conditional
-costs nothing) the filters, the draw and the top logprobs are skipped under `lax.cond` when no row
-needs them, and the thresholds are read off 256 `lax.top_k` candidates when every row's nucleus
-fits in them: the same tokens either way.
+from `lax.top_k` in rounds of <= 16, over chunks of the row on a GPU (`_top_k`). On the CPU
+(`sample(branches=True)`, where a conditional costs nothing) the filters, the draw and the top
+logprobs are skipped under `lax.cond` when no row needs them, and the thresholds are read off 256
+`lax.top_k` candidates when every row's nucleus fits in them: the same tokens either way.
 Prompt logprobs are branch-free too: a prefill or mixed step computes them for a bounded number of
 its prompt tokens (`EngineConfig.max_prompt_logprobs_tokens`, gathered rows; a request asking for
 them prefills at most that many tokens per step), in the same LM-head matmul as the sampled rows,
