@@ -6,7 +6,10 @@ DeepSeek-V3 `weight_scale_inv` rule: W = w8 * s per 128x128 block, partial last 
 Outputs start poisoned with NaN, so an element no program writes fails the test.
 """
 
+import json
 import math
+from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +24,14 @@ from pallas_kernels.linear import (
     skinny_matmul_fp8_reference,
     skinny_matmul_reference,
 )
+from pallas_kernels.linear import params as params_module
 from pallas_kernels.linear.params import default_params, m_bucket, skinny_params_for
-from pallas_kernels.linear.skinny_mgpu import MgpuParams, skinny_matmul_fp8_mgpu, skinny_matmul_mgpu
+from pallas_kernels.linear.skinny_mgpu import (
+    MgpuParams,
+    skinny_matmul_fp8_mgpu,
+    skinny_matmul_mgpu,
+    skinny_matmul_w8a8_mgpu,
+)
 
 B = 128
 
@@ -169,6 +178,35 @@ def test_fp8_mgpu_interpret(m, n, k, params):
     assert _rows_rel_err(y, np.asarray(x, np.float64) @ _np_dequant(w8, s).T) < 8e-3
 
 
+def _np_quantize_rows(x):
+    """x's rows rounded to FP8 e4m3 per 128-column group scaled to its absolute max / 448 (the
+    W8A8 activation scheme), back in float64; independent of the package (ml_dtypes rounding)."""
+    g = np.asarray(x.astype(jnp.float32)).reshape(x.shape[0], -1, B)
+    amax = np.maximum(np.abs(g).max(-1, keepdims=True), np.float32(1e-12))
+    q = (g * (np.float32(448.0) / amax)).astype(ml_dtypes.float8_e4m3fn)  # float32 products, RNE to e4m3
+    return (q.astype(np.float64) * (amax.astype(np.float64) / 448.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("m,n,k,params", [
+    (3, 200, 384, MgpuParams(block_n=64, block_k=128)),
+    (64, 136, 640, MgpuParams(block_n=128, block_k=128, split_k=2)),
+    (17, 264, 256, MgpuParams(block_n=64, block_k=128, split_k=3)),  # a split past K's 2 steps
+])
+def test_w8a8_mgpu_interpret(m, n, k, params):
+    """FP8 x FP8 wgmma with x quantized per row and 128-column group: equal to the product of the
+    numpy-quantized x and the dequantized W (bf16 output rounding), and within FP8 activation
+    rounding of the unquantized product; rows past M never leak in (M = 3, 17)."""
+    rng = np.random.default_rng(400 + m)
+    x = _bf16(rng, (m, k))
+    x = x.at[0, :128].multiply(50.0)  # one group far larger than the others: its own scale
+    w8, s = _fp8_weight(rng, n, k)
+    y = skinny_matmul_w8a8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=params, interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    w = _np_dequant(w8, s)
+    assert _rows_rel_err(y, _np_quantize_rows(x) @ w.T) < 8e-3
+    assert _rows_rel_err(y, np.asarray(x, np.float64) @ w.T) < 0.1  # e4m3: up to 2**-4 per element
+
+
 def test_mgpu_bad_inputs():
     x = jnp.ones((2, 784), jnp.bfloat16)  # K = 784: rejected on the H200 by the 64-element tiling
     with pytest.raises(ValueError, match="multiple of 64"):
@@ -217,9 +255,18 @@ def test_params_lookup():
             p = skinny_params_for(m, n, k, jnp.float8_e4m3fn)
             p.check_fp8()
             assert isinstance(skinny_params_for(m, n, k, jnp.bfloat16), SkinnyParams)
-    # past the largest measured row bucket (FP8: 8 rows) the heuristic, not a tile sized for fewer rows
-    assert skinny_params_for(64, 28672, 4096, jnp.float8_e4m3fn) == default_params(64, 28672, 4096, True)
-    assert skinny_params_for(16, 28672, 4096, jnp.float8_e4m3fn).block_n == 128  # the 8-row entry (16 rows)
+    # measured rows take their entry, rows in between the next measured one above
+    table = json.loads((Path(params_module.__file__).with_name("tuned_params.json")).read_text())
+    for m, entry in ((16, 16), (12, 16), (64, 64), (40, 64)):
+        want = SkinnyParams(**table[f"float8_e4m3fn_n28672_k4096_m{entry}"])
+        assert skinny_params_for(m, 28672, 4096, jnp.float8_e4m3fn) == want
+    # past the largest measured row bucket the heuristic, not a tile sized for fewer rows (the FP8
+    # 8-row entry of N=28672 asked for 463 KB of shared memory at 64 rows on the H200)
+    small = {k: v for k, v in table.items() if k.endswith(("_m1", "_m8"))}
+    with mock.patch.object(params_module, "_tuned_table", lambda: small):
+        assert skinny_params_for(64, 28672, 4096, jnp.float8_e4m3fn) == default_params(64, 28672, 4096, True)
+        assert skinny_params_for(8, 28672, 4096, jnp.float8_e4m3fn) == SkinnyParams(
+            **table["float8_e4m3fn_n28672_k4096_m8"])
 
 
 # ---- Triton lowering for an H200, checked on the CPU machine -------------------------------------
@@ -248,6 +295,11 @@ def test_lowers_for_h200():
             skinny_matmul_fp8_mgpu.trace(
                 sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32)
             ).lower(lowering_platforms=("cuda",))
+            for p in (MgpuParams(block_n=64), MgpuParams(block_n=128, split_k=2)):  # FP8 x FP8 wgmma
+                skinny_matmul_w8a8_mgpu.trace(
+                    sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32),
+                    params=p,
+                ).lower(lowering_platforms=("cuda",))
 
 
 # ---- compiled on the GPU ---------------------------------------------------------------------------
@@ -310,3 +362,8 @@ def test_mgpu_gpu(m, n, k):
     assert _rows_rel_err(skinny_matmul_fp8_mgpu(x, jnp.asarray(w8), jnp.asarray(s)), want) < 8e-3
     y = skinny_matmul_fp8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=MgpuParams(split_k=3))
     assert _rows_rel_err(y, want) < 8e-3
+    if k % B == 0:  # W8A8 (FP8 x FP8 wgmma): K whole 128-column groups
+        want = _np_quantize_rows(x) @ _np_dequant(w8, s).T
+        assert _rows_rel_err(skinny_matmul_w8a8_mgpu(x, jnp.asarray(w8), jnp.asarray(s)), want) < 8e-3
+        y = skinny_matmul_w8a8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=MgpuParams(block_n=128, split_k=2))
+        assert _rows_rel_err(y, want) < 8e-3

@@ -38,7 +38,13 @@ import numpy as np
 
 from pallas_kernels.linear import SkinnyParams, skinny_matmul, skinny_matmul_fp8
 from pallas_kernels.linear.params import tuned_key
-from pallas_kernels.linear.skinny_mgpu import MgpuParams, skinny_matmul_fp8_mgpu, skinny_matmul_mgpu
+from pallas_kernels.linear.skinny_mgpu import (
+    MgpuParams,
+    quantize_rows_fp8,
+    skinny_matmul_fp8_mgpu,
+    skinny_matmul_mgpu,
+    skinny_matmul_w8a8_mgpu,
+)
 
 SHAPES = {  # name: (K, N), Llama-3-8B
     "qkv": (4096, 6144),
@@ -69,6 +75,9 @@ TRITON_FP8_BATCH = [SkinnyParams(bn, bk, sk, w, st) for bn, bk, sk, w, st in (
 TRITON_GEMV = [SkinnyParams(32, 512, 1, 4, 4, gemv=True), SkinnyParams(64, 512, 1, 8, 3, gemv=True)]
 MGPU_BF16 = [MgpuParams(32, 128, 6), MgpuParams(64, 256, 3)]
 MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
+# W8A8 (FP8 x FP8 wgmma, x quantized per row and 128-column group): not yet run on a GPU
+MGPU_W8A8 = [MgpuParams(64, 128, 6), MgpuParams(128, 128, 4), MgpuParams(64, 128, 6, split_k=2),
+             MgpuParams(128, 128, 4, split_k=2)]
 
 
 def _p(p) -> str:
@@ -175,17 +184,20 @@ class _FakeTorch:
 
 def _cpu_smoke():
     global SHAPES, MS, FP8_MS, MIN_ROTATION_BYTES, TRITON_SMALL, TRITON_LARGE, TRITON_FP8, MGPU_BF16, MGPU_FP8
-    global skinny_matmul, skinny_matmul_fp8, skinny_matmul_mgpu, skinny_matmul_fp8_mgpu, _memcpy
+    global MGPU_W8A8
+    global skinny_matmul, skinny_matmul_fp8, skinny_matmul_mgpu, skinny_matmul_fp8_mgpu, skinny_matmul_w8a8_mgpu
+    global _memcpy
     import functools
 
     SHAPES = {"a": (256, 192), "b": (384, 128)}
     MS, FP8_MS, MIN_ROTATION_BYTES = (1, 32), (1,), 2e5
     TRITON_SMALL, TRITON_LARGE, TRITON_FP8 = TRITON_SMALL[:1], TRITON_LARGE[:1], TRITON_FP8[:1]
-    MGPU_BF16, MGPU_FP8 = MGPU_BF16[:1], MGPU_FP8[1:]
+    MGPU_BF16, MGPU_FP8, MGPU_W8A8 = MGPU_BF16[:1], MGPU_FP8[1:], MGPU_W8A8[:1]
     skinny_matmul = functools.partial(skinny_matmul, interpret=True)
     skinny_matmul_fp8 = functools.partial(skinny_matmul_fp8, interpret=True)
     skinny_matmul_mgpu = functools.partial(skinny_matmul_mgpu, interpret=True)
     skinny_matmul_fp8_mgpu = functools.partial(skinny_matmul_fp8_mgpu, interpret=True)
+    skinny_matmul_w8a8_mgpu = functools.partial(skinny_matmul_w8a8_mgpu, interpret=True)
     _memcpy = lambda torch: 1e12  # noqa: E731
 
 
@@ -209,6 +221,9 @@ def _jobs(m, weights):
             for p in MGPU_FP8:
                 jobs.append((name, "mgpu_fp8", p, lambda x, w, s, p=p: skinny_matmul_fp8_mgpu(x, w, s, params=p),
                              wd["w8"], ex8))
+            for p in MGPU_W8A8:  # x quantized per row and 128-column group inside the timed call
+                jobs.append((name, "mgpu_w8a8_fp8", p,
+                             lambda x, w, s, p=p: skinny_matmul_w8a8_mgpu(x, w, s, params=p), wd["w8"], ex8))
     return jobs
 
 
@@ -224,14 +239,19 @@ def _measure(job, exe, m, x_by_k, weights, refs, memcpy):
         if isinstance(exe, Exception):
             raise exe
         y = exe(x, ws, extras)[0]
-        if (name, fp8) not in refs:  # f32 oracle on copy 0 (xla_kn's copy 0 is nk[0].T)
+        w8a8 = "w8a8" in impl  # its oracle takes x as the kernel quantized it
+        if (name, fp8, w8a8) not in refs:  # f32 oracle on copy 0 (xla_kn's copy 0 is nk[0].T)
             if fp8:
                 sc = jnp.repeat(jnp.repeat(extras[0][0], 128, 0), 128, 1)[:n, :k]
                 wf = ws[0].astype(jnp.float32) * sc
             else:
                 wf = weights[name]["nk"][0].astype(jnp.float32)
-            refs[(name, fp8)] = jnp.dot(x.astype(jnp.float32), wf.T, precision=jax.lax.Precision.HIGHEST)
-        ref = refs[(name, fp8)]
+            xf = x.astype(jnp.float32)
+            if w8a8:
+                x8, sx = quantize_rows_fp8(x)
+                xf = (x8.astype(jnp.float32).reshape(m, -1, 128) * sx.T[:m, :, None]).reshape(m, k)
+            refs[(name, fp8, w8a8)] = jnp.dot(xf, wf.T, precision=jax.lax.Precision.HIGHEST)
+        ref = refs[(name, fp8, w8a8)]
         err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
         med, best = _time_jax(exe, x, ws, extras)
         row.update(rel_err=err, time_us=med * 1e6, best_us=best * 1e6, tb_s=wbytes / med / 1e12,
@@ -279,8 +299,9 @@ def main(argv=None):
                          "layers.linear.KERNEL_MAX_M where the FP8 kernel wins)")
     args = ap.parse_args(argv)
     if args.fp8:
-        global MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8
+        global MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8, MGPU_W8A8
         MS, FP8_MS, TRITON_FP8, TRITON_GEMV, MGPU_BF16, MGPU_FP8 = (1,), (1,), TRITON_FP8_WIDE, [], [], []
+        MGPU_W8A8 = []
     if args.fp8_batch:
         global TRITON_SMALL
         MS, FP8_MS, TRITON_FP8, TRITON_SMALL = (16, 32, 64), (16, 32, 64), TRITON_FP8_BATCH, TRITON_LARGE
@@ -390,7 +411,7 @@ def main(argv=None):
 
 def summary(meta, rows) -> str:
     """Markdown: best time per implementation family, per shape and M."""
-    fams = ["xla_nk", "xla_kn", "torch_nk", "torch_kn", "triton", "mgpu", "triton_fp8", "mgpu_fp8"]
+    fams = ["xla_nk", "xla_kn", "torch_nk", "torch_kn", "triton", "mgpu", "triton_fp8", "mgpu_fp8", "mgpu_w8a8_fp8"]
     best = {}
     for r in rows:
         if "time_us" not in r or r.get("rel_err", 0) > 1e-2:
@@ -419,7 +440,8 @@ def summary(meta, rows) -> str:
     tot16 = tot8 = 0.0
     for name in SHAPES:
         b16 = [best[(name, 1, f)]["time_us"] for f in ("triton", "mgpu") if (name, 1, f) in best]
-        b8 = [best[(name, 1, f)]["time_us"] for f in ("triton_fp8", "mgpu_fp8") if (name, 1, f) in best]
+        b8 = [best[(name, 1, f)]["time_us"] for f in ("triton_fp8", "mgpu_fp8", "mgpu_w8a8_fp8")
+              if (name, 1, f) in best]
         if b16 and b8:
             tot16 += min(b16)
             tot8 += min(b8)

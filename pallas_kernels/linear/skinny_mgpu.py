@@ -111,10 +111,17 @@ def _body(x_gmem, w_gmem, *refs, m, k, params: MgpuParams, steps_per_split: int,
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
-    split = params.split_k > 1
+    _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1)
+
+
+def _store(acc, o_gmem, *, m: int, bn: int, split: bool):
+    """The first m rows of this CTA's f32[64, BN] tile into o_gmem [M, N] (or its split's
+    f32[S, M, N] slice) by TMA; columns past N are clipped."""
+    ni = lax.axis_index("n")
+    si = lax.axis_index("s")
 
     @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, bn), o_gmem.dtype))
-    def _store(o_smem):
+    def _(o_smem):
         o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
         dst = o_gmem.at[si] if split else o_gmem
@@ -122,31 +129,81 @@ def _body(x_gmem, w_gmem, *refs, m, k, params: MgpuParams, steps_per_split: int,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool):
+def _body_w8a8(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, params: MgpuParams, steps_per_split: int):
+    """x_gmem float8[M, K] (rows quantized per 128-column group), w_gmem float8[N, K],
+    sx_gmem f32[KB, 64] (x's group scales, transposed, rows past M zero), sw_gmem f32[NB, KB],
+    o_gmem [M, N] | f32[S, M, N].
+
+    Each K step of 128 is one FP8 x FP8 wgmma into a fresh accumulator, added to the running
+    f32 tile times (x's row scales of that group) x (W's block scale): the block scales change
+    every 128 columns, so the products are scaled per step (DeepGEMM's promotion), in registers."""
+    bn = params.block_n
+    ni = lax.axis_index("n")
+    si = lax.axis_index("s")
+    k_step0 = si * steps_per_split
+    nb = (ni * bn) // FP8_BLOCK
+    last_kb = -(-k // FP8_BLOCK) - 1
+
+    def step(idx, x_smem, w_smem, sx_smem, acc):
+        kb = jnp.minimum(k_step0 + idx[0], last_kb)  # past-K steps read zeros (x and its scales)
+
+        def part(acc_ref):
+            plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+            return acc_ref[...]  # waits for the wgmma: the step's tiles can be released after it
+
+        prod = pl.run_scoped(part, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
+        sx = plgpu.load(sx_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))  # f32[64]
+        return acc + prod * lax.broadcast_in_dim(sx * sw_gmem[nb, kb], (_ROWS, bn), [0])
+
+    acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.emit_pipeline(
+        step,
+        grid=(steps_per_split,),
+        in_specs=[
+            plgpu.BlockSpec((_ROWS, FP8_BLOCK), lambda kk: (0, k_step0 + kk)),
+            plgpu.BlockSpec((bn, FP8_BLOCK), lambda kk: (ni, k_step0 + kk)),
+            plgpu.BlockSpec((1, _ROWS), lambda kk: (k_step0 + kk, 0)),
+        ],
+        max_concurrent_steps=params.max_concurrent_steps,
+        init_carry=acc0,
+    )(x_gmem, w_gmem, sx_gmem)
+    _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1)
+
+
+def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool, x_scales=None, out_dtype=None):
+    """x_scales (W8A8): x is float8 and these are its f32[KB, 64] group scales."""
     m, k = x.shape
     n = w.shape[0]
     fp8 = scale_inv is not None
+    w8a8 = x_scales is not None
+    out_dtype = out_dtype or x.dtype
     num_steps = -(-k // params.block_k)
     split_k = min(params.split_k, num_steps)
     steps_per_split = -(-num_steps // split_k)
     split_k = -(-num_steps // steps_per_split)
     params = dataclasses.replace(params, split_k=split_k)
-    out_dtype = jnp.float32 if split_k > 1 else x.dtype
     out_shape = (split_k, m, n) if split_k > 1 else (m, n)
-    body = functools.partial(_body, m=m, k=k, params=params, steps_per_split=steps_per_split, fp8=fp8)
+    if w8a8:
+        body = functools.partial(_body_w8a8, m=m, k=k, params=params, steps_per_split=steps_per_split)
+        scratch, name, args = [], "skinny_matmul_w8a8_mgpu", (x, w, x_scales, scale_inv)
+    else:
+        body = functools.partial(_body, m=m, k=k, params=params, steps_per_split=steps_per_split, fp8=fp8)
+        scratch = [plgpu.SMEM((params.block_n, params.block_k), jnp.bfloat16)] if fp8 else []
+        name = "skinny_matmul_fp8_mgpu" if fp8 else "skinny_matmul_mgpu"
+        args = (x, w, scale_inv) if fp8 else (x, w)
     f = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split_k > 1 else out_dtype),
         grid=(-(-n // params.block_n), split_k),
         grid_names=("n", "s"),
-        scratch_types=[plgpu.SMEM((params.block_n, params.block_k), jnp.bfloat16)] if fp8 else [],
+        scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="skinny_matmul_fp8_mgpu" if fp8 else "skinny_matmul_mgpu",
+        kernel_name=name,
     )
-    out = f(x, w, scale_inv) if fp8 else f(x, w)
+    out = f(*args)
     if split_k > 1:
-        out = jnp.sum(out, axis=0).astype(x.dtype)
+        out = jnp.sum(out, axis=0).astype(out_dtype)
     return out
 
 
@@ -189,3 +246,35 @@ def skinny_matmul_fp8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None
     params = params or _default(True)
     params.check_fp8()
     return _call(x, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret)
+
+
+def quantize_rows_fp8(x):
+    """x [M, K] (K % 128 == 0, M <= 64) -> (float8_e4m3fn[M, K], f32[K / 128, 64]): each row's
+    128-column groups scaled by their absolute max / 448 (e4m3's largest value) and rounded, the
+    activation scheme of block-FP8 checkpoints (DeepSeek-V3, Qwen3-FP8); the scales transposed
+    and padded to 64 rows (zeros) as `skinny_matmul_w8a8_mgpu` reads them."""
+    m, k = x.shape
+    g = x.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), 1e-12)  # f32[M, KB]
+    # a multiply by 448 / amax, not a division (which XLA may turn into an approximate reciprocal,
+    # moving values near e4m3's rounding midpoints to the other side)
+    x8 = (g * (448.0 / amax)[..., None]).astype(jnp.float8_e4m3fn).reshape(m, k)
+    return x8, jnp.pad((amax / 448.0).T, ((0, 0), (0, _ROWS - m)))
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret"))
+def skinny_matmul_w8a8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None, interpret: bool = False):
+    """x bf16[M, K] @ (w8 float8_e4m3fn[N, K] * scale_inv f32[ceil(N/128), K/128])^T -> bf16[M, N]
+    on the FP8 tensor cores: x is quantized per row and 128-column group first
+    (`quantize_rows_fp8`), so the result carries x's FP8 rounding too (relative ~2**-4 per
+    element, as W8A8 block-FP8 inference everywhere); W never leaves FP8."""
+    _check(x, w8, "skinny_matmul_w8a8_mgpu", jnp.float8_e4m3fn)
+    n, k = w8.shape
+    want = (-(-n // FP8_BLOCK), k // FP8_BLOCK)
+    if scale_inv.shape != want:
+        raise ValueError(f"skinny_matmul_w8a8_mgpu: scale_inv shape {scale_inv.shape} must be {want}")
+    params = params or _default(True)
+    params.check_fp8()
+    x8, sx = quantize_rows_fp8(x)
+    return _call(x8, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret, x_scales=sx,
+                 out_dtype=x.dtype)
