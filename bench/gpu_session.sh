@@ -11,6 +11,8 @@
 # ACCEPTANCE_ARGS='... --engine-config {"enable_prefix_caching":true}' the same traffic with
 # prefix caching on (Mamba-2 alone: 79 s). Run parts one after another:
 # five acceptance processes plus pytest at once starved the 16 cores and finished nothing in 185 s.
+# Session 10 (2026-12-02) took: tests 248 s, startup+loading 184 s, generate 232 s, acceptance of
+# two families 329-414 s, `LINEAR_ARGS=--fp8-batch linear` 102 s (before the W8A8 variants).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
