@@ -185,8 +185,10 @@ config = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_
               num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=512, rms_norm_eps=1e-5,
               max_position_embeddings=512, rope_theta=10000.0, torch_dtype="bfloat16")
 model, params = random_model(config, dtype="bfloat16", split_layers=True)
-eng = LLMEngine(model, params, EngineConfig(dtype="bfloat16", max_model_len=512, show_progress=False,
-                                            compilation_cache_dir=sys.argv[1]))
+# a fixed KV pool: sized from free memory (0.9 of it) it took what the other GPU tests' processes
+# needed, or failed beside them (the H200, session 10)
+eng = LLMEngine(model, params, EngineConfig(dtype="bfloat16", max_model_len=512, num_kv_blocks=64,
+                                            show_progress=False, compilation_cache_dir=sys.argv[1]))
 outs = LLM.from_engine(eng).generate([list(range(3, 200)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
 c = eng.compiler
 print(json.dumps(dict(hits=c.cache_hits, n=len(c.executables) + len(c.swap_executables), misses=c.cache_misses,
