@@ -48,9 +48,13 @@ def test_qwen3_next_mtp_paged_matches_reference():
     row, gives the reference logits: the K/V of earlier steps is its context."""
     import jax.numpy as jnp
 
+    import jax
+
     from metrale_jax.cache.kv import init_kv_cache
     from metrale_jax.models.mtp import qwen3_next_mtp_paged
     from tests._paged import Layout
+
+    mtp_step = jax.jit(qwen3_next_mtp_paged, static_argnums=(0, 4))  # (op by op it took 28 s)
 
     model, params = load_model(PATH, dtype="float32", show_progress=False)
     ckpt = open_checkpoint(PATH)
@@ -71,10 +75,10 @@ def test_qwen3_next_mtp_paged_matches_reference():
         pmd = lay.prefill([(s, lo, hi - lo) for s in range(b)], t_bucket=b * (hi - lo) + 3, b_bucket=b + 1)
         tok = np.concatenate([tokens[s, lo + 1:hi + 1] for s in range(b)] + [np.zeros(3, np.int32)])
         hid = np.concatenate([hidden[s, lo:hi] for s in range(b)] + [np.zeros((3, hidden.shape[-1]), np.float32)])
-        kv, logits = qwen3_next_mtp_paged(c, params, mtp, kv, 1, jnp.asarray(tok), jnp.asarray(hid), None, pmd)
+        kv, logits = mtp_step(c, params, mtp, kv, 1, jnp.asarray(tok), jnp.asarray(hid), None, pmd)
         got[:, lo:hi] = np.asarray(logits)[:b * (hi - lo)].reshape(b, hi - lo, -1)
     dmd = lay.decode([(s, n - 1) for s in range(b)], n_bucket=b + 1)  # the last position, as decode rows
-    kv, logits = qwen3_next_mtp_paged(c, params, mtp, kv, 1, jnp.asarray(np.append(tokens[:, n], 0)),
+    kv, logits = mtp_step(c, params, mtp, kv, 1, jnp.asarray(np.append(tokens[:, n], 0)),
                                       jnp.asarray(np.concatenate([hidden[:, n - 1], np.zeros_like(hidden[:1, 0])])),
                                       dmd, None)
     got[:, n - 1] = np.asarray(logits)[:b]

@@ -46,9 +46,8 @@ def test_serve_flags():
 
 
 def test_stats_and_metrics():
-    from tests.test_prefix_cache_scheduler import ENGINES
-
-    eng = fake_engine(use_ssm=False, **ENGINES["kv-recompute-host-tier"][1])  # the property test's engine
+    eng = fake_engine(use_ssm=False)  # the default config (prefix caching on); a fresh scheduler
+    assert eng.config.enable_prefix_caching
     eng.scheduler = eng._new_scheduler()
     llm = LLM.from_engine(eng)
     prompt = list(range(2, 23))  # 21 tokens: 5 full blocks of 4
