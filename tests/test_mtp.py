@@ -46,9 +46,8 @@ def test_qwen3_next_mtp_paged_matches_reference():
     """The paged MTP head (what the engine's steps will run: K/V in a pool layer of its own, read
     through permuted block tables) over a prompt in two chunks, then its last position as a decode
     row, gives the reference logits: the K/V of earlier steps is its context."""
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     from metrale_jax.cache.kv import init_kv_cache
     from metrale_jax.models.mtp import qwen3_next_mtp_paged
