@@ -44,6 +44,8 @@ def main() -> int:
                    "'auto': the scale that leaves a median top_p=0.9 nucleus of ~100 tokens")
     p.add_argument("--profile", default=None, help="a directory: profile the device step (top-p rows) of each "
                    "batch there (kernels, idle gaps between them)")
+    p.add_argument("--engine-config", default="{}", help="JSON of EngineConfig fields set beside the defaults, "
+                   'e.g. \'{"max_prefill_streams": 16}\'')
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax
@@ -74,12 +76,14 @@ def main() -> int:
           f"{int(np.median(nucleus))}, range {min(nucleus)}-{max(nucleus)} of {model.cfg.vocab_size} tokens",
           flush=True)
     batches = [int(b) for b in a.batches.split(",")]
-    cfg = EngineConfig(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
-                       max_num_seqs=max(batches) if not on_gpu else None, show_progress=False)
+    cfg = EngineConfig(**{**dict(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
+                                 max_num_seqs=max(batches) if not on_gpu else None, show_progress=False),
+                          **json.loads(a.engine_config)})
     eng = LLMEngine(model, params, cfg)
     llm = LLM.from_engine(eng)
     bw, bw_how = memcpy_bandwidth()
     res = {"model": a.shape or a.model, "dtype": dtype, "quantization": a.quantization,
+           "engine_config": json.loads(a.engine_config),
            "lm_head_scale": scale, "device": str(jax.devices()[0].device_kind),
            "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -114,11 +118,12 @@ def main() -> int:
             tn, steps_n = min(wall(1 + a.steps) for _ in range(a.repeats))
             step = (tn - t1) / a.steps
             ms = np.asarray(steps_n) * 1e3
-            res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step,
+            res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step, first_token_s=t1,
                                     engine_steps=len(ms), engine_step_ms_median=float(np.median(ms)),
                                     engine_step_ms_max=float(ms.max()), engine_steps_ms_top5=sorted(ms)[-5:],
                                     outside_steps_ms=1e3 * tn - float(ms.sum())))
-            print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s); "
+            print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s), "
+                  f"max_tokens=1 in {t1:.3f} s; "
                   f"1+N run: {len(ms)} engine steps, median {np.median(ms):.2f} ms, 5 longest "
                   f"{', '.join(f'{x:.1f}' for x in sorted(ms)[-5:])} ms, outside steps {1e3 * tn - ms.sum():.1f} ms",
                   flush=True)

@@ -119,7 +119,8 @@ fi
 if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greedy vs top_p (+logprobs=5) vs the device
   # step, bf16 as loaded, bf16 with the LM head scaled to a ~100-token nucleus, FP8 (~130 s each)
   for run in "generate_llama3_8b:--batches 1,8,64 --profile $OUT/profile_generate" "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
-             "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8"; do
+             "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8" \
+             "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue
     # 128 decode steps (the issue's max_tokens=129): at 32 (session 10) batch 64 read 1.18x the device step
