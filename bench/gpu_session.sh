@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -16,8 +16,9 @@
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
-#   jaxtyping wadler_lindig immutabledict tensorboardx;
-# .gpu_carry/smollm2_tok the SmolLM2 tokenizer files (for a random-weight serving checkpoint).
+#   jaxtyping wadler_lindig immutabledict tensorboardx, llguidance;
+# .gpu_carry/smollm2_tok the SmolLM2 tokenizer files (for a random-weight serving checkpoint and the
+#   structured-output bench; `python bench/structured_output.py --save-tokenizer .gpu_carry/smollm2_tok`).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -140,6 +141,10 @@ fi
 if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
   timeout ${LORA_LIMIT:-400} python3 bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
     --kernels auto,masked,gather --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
+fi
+if [[ $parts == *structured* ]]; then  # issue 20: JSON-schema rows' cost per decode step at batch 64 (llguidance wheel in .whl)
+  timeout ${STRUCTURED_LIMIT:-300} python3 bench/structured_output.py --h200 --tokenizer-dir .gpu_carry/smollm2_tok \
+    --out "$OUT/structured_output_h200" 2>&1 | tail -8
 fi
 if [[ $parts == *prefix* ]]; then  # issue 17: TTFT of a 4,000-token second request, cached vs uncached, and from the host tier
   timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape llama3-8b --prefix-len 4000 \

