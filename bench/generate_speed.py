@@ -76,14 +76,15 @@ def main() -> int:
           f"{int(np.median(nucleus))}, range {min(nucleus)}-{max(nucleus)} of {model.cfg.vocab_size} tokens",
           flush=True)
     batches = [int(b) for b in a.batches.split(",")]
+    overrides = json.loads(a.engine_config)
     cfg = EngineConfig(**{**dict(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
                                  max_num_seqs=max(batches) if not on_gpu else None, show_progress=False),
-                          **json.loads(a.engine_config)})
+                          **overrides})
     eng = LLMEngine(model, params, cfg)
     llm = LLM.from_engine(eng)
     bw, bw_how = memcpy_bandwidth()
     res = {"model": a.shape or a.model, "dtype": dtype, "quantization": a.quantization,
-           "engine_config": json.loads(a.engine_config),
+           "engine_config": overrides,
            "lm_head_scale": scale, "device": str(jax.devices()[0].device_kind),
            "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

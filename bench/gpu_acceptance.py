@@ -793,6 +793,9 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
     _free()
 
 
+TURN2_NEW = 5  # new ids a twin's second turn adds after turn 1 and its reply
+
+
 def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
     """Float32 twins: "twins", greedy ids and logprobs of the default kernels against the XLA
     reference; "twins_alone", the default kernels' batched greedy rows against each prompt run
@@ -830,8 +833,8 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
                 caching = eng.config.enable_prefix_caching
                 h0 = eng.stats().prefix_cache_hits
                 alone = [llm.generate([p], sp)[0] for p in prompts]  # with caching on: cache hits
-                # second turns of the two longest conversations: turn 1 + its reply + 5 new ids
-                turn2 = [p + list(o.outputs[0].token_ids) + random_prompt(rng, 5, vocab, ())
+                # second turns of the two longest conversations: turn 1 + its reply + new ids
+                turn2 = [p + list(o.outputs[0].token_ids) + random_prompt(rng, TURN2_NEW, vocab, ())
                          for p, o in list(zip(prompts, outs[name]))[-2:]]
                 h1 = eng.stats().prefix_cache_hits
                 outs["turn2"] = llm.generate(turn2, sp)
@@ -859,7 +862,7 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
     if caching:  # the default engine's second turns (cache hits) against the reference's full prefill
         bs = hits["block_size"]
         # issue 17's bar: hits >= turn 1's block-aligned length (prompt + reply) minus one block
-        want = sum(max(0, (len(p) - 5) // bs * bs - bs) for p in turn2)
+        want = sum(max(0, (len(p) - TURN2_NEW) // bs * bs - bs) for p in turn2)
         t2 = [compare_twins(list(r.outputs[0].token_ids), r.outputs[0].logprobs, list(g.outputs[0].token_ids),
                             g.outputs[0].logprobs) for r, g in zip(outs["turn2_reference"], outs["turn2"])]
         out["prefix_cache"] = check(all(r["passed"] for r in t2) and hits["turn2"] >= want, hits=hits,

@@ -78,8 +78,7 @@ def test_qwen3_next_mtp_paged_matches_reference():
         got[:, lo:hi] = np.asarray(logits)[:b * (hi - lo)].reshape(b, hi - lo, -1)
     dmd = lay.decode([(s, n - 1) for s in range(b)], n_bucket=b + 1)  # the last position, as decode rows
     kv, logits = mtp_step(c, params, mtp, kv, 1, jnp.asarray(np.append(tokens[:, n], 0)),
-                                      jnp.asarray(np.concatenate([hidden[:, n - 1], np.zeros_like(hidden[:1, 0])])),
-                                      dmd, None)
+                          jnp.asarray(np.concatenate([hidden[:, n - 1], np.zeros_like(hidden[:1, 0])])), dmd, None)
     got[:, n - 1] = np.asarray(logits)[:b]
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert not np.asarray(kv.k[0]).any()  # layer 0 (the target's) untouched

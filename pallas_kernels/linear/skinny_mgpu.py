@@ -238,14 +238,20 @@ def skinny_matmul_mgpu(x, w, *, params: MgpuParams | None = None, interpret: boo
 @functools.partial(jax.jit, static_argnames=("params", "interpret"))
 def skinny_matmul_fp8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None, interpret: bool = False):
     """x bf16[M, K] @ (w8 float8_e4m3fn[N, K] * scale_inv f32[ceil(N/128), ceil(K/128)])^T -> bf16[M, N]."""
-    _check(x, w8, "skinny_matmul_fp8_mgpu", jnp.float8_e4m3fn)
+    params = _check_fp8(x, w8, scale_inv, params, "skinny_matmul_fp8_mgpu")
+    return _call(x, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret)
+
+
+def _check_fp8(x, w8, scale_inv, params: MgpuParams | None, name: str) -> MgpuParams:
+    """`_check` for FP8 weights, their block scales f32[ceil(N/128), K/128], and the params (or the default)."""
+    _check(x, w8, name, jnp.float8_e4m3fn)
     n, k = w8.shape
-    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    want = (-(-n // FP8_BLOCK), k // FP8_BLOCK)  # (K is a multiple of 128: `_check`)
     if scale_inv.shape != want:
-        raise ValueError(f"skinny_matmul_fp8_mgpu: scale_inv shape {scale_inv.shape} must be {want}")
+        raise ValueError(f"{name}: scale_inv shape {scale_inv.shape} must be {want}")
     params = params or _default(True)
     params.check_fp8()
-    return _call(x, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret)
+    return params
 
 
 def quantize_rows_fp8(x):
@@ -268,13 +274,7 @@ def skinny_matmul_w8a8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = Non
     on the FP8 tensor cores: x is quantized per row and 128-column group first
     (`quantize_rows_fp8`), so the result carries x's FP8 rounding too (relative ~2**-4 per
     element, as W8A8 block-FP8 inference everywhere); W never leaves FP8."""
-    _check(x, w8, "skinny_matmul_w8a8_mgpu", jnp.float8_e4m3fn)
-    n, k = w8.shape
-    want = (-(-n // FP8_BLOCK), k // FP8_BLOCK)
-    if scale_inv.shape != want:
-        raise ValueError(f"skinny_matmul_w8a8_mgpu: scale_inv shape {scale_inv.shape} must be {want}")
-    params = params or _default(True)
-    params.check_fp8()
+    params = _check_fp8(x, w8, scale_inv, params, "skinny_matmul_w8a8_mgpu")
     x8, sx = quantize_rows_fp8(x)
     return _call(x8, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret, x_scales=sx,
                  out_dtype=x.dtype)
