@@ -207,6 +207,41 @@ def test_w8a8_mgpu_interpret(m, n, k, params):
     assert _rows_rel_err(y, np.asarray(x, np.float64) @ w.T) < 0.1  # e4m3: up to 2**-4 per element
 
 
+@pytest.mark.parametrize("m,k,kernel", [(5, 256, "skinny_matmul_fp8"), (24, 256, "skinny_matmul_w8a8_mgpu"),
+                                         (12, 160, "skinny_matmul_fp8"), (24, 160, None)])
+def test_fp8_linear_picks_its_kernel(m, k, kernel):
+    """`layers.linear.linear` on a marked fused FP8 weight (two parts, each padded to 128 rows):
+    up to 8 rows the W8A16 kernel, 9-64 the W8A8 one where K is whole 128-column groups, else the
+    W8A16 kernel up to 16 rows and XLA beyond; each equals its own numerics' numpy product, the
+    output columns of the parts alone."""
+    import dataclasses
+
+    from metrale_jax.layers.linear import Fp8Linear, linear, use_fp8_kernel
+
+    rng = np.random.default_rng(m + k)
+    w8, s = _fp8_weight(rng, 384, k)
+    w = Fp8Linear(jnp.asarray(w8), jnp.asarray(s), segments=((0, 160), (256, 100)))
+    w = use_fp8_kernel(w, interpret=True)
+    x = _bf16(rng, (1, m, k))
+    jaxpr = str(jax.make_jaxpr(linear)(x, w))
+    for name in ("skinny_matmul_fp8", "skinny_matmul_w8a8_mgpu"):
+        assert (f"name={name}" in jaxpr) == (name == kernel), name
+    xq = _np_quantize_rows(x[0]) if kernel == "skinny_matmul_w8a8_mgpu" else np.asarray(x[0], np.float64)
+    cols = np.r_[0:160, 256:356]
+    assert _rows_rel_err(linear(x, w)[0], xq @ _np_dequant(w8, s)[cols].T) < 8e-3
+    plain = linear(x, dataclasses.replace(w, use_kernel=False))  # XLA dequantize-and-dot
+    assert _rows_rel_err(plain[0], np.asarray(x[0], np.float64) @ _np_dequant(w8, s)[cols].T) < 8e-3
+
+
+def test_w8a8_params_for_the_llama3_8b_projections():
+    """The tiles the H200 sweep picked (bench/results/linear_fp8_batch_2026-12-02_s11.md)."""
+    from pallas_kernels.linear.skinny_mgpu import w8a8_params_for
+
+    got = {name: w8a8_params_for(n, k) for name, n, k in
+           [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
+    assert [(p.block_n, p.split_k) for p in got.values()] == [(64, 1), (64, 1), (128, 1), (64, 2)]
+
+
 def test_mgpu_bad_inputs():
     x = jnp.ones((2, 784), jnp.bfloat16)  # K = 784: rejected on the H200 by the 64-element tiling
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -5,8 +5,9 @@ DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv` format). A fused projection (q|k|v, g
 its parts along N, each padded to a multiple of 128 rows so every part keeps its own scale
 blocks; `segments` names the valid output columns. The XLA path here dequantizes in the dot's
 operand; with `use_kernel` (set by `use_fp8_kernel`, the engine's GPU default), inputs of at most
-`KERNEL_MAX_M` rows in bf16 (small decode steps) go through the weight-streaming Pallas kernel of
-`pallas_kernels/linear` instead, which reads the FP8 bytes once.
+64 rows in bf16 (decode steps) go through a Pallas kernel of `pallas_kernels/linear` instead,
+which reads the FP8 bytes once: the weight-streaming W8A16 kernel for a few rows, the W8A8 kernel
+on the FP8 tensor cores for more (`W8A16_MAX_M` below says where and why).
 
 bf16 weights stay on XLA's dot at every size: on the H200 the Pallas bf16 kernel read a
 Llama-3-8B layer at 3.51 TB/s against XLA's 3.46-3.71 (bench/results/linear.md), no gain.
@@ -22,8 +23,15 @@ import jax
 import jax.numpy as jnp
 
 FP8_BLOCK = 128
-# rows up to which FP8 linears use the decode kernel: on the H200 (2026-11-29) its default tiles ran
-# a Llama-3-8B decode step at 64 rows 2.1x slower than bf16 (they are sized for M <= 8)
+# FP8 linears marked `use_kernel` (bf16 x of M rows): M <= W8A16_MAX_M through the weight-streaming
+# W8A16 kernel; M <= 64 through the Mosaic W8A8 kernel (FP8 tensor cores; x quantized per row and
+# 128 columns) where it takes the shape (K % 128 == 0), else the W8A16 kernel up to KERNEL_MAX_M
+# rows; larger M (prefill) through XLA. H200, Llama-3-8B projections, one layer
+# (bench/results/linear_fp8_batch_2026-12-02_s11.md): at 16 rows W8A8 98 us against W8A16 138 us
+# and bf16 XLA 124 us, at 64 rows 90 us against 214 (W8A16; 2.1x slower than bf16 per step on
+# 2026-11-29, its tiles are sized for M <= 8) and 134 (bf16). 1-8 rows stay on W8A16, which
+# streams the weights as fast at batch 1 without rounding x to FP8.
+W8A16_MAX_M = 8
 KERNEL_MAX_M = 16
 
 
@@ -89,10 +97,9 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
         y = w4_matmul(x, w)  # f32[..., N]
     elif isinstance(w, Fp8Linear):
         m = math.prod(x.shape[:-1])
-        if w.use_kernel and w.w8.ndim == 2 and 1 <= m <= KERNEL_MAX_M and x.dtype == jnp.bfloat16:
-            from pallas_kernels.linear import skinny_matmul_fp8
-
-            y = skinny_matmul_fp8(x.reshape(m, x.shape[-1]), w.w8, w.scale_inv, interpret=w.interpret)
+        kernel = _fp8_kernel(w, x.dtype, m)
+        if kernel is not None:
+            y = kernel(x.reshape(m, x.shape[-1]), w.w8, w.scale_inv, interpret=w.interpret)
             y = y.reshape(x.shape[:-1] + (-1,)).astype(jnp.float32)  # bf16[M, N_pad] -> f32[..., N_pad]
         else:
             y = jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
@@ -105,6 +112,18 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def _fp8_kernel(w: Fp8Linear, dtype, m: int):
+    """The Pallas kernel for x bf16[m, K] @ `w` (module constants above), or None for XLA."""
+    if not (w.use_kernel and w.w8.ndim == 2 and dtype == jnp.bfloat16 and m >= 1):
+        return None
+    from pallas_kernels.linear import skinny_matmul_fp8
+    from pallas_kernels.linear.skinny_mgpu import skinny_matmul_w8a8_mgpu, w8a8_supports
+
+    if m > W8A16_MAX_M and w8a8_supports(m, *w.w8.shape):
+        return skinny_matmul_w8a8_mgpu
+    return skinny_matmul_fp8 if m <= KERNEL_MAX_M else None
 
 
 def use_fp8_kernel(params, interpret: bool = False):

@@ -268,13 +268,33 @@ def quantize_rows_fp8(x):
     return x8, jnp.pad((amax / 448.0).T, ((0, 0), (0, _ROWS - m)))
 
 
+_SMS = 132  # H200 streaming multiprocessors
+
+
+def w8a8_params_for(n: int, k: int) -> MgpuParams:
+    """The W8A8 kernel's tiles for a [N, K] weight, from the H200 sweep of the Llama-3-8B
+    projections at 16-64 rows (bench/results/linear_fp8_batch_2026-12-02_s11.md): 128-row tiles
+    when they still fill every SM (gate|up, N = 28,672: 38 us against 52 with 64-row tiles), a
+    2-way K split when 64-row tiles leave half the SMs idle and K is long (down, K = 14,336: 27-30
+    us against 41-43), else 64-row tiles 6 steps deep (q|k|v, o: 13-16 us)."""
+    if -(-n // 128) >= _SMS:
+        return MgpuParams(block_n=128, block_k=FP8_BLOCK, max_concurrent_steps=4)
+    split = 2 if 2 * -(-n // 64) <= _SMS and k >= 8192 else 1
+    return MgpuParams(block_n=64, block_k=FP8_BLOCK, max_concurrent_steps=6, split_k=split)
+
+
+def w8a8_supports(m: int, n: int, k: int) -> bool:
+    """Whether `skinny_matmul_w8a8_mgpu` takes x [m, k] and W [n, k] (see `_check`)."""
+    return 1 <= m <= MAX_M and k % FP8_BLOCK == 0 and n % 8 == 0
+
+
 @functools.partial(jax.jit, static_argnames=("params", "interpret"))
 def skinny_matmul_w8a8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None, interpret: bool = False):
     """x bf16[M, K] @ (w8 float8_e4m3fn[N, K] * scale_inv f32[ceil(N/128), K/128])^T -> bf16[M, N]
     on the FP8 tensor cores: x is quantized per row and 128-column group first
     (`quantize_rows_fp8`), so the result carries x's FP8 rounding too (relative ~2**-4 per
     element, as W8A8 block-FP8 inference everywhere); W never leaves FP8."""
-    params = _check_fp8(x, w8, scale_inv, params, "skinny_matmul_w8a8_mgpu")
+    params = _check_fp8(x, w8, scale_inv, params or w8a8_params_for(*w8.shape), "skinny_matmul_w8a8_mgpu")
     x8, sx = quantize_rows_fp8(x)
     return _call(x8, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret, x_scales=sx,
                  out_dtype=x.dtype)
