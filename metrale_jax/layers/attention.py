@@ -36,9 +36,10 @@ class AttentionConfig:
     # `jax.lax.ragged_dot`: 3-20x faster on the H200 (bench/results/grouped_matmul_2026-11-29.md).
     # The engine's GPU default when tokamax is installed (the `cuda13` extra).
     tokamax_moe: bool = False
-    # FP8 linears (`Fp8Linear`) at small decode sizes (layers.linear.KERNEL_MAX_M rows, bf16)
-    # through the Pallas weight-streaming kernel (pallas_kernels/linear) instead of XLA's
-    # dequantize-and-dot. The engine marks the weights (`layers.linear.use_fp8_kernel`); GPU default.
+    # FP8 linears (`Fp8Linear`) of decode steps (up to 64 rows, bf16) through the Pallas kernels
+    # (pallas_kernels/linear: W8A16 weight streaming for a few rows, W8A8 on the FP8 tensor cores
+    # for more; layers/linear.py) instead of XLA's dequantize-and-dot. The engine marks the
+    # weights (`layers.linear.use_fp8_kernel`); GPU default.
     fp8_kernel: bool = False
     # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
     # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,

@@ -28,9 +28,9 @@ FP8_BLOCK = 128
 # 128 columns) where it takes the shape (K % 128 == 0), else the W8A16 kernel up to KERNEL_MAX_M
 # rows; larger M (prefill) through XLA. H200, Llama-3-8B projections, one layer
 # (bench/results/linear_fp8_batch_2026-12-02_s11.md): at 16 rows W8A8 98 us against W8A16 138 us
-# and bf16 XLA 124 us, at 64 rows 90 us against 214 (W8A16; 2.1x slower than bf16 per step on
-# 2026-11-29, its tiles are sized for M <= 8) and 134 (bf16). 1-8 rows stay on W8A16, which
-# streams the weights as fast at batch 1 without rounding x to FP8.
+# and bf16 XLA 121 us, at 64 rows 93 us against 214 (W8A16; 2.1x slower than bf16 per step on
+# 2026-11-29, its tiles are sized for M <= 8) and 130 (bf16). 1-8 rows stay on W8A16 (FP8 batch 1
+# ran 1.44x bf16's tokens/s with it; W8A8 at so few rows is unmeasured), which keeps x unrounded.
 W8A16_MAX_M = 8
 KERNEL_MAX_M = 16
 
