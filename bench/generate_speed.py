@@ -39,7 +39,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quantization", default=None, help="fp8: quantize the decoder linears at load")
+    p.add_argument("--quantization", default=None, help="fp8, int4 or nvfp4: quantize the decoder linears at load")
     p.add_argument("--lm-head-scale", default="1", help="multiply the (untied) LM head by this; "
                    "'auto': the scale that leaves a median top_p=0.9 nucleus of ~100 tokens")
     p.add_argument("--profile", default=None, help="a directory: profile the device step (top-p rows) of each "

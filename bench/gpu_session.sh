@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [w4] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -13,6 +13,9 @@
 # five acceptance processes plus pytest at once starved the 16 cores and finished nothing in 185 s.
 # Session 10 (2026-12-02) took: tests 248 s, startup+loading 184 s, generate 232 s, acceptance of
 # two families 329-414 s, `LINEAR_ARGS=--fp8-batch linear` 102 s (before the W8A8 variants).
+# Session 11: tests 250 s, acceptance of Mamba-2 + Llama-3-8B 300 s, generate (4 runs, 128 steps)
+# 322 s, linear --fp8-batch + structured 157 s, prefix (3 runs) 405 s; a fresh machine's start
+# counts ~85 s of device time before the first command.
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
@@ -128,6 +131,14 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
     timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps ${GENERATE_STEPS:-128} --repeats 2 $extra \
       --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     grep -v "rematerialization" "$OUT/$name.log" | tail -10
+  done
+fi
+if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${W4_LIMIT:-200} python3 bench/kernels/w4.py --out "$OUT/w4" 2>&1 | tail -25
+  for q in ${W4_KINDS:-int4 nvfp4}; do
+    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
+      --batches 1,64 --quantization "$q" --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1
+    grep -v "rematerialization" "$OUT/generate_llama3_8b_$q.log" | tail -6
   done
 fi
 if [[ $parts == *loading* ]]; then  # issue 14: a page-cached safetensors checkpoint streamed to the device
