@@ -124,6 +124,19 @@ def test_kernel_defaults_and_cli_overrides():
 
     gpu, cpu = default_kernels(True), default_kernels(False)
     assert gpu.use_pallas and gpu.unroll_layers and not gpu.interpret
+    assert gpu.mosaic_prefill and gpu.fp8_w8a8 and gpu.fp8_kernel  # (asked for on the CPU: an H200's)
+    # a GPU without wgmma (e.g. an A100, compute capability 8.0): no Mosaic GPU kernel
+    from unittest import mock
+
+    from metrale_jax.engine import config as config_module
+
+    a100 = mock.Mock(platform="gpu", compute_capability="8.0")
+    with mock.patch("jax.devices", return_value=[a100]):
+        assert not config_module.hopper()
+        old = default_kernels(True)
+    assert old.use_pallas and old.fp8_kernel and not (old.mosaic_prefill or old.fp8_w8a8)
+    with mock.patch("jax.devices", return_value=[mock.Mock(platform="gpu", compute_capability="9.0")]):
+        assert config_module.hopper()
     assert not (cpu.use_pallas or cpu.unroll_layers or cpu.tokamax_moe)
     ns = argparse.Namespace
     assert kernels_from_args(ns(pallas=None, unroll_layers=None)) is None

@@ -37,7 +37,7 @@ def _lower_steps(model, params) -> dict[str, str]:
     if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
         params = split_layers(params)
     if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
-        params = use_fp8_kernel(params)
+        params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8)
     sds = jax.ShapeDtypeStruct
     p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0

@@ -207,13 +207,15 @@ def test_w8a8_mgpu_interpret(m, n, k, params):
     assert _rows_rel_err(y, np.asarray(x, np.float64) @ w.T) < 0.1  # e4m3: up to 2**-4 per element
 
 
-@pytest.mark.parametrize("m,k,kernel", [(5, 256, "skinny_matmul_fp8"), (24, 256, "skinny_matmul_w8a8_mgpu"),
-                                         (12, 160, "skinny_matmul_fp8"), (24, 160, None)])
-def test_fp8_linear_picks_its_kernel(m, k, kernel):
+@pytest.mark.parametrize("m,k,w8a8,kernel", [
+    (5, 256, True, "skinny_matmul_fp8"), (24, 256, True, "skinny_matmul_w8a8_mgpu"),
+    (12, 160, True, "skinny_matmul_fp8"), (24, 160, True, None),
+    (12, 256, False, "skinny_matmul_fp8"), (24, 256, False, None)])  # no wgmma (not Hopper)
+def test_fp8_linear_picks_its_kernel(m, k, w8a8, kernel):
     """`layers.linear.linear` on a marked fused FP8 weight (two parts, each padded to 128 rows):
-    up to 8 rows the W8A16 kernel, 9-64 the W8A8 one where K is whole 128-column groups, else the
-    W8A16 kernel up to 16 rows and XLA beyond; each equals its own numerics' numpy product, the
-    output columns of the parts alone."""
+    up to 8 rows the W8A16 kernel, 9-64 the W8A8 one where K is whole 128-column groups (and the
+    weights are marked for it), else the W8A16 kernel up to 16 rows and XLA beyond; each equals its
+    own numerics' numpy product, the output columns of the parts alone."""
     import dataclasses
 
     from metrale_jax.layers.linear import Fp8Linear, linear, use_fp8_kernel
@@ -221,7 +223,7 @@ def test_fp8_linear_picks_its_kernel(m, k, kernel):
     rng = np.random.default_rng(m + k)
     w8, s = _fp8_weight(rng, 384, k)
     w = Fp8Linear(jnp.asarray(w8), jnp.asarray(s), segments=((0, 160), (256, 100)))
-    w = use_fp8_kernel(w, interpret=True)
+    w = use_fp8_kernel(w, interpret=True, w8a8=w8a8)
     x = _bf16(rng, (1, m, k))
     jaxpr = str(jax.make_jaxpr(linear)(x, w))
     for name in ("skinny_matmul_fp8", "skinny_matmul_w8a8_mgpu"):

@@ -7,6 +7,7 @@ which returns a config with every size filled in; the engine logs the resolved c
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
 # JAX's persistent cache and our executables, beside the model cache (`$XDG_CACHE_HOME/metrale_jax`)
+log = logging.getLogger(__name__)
+
 DEFAULT_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "metrale_jax",
                                  "jax_cache")
 
@@ -36,15 +39,31 @@ def _swap_buckets(max_blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 
 
-def default_kernels(on_gpu: bool, uses_moe: bool = False) -> AttentionConfig:
+def hopper() -> bool:
+    """Whether the GPU has Hopper's wgmma (compute capability 9.x), which the Mosaic GPU kernels
+    (prefill attention, the W8A8 linears) are written for; True when the first device is not a
+    GPU (the GPU defaults asked for on the CPU, e.g. to lower the steps for an H200)."""
+    import jax
+
+    d = jax.devices()[0]
+    cc = getattr(d, "compute_capability", None)
+    return d.platform != "gpu" or cc is None or str(cc).split(".")[0] == "9"
+
+
+def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = None) -> AttentionConfig:
     """The kernel choices when none are given: on the GPU the Pallas kernels (attention, scans,
     FP8 decode linears), the Python layer loop and, for MoE models, tokamax's grouped GEMM when it
-    imports (tried only then: the import takes seconds); on the CPU the XLA reference."""
+    imports (tried only then: the import takes seconds); on the CPU the XLA reference. The Mosaic
+    GPU kernels only where the GPU has wgmma (`wgmma`, None = `hopper()`): other GPUs take the
+    Triton prefill kernel and the W8A16 linears at every decode size."""
     from metrale_jax.layers.moe import tokamax_available
 
+    mosaic = on_gpu and (hopper() if wgmma is None else wgmma)
+    if on_gpu and not mosaic:
+        log.info("Mosaic GPU kernels off: the GPU has no wgmma (compute capability 9.x)")
     return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
                            tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
-                           mosaic_prefill=on_gpu, sampler_branches=not on_gpu)
+                           fp8_w8a8=mosaic, mosaic_prefill=mosaic, sampler_branches=not on_gpu)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class AttentionConfig:
     # for more; layers/linear.py) instead of XLA's dequantize-and-dot. The engine marks the
     # weights (`layers.linear.use_fp8_kernel`); GPU default.
     fp8_kernel: bool = False
+    # With fp8_kernel, decode steps of 9-64 rows take the W8A8 kernel (Mosaic GPU, wgmma: Hopper);
+    # off, the W8A16 kernel up to 16 rows and XLA beyond. The default on Hopper GPUs.
+    fp8_w8a8: bool = False
     # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
     # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,
     # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.2-1.5x the

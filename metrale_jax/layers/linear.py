@@ -44,6 +44,7 @@ class Fp8Linear:
     # (first row in N_pad, rows) of each part; the output concatenates these columns
     use_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)  # the kernel on CPU (tests)
+    w8a8: bool = dataclasses.field(metadata=dict(static=True), default=False)  # 9-64 rows: the W8A8 kernel
 
     @property
     def n_out(self) -> int:
@@ -121,15 +122,18 @@ def _fp8_kernel(w: Fp8Linear, dtype, m: int):
     from pallas_kernels.linear import skinny_matmul_fp8
     from pallas_kernels.linear.skinny_mgpu import skinny_matmul_w8a8_mgpu, w8a8_supports
 
-    if m > W8A16_MAX_M and w8a8_supports(m, *w.w8.shape):
+    if w.w8a8 and m > W8A16_MAX_M and w8a8_supports(m, *w.w8.shape):
         return skinny_matmul_w8a8_mgpu
     return skinny_matmul_fp8 if m <= KERNEL_MAX_M else None
 
 
-def use_fp8_kernel(params, interpret: bool = False):
+def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
-    the Pallas kernels (a new tree sharing the arrays)."""
-    kinds = (Fp8Linear, W4Linear)
-    return jax.tree.map(
-        lambda w: dataclasses.replace(w, use_kernel=True, interpret=interpret) if isinstance(w, kinds) else w,
-        params, is_leaf=lambda w: isinstance(w, kinds))
+    the Pallas kernels (a new tree sharing the arrays); `w8a8`: the FP8 ones of 9-64 rows through
+    the W8A8 kernel (Hopper; `_fp8_kernel`)."""
+    def mark(w):
+        if isinstance(w, Fp8Linear):
+            return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
+        return dataclasses.replace(w, use_kernel=True, interpret=interpret) if isinstance(w, W4Linear) else w
+
+    return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))
