@@ -53,13 +53,12 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
     return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
 
 
-def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
-          tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
-          prev_tokens: Array | None = None, bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
-    if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
-        from metrale_jax.engine.spec_decode import verify_step
-
-        return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
+def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
+             tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
+             prev_tokens: Array | None = None) -> tuple[StepState, Array, tuple]:
+    """A step up to its sampler: (state with the new KV / SSM state and penalty counts, logits
+    f32[S, V] of the sampled rows, prompt logprobs (values f32[P], ranks i32[P], top ids i32[P, K],
+    top values f32[P, K]))."""
     n = dmd.num_seqs if dmd is not None else 0
     if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
         src = smd.token_src
@@ -86,10 +85,26 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
         plp = no_plp() if not p else jax.lax.cond(
             jnp.any(smd.prompt_lp_targets >= 0), lambda h: plp_of(model.compute_logits(params, h)),
             lambda h: no_plp(), plp_hidden)
+    return StepState(ms, pen), logits, plp
+
+
+def _sample(logits: Array, pen: PenaltyState, smd: SamplingMetadata, plp: tuple, *, attn: AttentionConfig,
+            max_logprobs: int, bitmask: Array | None = None) -> SampleOutput:
     tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
                                             branches=attn.sampler_branches, bitmask=bitmask)
-    out = SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
-    return StepState(ms, pen), out
+    return SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
+
+
+def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
+          tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
+          prev_tokens: Array | None = None, bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
+    if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
+        from metrale_jax.engine.spec_decode import verify_step
+
+        return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
+    state, logits, plp = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                                  max_logprobs=max_logprobs, prev_tokens=prev_tokens)
+    return state, _sample(logits, state.penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
 
 
 def decode_step(params, state: StepState, md: AttnMetadata, tokens: Array, smd: SamplingMetadata, *,
@@ -164,6 +179,48 @@ def jit_packed_step(kind: str):
 
     fn.__name__ = f"{kind}_step_packed"
     return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1,))
+
+
+@functools.cache
+def jit_packed_forward(kind: str):
+    """The first half of `jit_packed_step(kind)`, for steps whose sampling waits on the host
+    (structured output: a constrained row's mask depends on the previous step's token): the
+    forward up to the logits, dispatched before the mask exists, so that the host fills the masks
+    while it runs. (params, state, ibuf, fbuf, prev_tokens) -> (state, logits f32[S, V], prompt
+    logprobs); the state is donated. `jit_packed_sample` finishes the step."""
+    from metrale_jax.metadata_builder import unpack
+
+    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, placement=None):
+        dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
+        state, logits, plp = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                                      max_logprobs=max_logprobs, prev_tokens=prev_tokens)
+        if placement is not None:
+            state, logits, plp = placement.pin_state(state), placement.replicate(logits), placement.replicate(plp)
+        return state, logits, plp
+
+    fn.__name__ = f"{kind}_forward_packed"
+    return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1,))
+
+
+@functools.cache
+def jit_packed_sample(kind: str):
+    """The second half of `jit_packed_step(kind)`: (logits, penalties, ibuf, fbuf, plp, bitmask,
+    prev_tokens) -> (SampleOutput, next_tokens i32[R]) with the same values as the whole step's.
+    `prev_tokens` only gives next_tokens its shape."""
+    from metrale_jax.metadata_builder import unpack
+
+    def fn(logits, penalties, ibuf, fbuf, plp, bitmask, prev_tokens, *, layout, model, attn, max_logprobs,
+           placement=None):
+        _, _, _, smd = unpack(layout, ibuf, fbuf)
+        out = _sample(logits, penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
+        r = min(out.token_ids.shape[0], prev_tokens.shape[0])
+        nxt = jnp.zeros_like(prev_tokens).at[:r].set(out.token_ids[:r])
+        if placement is not None:
+            out, nxt = placement.replicate(out), placement.replicate(nxt)
+        return out, nxt
+
+    fn.__name__ = f"{kind}_sample_packed"
+    return jax.jit(fn, static_argnames=("layout",) + _STATIC)
 
 
 def replace_model_state(state: StepState, model_state) -> StepState:
