@@ -5,6 +5,7 @@ client (`response_format`). Every JSON output must parse and validate (`jsonsche
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -262,3 +263,33 @@ def test_server_response_format(llm):
             client.chat.completions.create(model="smol", messages=msgs, max_tokens=8, response_format={
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
         assert e.value.body["code"] == "invalid_structured_outputs"
+
+
+def test_overlapped_constrained_steps_equal_serial(llm, smollm2_gguf, monkeypatch):  # noqa: F811
+    """`overlap_constrained`: decode steps with constrained rows run as forward, then (masks
+    filled meanwhile) sample; the same tokens as the one-executable steps of `llm`."""
+    from metrale_jax.engine import LLMEngine
+    from metrale_jax.llm import LLM
+    from metrale_jax.model import load_model
+
+    model, params = load_model(smollm2_gguf, dtype="float32", show_progress=False)
+    cfg = dataclasses.replace(llm.llm_engine.config, overlap_constrained=True)
+    overlapped = LLM.from_engine(LLMEngine(model, params, cfg))
+    comp = overlapped.llm_engine.compiler
+    assert comp.split_executables and not llm.llm_engine.compiler.split_executables
+    halves = []
+    run_sample = comp.run_sample
+    monkeypatch.setattr(comp, "run_sample", lambda *a: (halves.append(a[0]), run_sample(*a))[1])
+    sps = [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20,
+                          structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{2}")),
+           SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                          structured_outputs=StructuredOutputsParams(choice=["red", "green", "dark blue"])),
+           SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True)]
+    prompts = [_chat_prompt(llm, "Name a person and an age."), _chat_prompt(llm, "Pick a colour."),
+               _chat_prompt(llm, "Tell me about the sea.")]
+    want = llm.generate(prompts, sps, use_tqdm=False)
+    got = overlapped.generate(prompts, sps, use_tqdm=False)
+    assert halves  # the split path ran
+    for w, g in zip(want, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        assert [c.cumulative_logprob for c in g.outputs] == [c.cumulative_logprob for c in w.outputs]

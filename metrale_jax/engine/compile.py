@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.metadata_builder import BuilderConfig, StepBucket, StepInputs, build_step, pack, packed_layout
 from metrale_jax.parallel import local
-from metrale_jax.step import jit_packed_step
+from metrale_jax.step import jit_packed_forward, jit_packed_sample, jit_packed_step
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,9 @@ class CompilationManager:
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
+        # ("forward" | "sample", decode bucket): the decode steps cut at the logits, for steps with
+        # structured-output rows (`EngineConfig.overlap_constrained`; engine._dispatch)
+        self.split_executables: dict[tuple[str, StepBucket], jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmup_seconds = 0.0
         self.cache_hits = 0  # executables loaded from the ExecutableCache at start-up
@@ -268,6 +271,37 @@ class CompilationManager:
         mask = self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32)
         return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, mask, layout=layout,
                                                   **self._static())
+
+    def lower_split(self, half: str, bucket: StepBucket, params, state):
+        """Lower the "forward" or "sample" half of a decode bucket's step (`step.jit_packed_forward`
+        / `jit_packed_sample`)."""
+        p = jax.tree.map(_abstract, params)
+        s = jax.tree.map(_abstract, state)
+        layout = packed_layout(self.builder, bucket)
+        ibuf = self._input((layout.num_i32,), jax.numpy.int32)
+        fbuf = self._input((layout.num_f32,), jax.numpy.float32)
+        prev = self._input((self.max_rows,), jax.numpy.int32)
+        static = dict(layout=layout, **self._static())
+        if half == "forward":
+            return jit_packed_forward(bucket.kind).lower(p, s, ibuf, fbuf, prev, **static)
+        _, logits, plp = jax.eval_shape(functools.partial(jit_packed_forward(bucket.kind), **static),
+                                        p, s, ibuf, fbuf, prev)
+        logits, plp = jax.tree.map(lambda a: self._input(a.shape, a.dtype), (logits, plp))
+        mask = self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32)
+        return jit_packed_sample(bucket.kind).lower(logits, s.penalties, ibuf, fbuf, plp, mask, prev, **static)
+
+    def has_split(self, bucket: StepBucket) -> bool:
+        return ("sample", bucket) in self.split_executables
+
+    def run_forward(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens):
+        """The forward half of `bucket`'s step: (state, logits, prompt logprobs)."""
+        return self.split_executables[("forward", bucket)](params, state, *dev_inputs, prev_tokens)
+
+    def run_sample(self, bucket: StepBucket, logits, penalties, dev_inputs: tuple, plp, bitmask, prev_tokens):
+        """The sampling half: (SampleOutput, next_tokens), as `run` returns them."""
+        if bitmask is None:
+            bitmask = self.no_mask(bucket.num_sample_rows)
+        return self.split_executables[("sample", bucket)](logits, penalties, *dev_inputs, plp, bitmask, prev_tokens)
 
     def lower_swap(self, kind: str, m: int, state):
         """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`, or the SSM slot
@@ -312,6 +346,9 @@ class CompilationManager:
             self.swap_roles = self.swap_roles or swap_roles(self.model, state.model)
             if ("copy", self.num_copy_pairs) not in self.swap_executables:
                 todo.append(("copy", self.num_copy_pairs))
+        if self.cfg.overlap_constrained:
+            todo += [(half, b) for b in self.buckets if b.kind == "decode" for half in ("forward", "sample")
+                     if (half, b) not in self.split_executables]
 
         def one(bucket):
             key = self._key(bucket, params, state)
@@ -320,7 +357,9 @@ class CompilationManager:
                 return bucket, exe, True
             if why != "off":
                 self.cache_misses[str(bucket)] = why
-            if isinstance(bucket, tuple):
+            if isinstance(bucket, tuple) and isinstance(bucket[1], StepBucket):
+                exe = self.lower_split(*bucket, params, state).compile()
+            elif isinstance(bucket, tuple):
                 exe = self.lower_swap(*bucket, state).compile()
             else:
                 exe = self.lower(bucket, params, state).compile()
@@ -336,6 +375,10 @@ class CompilationManager:
             for fut in concurrent.futures.as_completed([pool.submit(one, b) for b in todo]):
                 bucket, exe, hit = fut.result()
                 self.cache_hits += hit
+                if isinstance(bucket, tuple) and isinstance(bucket[1], StepBucket):
+                    self.split_executables[bucket] = exe
+                    bar.update(1)
+                    continue
                 if isinstance(bucket, tuple):
                     self.swap_executables[bucket] = exe
                     bar.update(1)
@@ -362,6 +405,10 @@ class CompilationManager:
         for bucket in self.buckets:
             state, out, prev = self.run(bucket, params, state, self.transfer(build_step(self.builder, bucket, [], [])),
                                         prev)
+            if self.has_split(bucket):
+                dev = self.transfer(build_step(self.builder, bucket, [], []))
+                state, logits, plp = self.run_forward(bucket, params, state, dev, prev)
+                out, prev = self.run_sample(bucket, logits, state.penalties, dev, plp, None, prev)
         jax.block_until_ready((state, prev))
         self.warmup_seconds = time.perf_counter() - t0
         log.info("ran each of the %d steps once in %.2fs", len(self.buckets), self.warmup_seconds)

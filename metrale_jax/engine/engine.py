@@ -672,6 +672,10 @@ class LLMEngine:
         sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
         masked = [(s.grammar, row) for row, s in sampled if s.grammar is not None and s.status != SeqStatus.FINISHED]
         bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
+        split = bool(masked) and self.compiler.has_split(bucket) and self.lockstep is None
+        if split:  # the forward first: it runs while the host fills the masks below
+            self.state, logits, plp = self.compiler.run_forward(bucket, self.params, self.state, dev,
+                                                                self._next_tokens)
         if masked:
             if self._inflight is not None and self._inflight.constrained:
                 self._advance_grammars(self._inflight)  # waits for the previous step's samples
@@ -679,8 +683,12 @@ class LLMEngine:
         self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
         if bitmask is not None:
             bitmask = self.compiler.put(bitmask)
-        self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
-                                                               self.state, dev, self._next_tokens, bitmask)
+        if split:
+            out, self._next_tokens = self.compiler.run_sample(bucket, logits, self.state.penalties, dev, plp,
+                                                              bitmask, self._next_tokens)
+        else:
+            self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
+                                                                   self.state, dev, self._next_tokens, bitmask)
         self.scheduler.complete(sched)
         if sched.ssm_snapshots:  # prefix caching: SSM snapshots at the block boundaries this step reached
             self._announce("ssm_copy", sched.ssm_snapshots)
