@@ -152,6 +152,13 @@ def jit_step(kind: str):
     return jax.jit(fn, static_argnames=_STATIC, donate_argnums=(1,))
 
 
+def _next_tokens(token_ids: Array, prev_tokens: Array) -> Array:
+    """A step's samples i32[S] padded (or cut: a verify step's) to the fixed width i32[R] of
+    `prev_tokens`, at which the next step reads them."""
+    r = min(token_ids.shape[0], prev_tokens.shape[0])
+    return jnp.zeros_like(prev_tokens).at[:r].set(token_ids[:r])
+
+
 @functools.cache
 def jit_packed_step(kind: str):
     """Like `jit_step`, but the metadata arrives as two flat buffers (i32, f32) described by the
@@ -170,9 +177,7 @@ def jit_packed_step(kind: str):
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                            max_logprobs=max_logprobs, prev_tokens=prev_tokens,
                            bitmask=bitmask)
-        # this step's samples, padded to the fixed width the next step reads them at
-        r = min(out.token_ids.shape[0], prev_tokens.shape[0])  # (a verify step's samples are cut)
-        nxt = jnp.zeros_like(prev_tokens).at[:r].set(out.token_ids[:r])
+        nxt = _next_tokens(out.token_ids, prev_tokens)
         if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
             state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
         return state, out, nxt
@@ -213,8 +218,7 @@ def jit_packed_sample(kind: str):
            placement=None):
         _, _, _, smd = unpack(layout, ibuf, fbuf)
         out = _sample(logits, penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
-        r = min(out.token_ids.shape[0], prev_tokens.shape[0])
-        nxt = jnp.zeros_like(prev_tokens).at[:r].set(out.token_ids[:r])
+        nxt = _next_tokens(out.token_ids, prev_tokens)
         if placement is not None:
             out, nxt = placement.replicate(out), placement.replicate(nxt)
         return out, nxt

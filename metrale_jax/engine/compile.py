@@ -261,33 +261,29 @@ class CompilationManager:
         """A host input's abstract value: replicated on the mesh under tensor parallelism."""
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.placement.replicated if self.placement else None)
 
-    def lower(self, bucket: StepBucket, params, state):
-        p = jax.tree.map(_abstract, params)
-        s = jax.tree.map(_abstract, state)
+    def _step_args(self, bucket: StepBucket, params, state):
+        """Abstract (params, state, ibuf, fbuf, prev_tokens, bitmask) of `bucket`'s step, and its
+        static arguments."""
         layout = packed_layout(self.builder, bucket)
-        ibuf = self._input((layout.num_i32,), jax.numpy.int32)
-        fbuf = self._input((layout.num_f32,), jax.numpy.float32)
-        prev = self._input((self.max_rows,), jax.numpy.int32)
-        mask = self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32)
-        return jit_packed_step(bucket.kind).lower(p, s, ibuf, fbuf, prev, mask, layout=layout,
-                                                  **self._static())
+        args = (jax.tree.map(_abstract, params), jax.tree.map(_abstract, state),
+                self._input((layout.num_i32,), jax.numpy.int32), self._input((layout.num_f32,), jax.numpy.float32),
+                self._input((self.max_rows,), jax.numpy.int32),
+                self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32))
+        return args, dict(layout=layout, **self._static())
+
+    def lower(self, bucket: StepBucket, params, state):
+        args, static = self._step_args(bucket, params, state)
+        return jit_packed_step(bucket.kind).lower(*args, **static)
 
     def lower_split(self, half: str, bucket: StepBucket, params, state):
         """Lower the "forward" or "sample" half of a decode bucket's step (`step.jit_packed_forward`
         / `jit_packed_sample`)."""
-        p = jax.tree.map(_abstract, params)
-        s = jax.tree.map(_abstract, state)
-        layout = packed_layout(self.builder, bucket)
-        ibuf = self._input((layout.num_i32,), jax.numpy.int32)
-        fbuf = self._input((layout.num_f32,), jax.numpy.float32)
-        prev = self._input((self.max_rows,), jax.numpy.int32)
-        static = dict(layout=layout, **self._static())
+        (p, s, ibuf, fbuf, prev, mask), static = self._step_args(bucket, params, state)
+        forward = jit_packed_forward(bucket.kind)
         if half == "forward":
-            return jit_packed_forward(bucket.kind).lower(p, s, ibuf, fbuf, prev, **static)
-        _, logits, plp = jax.eval_shape(functools.partial(jit_packed_forward(bucket.kind), **static),
-                                        p, s, ibuf, fbuf, prev)
+            return forward.lower(p, s, ibuf, fbuf, prev, **static)
+        _, logits, plp = jax.eval_shape(functools.partial(forward, **static), p, s, ibuf, fbuf, prev)
         logits, plp = jax.tree.map(lambda a: self._input(a.shape, a.dtype), (logits, plp))
-        mask = self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32)
         return jit_packed_sample(bucket.kind).lower(logits, s.penalties, ibuf, fbuf, plp, mask, prev, **static)
 
     def has_split(self, bucket: StepBucket) -> bool:
@@ -357,7 +353,7 @@ class CompilationManager:
                 return bucket, exe, True
             if why != "off":
                 self.cache_misses[str(bucket)] = why
-            if isinstance(bucket, tuple) and isinstance(bucket[1], StepBucket):
+            if _is_split(bucket):
                 exe = self.lower_split(*bucket, params, state).compile()
             elif isinstance(bucket, tuple):
                 exe = self.lower_swap(*bucket, state).compile()
@@ -375,7 +371,7 @@ class CompilationManager:
             for fut in concurrent.futures.as_completed([pool.submit(one, b) for b in todo]):
                 bucket, exe, hit = fut.result()
                 self.cache_hits += hit
-                if isinstance(bucket, tuple) and isinstance(bucket[1], StepBucket):
+                if _is_split(bucket):
                     self.split_executables[bucket] = exe
                     bar.update(1)
                     continue
@@ -403,10 +399,9 @@ class CompilationManager:
         t0 = time.perf_counter()
         prev = self.zero_tokens()
         for bucket in self.buckets:
-            state, out, prev = self.run(bucket, params, state, self.transfer(build_step(self.builder, bucket, [], [])),
-                                        prev)
+            dev = self.transfer(build_step(self.builder, bucket, [], []))
+            state, out, prev = self.run(bucket, params, state, dev, prev)
             if self.has_split(bucket):
-                dev = self.transfer(build_step(self.builder, bucket, [], []))
                 state, logits, plp = self.run_forward(bucket, params, state, dev, prev)
                 out, prev = self.run_sample(bucket, logits, state.penalties, dev, plp, None, prev)
         jax.block_until_ready((state, prev))
@@ -526,6 +521,11 @@ class CompilationManager:
         out = tuple(jax.make_array_from_callback(np.shape(h), sharding, lambda idx, h=h: np.asarray(h)[idx])
                     for h in host)
         return out if len(out) > 1 else out[0]
+
+
+def _is_split(key) -> bool:
+    """A compile_all work item for a half of a split decode step: ("forward" | "sample", bucket)."""
+    return isinstance(key, tuple) and isinstance(key[1], StepBucket)
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int) -> int:

@@ -15,9 +15,9 @@ from metrale_jax.engine.spec_decode import SpeculativeConfig
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
-# JAX's persistent cache and our executables, beside the model cache (`$XDG_CACHE_HOME/metrale_jax`)
 log = logging.getLogger(__name__)
 
+# JAX's persistent cache and our executables, beside the model cache (`$XDG_CACHE_HOME/metrale_jax`)
 DEFAULT_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "metrale_jax",
                                  "jax_cache")
 
