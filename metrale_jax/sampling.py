@@ -501,13 +501,14 @@ def _top_k(x: Array, n: int, chunk: int = TOP_K_CHUNK) -> tuple[Array, Array]:
     return val, jnp.take_along_axis(cidx.reshape(r, c * n), pos, axis=-1)
 
 
-def _top_logprobs(lp: Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[Array, Array]:
+def _top_logprobs(lp: Array, k: int, chunk: int = TOP_K_CHUNK,
+                  round_: int = _TOP_K_ROUND) -> tuple[Array, Array]:
     """(ids i32[R, k], values f32[R, k]) of the k largest of f32[R, V], best first, ties in id
-    order (as `lax.top_k`), in rounds of at most 16."""
+    order (as `lax.top_k`), in rounds of at most `round_`."""
     rows = jnp.arange(lp.shape[0])[:, None]
     ids, vals = [], []
-    for start in range(0, k, _TOP_K_ROUND):
-        n = min(_TOP_K_ROUND, k - start)
+    for start in range(0, k, round_):
+        n = min(round_, k - start)
         val, idx = _top_k(lp, n, chunk)
         ids.append(idx)
         vals.append(val)
