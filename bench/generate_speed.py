@@ -19,6 +19,7 @@ so the bench reports the nucleus size (the model's own logits over the prompt at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -46,6 +47,8 @@ def main() -> int:
                    "batch there (kernels, idle gaps between them)")
     p.add_argument("--engine-config", default="{}", help="JSON of EngineConfig fields set beside the defaults, "
                    'e.g. \'{"max_prefill_streams": 16}\'')
+    p.add_argument("--attention", default="{}", help="JSON of AttentionConfig fields set over the device's default "
+                   'kernels (a tuned variant beside the default), e.g. \'{"top_k_chunk": 512}\'')
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax
@@ -80,11 +83,17 @@ def main() -> int:
     cfg = EngineConfig(**{**dict(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
                                  max_num_seqs=max(batches) if not on_gpu else None, show_progress=False),
                           **overrides})
+    kernels = json.loads(a.attention)
+    if kernels:
+        from metrale_jax.engine.config import default_kernels
+
+        base = cfg.attention or default_kernels(on_gpu, getattr(model, "has_experts", False))
+        cfg = dataclasses.replace(cfg, attention=dataclasses.replace(base, **kernels))
     eng = LLMEngine(model, params, cfg)
     llm = LLM.from_engine(eng)
     bw, bw_how = memcpy_bandwidth()
     res = {"model": a.shape or a.model, "dtype": dtype, "quantization": a.quantization,
-           "engine_config": overrides,
+           "engine_config": overrides, "attention": kernels,
            "lm_head_scale": scale, "device": str(jax.devices()[0].device_kind),
            "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -540,7 +540,7 @@ def apply_token_bitmask(logits: Array, bitmask: Array) -> Array:
 # ---- sampling ------------------------------------------------------------------------------------
 def sample(
     logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False,
-    bitmask: Array | None = None,
+    bitmask: Array | None = None, top_k_chunk: int = TOP_K_CHUNK,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
@@ -561,6 +561,8 @@ def sample(
     unconstrained), applied first: the logprobs, penalties, the greedy argmax and every filter
     see the banned tokens at -inf (vLLM applies its grammar bitmask to the logits before its
     sampler too). With `branches`, skipped under `lax.cond` when every word is -1.
+
+    top_k_chunk (static): the top logprobs' chunk size (`_top_k`; whole rows with `branches`).
     """
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
@@ -591,7 +593,7 @@ def sample(
     chosen = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
 
     def tops(lp, t):
-        return _rank_and_top(lp, t, k, 0 if branches else TOP_K_CHUNK)
+        return _rank_and_top(lp, t, k, 0 if branches else top_k_chunk)
 
     def no_tops(lp, t):
         return jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
