@@ -35,8 +35,8 @@ from metrale_jax.sampling import TOP_K_CHUNK, _top_logprobs  # noqa: E402
 
 COPIES = 8
 K = 20
-CHUNKS = (0, 256, 512, 1024, 2048, 4096)
-ROUNDS = (4, 8, 16, 20)
+CHUNKS = (0, 256, 512, 1024, 2048)
+ROUNDS = (8, 16, 20)
 
 
 def _many(fn):
