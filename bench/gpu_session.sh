@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [chunkgen] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [chunkgen] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -143,6 +143,14 @@ if [[ $parts == *chunkgen* ]]; then  # issue 15: batch-1 generate with the defau
       --batches ${CHUNKGEN_BATCHES:-1} --attention "$att" --out "$OUT/generate_llama3_8b_topk_$c.json" \
       > "$OUT/generate_llama3_8b_topk_$c.log" 2>&1
     grep -v "rematerialization" "$OUT/generate_llama3_8b_topk_$c.log" | tail -4
+  done
+fi
+if [[ $parts == *nextfp8* ]]; then  # issue 19: Qwen3-Next shape (12 of 48 layers) decode, bf16 then FP8 experts and linears
+  for q in bf16 fp8; do
+    qa=$([[ $q == fp8 ]] && echo "--quantization fp8")
+    timeout ${GENERATE_LIMIT:-240} python3 bench/generate_speed.py --shape qwen3-next-80b-a3b --num-layers 12 --steps 64 \
+      --repeats 1 --batches 1,64 $qa --out "$OUT/generate_qwen3_next_12l_$q.json" > "$OUT/generate_qwen3_next_12l_$q.log" 2>&1
+    grep -v "rematerialization" "$OUT/generate_qwen3_next_12l_$q.log" | tail -6
   done
 fi
 if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)

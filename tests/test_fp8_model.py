@@ -68,14 +68,17 @@ def test_fp8_kernel_in_decode_steps_matches_xla_dequant():
     assert np.isfinite(logits).all() and _rel(logits, want) < 2e-2, _rel(logits, want)
 
 
-def test_quantize_on_load(tmp_path):
-    """quantization="fp8" equals a dense model whose linears went through the block format's
-    quantize -> dequantize in numpy (quant.fp8), and stays within FP8 error of the original."""
+@pytest.mark.parametrize("fixture", ["llama_tiny", "qwen3_moe_tiny"])
+def test_quantize_on_load(tmp_path, fixture):
+    """quantization="fp8" equals a dense model whose linears (and MoE experts) went through the
+    block format's quantize -> dequantize in numpy (quant.fp8), and stays within FP8 error of the
+    original."""
     from metrale_jax.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 
-    src = FIXTURES / "llama_tiny"
+    src = FIXTURES / fixture
     model, q = load_model(src, dtype="float32", quantization="fp8")
-    assert isinstance(q["layers"]["w_down"], Fp8Linear) and not isinstance(q["embed"], Fp8Linear)
+    mlp = ("experts_gate_up", "experts_down") if fixture == "qwen3_moe_tiny" else ("w_down",)
+    assert all(isinstance(q["layers"][k], Fp8Linear) for k in mlp) and not isinstance(q["embed"], Fp8Linear)
     d = tmp_path / "qdq"
     shutil.copytree(src, d)
     t = load_file(d / "model.safetensors")

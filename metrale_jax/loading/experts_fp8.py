@@ -30,7 +30,7 @@ def _stack(reader, num_layers: int, num_experts: int, k: int, parts, desc: str, 
     for i in reader.progress(range(num_layers), desc):
         for j in range(num_experts):
             for (name, n), start in zip(parts(i, j), starts):
-                if not reader.is_fp8(name):
+                if not (reader.quantize_fp8 or reader.is_fp8(name)):
                     raise LoadError(f"{reader.origin}: expert weight {name!r} is not FP8 while expert 0 of layer 0 is")
                 q, s = reader.fp8_weight(name, (n, k))
                 w8[i, j, start:start + n] = q
@@ -39,9 +39,11 @@ def _stack(reader, num_layers: int, num_experts: int, k: int, parts, desc: str, 
 
 
 def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str) -> dict | None:
-    """{"experts_gate_up", "experts_down"} as `Fp8Linear`s when the checkpoint's experts are FP8
-    (None otherwise: the caller loads them dense). prefix: "model.layers.{}.mlp.experts.{}." (layer, expert)."""
-    if not reader.is_fp8(prefix.format(0, 0) + "gate_proj.weight"):
+    """{"experts_gate_up", "experts_down"} as `Fp8Linear`s when the checkpoint's experts are FP8 or
+    the reader quantizes to FP8 at load (`quantization="fp8"`, as vLLM's on-the-fly FP8 quantizes
+    MoE experts too); None otherwise: the caller loads them dense.
+    prefix: "model.layers.{}.mlp.experts.{}." (layer, expert)."""
+    if not (reader.quantize_fp8 or reader.is_fp8(prefix.format(0, 0) + "gate_proj.weight")):
         return None
 
     def gate_up(i, j):

@@ -39,7 +39,8 @@ class RandomWeightReader(WeightReader):
         self.scale = scale
         self.tile_above = tile_above
         self.repeat_layers = repeat_layers
-        self._drawn: dict[tuple, np.ndarray] = {}  # (shape, is_norm) -> read-only draw (repeat_layers)
+        # (shape, is_norm) -> read-only draw; ("fp8", shape) -> its (w8, scale_inv) (repeat_layers)
+        self._drawn: dict[tuple, object] = {}
 
     def has(self, name: str) -> bool:
         return True
@@ -54,6 +55,16 @@ class RandomWeightReader(WeightReader):
             return self.cast(arr) if cast else arr
         arr = self._draw(name, shape)
         return self.cast(arr) if cast else arr
+
+    def fp8_weight(self, name: str, shape: tuple[int, int]):
+        """As `WeightReader.fp8_weight` (quantized now: nothing here is FP8); with `repeat_layers`
+        one quantization per shape (the MoE experts of a layer would take minutes otherwise)."""
+        if not self.repeat_layers:
+            return super().fp8_weight(name, shape)
+        key = ("fp8", tuple(shape))
+        if key not in self._drawn:
+            self._drawn[key] = super().fp8_weight(name, shape)
+        return self._drawn[key]
 
     def linears(self, num_layers: int, k: int, parts, desc: str = "", key: str = ""):
         if not self.repeat_layers:
