@@ -84,9 +84,11 @@ def test_expert_matvec_fp8_interpret(p, e, n, k, params):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
-def test_fp8_experts_kernel_in_decode_step():
-    """use_fp8_kernel marks the experts too: a decode-sized MoE call (P < E) runs the expert kernel
-    (interpret) and equals the XLA gather path."""
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_fp8_experts_kernel_in_decode_step(tokens):
+    """use_fp8_kernel marks the experts too: a decode-sized MoE call (P = 2 or 6 pairs, E = 4
+    experts: P < 4E) runs the expert kernel (interpret) and equals the unmarked path (the XLA
+    gather at P < E, the dense grouped GEMM above); P = 16 = 4E takes the dense path."""
     from metrale_jax.layers.linear import use_fp8_kernel
 
     _, params = load_model(D, dtype="bfloat16", show_progress=False)
@@ -95,12 +97,12 @@ def test_fp8_experts_kernel_in_decode_step():
     gu0, down0 = (jax.tree.map(lambda a: a[0], params["layers"][k]) for k in ("experts_gate_up", "experts_down"))
     assert gu.use_kernel and not gu0.use_kernel
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.bfloat16)
-    idx = jnp.asarray([[2, 0]], jnp.int32)  # P = 2 < E = 4
-    w = jnp.asarray(rng.uniform(0.1, 1, (1, 2)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.bfloat16)
+    idx = jnp.asarray(rng.permuted(np.tile(np.arange(4), (tokens, 1)), axis=1)[:, :2], jnp.int32)  # top-2 of 4
+    w = jnp.asarray(rng.uniform(0.1, 1, (tokens, 2)), jnp.float32)
     f = jax.jit(routed_experts)
     got = np.asarray(f(x, w, idx, gu, down), np.float32)
-    assert "expert_matvec_fp8" in str(jax.make_jaxpr(routed_experts)(x, w, idx, gu, down))
+    assert ("expert_matvec_fp8" in str(jax.make_jaxpr(routed_experts)(x, w, idx, gu, down))) == (tokens * 2 < 16)
     want = np.asarray(f(x, w, idx, gu0, down0), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 

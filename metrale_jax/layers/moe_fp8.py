@@ -1,10 +1,10 @@
 """Routed experts with block-FP8 weights (`Fp8Linear` [E, N_pad, K] per layer) kept FP8 on the device.
 
 Two static paths, by the number of (token, expert) pairs P = T * k against the expert count E:
-* P < E (decode): each pair's matvec reads only its expert's FP8 weights: with `use_kernel` (the
-  engine's GPU default, `linear.use_fp8_kernel`) and bf16 activations through the Pallas kernel
-  `pallas_kernels/linear/expert_fp8.py`, otherwise by gathering the pairs' FP8 weights and
-  dequantizing them in XLA;
+* P < E, or P < 4E with the kernel (decode): each pair's matvec reads only its expert's FP8
+  weights: with `use_kernel` (the engine's GPU default, `linear.use_fp8_kernel`) and bf16
+  activations through the Pallas kernel `pallas_kernels/linear/expert_fp8.py`, otherwise by
+  gathering the pairs' FP8 weights and dequantizing them in XLA;
 * otherwise (prefill): dequantize every expert to the activation dtype and run the grouped GEMM
   of `moe.routed_experts` (a transient bf16 copy of the layer's experts).
 No FP8 grouped-GEMM kernel for prefill yet. The weights stay FP8 in memory (half of bf16).
@@ -37,7 +37,12 @@ def fp8_routed_experts(x, weights, experts, w_gate_up: Fp8Linear, w_down: Fp8Lin
 
     t, k = experts.shape
     num_experts = w_down.w8.shape[0]
-    if t * k >= num_experts:
+    # the dense path moves ~5 bytes per expert parameter (FP8 read, bf16 written and read again),
+    # the kernel's gather 1 byte per pair and parameter: it pays up to P ~ 4E (a batch-64 decode
+    # step of Qwen3-Next routes 640 pairs to 512 experts); XLA's gather materializes the pairs'
+    # dequantized weights, so without the kernel only P < E
+    kernel = w_down.use_kernel and x.dtype == jnp.bfloat16
+    if t * k >= (4 if kernel else 1) * num_experts:
         return routed_experts(x, weights, experts, dense_experts(w_gate_up, x.dtype), dense_experts(w_down, x.dtype),
                               act=act, gated=gated, use_tokamax=use_tokamax)
     flat = experts.reshape(-1)  # i32[P]
