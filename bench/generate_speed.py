@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument("--engine-config", default="{}", help="JSON of EngineConfig fields set beside the defaults, "
                    'e.g. \'{"max_prefill_streams": 16}\'')
     p.add_argument("--attention", default="{}", help="JSON of AttentionConfig fields set over the device's default "
-                   'kernels (a tuned variant beside the default), e.g. \'{"top_k_chunk": 512}\'')
+                   'kernels (a tuned variant beside the default), e.g. \'{"mosaic_prefill": false}\'')
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [chunkgen] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -135,15 +135,6 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
 fi
 if [[ $parts == *topk* ]]; then  # issue 15: the sampler's top logprobs over chunk / round sizes, beside lax.top_k and torch
   timeout ${TOPK_LIMIT:-150} python3 bench/kernels/top_k.py --out "$OUT/top_k" 2>&1 | tail -32
-fi
-if [[ $parts == *chunkgen* ]]; then  # issue 15: batch-1 generate with the default top-logprobs chunk, then tuned chunks
-  for c in default ${TOPK_CHUNKS:-512 256}; do
-    att=$([[ $c == default ]] && echo "{}" || echo "{\"top_k_chunk\":$c}")
-    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 128 --repeats 2 \
-      --batches ${CHUNKGEN_BATCHES:-1} --attention "$att" --out "$OUT/generate_llama3_8b_topk_$c.json" \
-      > "$OUT/generate_llama3_8b_topk_$c.log" 2>&1
-    grep -v "rematerialization" "$OUT/generate_llama3_8b_topk_$c.log" | tail -4
-  done
 fi
 if [[ $parts == *nextfp8* ]]; then  # issue 19: Qwen3-Next shape (12 of 48 layers) decode, bf16 then FP8 experts and linears
   for q in bf16 fp8; do

@@ -19,7 +19,7 @@ queued behind this one) and no sort over the vocabulary. Penalties, the filters,
 and the logprobs are computed for every row and selected per row. `filter_logits` applies
 min_p / top_k / top_p with thresholds found by a fixed number of passes over [R, V] (a k-ary
 search over float32 bit patterns: 8 passes of 15 thresholds on a GPU); the top logprobs come
-from `lax.top_k` in rounds of <= 16, over chunks of the row on a GPU (`_top_k`). On the CPU
+from `lax.top_k`, over chunks of the row or in rounds by the step's rows (`top_k_plan`). On the CPU
 (`sample(branches=True)`, where a conditional costs nothing) the filters, the draw and the top
 logprobs are skipped under `lax.cond` when no row needs them, and the thresholds are read off 256
 `lax.top_k` candidates when every row's nucleus fits in them: the same tokens either way.
@@ -471,16 +471,27 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     return jnp.where((x >= t_k[:, None]) & (x >= t_p[:, None]), x, neg_inf)
 
 
-# ---- top logprobs without a sort -----------------------------------------------------------------
-# XLA's GPU TopK kernel (one read of the row, the k best kept in registers) takes k <= 16 for
-# rows of >= 1024 elements; a larger k can fall back to a sort of the whole row. So the top K
-# logprobs are taken 16 at a time, each round masking the ids the earlier rounds took.
-_TOP_K_ROUND = 16
-# The kernel gives each row one thread block: one 128,256-token row took 286 us on the H200
-# (batch 1, 2026-12-02), 6% of a Llama-3-8B decode step, and 64 rows 297 us (half the SMs idle).
-# Rows longer than 2 chunks are cut into chunks of TOP_K_CHUNK (one block each), their top n
-# taken, then the top n of those candidates: the same ids and values, ties in id order.
+# ---- top logprobs without a full sort ------------------------------------------------------------
+# How `lax.top_k` runs on the GPU decides the cost: XLA's TopK kernel (k <= 16, rows of >= 1,024)
+# gives each row one thread block and keeps the k best in registers; a larger k sorts the row.
+# The top 20 of 128,256 logprobs on the H200 (bench/kernels/top_k.py, 2026-12-02, session 12):
+#   rows   whole rows, rounds of 8   chunks of 2,048, rounds of 16   chunks of 2,048, one round
+#   1      316 us                    80 us                            39 us
+#   64     337 us                    963 us                           477 us
+# So up to TOP_K_CHUNKED_ROWS rows, each row is cut into chunks of TOP_K_CHUNK, every chunk's top k
+# sorted out, then the top k of those candidates taken; more rows go whole through the TopK kernel
+# in rounds of TOP_K_ROUND, each round masking the ids the earlier rounds took. The CPU takes whole
+# rows in one round (a partial sort). Every plan gives the same ids and values, ties in id order.
 TOP_K_CHUNK = 2048
+TOP_K_CHUNKED_ROWS = 32
+TOP_K_ROUND = 8
+
+
+def top_k_plan(rows: int, k: int, cpu: bool = False) -> tuple[int, int]:
+    """(chunk, round) for the top k of f32[rows, V] (see above; chunk 0 = whole rows)."""
+    if cpu:
+        return 0, k
+    return (TOP_K_CHUNK, k) if rows <= TOP_K_CHUNKED_ROWS else (0, TOP_K_ROUND)
 
 
 def _top_k(x: Array, n: int, chunk: int = TOP_K_CHUNK) -> tuple[Array, Array]:
@@ -501,11 +512,14 @@ def _top_k(x: Array, n: int, chunk: int = TOP_K_CHUNK) -> tuple[Array, Array]:
     return val, jnp.take_along_axis(cidx.reshape(r, c * n), pos, axis=-1)
 
 
-def _top_logprobs(lp: Array, k: int, chunk: int = TOP_K_CHUNK,
-                  round_: int = _TOP_K_ROUND) -> tuple[Array, Array]:
+def _top_logprobs(lp: Array, k: int, chunk: int, round_: int) -> tuple[Array, Array]:
     """(ids i32[R, k], values f32[R, k]) of the k largest of f32[R, V], best first, ties in id
-    order (as `lax.top_k`), in rounds of at most `round_`."""
+    order (as `lax.top_k`), in rounds of at most `round_` (`top_k_plan`). A round masks the ids
+    taken before it with -inf, so the row's own -inf values (tokens a grammar banned) stand in as
+    the lowest finite float meanwhile: below every real logprob, above the masked ids."""
     rows = jnp.arange(lp.shape[0])[:, None]
+    lowest = jnp.finfo(jnp.float32).min
+    lp = jnp.where(lp == -jnp.inf, lowest, lp)
     ids, vals = [], []
     for start in range(0, k, round_):
         n = min(round_, k - start)
@@ -514,14 +528,15 @@ def _top_logprobs(lp: Array, k: int, chunk: int = TOP_K_CHUNK,
         vals.append(val)
         if start + n < k:
             lp = lp.at[rows, idx].set(-jnp.inf)
-    return jnp.concatenate(ids, axis=-1), jnp.concatenate(vals, axis=-1)
+    vals = jnp.concatenate(vals, axis=-1)
+    return jnp.concatenate(ids, axis=-1), jnp.where(vals == lowest, -jnp.inf, vals)
 
 
-def _rank_and_top(lp: Array, target: Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[Array, Array, Array]:
+def _rank_and_top(lp: Array, target: Array, k: int, cpu: bool) -> tuple[Array, Array, Array]:
     """Rank (1-based, vLLM: count of logprobs >= the target's) and top-k of f32[R, V] logprobs."""
     tl = jnp.take_along_axis(lp, jnp.maximum(target, 0)[:, None], axis=-1)  # f32[R, 1]
     rank = jnp.sum(lp >= tl, axis=-1).astype(jnp.int32)
-    top_ids, top_lp = _top_logprobs(lp, k, chunk)
+    top_ids, top_lp = _top_logprobs(lp, k, *top_k_plan(lp.shape[0], k, cpu))
     return rank, top_ids, top_lp
 
 
@@ -540,7 +555,7 @@ def apply_token_bitmask(logits: Array, bitmask: Array) -> Array:
 # ---- sampling ------------------------------------------------------------------------------------
 def sample(
     logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False,
-    bitmask: Array | None = None, top_k_chunk: int = TOP_K_CHUNK,
+    bitmask: Array | None = None,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
@@ -561,8 +576,6 @@ def sample(
     unconstrained), applied first: the logprobs, penalties, the greedy argmax and every filter
     see the banned tokens at -inf (vLLM applies its grammar bitmask to the logits before its
     sampler too). With `branches`, skipped under `lax.cond` when every word is -1.
-
-    top_k_chunk (static): the top logprobs' chunk size (`_top_k`; whole rows with `branches`).
     """
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
@@ -593,7 +606,7 @@ def sample(
     chosen = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
 
     def tops(lp, t):
-        return _rank_and_top(lp, t, k, 0 if branches else top_k_chunk)
+        return _rank_and_top(lp, t, k, branches)
 
     def no_tops(lp, t):
         return jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
@@ -605,15 +618,16 @@ def sample(
     return tok, chosen, ranks, top_ids, top_lp
 
 
-def prompt_logprobs(logits: Array, targets: Array, *, max_logprobs: int) -> tuple[Array, Array, Array, Array]:
+def prompt_logprobs(logits: Array, targets: Array, *, max_logprobs: int,
+                    cpu: bool = False) -> tuple[Array, Array, Array, Array]:
     """Logprob, rank and top-k of each `targets` i32[P] token (-1 = none: zeros) from its row of
     f32[P, V] logits. Returns (logprobs f32[P], ranks i32[P], top_ids i32[P, K], top_logprobs
     f32[P, K]), K = max(max_logprobs, 1). P is bounded (`EngineConfig.max_prompt_logprobs_tokens`
-    rows per step), so a step computes it branch-free (`step._step`)."""
+    rows per step), so a step computes it branch-free (`step._step`). cpu: `top_k_plan`'s."""
     k = max(max_logprobs, 1)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     tl = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
-    rank, ids, top = _rank_and_top(lp, targets, k)
+    rank, ids, top = _rank_and_top(lp, targets, k, cpu)
     return jnp.where(targets >= 0, tl, 0.0), rank, ids, top
 
 
@@ -627,5 +641,5 @@ __all__ = [
     "SamplingParams", "RequestOutputKind", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
     "update_penalty_state", "sample", "prompt_logprobs", "FilterParams", "filter_logits", "search_passes",
     "SEARCH_WAYS", "CPU_SEARCH_WAYS", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
-    "apply_token_bitmask",
+    "apply_token_bitmask", "top_k_plan",
 ]

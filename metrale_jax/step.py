@@ -71,7 +71,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
     k = max(max_logprobs, 1)
 
     def plp_of(logits):
-        return prompt_logprobs(logits, smd.prompt_lp_targets, max_logprobs=max_logprobs)
+        return prompt_logprobs(logits, smd.prompt_lp_targets, max_logprobs=max_logprobs, cpu=attn.sampler_branches)
 
     def no_plp():
         return (jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.int32), jnp.zeros((p, k), jnp.int32),
@@ -91,8 +91,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
 def _sample(logits: Array, pen: PenaltyState, smd: SamplingMetadata, plp: tuple, *, attn: AttentionConfig,
             max_logprobs: int, bitmask: Array | None = None) -> SampleOutput:
     tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
-                                            branches=attn.sampler_branches, bitmask=bitmask,
-                                            top_k_chunk=attn.top_k_chunk)
+                                            branches=attn.sampler_branches, bitmask=bitmask)
     return SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
 
 

@@ -321,7 +321,8 @@ def test_greedy_rows_take_the_argmax_beside_filtered_rows():
 def test_chunked_top_k_equals_lax_top_k(v, chunk):
     """`_top_k` through chunks (padded when V is not a multiple) gives lax.top_k's ids and values,
     ties in id order: rows of few distinct values (many ties), a row mostly -inf (fewer finite
-    values than n), a row of one value; and the top 20 logprobs in two rounds."""
+    values than n), a row of one value; and the top 20 logprobs by every plan (`top_k_plan`: one
+    round over chunks, whole rows in rounds of 8 / 16 with the taken ids masked, chunks in rounds)."""
     from metrale_jax.sampling import _top_k, _top_logprobs
 
     rng = np.random.default_rng(v)
@@ -336,23 +337,25 @@ def test_chunked_top_k_equals_lax_top_k(v, chunk):
         val, idx = _top_k(jnp.asarray(x), n, chunk)
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
         np.testing.assert_array_equal(np.asarray(val), np.asarray(want_val))
-    ids, vals = _top_logprobs(jnp.asarray(x), 20, chunk)
-    ref_ids, ref_vals = _top_logprobs(jnp.asarray(x), 20, chunk=v)  # v: no chunks
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
-    np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+    ref_vals, ref_ids = jax.lax.top_k(jnp.asarray(x), 20)
+    for plan in ((chunk, 20), (0, 8), (0, 16), (chunk, 8), (0, 20)):
+        ids, vals = _top_logprobs(jnp.asarray(x), 20, *plan)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids), err_msg=str(plan))
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals), err_msg=str(plan))
     order = np.argsort(-x[0], kind="stable")[:20]
     np.testing.assert_array_equal(np.asarray(ids)[0], order)
 
 
 def test_sampler_has_no_sort_no_conditional_no_loop():
     """The lowered sampler (what XLA is given) holds no sort, no conditional and no loop."""
-    rows = [RowSampling(temperature=0.7, top_p=0.9, top_k=50, seed=seed_words(1, 0), logprobs=True)] * 6
-    text = jax.jit(functools.partial(sample, max_logprobs=20)).lower(
-        jnp.zeros((6, V)), sampling_only(CFG, rows), init_penalty_state(2, V)).as_text()
-    ops = set(re.findall(r"(?:stablehlo|chlo)\.[a-z_]+", text))
-    assert "chlo.top_k" in ops  # the top logprobs (rounds of lax.top_k of <= 16)
-    assert not ops & {"stablehlo.sort", "stablehlo.if", "stablehlo.case", "stablehlo.while"}, ops
-    assert all(f"tensor<6x{k}xf32>" in text for k in (16, 4))  # k <= 16: XLA's GPU TopK kernel
+    for n, tops in ((6, (20,)), (64, (8, 4))):  # top 20 logprobs: one lax.top_k, or rounds of 8 (`top_k_plan`)
+        rows = [RowSampling(temperature=0.7, top_p=0.9, top_k=50, seed=seed_words(1, 0), logprobs=True)] * n
+        text = jax.jit(functools.partial(sample, max_logprobs=20)).lower(
+            jnp.zeros((n, V)), sampling_only(CFG, rows), init_penalty_state(2, V)).as_text()
+        ops = set(re.findall(r"(?:stablehlo|chlo)\.[a-z_]+", text))
+        assert "chlo.top_k" in ops
+        assert not ops & {"stablehlo.sort", "stablehlo.if", "stablehlo.case", "stablehlo.while"}, ops
+        assert all(f"tensor<{n}x{k}xf32>" in text for k in tops)
 
 
 def test_gumbel_noise_is_finite():

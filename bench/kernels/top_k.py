@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import median_seconds, time_torch  # noqa: E402
 
-from metrale_jax.sampling import TOP_K_CHUNK, _top_logprobs  # noqa: E402
+from metrale_jax.sampling import _top_logprobs, top_k_plan  # noqa: E402
 
 COPIES = 8
 K = 20
@@ -58,14 +58,17 @@ def main(argv=None):
     dev = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, python=platform.python_version(),
-                vocab=vocab, k=K, copies=COPIES, default_chunk=TOP_K_CHUNK)
+                vocab=vocab, k=K, copies=COPIES)
     print(json.dumps(meta), flush=True)
     results = []
     for r in rows_list:
         # log-softmax of random logits: what the sampler reads (ties are rare, as with real logits)
         xs = jax.nn.log_softmax(jax.random.normal(jax.random.key(r), (COPIES, r, vocab), jnp.float32) * 3, axis=-1)
         ref_v, ref_i = jax.lax.top_k(xs[0], K)
-        variants = {"lax.top_k": lambda x: jax.lax.top_k(x, K)[::-1]}
+        plan = top_k_plan(r, K, cpu=args.cpu_smoke)
+        variants = {"lax.top_k": lambda x: jax.lax.top_k(x, K)[::-1],
+                    f"default: chunk={plan[0]} round={plan[1]}": functools.partial(_top_logprobs, k=K, chunk=plan[0],
+                                                                                  round_=plan[1])}
         for c in chunks:
             for rd in ROUNDS:
                 if c and (rd > c or c * 2 >= vocab):

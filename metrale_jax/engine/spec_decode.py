@@ -271,7 +271,7 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
     tok_grid = tokens[idx]
     wps, wsmd = _window_penalties(pen, smd, tok_grid, mask, w)
     tok, lp, rank, top_ids, top_lp = sample(logits, wsmd, wps, max_logprobs=max_logprobs,
-                                            branches=attn.sampler_branches, top_k_chunk=attn.top_k_chunk)
+                                            branches=attn.sampler_branches)
     acc = accepted_drafts(tok, tokens, pmd)
     if ms.ssm:
         ms = dataclasses.replace(ms, ssm=commit(ms.ssm, pmd.ssm_slots, acc, w))

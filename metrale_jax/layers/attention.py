@@ -53,10 +53,6 @@ class AttentionConfig:
     # the step needs them (`sampling.sample(branches=...)`): the CPU default. On the GPU XLA
     # evaluates a conditional's predicate on the host, so the next step could not be queued.
     sampler_branches: bool = False
-    # The sampler's top logprobs (every step computes `EngineConfig.max_logprobs` of them) take
-    # `lax.top_k` over chunks of this many logits, then over the chunks' candidates; 0 = whole
-    # rows (the CPU's choice). See `sampling._top_k` and bench/kernels/top_k.py.
-    top_k_chunk: int = 2048
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
