@@ -687,7 +687,7 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
     c = eng.config
     comp = eng.compiler
     res |= dict(startup_s=round(eng.startup_seconds, 2), compile_s=round(comp.compile_seconds, 2),
-                executables=len(comp.executables), swap_executables=len(getattr(comp, "swap_executables", {})),
+                executables=comp.num_executables, swap_executables=len(getattr(comp, "swap_executables", {})),
                 num_kv_blocks=eng.num_blocks, preemption_mode=c.preemption_mode, max_num_seqs=c.max_num_seqs,
                 max_num_batched_tokens=c.max_num_batched_tokens, kernels="Pallas" if c.attention.use_pallas else "XLA")
     vocab, eos, mml = model.cfg.vocab_size, tuple(model.eos_token_ids), c.max_model_len

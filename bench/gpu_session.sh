@@ -175,9 +175,6 @@ fi
 if [[ $parts == *structured* ]]; then  # issue 20: JSON-schema rows' cost per decode step at batch 64 (llguidance wheel in .whl)
   timeout ${STRUCTURED_LIMIT:-300} python3 bench/structured_output.py --h200 --tokenizer-dir .gpu_carry/smollm2_tok \
     --out "$OUT/structured_output_h200" 2>&1 | tail -8
-  # the same with constrained decode steps split into forward + sample (EngineConfig.overlap_constrained)
-  timeout ${STRUCTURED_LIMIT:-300} python3 bench/structured_output.py --h200 --tokenizer-dir .gpu_carry/smollm2_tok \
-    --overlap-constrained --out "$OUT/structured_output_h200_overlap" 2>&1 | tail -8
 fi
 if [[ $parts == *prefix* ]]; then  # issue 17: TTFT of a 4,000-token second request, cached vs uncached, and from the host tier
   timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape llama3-8b --prefix-len 4000 \

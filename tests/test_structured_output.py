@@ -5,7 +5,6 @@ client (`response_format`). Every JSON output must parse and validate (`jsonsche
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -265,21 +264,19 @@ def test_server_response_format(llm):
         assert e.value.body["code"] == "invalid_structured_outputs"
 
 
-def test_overlapped_constrained_steps_equal_serial(llm, smollm2_gguf, monkeypatch):  # noqa: F811
-    """`overlap_constrained`: decode steps with constrained rows run as forward, then (masks
-    filled meanwhile) sample; the same tokens as the one-executable steps of `llm`."""
-    from metrale_jax.engine import LLMEngine
-    from metrale_jax.llm import LLM
-    from metrale_jax.model import load_model
-
-    model, params = load_model(smollm2_gguf, dtype="float32", show_progress=False)
-    cfg = dataclasses.replace(llm.llm_engine.config, overlap_constrained=True)
-    overlapped = LLM.from_engine(LLMEngine(model, params, cfg))
-    comp = overlapped.llm_engine.compiler
-    assert comp.split_executables and not llm.llm_engine.compiler.split_executables
-    halves = []
-    run_sample = comp.run_sample
-    monkeypatch.setattr(comp, "run_sample", lambda *a: (halves.append(a[0]), run_sample(*a))[1])
+def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
+    """Decode buckets are forward + sample executables (equal to the one-executable step bit for
+    bit: tests/test_split_step.py); a decode step with constrained rows dispatches its forward
+    before the host waits for the previous step's samples and fills the masks, then samples with
+    them. The outputs follow their constraints and a second run gives the same tokens."""
+    eng = llm.llm_engine
+    comp = eng.compiler
+    decode = [b for b in comp.buckets if b.kind == "decode"]
+    assert decode and all(comp.has_split(b) and b not in comp.executables for b in decode)
+    events = []
+    run_forward, advance = comp.run_forward, eng._advance_grammars
+    monkeypatch.setattr(comp, "run_forward", lambda *a: (events.append("forward"), run_forward(*a))[1])
+    monkeypatch.setattr(eng, "_advance_grammars", lambda f: (events.append("grammar"), advance(f))[1])
     sps = [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20,
                           structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{2}")),
            SamplingParams(temperature=0, max_tokens=12, logprobs=2,
@@ -287,9 +284,12 @@ def test_overlapped_constrained_steps_equal_serial(llm, smollm2_gguf, monkeypatc
            SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True)]
     prompts = [_chat_prompt(llm, "Name a person and an age."), _chat_prompt(llm, "Pick a colour."),
                _chat_prompt(llm, "Tell me about the sea.")]
-    want = llm.generate(prompts, sps, use_tqdm=False)
-    got = overlapped.generate(prompts, sps, use_tqdm=False)
-    assert halves  # the split path ran
-    for w, g in zip(want, got):
+    first = llm.generate(prompts, sps, use_tqdm=False)
+    assert "forward" in events and any(a == "forward" and b == "grammar" for a, b in zip(events, events[1:]))
+    for c in first[0].outputs:
+        assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
+    assert first[1].outputs[0].text in ("red", "green", "dark blue")
+    again = llm.generate(prompts, sps, use_tqdm=False)
+    for w, g in zip(first, again):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
         assert [c.cumulative_logprob for c in g.outputs] == [c.cumulative_logprob for c in w.outputs]

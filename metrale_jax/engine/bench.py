@@ -435,7 +435,7 @@ def measure_decode_latency(eng, args, batch: int, bw: float, sampling=None) -> d
     jax.block_until_ready(out.token_ids)
     device_dt = (time.perf_counter() - t0) / steps
     if args.profile:
-        state = profile_executable(eng.compiler.executables[bucket],
+        state = profile_executable(eng.compiler.executable_of(bucket),
                                    lambda st: eng.compiler.run(bucket, eng.params, st, dev)[0], state,
                                    Path(args.profile) / f"decode_b{batch}", steps)
     eng.state = state
@@ -547,7 +547,7 @@ def _startup_probe(args) -> int:
         eng.step()
     ttft = time.perf_counter() - t1
     print("STARTUP " + json.dumps(dict(load_s=load_s, compile_s=eng.compiler.compile_seconds,
-                                       executables=len(eng.compiler.executables), ready_s=ready,
+                                       executables=eng.compiler.num_executables, ready_s=ready,
                                        first_token_after_ready_s=ttft, time_to_first_token_s=ready + ttft)))
     return 0
 
@@ -689,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
     eng = LLMEngine(model, params, _engine_config(args, batches))
     res["startup_in_process"] = dict(load_s=load_s, engine_s=time.perf_counter() - t0,
                                      compile_s=eng.compiler.compile_seconds,
-                                     executables=len(eng.compiler.executables))
+                                     executables=eng.compiler.num_executables)
     res["kv_pool"] = dict(blocks=eng.num_blocks, block_size=eng.config.block_size,
                           tokens=eng.num_blocks * eng.config.block_size, dtype=str(eng.kv_dtype),
                           bytes=eng.num_blocks * model.kv_bytes_per_block(eng.config.block_size, eng.kv_dtype))

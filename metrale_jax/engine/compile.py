@@ -242,8 +242,9 @@ class CompilationManager:
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
-        # ("forward" | "sample", decode bucket): the decode steps cut at the logits, for steps with
-        # structured-output rows (`EngineConfig.overlap_constrained`; engine._dispatch)
+        # ("forward" | "sample", decode bucket): a decode step is two executables, cut at the
+        # logits, so that a step with structured-output rows dispatches its forward before the host
+        # has filled their masks (engine._dispatch); the other steps run both halves back to back
         self.split_executables: dict[tuple[str, StepBucket], jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmup_seconds = 0.0
@@ -289,6 +290,15 @@ class CompilationManager:
     def has_split(self, bucket: StepBucket) -> bool:
         return ("sample", bucket) in self.split_executables
 
+    def executable_of(self, bucket: StepBucket) -> jax.stages.Compiled:
+        """`bucket`'s executable (a decode bucket's forward half: its HLO holds the model)."""
+        return self.split_executables[("forward", bucket)] if self.has_split(bucket) else self.executables[bucket]
+
+    @property
+    def num_executables(self) -> int:
+        """Step executables (a decode bucket's two halves count as two)."""
+        return len(self.executables) + len(self.split_executables)
+
     def run_forward(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens):
         """The forward half of `bucket`'s step: (state, logits, prompt logprobs)."""
         return self.split_executables[("forward", bucket)](params, state, *dev_inputs, prev_tokens)
@@ -329,7 +339,9 @@ class CompilationManager:
     def compile_all(self, params, state) -> float:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
-        todo = [b for b in self.buckets if b not in self.executables]
+        todo = [b for b in self.buckets if b.kind != "decode" and b not in self.executables]
+        todo += [(half, b) for b in self.buckets if b.kind == "decode" for half in ("forward", "sample")
+                 if (half, b) not in self.split_executables]
         if self.cfg.swap_block_buckets:  # preemption by swap, or the prefix cache's host tier
             from metrale_jax.engine.swap import swap_roles
 
@@ -342,9 +354,6 @@ class CompilationManager:
             self.swap_roles = self.swap_roles or swap_roles(self.model, state.model)
             if ("copy", self.num_copy_pairs) not in self.swap_executables:
                 todo.append(("copy", self.num_copy_pairs))
-        if self.cfg.overlap_constrained:
-            todo += [(half, b) for b in self.buckets if b.kind == "decode" for half in ("forward", "sample")
-                     if (half, b) not in self.split_executables]
 
         def one(bucket):
             key = self._key(bucket, params, state)
@@ -371,15 +380,14 @@ class CompilationManager:
             for fut in concurrent.futures.as_completed([pool.submit(one, b) for b in todo]):
                 bucket, exe, hit = fut.result()
                 self.cache_hits += hit
-                if _is_split(bucket):
-                    self.split_executables[bucket] = exe
-                    bar.update(1)
-                    continue
-                if isinstance(bucket, tuple):
+                if isinstance(bucket, tuple) and not _is_split(bucket):
                     self.swap_executables[bucket] = exe
                     bar.update(1)
                     continue
-                self.executables[bucket] = exe
+                if _is_split(bucket):
+                    self.split_executables[bucket] = exe
+                else:
+                    self.executables[bucket] = exe
                 try:
                     mem = exe.memory_analysis()
                     self.temp_bytes = max(self.temp_bytes, int(getattr(mem, "temp_size_in_bytes", 0) or 0))
@@ -401,9 +409,6 @@ class CompilationManager:
         for bucket in self.buckets:
             dev = self.transfer(build_step(self.builder, bucket, [], []))
             state, out, prev = self.run(bucket, params, state, dev, prev)
-            if self.has_split(bucket):
-                state, logits, plp = self.run_forward(bucket, params, state, dev, prev)
-                out, prev = self.run_sample(bucket, logits, state.penalties, dev, plp, None, prev)
         jax.block_until_ready((state, prev))
         self.warmup_seconds = time.perf_counter() - t0
         log.info("ran each of the %d steps once in %.2fs", len(self.buckets), self.warmup_seconds)
@@ -426,12 +431,17 @@ class CompilationManager:
         """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer),
         the previous step's `next_tokens` (zeros when None) and the structured-output `bitmask`
         i32[bucket.num_sample_rows, mask_words] (None: no row constrained, a constant of -1 kept
-        on the device, so nothing is sent). Returns (state, out, next_tokens)."""
+        on the device, so nothing is sent). Returns (state, out, next_tokens). A decode bucket runs
+        its two halves (`run_forward`, `run_sample`)."""
+        if prev_tokens is None:
+            prev_tokens = self.zero_tokens()
+        if self.has_split(bucket):
+            state, logits, plp = self.run_forward(bucket, params, state, dev_inputs, prev_tokens)
+            out, nxt = self.run_sample(bucket, logits, state.penalties, dev_inputs, plp, bitmask, prev_tokens)
+            return state, out, nxt
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
-        if prev_tokens is None:
-            prev_tokens = self.zero_tokens()
         if bitmask is None:
             bitmask = self.no_mask(bucket.num_sample_rows)
         return exe(params, state, *dev_inputs, prev_tokens, bitmask)

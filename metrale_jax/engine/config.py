@@ -95,12 +95,6 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that give none
     attention: AttentionConfig | None = None  # None: the Pallas kernels on GPU, the XLA reference on CPU
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX persistent cache; None = off
-    # Decode steps with structured-output rows dispatch their forward before the host has filled
-    # the masks (which need the previous step's tokens), then sample in a second executable, so
-    # the mask work and the launch overlap the forward instead of leaving the device idle (H200,
-    # batch 64: +79% per step without it). Costs two more executables per decode bucket at
-    # start-up. Off by default until measured on the GPU.
-    overlap_constrained: bool = False
     compile_workers: int | None = None  # threads lowering/compiling buckets; None: min(8, CPU count), 1 on the CPU
     show_progress: bool = True
     # Run every compiled step once at start-up on padding inputs (which write nothing), so that

@@ -224,7 +224,7 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases
         log.info("engine ready in %.1fs (%s; %d executables, %d from the cache at %s)", self.startup_seconds,
-                 ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), len(self.compiler.executables),
+                 ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), self.compiler.num_executables,
                  self.compiler.cache_hits, self.cache_dir)
 
     @classmethod
