@@ -122,7 +122,8 @@ if [[ $parts == *startup* ]]; then  # default engine: cold / warm / JAX-cache-on
 fi
 if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greedy vs top_p (+logprobs=5) vs the device
   # step, bf16 as loaded, bf16 with the LM head scaled to a ~100-token nucleus, FP8 (~130 s each)
-  for run in "generate_llama3_8b:--batches 1,8,64 --profile $OUT/profile_generate" "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
+  for run in "generate_llama3_8b:--batches 1,8,64 --profile $OUT/profile_generate" "generate_llama3_8b_b1_64:--batches 1,64" \
+             "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8" \
              "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}"; do
     IFS=: read -r name extra <<< "$run"
@@ -177,12 +178,14 @@ if [[ $parts == *structured* ]]; then  # issue 20: JSON-schema rows' cost per de
     --out "$OUT/structured_output_h200" 2>&1 | tail -8
 fi
 if [[ $parts == *prefix* ]]; then  # issue 17: TTFT of a 4,000-token second request, cached vs uncached, and from the host tier
-  timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape llama3-8b --prefix-len 4000 \
-    --out "$OUT/prefix_cache_llama3_8b.json" 2>&1 | tail -5
-  timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape llama3-8b --prefix-len 4000 --host-tier 16 \
-    --out "$OUT/prefix_cache_llama3_8b_host_tier.json" 2>&1 | tail -5
-  timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py --shape qwen3-next-80b-a3b --num-layers 12 --prefix-len 4000 \
-    --out "$OUT/prefix_cache_qwen3_next_12l.json" 2>&1 | tail -5
+  for run in "prefix_cache_llama3_8b:--shape llama3-8b" "prefix_cache_llama3_8b_host_tier:--shape llama3-8b --host-tier 16 --phases" \
+             "prefix_cache_qwen3_next_12l:--shape qwen3-next-80b-a3b --num-layers 12"; do
+    IFS=: read -r name extra <<< "$run"
+    [[ -n ${PREFIX_ONLY:-} && " $PREFIX_ONLY " != *" $name "* ]] && continue
+    timeout ${PREFIX_LIMIT:-500} python3 bench/prefix_cache.py $extra --prefix-len 4000 --repeats ${PREFIX_REPEATS:-3} \
+      --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    grep -v "rematerialization" "$OUT/$name.log" | tail -8
+  done
 fi
 # at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

@@ -6,9 +6,11 @@ Each repeat is a second turn of a conversation with a fresh random prefix: turn 
 (`--prefix-len` tokens, max_tokens=1: it fills the cache, and for hybrids leaves an SSM snapshot
 at its last block boundary), turn 2 = the prefix + turn 1's reply + 22 new tokens. TTFT = wall
 clock of `LLM.generate` for turn 2 (the engine is compiled at start-up; a warm-up request runs
-first). The hit count of turn 2 comes from `LLM.stats()`. Cached and uncached first tokens must be
-equal unless the uncached run's top-2 logprob gap is below 0.05 (a near tie, which the two
-computations' rounding may break either way: random weights have many), reported as such.
+first). The hit count of turn 2 comes from `LLM.stats()`. Cached and uncached first tokens and
+their top-20 logprobs are compared: in float32 the tokens must be equal unless the uncached run's
+top-2 gap is below 0.05 (a near tie); in bf16 the two computations round differently (the cached
+one computes 23 tokens over cached K/V, the uncached one the whole prompt in other chunks), so
+the largest logprob difference over the shared top-20 tokens is reported instead.
 
     python bench/prefix_cache.py                                   # SmolLM2-135M f32 on the CPU
     python bench/prefix_cache.py --shape llama3-8b --prefix-len 4000  # random bf16 weights (GPU)
@@ -41,6 +43,8 @@ def main() -> int:
                    help="GB of host tier (kv_offloading_size) with a KV pool of one sequence plus 4 blocks: a "
                         "filler request between the two evicts the prefix's blocks to the host tier, and the "
                         "second request's hit copies them back")
+    p.add_argument("--phases", action="store_true", help="time the engine's host-tier phases (offload, onload, "
+                   "host copies, block split / join, swap executables) during each cached request")
     p.add_argument("--out", default=None, help="JSON results (a .md table is written beside it)")
     a = p.parse_args()
     import jax
@@ -68,7 +72,7 @@ def main() -> int:
     eng = LLMEngine(model, params, cfg)
     startup = time.perf_counter() - t
     llm = LLM.from_engine(eng)
-    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=20)
     rng = np.random.default_rng(0)
     vocab = model.cfg.vocab_size
 
@@ -78,8 +82,34 @@ def main() -> int:
     def ttft(prompt):
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
-        top2 = sorted(out.logprobs[0].values(), key=lambda lp: -lp.logprob)[:2]
-        return time.perf_counter() - t, out.token_ids, top2[0].logprob - top2[1].logprob
+        return time.perf_counter() - t, out.token_ids, {i: lp.logprob for i, lp in out.logprobs[0].items()}
+
+    phases: dict[str, float] = {}
+    if a.phases:
+        import functools
+
+        from metrale_jax.engine import swap
+
+        def timed(obj, name, label):
+            f = getattr(obj, name)
+
+            @functools.wraps(f)
+            def g(*args, **kw):
+                t = time.perf_counter()
+                try:
+                    return f(*args, **kw)
+                finally:
+                    phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+            setattr(obj, name, g)
+
+        for name in ("_offload", "_onload", "_offload_to_host", "_dispatch", "_finish_step"):
+            timed(eng, name, "engine." + name)
+        for name in ("swap_in", "swap_out"):
+            timed(eng.compiler, name, "compiler." + name)
+        for name in ("split_blocks", "join_blocks"):
+            timed(swap, name, "swap." + name)
+        timed(swap.SwapData, "to_host", "SwapData.to_host")
+        timed(swap.SwapData, "padded", "SwapData.padded")
 
     ttft(ids(a.prefix_len + 23))  # warm-up: first executions of every step kind
     runs = []
@@ -91,20 +121,31 @@ def main() -> int:
         if a.host_tier:
             ttft(ids(mml - 64))  # the filler: pushes the prefix's blocks out to the host tier
         h0, on0 = llm.stats().prefix_cache_hits, eng.scheduler.prefix_cache.num_onloaded
-        cached, got, _ = ttft(second)
+        phases.clear()
+        cached, got, got_lp = ttft(second)
+        cached_phases = {k: round(v, 4) for k, v in phases.items()}
         hits = llm.stats().prefix_cache_hits - h0
         onloaded = eng.scheduler.prefix_cache.num_onloaded - on0
         eng.scheduler = eng._new_scheduler(prefix_caching=False)
-        uncached, ref, gap = ttft(second)
-        if got != ref and gap >= 0.05:
+        uncached, ref, ref_lp = ttft(second)
+        top2 = sorted(ref_lp.values(), reverse=True)[:2]
+        gap = top2[0] - top2[1]
+        shared = set(got_lp) & set(ref_lp)  # the top-20 logprobs of both runs, compared token by token
+        lp_diff = max(abs(got_lp[i] - ref_lp[i]) for i in shared) if shared else float("inf")
+        if got != ref and gap >= 0.05 and dtype == "float32":  # bf16 runs: rounding, reported below
             raise AssertionError(f"cached and uncached first tokens differ ({got} vs {ref}, top-2 gap {gap:.3f})")
         runs.append(dict(uncached_s=uncached, cached_s=cached, first_request_s=first, hit_tokens=hits,
                          prompt_tokens=len(second), speedup=uncached / cached, host_tier_blocks=onloaded,
                          host_tier_bytes=onloaded * model.kv_bytes_per_block(16, eng.kv_dtype),
-                         same_first_token=got == ref, uncached_top2_gap=gap))
+                         same_first_token=got == ref, uncached_top2_gap=gap, top20_shared=len(shared),
+                         top20_max_abs_logprob_diff=lp_diff))
+        if a.phases:
+            runs[-1]["cached_phases_s"] = cached_phases
+            print("  cached request, seconds per phase:", json.dumps(cached_phases), flush=True)
         if onloaded:  # the onload is part of the cached TTFT: a lower bound on the restore's bandwidth
             runs[-1]["host_tier_gb_s_at_least"] = runs[-1]["host_tier_bytes"] / cached / 1e9
-        tie = "" if got == ref else f"; first tokens differ at a near tie (top-2 gap {gap:.3f})"
+        tie = f"; top-20 logprobs within {lp_diff:.3f} ({len(shared)} shared)"
+        tie += "" if got == ref else f"; first tokens differ (uncached top-2 gap {gap:.3f})"
         print(f"prompt {len(second)} tokens, {hits} hit ({onloaded} blocks from the host tier): TTFT uncached "
               f"{1e3 * uncached:8.1f} ms, cached {1e3 * cached:7.1f} ms ({uncached / cached:5.1f}x){tie}",
               flush=True)
