@@ -93,3 +93,32 @@ def test_swap_mid_prefill_and_slots_shorter_than_rows(hybrid):
         assert c.token_ids == ref_ids
         np.testing.assert_allclose([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], ref_lps, atol=1e-4)
     assert_pools_whole(eng)
+
+
+@pytest.mark.parametrize("bucket", [0, 64])
+def test_host_tier_blocks_split_and_join_bfloat16(bucket):
+    """The host tier's per-block copies (`split_blocks`) and their join for a scatter
+    (`join_blocks`, optionally zero-padded to the scatter's bucket) keep bf16 bits exactly; the
+    slot leaves pass through; each block is a copy of its own (dropping it frees its memory)."""
+    import ml_dtypes
+
+    from metrale_jax.engine.swap import SwapData, join_blocks, split_blocks
+
+    roles = (("block", 1), ("slot", 0), ("block", 1))
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, 40, 4, 2, 8)).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((3, 40, 4, 2, 8)).astype(ml_dtypes.bfloat16)
+    slot = np.ones((5, 7), np.float32)
+    blocks = split_blocks(SwapData(0, 40, (k, slot, v), on_host=True), roles)
+    assert len(blocks) == 40 and blocks[3][0].shape == (3, 1, 4, 2, 8) and blocks[3][0].dtype == k.dtype
+    assert not np.shares_memory(blocks[3][0], k) and blocks[3][0].base.nbytes == blocks[3][0].nbytes
+    order = rng.permutation(40)
+    joined = join_blocks([blocks[i] for i in order], roles, (slot,), bucket)
+    for got, want in ((joined.arrays[0], k), (joined.arrays[2], v)):
+        assert got.dtype == want.dtype and got.shape[1] == max(40, bucket)
+        np.testing.assert_array_equal(got[:, :40].view(np.uint16), want[:, order].view(np.uint16))
+        assert not got[:, 40:].view(np.uint16).any()
+    assert joined.arrays[1] is slot
+    padded = joined.padded(roles, 64)
+    assert padded[0].shape[1] == 64 and not padded[0][:, 40:].view(np.uint16).any()
+    np.testing.assert_array_equal(padded[2][:, :40].view(np.uint16), v[:, order].view(np.uint16))

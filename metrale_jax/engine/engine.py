@@ -603,7 +603,8 @@ class LLMEngine:
         on = sched.kv_onload
         for i in range(0, len(on), big):
             part = on[i:i + big]
-            data = join_blocks([a for _, a in part], self.compiler.swap_roles, self._slot_leaves)
+            data = join_blocks([a for _, a in part], self.compiler.swap_roles, self._slot_leaves,
+                               self.compiler.swap_bucket(len(part)))
             self.state = self.compiler.swap_in(self.state, data, [b for b, _ in part], -1)
 
     # ---- several processes (engine/lockstep.py) -------------------------------------------------

@@ -150,17 +150,28 @@ def split_blocks(data: SwapData, roles: tuple[Role, ...]) -> list[tuple]:
     return [tuple(np.take(r, [i], axis=ax).view(dt) for r, dt, ax in leaves) for i in range(data.num_blocks)]
 
 
-def join_blocks(blocks: list[tuple], roles: tuple[Role, ...], slot_leaves: tuple) -> SwapData:
+def join_blocks(blocks: list[tuple], roles: tuple[Role, ...], slot_leaves: tuple, bucket: int = 0) -> SwapData:
     """The inverse of `split_blocks` for a scatter into n new blocks; the slot leaves come from
-    `slot_leaves` (any arrays of their shapes: they are written to slot -1, i.e. nowhere)."""
+    `slot_leaves` (any arrays of their shapes: they are written to slot -1, i.e. nowhere).
+    bucket > 0: the block leaves come zero-padded to `bucket` blocks (what `SwapData.padded` of
+    that bucket would make: one copy instead of two)."""
     kinds = [r for r in roles if r is not None]
     cols = iter(zip(*blocks))
     slots = iter(slot_leaves)
-    def joined(col, ax):
-        return np.concatenate([_raw(b) for b in col], axis=ax).view(col[0].dtype)
+    return SwapData(0, len(blocks), tuple(_stack_blocks(next(cols), ax, max(bucket, len(blocks))) if kind == "block"
+                                          else next(slots) for kind, ax in kinds), on_host=True)
 
-    arrays = tuple(joined(next(cols), ax) if kind == "block" else next(slots) for kind, ax in kinds)
-    return SwapData(0, len(blocks), arrays, on_host=True)
+
+def _stack_blocks(col, ax: int, size: int) -> np.ndarray:
+    """One-block host arrays along `ax` -> one array of `size` blocks (zeros after them), copied
+    through unsigned-integer views (`_raw`)."""
+    first = col[0]
+    shape = list(first.shape)
+    shape[ax] = size
+    out = np.zeros(shape, _raw(first).dtype)
+    for i, b in enumerate(col):
+        out[_index(ax, slice(i, i + 1))] = _raw(b)
+    return out.view(first.dtype)
 
 
 @dataclass
@@ -193,8 +204,10 @@ class SwapData:
         out = []
         for a, (kind, ax) in zip(self.arrays, kinds):
             if kind == "block" and a.shape[ax] != bucket:
-                pad = [(0, 0)] * a.ndim
-                pad[ax] = (0, bucket - a.shape[ax])
-                a = np.pad(a, pad)
+                shape = list(a.shape)
+                shape[ax] = bucket
+                p = np.zeros(shape, _raw(a).dtype)
+                p[_index(ax, slice(0, a.shape[ax]))] = _raw(a)
+                a = p.view(a.dtype)
             out.append(a)
         return tuple(out)
