@@ -439,9 +439,11 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     p_on = params.top_p < 1
     top_p = jnp.where(p_on, params.top_p, 1.0)
 
-    def searched(x):  # -> (t_k, t_p) f32[R]
+    def search_k(x):  # -> t_k f32[R]
         lo = jnp.full(m.shape, _KEY_NEG_INF, jnp.uint32)
-        t_k = jnp.where(k_on, _largest_threshold(enough_tokens, lo, _key(m), ways), neg_inf)
+        return jnp.where(k_on, _largest_threshold(enough_tokens, lo, _key(m), ways), neg_inf)
+
+    def search_p(x, t_k):  # -> (t_k, t_p) f32[R]
         xk = jnp.where(x >= t_k[:, None], x, neg_inf)
         # top_p: the largest t with mass(x >= t) >= top_p * mass(top-k set)
         e = jnp.exp(xk - m[:, None])  # f32[R, V]  unnormalised probabilities, 0 where dropped
@@ -465,9 +467,15 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
         # the thresholds are values of the candidates unless top_k or the nucleus reaches past them
         ok = (~k_on | (k[:, 0, 0] <= n_c)) & (~p_on | (mass_ge[:, -1] >= need))
         t_p = jnp.where(p_on, jnp.max(jnp.where(mass_ge >= need[:, None], c, neg_inf), axis=-1), neg_inf)
-        t_k, t_p = jax.lax.cond(jnp.all(ok), lambda x: (t_k, t_p), searched, x)
+        # (the CPU: a conditional is free) the top-k search only when some row's top_k passes them
+        k_exact = t_k
+
+        def fallback(x):
+            return search_p(x, jax.lax.cond(jnp.any(k_on & (k[:, 0, 0] > n_c)), search_k, lambda x: k_exact, x))
+
+        t_k, t_p = jax.lax.cond(jnp.all(ok), lambda x: (t_k, t_p), fallback, x)
     else:
-        t_k, t_p = searched(x)
+        t_k, t_p = search_p(x, search_k(x))
     return jnp.where((x >= t_k[:, None]) & (x >= t_p[:, None]), x, neg_inf)
 
 

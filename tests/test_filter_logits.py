@@ -126,10 +126,13 @@ def test_candidate_thresholds_match_reference(monkeypatch):
     _filter.clear_cache()
 
 
-def test_candidate_fallback_to_the_search():
-    """A row whose top_k or nucleus reaches past the candidates sends the batch to the searches."""
+@pytest.mark.parametrize("rows", [[(1.0, 300, 1.0, 0.0), (1.0, 0, 0.999, 0.0), (0.7, 15, 0.9, 0.0)],
+                                  [(1.0, 0, 0.999, 0.0), (0.7, 15, 0.9, 0.0), (1.0, 64, 0.95, 0.0)]])
+def test_candidate_fallback_to_the_search(rows):
+    """A row whose top_k or nucleus reaches past the candidates sends the batch to the searches
+    (the top-k search only when some row's top_k passes them: the second batch's top_k rows keep
+    their candidate thresholds under the nucleus search)."""
     rng = np.random.default_rng(8)
-    rows = [(1.0, 300, 1.0, 0.0), (1.0, 0, 0.999, 0.0), (0.7, 15, 0.9, 0.0)]
     x = (rng.standard_normal((len(rows), V)) * 0.02).astype(np.float32)
     x[2] *= 300
     _check_rows(_run(x, rows, pad=False, candidates=64), x, rows)
