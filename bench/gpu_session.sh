@@ -171,11 +171,12 @@ if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM
 fi
 if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
   timeout ${LORA_LIMIT:-400} python3 bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
-    --kernels auto,masked,gather --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
+    --kernels ${LORA_KERNELS:-auto,masked} ${LORA_ARGS:-} --out "$OUT/lora_llama3_8b.json" 2>&1 | tail -8
 fi
 if [[ $parts == *structured* ]]; then  # issue 20: JSON-schema rows' cost per decode step at batch 64 (llguidance wheel in .whl)
+  # the default EngineConfig (session 12 and before: --tuned, one decode bucket of 64); STRUCTURED_ARGS=--tuned for that
   timeout ${STRUCTURED_LIMIT:-300} python3 bench/structured_output.py --h200 --tokenizer-dir .gpu_carry/smollm2_tok \
-    --out "$OUT/structured_output_h200" 2>&1 | tail -8
+    ${STRUCTURED_ARGS:-} --out "$OUT/structured_output_h200" 2>&1 | tail -8
 fi
 if [[ $parts == *prefix* ]]; then  # issue 17: TTFT of a 4,000-token second request, cached vs uncached, and from the host tier
   for run in "prefix_cache_llama3_8b:--shape llama3-8b" "prefix_cache_llama3_8b_host_tier:--shape llama3-8b --host-tier 16 --phases" \

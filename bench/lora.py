@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernels", default="auto,masked,gather")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tuned", action="store_true", help="decode buckets of the batches only, a pool just large "
+                   "enough, no top logprobs (the figures before session 12) instead of the default EngineConfig")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -120,14 +122,14 @@ def main(argv=None) -> int:
                                  repeat_layers=True, split_layers=attn0.unroll_layers)
     bs = 16
     nb = -(-(args.context + 1) // bs)
-    cfg = EngineConfig(
-        dtype=dtype, max_model_len=args.context + 64, block_size=bs, num_kv_blocks=max(batches) * nb + 8,
-        max_num_seqs=max(batches), max_num_batched_tokens=max(256, max(batches)), decode_buckets=tuple(batches),
-        prefill_buckets=(max(256, max(batches)),), max_prefill_streams=1, max_logprobs=0, show_progress=False,
-        attention=attn0)
+    tuned = dict(num_kv_blocks=max(batches) * nb + 8, max_num_seqs=max(batches),
+                 max_num_batched_tokens=max(256, max(batches)), decode_buckets=tuple(batches),
+                 prefill_buckets=(max(256, max(batches)),), max_prefill_streams=1, max_logprobs=0)
+    cfg = EngineConfig(dtype=dtype, max_model_len=args.context + 64, block_size=bs, show_progress=False,
+                       attention=attn0, **(tuned if args.tuned else {}))
     res = dict(shape=args.shape, num_layers=model.cfg.num_layers, dtype=dtype, device=str(jax.devices()[0]),
                jax=jax.__version__, date=time.strftime("%Y-%m-%d"), num_adapters=args.num_adapters, rank=args.rank,
-               context=args.context, cases=[])
+               context=args.context, engine_config="tuned" if args.tuned else "default", cases=[])
     base = LLMEngine(model, params, cfg)
     base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b) for b in batches}
     del base

