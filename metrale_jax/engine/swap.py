@@ -136,9 +136,9 @@ def jit_scatter():
 
 
 def _raw(a: np.ndarray) -> np.ndarray:
-    """`a` viewed as unsigned integers of its item size: numpy copies ml_dtypes' bfloat16 / float8
-    element by element through Python in `np.take` and `np.concatenate` (242 Llama-3-8B blocks:
-    32 s on the H200's host, session 12), plain integers with memcpy."""
+    """`a` viewed as unsigned integers of its item size, for the host tier's copies: on the GPU
+    machine's numpy, `np.take` copied ml_dtypes' bfloat16 element by element (242 Llama-3-8B
+    blocks: 31.8 s, session 12); integer arrays take numpy's memcpy path everywhere."""
     return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.itemsize in (1, 2, 4, 8) else a
 
 
@@ -162,16 +162,17 @@ def join_blocks(blocks: list[tuple], roles: tuple[Role, ...], slot_leaves: tuple
                                           else next(slots) for kind, ax in kinds), on_host=True)
 
 
-def _stack_blocks(col, ax: int, size: int) -> np.ndarray:
-    """One-block host arrays along `ax` -> one array of `size` blocks (zeros after them), copied
-    through unsigned-integer views (`_raw`)."""
-    first = col[0]
-    shape = list(first.shape)
+def _stack_blocks(parts, ax: int, size: int) -> np.ndarray:
+    """Host arrays of blocks along `ax` -> one array of `size` blocks: the parts one after the
+    other, then zeros; copied through unsigned-integer views (`_raw`)."""
+    shape = list(parts[0].shape)
     shape[ax] = size
-    out = np.zeros(shape, _raw(first).dtype)
-    for i, b in enumerate(col):
-        out[_index(ax, slice(i, i + 1))] = _raw(b)
-    return out.view(first.dtype)
+    out = np.zeros(shape, _raw(parts[0]).dtype)
+    pos = 0
+    for b in parts:
+        out[_index(ax, slice(pos, pos + b.shape[ax]))] = _raw(b)
+        pos += b.shape[ax]
+    return out.view(parts[0].dtype)
 
 
 @dataclass
@@ -204,10 +205,6 @@ class SwapData:
         out = []
         for a, (kind, ax) in zip(self.arrays, kinds):
             if kind == "block" and a.shape[ax] != bucket:
-                shape = list(a.shape)
-                shape[ax] = bucket
-                p = np.zeros(shape, _raw(a).dtype)
-                p[_index(ax, slice(0, a.shape[ax]))] = _raw(a)
-                a = p.view(a.dtype)
+                a = _stack_blocks([a], ax, bucket)
             out.append(a)
         return tuple(out)
