@@ -19,7 +19,8 @@ queued behind this one) and no sort over the vocabulary. Penalties, the filters,
 and the logprobs are computed for every row and selected per row. `filter_logits` applies
 min_p / top_k / top_p with thresholds found by a fixed number of passes over [R, V] (a k-ary
 search over float32 bit patterns: 8 passes of 15 thresholds on a GPU); the top logprobs come
-from `lax.top_k`, over chunks of the row or in rounds by the step's rows (`top_k_plan`). On the CPU
+from `lax.top_k` (`top_k_plan`: up to 32 rows over chunks of 2,048 logits, which XLA sorts; more
+rows through XLA's TopK kernel in rounds of 8, masking the ids taken). On the CPU
 (`sample(branches=True)`, where a conditional costs nothing) the filters, the draw and the top
 logprobs are skipped under `lax.cond` when no row needs them, and the thresholds are read off 256
 `lax.top_k` candidates when every row's nucleus fits in them: the same tokens either way.
