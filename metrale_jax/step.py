@@ -188,11 +188,11 @@ def jit_packed_step(kind: str):
 
 @functools.cache
 def jit_packed_forward(kind: str):
-    """The first half of `jit_packed_step(kind)`, for steps whose sampling waits on the host
-    (structured output: a constrained row's mask depends on the previous step's token): the
-    forward up to the logits, dispatched before the mask exists, so that the host fills the masks
-    while it runs. (params, state, ibuf, fbuf, prev_tokens) -> (state, logits f32[S, V], prompt
-    logprobs); the state is donated. `jit_packed_sample` finishes the step."""
+    """The first half of `jit_packed_step(kind)`, what the engine compiles for decode buckets: the
+    forward up to the logits, dispatched before the host has a constrained row's mask (it depends
+    on the previous step's token), so that the host fills the masks while it runs.
+    (params, state, ibuf, fbuf, prev_tokens) -> (state, logits f32[S, V], prompt logprobs); the
+    state is donated. `jit_packed_sample` finishes the step."""
     from metrale_jax.metadata_builder import unpack
 
     def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, placement=None):
