@@ -8,7 +8,8 @@ cost (for the GPU; a tiny shape on the CPU to check it runs): random weights of 
     (default llama3-8b, bf16 on the GPU), at each `--batches` size:
     * decode step: plain engine, (wall(1 + N steps) - wall(1 step)) / N;
     * verify step (k drafts): a drafter that always proposes k tokens (the same bucket cost
-      whatever is accepted), (wall(long) - wall(short)) / (engine steps between them);
+      whatever is accepted), (wall(long) - wall(short)) / (engine steps between them); with
+      `--method mtp` the step also runs the model's MTP head (random weights) for the next drafts;
     * the ratio verify / decode (issue bars: <= 1.25 at batch 1, <= 1.6 at batch 64);
     * end to end, the real n-gram drafter on greedy random weights (which fall into loops):
       generated tokens/s with and without speculation, acceptance per verify row.
@@ -20,6 +21,7 @@ host (CPU): the engine's host loop per step over FakeModel (negligible device wo
     python bench/spec_decode.py acceptance
     python bench/spec_decode.py host
     python bench/spec_decode.py cost --shape llama3-8b --batches 1,64          # GPU
+    python bench/spec_decode.py cost --shape qwen3-next-80b-a3b --num-layers 12 --method mtp   # GPU: MTP
     python bench/spec_decode.py cost --shape smollm2-135m --num-layers 2 --batches 1,4 --steps 8   # CPU check
 """
 
@@ -83,18 +85,20 @@ def cost(a) -> dict:
 
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = a.dtype or ("bfloat16" if on_gpu else "float32")
+    mtp = a.method == "mtp"  # the model's MTP head drafts (Qwen3-Next shapes): random weights, so rarely right
     model, params = random_model(shape_config(a.shape, a.num_layers), dtype=dtype, repeat_layers=True,
-                                 split_layers=on_gpu)
+                                 split_layers=on_gpu, mtp=mtp)
+    plain_params = {n: p for n, p in params.items() if n != "mtp"}
     batches = [int(b) for b in a.batches.split(",")]
     k = a.k
     mml = a.prompt_len + (k + 1) * (a.steps + 2) + 16
     cfg = EngineConfig(dtype=dtype, max_model_len=mml, max_num_seqs=max(batches), decode_buckets=tuple(batches),
                        show_progress=False)
-    engines = {"plain": LLM.from_engine(LLMEngine(model, params, cfg)),
+    engines = {"plain": LLM.from_engine(LLMEngine(model, plain_params, cfg)),
                "spec": LLM.from_engine(LLMEngine(model, params, cfg.replace(
-                   speculative_config={"method": "ngram", "num_speculative_tokens": k})))}
+                   speculative_config={"method": a.method, "num_speculative_tokens": k})))}
     rng = np.random.default_rng(0)
-    res = {"shape": a.shape, "num_layers": a.num_layers, "dtype": dtype, "k": k,
+    res = {"shape": a.shape, "num_layers": a.num_layers, "dtype": dtype, "k": k, "method": a.method,
            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
     real_propose = spec_decode.draft_tokens
@@ -217,6 +221,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--method", default="ngram", choices=["ngram", "mtp"], help="cost: the drafter (mtp: Qwen3-Next)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
     a = p.parse_args()

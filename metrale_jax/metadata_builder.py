@@ -13,6 +13,7 @@ pad streams zero tokens and kv_len 0, pad SSM slots -1, pad penalty rows -1.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -83,6 +84,7 @@ class BuilderConfig:
     vocab_size: int
     max_suppress_ids: int = 16  # M: ids a row may forbid (eos + stop ids under min_tokens)
     max_prompt_lp_tokens: int = 128  # prompt-logprob rows of a prefill / mixed step: min(T, this)
+    mtp: bool = False  # an MTP drafter runs in the steps: fill `SamplingMetadata.mtp_next`
 
 
 @dataclass
@@ -153,6 +155,7 @@ class PrefillChunk:
     reset_penalty_row: bool = False
     lora_slot: int = -1  # as DecodeRow's, for every token of the chunk
     moe_lora_slot: int = -1
+    next_token: int = -1  # the known token after the chunk (one that does not sample; MTP drafter)
 
 
 @dataclass
@@ -200,6 +203,8 @@ def build_step(
     tok_pen_rows = np.full(n + t, -1, np.int32)
     tok_is_output = np.zeros(n + t, np.bool_)
     token_src = np.full(n + t, -1, np.int32)
+    # MTP drafter: the token after each input token (a decode row's is its sample, row i)
+    mtp_next = -1 - np.arange(n + t, dtype=np.int32) if cfg.mtp else None
 
     dmd = None
     if bucket.kind != "prefill":
@@ -275,6 +280,9 @@ def build_step(
             kv_lens[j] = c.start + L
             ssm[j] = c.ssm_slot
             lslot[j], mslot[j] = c.lora_slot, c.moe_lora_slot
+            if mtp_next is not None:  # the chunk's next tokens, then the one after it or its sample
+                mtp_next[n + o: n + o + L - 1] = c.tokens[1:]
+                mtp_next[n + o + L - 1] = -1 - (n + j) if c.sampling else max(c.next_token, 0)
             o += L
             cu[j + 1] = o
             last_token_row.append(n + o - 1)
@@ -290,6 +298,9 @@ def build_step(
     samp += [(n + j, last_token_row[j], c.sampling) for j, c in enumerate(chunks) if c.sampling]
     smd = _sampling_metadata(cfg, s, samp, tok_pen_rows, tok_is_output, reset_rows, prompt_lp_rows,
                              prompt_lp_targets, token_src)
+    if mtp_next is not None:
+        mtp_next[n + nt:] = 0  # padding tokens
+        smd = dataclasses.replace(smd, mtp_next=mtp_next)
     return StepInputs(bucket, dmd, pmd, tokens, smd, [r for r, _, _ in samp])
 
 

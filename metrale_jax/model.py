@@ -97,21 +97,24 @@ class Model:
     def has_ssm_state(self) -> bool:
         return bool(self.ssm_spec())
 
-    def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0) -> EngineState:
+    def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
+                   extra_kv_layers: int = 0) -> EngineState:
+        """Zeroed pools; `extra_kv_layers` KV layers after the model's own (an MTP drafter's)."""
         from metrale_jax.cache.ssm import init_ssm_pool
 
         kv_dtype = kv_dtype or DTYPES[self.dtype]
         c = self.cfg
-        kv = init_kv_cache(self.num_attention_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, kv_dtype)
+        kv = init_kv_cache(self.num_attention_layers + extra_kv_layers, num_blocks, block_size, c.num_kv_heads,
+                           c.head_dim, kv_dtype)
         spec = self.ssm_spec()
         if spec and max_ssm_slots <= 0:
             raise ValueError(f"{c.architecture} keeps recurrent state: max_ssm_slots must be > 0")
         return EngineState(kv=kv, ssm=init_ssm_pool(spec, max_ssm_slots) if spec else {})
 
-    def kv_bytes_per_block(self, block_size: int, kv_dtype=None) -> int:
+    def kv_bytes_per_block(self, block_size: int, kv_dtype=None, extra_kv_layers: int = 0) -> int:
         c = self.cfg
-        return kv_bytes_per_block(self.num_attention_layers, block_size, c.num_kv_heads, c.head_dim,
-                                  kv_dtype or DTYPES[self.dtype])
+        return kv_bytes_per_block(self.num_attention_layers + extra_kv_layers, block_size, c.num_kv_heads,
+                                  c.head_dim, kv_dtype or DTYPES[self.dtype])
 
     def ssm_bytes_per_slot(self) -> int:
         from metrale_jax.cache.ssm import ssm_bytes_per_slot
@@ -122,6 +125,7 @@ class Model:
 def load_model(
     path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
     quantization: str | None = None, revision: str | None = None, split_layers: bool = False, sharder=None,
+    mtp: bool = False,
 ) -> tuple[Model, dict]:
     """Load a checkpoint (HF safetensors directory, GGUF file, a known alias, or a Hugging Face
     repo id `org/name` at `revision`, fetched with huggingface_hub: `loading/hub.py`) -> (model, params).
@@ -138,7 +142,9 @@ def load_model(
     default), which otherwise splits them itself, through host memory (11-12 s for 8B weights);
     `LLM(...)` / `LLMEngine.from_config` ask for it when the engine will walk the layers in Python.
     Leave it off for `model.forward` under `lax.scan` (research use), which would re-stack the
-    parts. `sharder` (a `parallel.Sharder`): place every parameter on its tensor-parallel shards
+    parts. `mtp`: also read the checkpoint's multi-token-prediction head (`mtp.*`, Qwen3-Next) into
+    params["mtp"], the drafter of `speculative_config={"method": "mtp"}` (skipped otherwise).
+    `sharder` (a `parallel.Sharder`): place every parameter on its tensor-parallel shards
     while reading, a layer at a time (each device receives only its slice, and the host holds one
     layer of a parameter, never the whole model); `LLM(..., tensor_parallel_size=N)` asks for it.
     Raises a `LoadError` subclass naming the file or tensor on any problem.
@@ -189,6 +195,9 @@ def load_model(
                                   w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization),
                                   sharder=sharder)
             params = fam.load_params(cfg, reader)
+            if mtp:
+                params["mtp"] = _load_mtp(fam, cfg, WeightReader(ckpt.tensors, dtype, origin=str(resolved),
+                                                                 show_progress=show_progress), split_layers)
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
                                      {"source": str(ckpt.path), "dtype": dtype})
@@ -200,6 +209,20 @@ def load_model(
     log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
              time.perf_counter() - t0)
     return model, params
+
+
+def _load_mtp(fam, cfg: ModelConfig, reader, split_layers: bool) -> dict:
+    """params["mtp"]: the family's MTP head (`load_mtp`), read layer-stacked, then split like the
+    rest when the engine walks layers in Python."""
+    if not hasattr(fam, "load_mtp"):
+        raise ValueError(f"{cfg.architecture} has no multi-token-prediction head: speculative_config "
+                         f"method='mtp' needs a model that ships one (Qwen3-Next); use method='ngram'")
+    head = fam.load_mtp(cfg, reader)
+    if split_layers:
+        from metrale_jax.layers.stack import split_layers as split
+
+        split({"mtp": head})
+    return head
 
 
 QUANTIZATIONS = (None, "fp8", "int4", "nvfp4")  # quantize-on-load choices
@@ -219,10 +242,10 @@ def _w4_quantization(quantization) -> str | None:
 
 def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: float = 0.2,
                  repeat_layers: bool = False, quantization: str | None = None,
-                 split_layers: bool = False, sharder=None) -> tuple[Model, dict]:
+                 split_layers: bool = False, sharder=None, mtp: bool = False) -> tuple[Model, dict]:
     """A model of `config`'s architecture (an HF config.json dict) with random weights
-    (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`; quantization and
-    split_layers and sharder as in `load_model`)."""
+    (`repeat_layers`: fast, for benchmarks; see `RandomWeightReader`; quantization,
+    split_layers, sharder and mtp as in `load_model`)."""
     from metrale_jax.loading.random_weights import RandomWeightReader
 
     cfg = ModelConfig.from_hf(config)
@@ -232,6 +255,9 @@ def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: flo
                                                     quantize_fp8=_check_quantization(quantization),
                                                     quantize_w4=_w4_quantization(quantization),
                                                     split_layers=split_layers, sharder=sharder))
+    if mtp:
+        params["mtp"] = _load_mtp(fam, cfg, RandomWeightReader(dtype, seed=seed + 1, scale=scale,
+                                                               repeat_layers=repeat_layers), split_layers)
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
                   eos_token_ids=tuple(cfg.eos_token_ids))
     return model, params

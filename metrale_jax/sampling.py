@@ -225,6 +225,8 @@ class SamplingMetadata:
     prompt_lp_targets: Array  # i32[P]  the next prompt token, whose logprob that row gives; -1 = none
     token_src: Array  # i32[T]  row of the previous step's sampled tokens that IS this input token
     #                   (overlapped stepping: the host does not know it yet); -1 = use `tokens`
+    mtp_next: Array | None = None  # i32[T]  with an MTP drafter: the token after each input token,
+    #                   >= 0 a known token, < 0 the sample of row -1 - value (engine/spec_decode.py)
 
 
 F_PENALTY, F_FILTER, F_RANDOM, F_LOGPROBS = range(4)
@@ -245,6 +247,7 @@ class SampleOutput:
     prompt_top_ids: Array  # i32[P, K]
     prompt_top_logprobs: Array  # f32[P, K]
     spec_accepted: Array | None = None  # i32[N]  verify steps: drafts each row accepted (engine/spec_decode.py)
+    drafts: Array | None = None  # i32[N, k]  MTP drafter: the next step's drafts of each decode / verify row
 
 
 # ---- the penalty table ---------------------------------------------------------------------------

@@ -47,18 +47,20 @@ class StepState:
 
 
 def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
-                    penalty_rows: int = 0) -> StepState:
-    """Zeroed state: `num_blocks` KV blocks of `block_size` tokens, `penalty_rows` penalty rows."""
-    ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots)
+                    penalty_rows: int = 0, extra_kv_layers: int = 0) -> StepState:
+    """Zeroed state: `num_blocks` KV blocks of `block_size` tokens, `penalty_rows` penalty rows
+    (`extra_kv_layers`: KV layers for an MTP drafter)."""
+    ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots,
+                          **({"extra_kv_layers": extra_kv_layers} if extra_kv_layers else {}))
     return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
 
 
 def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
              tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
-             prev_tokens: Array | None = None) -> tuple[StepState, Array, tuple]:
+             prev_tokens: Array | None = None) -> tuple[StepState, Array, tuple, Array]:
     """A step up to its sampler: (state with the new KV / SSM state and penalty counts, logits
     f32[S, V] of the sampled rows, prompt logprobs (values f32[P], ranks i32[P], top ids i32[P, K],
-    top values f32[P, K]))."""
+    top values f32[P, K]), the final hidden states [N + T, H])."""
     n = dmd.num_seqs if dmd is not None else 0
     if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
         src = smd.token_src
@@ -85,7 +87,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
         plp = no_plp() if not p else jax.lax.cond(
             jnp.any(smd.prompt_lp_targets >= 0), lambda h: plp_of(model.compute_logits(params, h)),
             lambda h: no_plp(), plp_hidden)
-    return StepState(ms, pen), logits, plp
+    return StepState(ms, pen), logits, plp, hidden
 
 
 def _sample(logits: Array, pen: PenaltyState, smd: SamplingMetadata, plp: tuple, *, attn: AttentionConfig,
@@ -97,14 +99,25 @@ def _sample(logits: Array, pen: PenaltyState, smd: SamplingMetadata, plp: tuple,
 
 def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
           tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
-          prev_tokens: Array | None = None, bitmask: Array | None = None) -> tuple[StepState, SampleOutput]:
+          prev_tokens: Array | None = None, bitmask: Array | None = None,
+          num_drafts: int = 0) -> tuple[StepState, SampleOutput]:
+    """num_drafts: k of an MTP drafter (params["mtp"]) that runs after the sampler and returns the
+    decode rows' next drafts (`engine/spec_decode.py`); 0 = none."""
     if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
         from metrale_jax.engine.spec_decode import verify_step
 
-        return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
-    state, logits, plp = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                                  max_logprobs=max_logprobs, prev_tokens=prev_tokens)
-    return state, _sample(logits, state.penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
+        return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
+                           num_drafts=num_drafts)
+    state, logits, plp, hidden = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+                                          max_logprobs=max_logprobs, prev_tokens=prev_tokens)
+    out = _sample(logits, state.penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
+    if num_drafts:
+        from metrale_jax.engine.spec_decode import mtp_step_draft
+
+        ms, drafts = mtp_step_draft(params, state.model, hidden, out.token_ids, dmd, pmd, smd, model=model,
+                                    attn=attn, k=num_drafts)
+        state, out = replace_model_state(state, ms), dataclasses.replace(out, drafts=drafts)
+    return state, out
 
 
 def decode_step(params, state: StepState, md: AttnMetadata, tokens: Array, smd: SamplingMetadata, *,
@@ -126,7 +139,7 @@ def prefill_step(params, state: StepState, pmd: BatchedAttnMetadata, tokens: Arr
     return _step(params, state, None, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs)
 
 
-_STATIC = ("model", "attn", "max_logprobs", "placement")
+_STATIC = ("model", "attn", "max_logprobs", "placement", "num_drafts")
 
 
 @functools.cache
@@ -137,13 +150,13 @@ def jit_step(kind: str):
     the kind has none, so the engine calls all of them the same way.
     """
 
-    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, placement=None):
+    def fn(params, state, dmd, pmd, tokens, smd, *, model, attn, max_logprobs, placement=None, num_drafts=0):
         if kind == "decode":
             assert pmd is None
         elif kind == "prefill":
             assert dmd is None
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
-                           max_logprobs=max_logprobs)
+                           max_logprobs=max_logprobs, num_drafts=num_drafts)
         if placement is not None:
             state, out = placement.pin_state(state), placement.replicate(out)
         return state, out
@@ -172,11 +185,11 @@ def jit_packed_step(kind: str):
     from metrale_jax.metadata_builder import unpack
 
     def fn(params, state, ibuf, fbuf, prev_tokens, bitmask, *, layout, model, attn, max_logprobs,
-           placement=None):
+           placement=None, num_drafts=0):
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                            max_logprobs=max_logprobs, prev_tokens=prev_tokens,
-                           bitmask=bitmask)
+                           bitmask=bitmask, num_drafts=num_drafts)
         nxt = _next_tokens(out.token_ids, prev_tokens)
         if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
             state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
@@ -195,9 +208,11 @@ def jit_packed_forward(kind: str):
     state is donated. `jit_packed_sample` finishes the step."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, placement=None):
+    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, placement=None,
+           num_drafts=0):
+        assert not num_drafts, "an MTP drafter runs in whole steps (it needs the samples)"
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
-        state, logits, plp = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
+        state, logits, plp, _ = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                                       max_logprobs=max_logprobs, prev_tokens=prev_tokens)
         if placement is not None:
             state, logits, plp = placement.pin_state(state), placement.replicate(logits), placement.replicate(plp)
@@ -215,7 +230,7 @@ def jit_packed_sample(kind: str):
     from metrale_jax.metadata_builder import unpack
 
     def fn(logits, penalties, ibuf, fbuf, plp, bitmask, prev_tokens, *, layout, model, attn, max_logprobs,
-           placement=None):
+           placement=None, num_drafts=0):
         _, _, _, smd = unpack(layout, ibuf, fbuf)
         out = _sample(logits, penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
         nxt = _next_tokens(out.token_ids, prev_tokens)

@@ -82,3 +82,110 @@ def test_qwen3_next_mtp_paged_matches_reference():
     got[:, n - 1] = np.asarray(logits)[:b]
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert not np.asarray(kv.k[0]).any()  # layer 0 (the target's) untouched
+
+
+def test_engine_mtp_drafts_match_dense_reference(monkeypatch):
+    """`speculative_config={"method": "mtp"}` through the engine: greedy outputs equal plain
+    decoding, and every draft the engine verifies is the argmax chain of the dense reference
+    (the dense forward's hidden states, validated against transformers by the family tests, and
+    the dense MTP head validated above): draft 1 from (h[i], tok[i+1]) at the last accepted
+    position i, draft j + 1 from (the head's previous output, draft j) at i + j. Prompts end in
+    the middle of prefill chunks and cross blocks; one runs into max_model_len (fewer drafts,
+    lookahead cut at the end of the block table)."""
+    import jax.numpy as jnp
+
+    from metrale_jax.engine import spec_decode
+    from metrale_jax.engine.compile import CompileCounter
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.models.mtp import qwen3_next_mtp_hidden
+    from metrale_jax.models.qwen3_next import compute_logits, forward_hidden
+    from metrale_jax.sampling import SamplingParams
+    from tests.test_engine_hybrid import HYBRID_CONFIG
+    from tests.test_spec_decode import _oracle
+
+    k = 3
+    model, params = load_model(PATH, dtype="float32", show_progress=False, mtp=True)
+    plain = LLMEngine(model, {n: v for n, v in params.items() if n != "mtp"}, HYBRID_CONFIG)
+    eng = LLMEngine(model, params, HYBRID_CONFIG.replace(
+        speculative_config={"method": "mtp", "num_speculative_tokens": k}))
+    assert eng.state.model.kv.k.shape[0] == model.num_attention_layers + 1  # the head's own KV layer
+    rng = np.random.default_rng(5)
+    v, mml = model.cfg.vocab_size, eng.config.max_model_len
+    prompts = [rng.integers(3, v, n).tolist() for n in (1, 15, 30)] + [rng.integers(3, v, mml - 9).tolist()]
+    sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 14, 17, 9)]
+    ref = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    seen = []  # (tokens, the MTP head's drafts after them)
+    draft, oracle = spec_decode.draft_tokens, _oracle([p + r for p, r in zip(prompts, ref)], v)
+    verify_oracle = False
+
+    def record(seq, n, spec):
+        d = draft(seq, n, spec)
+        if d:
+            seen.append((list(seq.token_ids), d))
+        return oracle(seq, n, spec) if verify_oracle else d
+
+    monkeypatch.setattr(spec_decode, "draft_tokens", record)
+    with CompileCounter() as cc:
+        got = [o.outputs[0].token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+        assert got == ref
+        st = eng.stats()
+        assert st.spec_num_drafts > 10 and st.spec_draft_tokens == sum(len(d) for _, d in seen)
+        assert any(len(d) < k for _, d in seen)  # the rows near max_model_len drafted fewer
+        # the oracle's drafts verified (each accepted length 0..k occurs), the head's still recorded:
+        # the head then drafts from every window position
+        verify_oracle, before = True, (st.spec_draft_tokens, st.spec_accepted_tokens)
+        got = [o.outputs[0].token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+        assert got == ref
+        st = eng.stats()
+        assert 0 < st.spec_accepted_tokens - before[1] < st.spec_draft_tokens - before[0]
+    assert cc.lowerings == 0 and cc.backend_compiles == 0
+    assert st.kv_blocks_free == st.kv_blocks_total
+    # the dense reference: the full sequences' hidden states, then the head, chained per draft
+    seqs = [p + r for p, r in zip(prompts, ref)]
+    t = max(map(len, seqs))
+    pad = np.zeros((len(seqs), t), np.int32)
+    for i, s in enumerate(seqs):
+        pad[i, :len(s)] = s
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), pad.shape)
+    hid = np.asarray(forward_hidden(model.cfg, params, jnp.asarray(pad), pos, jnp.asarray([len(s) for s in seqs])))
+    m = len(seen)
+    nxt, h_in = np.zeros((m, t), np.int32), np.zeros((m, t, hid.shape[-1]), np.float32)
+    length = np.array([len(toks) - 1 for toks, _ in seen], np.int32)  # items 0..L-2: (h[i], tok[i+1])
+    for r, (toks, _) in enumerate(seen):
+        s = next(i for i, q in enumerate(seqs) if q[:len(toks)] == toks)
+        nxt[r, :len(toks) - 1] = toks[1:]
+        h_in[r, :len(toks) - 1] = hid[s, :len(toks) - 1]
+    mtp_pos = np.broadcast_to(np.arange(t, dtype=np.int32), nxt.shape)
+    rows = np.arange(m)
+    mismatches = 0
+    for j in range(k):
+        y = np.asarray(qwen3_next_mtp_hidden(model.cfg, params, params["mtp"], jnp.asarray(nxt), jnp.asarray(h_in),
+                                             mtp_pos, jnp.asarray(length), j))
+        last = y[rows, length - 1]
+        logits = np.asarray(compute_logits(model.cfg, params, jnp.asarray(last)))
+        want = logits.argmax(-1)
+        for r, (_, d) in enumerate(seen):
+            if j < len(d) and d[j] != want[r]:  # only a near tie may flip
+                assert logits[r, want[r]] - logits[r, d[j]] < 1e-4, (r, j, d, want[r])
+                mismatches += 1
+        # chain: the item at the next position reads this draft and the head's own output
+        nxt[rows, length] = want
+        h_in[rows, length] = last
+        length = length + 1
+    assert mismatches <= 1
+
+
+def test_mtp_needs_a_head():
+    """method "mtp" on a model without an MTP head: a clear error at load and at engine start."""
+    import pytest
+
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.engine.spec_decode import SpeculativeConfig
+    from tests.test_engine_hybrid import HYBRID_CONFIG
+
+    assert SpeculativeConfig("qwen3_next_mtp", 2).method == "mtp"  # vLLM's per-model name
+    with pytest.raises(ValueError, match="no multi-token-prediction head"):
+        load_model(FIXTURES / "llama_tiny", dtype="float32", show_progress=False, mtp=True)
+    model, params = load_model(PATH, dtype="float32", show_progress=False)  # mtp.* not read
+    with pytest.raises(ValueError, match="method='ngram'"):
+        LLMEngine(model, params, HYBRID_CONFIG.replace(speculative_config={"method": "mtp"}))

@@ -228,8 +228,9 @@ def _abstract(x):
 class CompilationManager:
     """Holds one executable per bucket of `cfg` (resolved) for `model`."""
 
-    def __init__(self, model, cfg: EngineConfig, builder: BuilderConfig, placement=None):
+    def __init__(self, model, cfg: EngineConfig, builder: BuilderConfig, placement=None, num_drafts: int = 0):
         self.model = model
+        self.num_drafts = num_drafts  # k of an MTP drafter in every step (its decode steps are not split)
         self.cfg = cfg
         self.builder = builder
         self.placement = placement  # parallel.Placement under tensor parallelism, else None
@@ -256,7 +257,7 @@ class CompilationManager:
 
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
-                    placement=self.placement)
+                    placement=self.placement, num_drafts=self.num_drafts)
 
     def _input(self, shape, dtype) -> jax.ShapeDtypeStruct:
         """A host input's abstract value: replicated on the mesh under tensor parallelism."""
@@ -333,14 +334,15 @@ class CompilationManager:
         # pool sizing knobs...), so that those do not cost a recompile
         return self.exe_cache.key(
             repr(m.cfg), getattr(m, "family_name", type(m).__name__), getattr(m, "dtype", ""),
-            repr(self.cfg.attention), self.cfg.max_logprobs,
+            repr(self.cfg.attention), self.cfg.max_logprobs, self.num_drafts,
             repr(self.builder), repr(bucket), self.max_rows, _tree_signature(params), _tree_signature(state))
 
     def compile_all(self, params, state) -> float:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
-        todo = [b for b in self.buckets if b.kind != "decode" and b not in self.executables]
-        todo += [(half, b) for b in self.buckets if b.kind == "decode" for half in ("forward", "sample")
+        split = "decode" if not self.num_drafts else None  # an MTP drafter needs the samples in the step
+        todo = [b for b in self.buckets if b.kind != split and b not in self.executables]
+        todo += [(half, b) for b in self.buckets if b.kind == split for half in ("forward", "sample")
                  if (half, b) not in self.split_executables]
         if self.cfg.swap_block_buckets:  # preemption by swap, or the prefix cache's host tier
             from metrale_jax.engine.swap import swap_roles

@@ -153,6 +153,7 @@ class LLMEngine:
             phases["shard"] = time.perf_counter() - t
             log.info("tensor parallel over %d %s devices (mesh axis %r%s)", c.tensor_parallel_size,
                      jax.devices()[0].platform, "tp", ", experts by expert" if c.enable_expert_parallel else "")
+        self.num_drafts = self._check_mtp()  # k of an MTP drafter (speculative_config method "mtp"), else 0
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
@@ -171,7 +172,8 @@ class LLMEngine:
         ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
         # the sequences' slots, then the prefix cache's snapshot slots
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
-                                                max_ssm_slots=ssm_slots + c.max_ssm_snapshots, penalty_rows=pen_rows)
+                                                max_ssm_slots=ssm_slots + c.max_ssm_snapshots, penalty_rows=pen_rows,
+                                                extra_kv_layers=self.extra_kv_layers)
         placement = None
         if self.sharder is not None:
             placement = self.sharder.placement(self.state)
@@ -179,7 +181,7 @@ class LLMEngine:
         log.info(
             "KV pool: %d blocks x %d tokens (%d tokens, %.1f MB, %s); max_model_len=%d, max_num_seqs=%d, "
             "token budget %d", self.num_blocks, c.block_size, self.num_blocks * c.block_size,
-            self.num_blocks * model.kv_bytes_per_block(c.block_size, kv_dtype) / 1e6, kv_dtype,
+            self.num_blocks * self.kv_bytes_per_block / 1e6, kv_dtype,
             c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens)
         if self.uses_ssm:
             log.info("SSM pool: %d slots + %d prefix-cache snapshots x %.3f MB (%.1f MB)", ssm_slots,
@@ -189,10 +191,10 @@ class LLMEngine:
                  f"{c.swap_space_gb:g} GB)" if c.preemption_mode == "swap" else "")
         self.builder = BuilderConfig(block_size=c.block_size, max_blocks_per_seq=c.max_blocks_per_seq,
                                      vocab_size=self.vocab_size, max_suppress_ids=c.max_suppress_ids,
-                                     max_prompt_lp_tokens=c.max_prompt_logprobs_tokens)
+                                     max_prompt_lp_tokens=c.max_prompt_logprobs_tokens, mtp=bool(self.num_drafts))
         jax.block_until_ready(self.state)
         phases["kv_pool"] = time.perf_counter() - t
-        self.compiler = CompilationManager(model, c, self.builder, placement)
+        self.compiler = CompilationManager(model, c, self.builder, placement, num_drafts=self.num_drafts)
         phases["compile"] = self.compiler.compile_all(self.params, self.state)
         if self.lora is not None:
             t = time.perf_counter()
@@ -237,10 +239,41 @@ class LLMEngine:
         split = config.attention.unroll_layers if config.attention is not None else _on_gpu()
         sharder = Sharder(mesh, expert_parallel=config.enable_expert_parallel) \
             if config.tensor_parallel_size > 1 else None
+        spec = config.speculative_config
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split,
-                                   sharder=sharder)
+                                   sharder=sharder, mtp=spec is not None and spec.method == "mtp")
         return cls(model, params, config)
+
+    @property
+    def extra_kv_layers(self) -> int:
+        """KV-pool layers after the model's own: the MTP drafter's one."""
+        return 1 if self.num_drafts else 0
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.model.kv_bytes_per_block(self.config.block_size, self.kv_dtype,
+                                             **({"extra_kv_layers": 1} if self.num_drafts else {}))
+
+    def _check_mtp(self) -> int:
+        """k when the speculative config drafts with the model's MTP head, else 0; a clear error
+        when the model cannot (no params["mtp"]: `load_model(..., mtp=True)` reads it)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "mtp":
+            return 0
+        head = self.params.get("mtp") if isinstance(self.params, dict) else None
+        if head is None or not hasattr(self.model.family, "mtp_forward_paged"):
+            raise ValueError(f"speculative_config method='mtp' needs the model's multi-token-prediction head "
+                             f"({getattr(self.model.cfg, 'architecture', '?')} has none loaded): load a "
+                             f"checkpoint with mtp.* weights (Qwen3-Next) with load_model(..., mtp=True), or "
+                             f"use method='ngram'")
+        from metrale_jax.layers.stack import num_layers
+
+        if num_layers(head["layers"]) != 1:
+            raise ValueError(f"an MTP head of {num_layers(head['layers'])} layers is not supported yet (1 layer)")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method='mtp' with tensor parallelism is not supported yet")
+        return spec.num_speculative_tokens
 
     # ---- LoRA adapters (vLLM's LLMEngine names; the logic lives in metrale_jax/lora) ---------------
     def add_lora(self, lora_request) -> bool:
@@ -294,18 +327,19 @@ class LLMEngine:
         return Scheduler(
             block_size=c.block_size, num_penalty_rows=c.max_penalty_rows or 0, uses_ssm=self.uses_ssm,
             max_model_len=c.max_model_len, preemption_mode=c.preemption_mode,
-            swap_bytes_per_block=self.model.kv_bytes_per_block(c.block_size, self.kv_dtype),
+            swap_bytes_per_block=self.kv_bytes_per_block,
             swap_bytes_per_slot=self.model.ssm_bytes_per_slot(),
             max_loras=c.max_loras if c.enable_lora else 0,
             snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)),
             cache_decoded=getattr(self.model, "decode_matches_prefill", True),
             kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
+            num_lookahead_tokens=max(0, self.num_drafts - 1),
         )
 
     def _kv_pool_size(self, kv_dtype) -> int:
         c = self.config
-        per_block = self.model.kv_bytes_per_block(c.block_size, kv_dtype)
+        per_block = self.kv_bytes_per_block
         if c.num_kv_blocks is not None:
             return int(c.num_kv_blocks)
         if per_block == 0:  # no attention layer: blocks cost nothing, so they never bind
@@ -537,6 +571,7 @@ class LLMEngine:
             ssm_slot=seq.ssm_slot, prompt_lp_targets=targets,
             num_output_tokens=max(0, end - max(c.start, seq.prompt_len)),
             reset_penalty_row=c.start == 0 and seq.pen_row >= 0,
+            next_token=seq.token_ids[end] if end < len(seq.token_ids) else -1,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -705,6 +740,8 @@ class LLMEngine:
             names += ["ranks", "top_ids", "top_logprobs"]
         if want_plp:
             names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
+        if out.drafts is not None and sched.decode:
+            names.append("drafts")
         arrays = [local(getattr(out, n)) for n in names]
         for a in arrays:
             a.copy_to_host_async()
@@ -743,6 +780,8 @@ class LLMEngine:
             if req.aborted or seq.status == SeqStatus.FINISHED:
                 continue  # finished (or aborted) while this sample was in flight: drop it
             self._append_token(seq, row, out, f.want_lp)
+            if "drafts" in out and row < len(out["drafts"]):
+                seq.mtp_drafts = (len(seq.token_ids), out["drafts"][row])
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req

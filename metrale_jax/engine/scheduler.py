@@ -145,6 +145,7 @@ class Sequence:
     swap: SwapRecord | None = None  # set while SWAPPED
     cache_state: Any = None  # prefix caching's record (metrale_jax.cache.prefix_cache.SeqCacheState)
     spec_len: int = 0  # drafts this step's decode row may carry (speculative decoding; 0 = plain)
+    mtp_drafts: tuple = (-1, ())  # (length of token_ids they follow, drafts): an MTP drafter's last output
     # outputs
     text: str = ""
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
@@ -244,7 +245,7 @@ class Scheduler:
         swap_bytes_per_slot: int = 0, swap_space_bytes: int = 1 << 62, max_loras: int = 0,
         prefix_caching: bool = False, snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
         kv_offloading_bytes: int = 0,
-        num_spec_tokens: int = 0, max_prompt_lp_tokens: int = 1 << 62,
+        num_spec_tokens: int = 0, max_prompt_lp_tokens: int = 1 << 62, num_lookahead_tokens: int = 0,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -276,6 +277,8 @@ class Scheduler:
         self.num_swaps = 0  # swap-outs
         self.num_swap_ins = 0
         self.num_spec_tokens = num_spec_tokens  # k: a decode row may verify k drafts (blocks + budget)
+        # blocks past a decode row's window: an MTP drafter writes its k - 1 chained drafts' K/V there
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_prompt_lp_tokens = max_prompt_lp_tokens  # prompt-logprob positions per step (the step's rows)
 
     # ---- queue management ------------------------------------------------------------------------
@@ -394,7 +397,7 @@ class Scheduler:
             if self.uses_ssm and self.ssm_slots.num_free == 0:
                 break
             rec = seq.swap
-            upto = min(seq.num_computed + 1, self.max_model_len)
+            upto = min(seq.num_computed + 1 + self.num_lookahead_tokens, self.max_model_len)
             need = -(-upto // self.block_size)
             if self.blocks.num_free - (self.watermark if self.running else 0) < need:
                 break
@@ -408,7 +411,7 @@ class Scheduler:
             self.num_swap_ins += 1
             if seq.decoding and not seq.at_limit(self.max_model_len):
                 seq.spec_len = 0
-                seq.blocks += self.blocks.allocate(self._blocks_needed(seq, seq.num_computed + 1))
+                seq.blocks += self.blocks.allocate(self._blocks_needed(seq, self._decode_upto(seq)))
                 step.decode.append(seq)
 
     def _spec_len(self, seq: Sequence) -> int:
@@ -419,6 +422,11 @@ class Scheduler:
         n = len(seq.token_ids) + seq.inflight
         room = min((seq.request.params.max_tokens or 1 << 62) - (n - seq.prompt_len), self.max_model_len - n) - 1
         return max(0, min(self.num_spec_tokens, room))
+
+    def _decode_upto(self, seq: Sequence) -> int:
+        """Positions a decode row needs blocks for: its window, then the lookahead (up to max_model_len)."""
+        return min(seq.num_computed + 1 + seq.spec_len + self.num_lookahead_tokens,
+                   max(self.max_model_len, seq.num_computed + 1 + seq.spec_len))
 
     def swapped_in(self, seq: Sequence) -> None:
         """The engine wrote `seq`'s saved state back: drop the host copy."""
@@ -446,7 +454,7 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING or not seq.decoding or seq.at_limit(self.max_model_len):
                 continue
             seq.spec_len = self._spec_len(seq)
-            need = self._blocks_needed(seq, seq.num_computed + 1 + seq.spec_len)
+            need = self._blocks_needed(seq, self._decode_upto(seq))
             if need and not self._make_room(seq, need, step):
                 continue
             seq.blocks += self.blocks.allocate(need)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from metrale_jax.metadata import BatchedAttnMetadata
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 
 SPEC_METHODS = ("ngram", "mtp")
 
@@ -50,7 +50,8 @@ SPEC_METHODS = ("ngram", "mtp")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`: `{"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_min": 2, "prompt_lookup_max": 4}`."""
+    "prompt_lookup_min": 2, "prompt_lookup_max": 4}`, or `{"method": "mtp", ...}` (the model's
+    multi-token-prediction head drafts; the prompt_lookup keys are then unused)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -58,10 +59,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest (tried first)
 
     def __post_init__(self) -> None:
+        if self.method.endswith("_mtp"):  # vLLM's older per-model names (qwen3_next_mtp, deepseek_mtp...)
+            object.__setattr__(self, "method", "mtp")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} must be one of {SPEC_METHODS}")
-        if self.method == "mtp":
-            raise NotImplementedError("speculative_config method='mtp' is not implemented yet (use 'ngram')")
         if not 1 <= int(self.num_speculative_tokens) <= 32:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 32]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -134,8 +135,13 @@ _INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence ->
 
 
 def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
-    """Up to k drafts for `seq` (a scheduler Sequence) after its last token: the n-gram drafter,
-    with an index kept per sequence (tests and benches swap this function for other drafters)."""
+    """Up to k drafts for `seq` (a scheduler Sequence) after its last token: the MTP head's, which
+    the last step returned for this very length of the sequence (none otherwise: then the row
+    takes a plain decode step that drafts), or the n-gram drafter's, with an index kept per
+    sequence (tests and benches swap this function for other drafters)."""
+    if spec.method == "mtp":
+        length, drafts = seq.mtp_drafts
+        return [int(d) for d in drafts[:k]] if length == len(seq.token_ids) else []
     idx = _INDEXES.get(seq)
     if idx is None:
         idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -254,8 +260,11 @@ def accepted_drafts(samples, tokens, md: BatchedAttnMetadata):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, attn, max_logprobs: int):
-    """One verify step (see the module doc) -> (state, SampleOutput with `spec_accepted` i32[N])."""
+def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, attn, max_logprobs: int,
+                num_drafts: int = 0):
+    """One verify step (see the module doc) -> (state, SampleOutput with `spec_accepted` i32[N],
+    and with an MTP drafter (num_drafts = k) each row's next drafts i32[N, k], drafted from its
+    last accepted position)."""
     from metrale_jax.layers.spec_states import add_scratch, commit, verify_grid
     from metrale_jax.sampling import PenaltyState, SampleOutput, sample, update_penalty_state
     from metrale_jax.step import StepState
@@ -275,6 +284,14 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
     acc = accepted_drafts(tok, tokens, pmd)
     if ms.ssm:
         ms = dataclasses.replace(ms, ssm=commit(ms.ssm, pmd.ssm_slots, acc, w))
+    drafts = None
+    if num_drafts:  # the token after window position j is its sample (rejected positions: rewritten later)
+        t = tokens.shape[0]
+        li = smd.logits_indices
+        nxt = jnp.zeros((t,), jnp.int32).at[jnp.where(mask.reshape(-1), li, t)].set(tok, mode="drop")
+        last = li[jnp.arange(n) * w + acc]
+        rows = (last, pmd.positions[last], pmd.block_tables, mask[:, 0])
+        ms, drafts = mtp_draft(params, ms, hidden, nxt, None, pmd, rows, model=model, attn=attn, k=num_drafts)
     rows = pen.prompt_seen.shape[0]
     if rows:  # count the accepted drafts (positions 1..a_r) of penalized rows
         j = jnp.arange(w)[None, :]
@@ -284,8 +301,63 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
         pen = PenaltyState(pen.prompt_seen, pen.out_counts.at[r, tok_grid.reshape(-1)].add(1, mode="drop"))
     k = max(max_logprobs, 1)
     out = SampleOutput(tok, lp, rank, top_ids, top_lp, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32),
-                       jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32), spec_accepted=acc)
+                       jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32), spec_accepted=acc,
+                       drafts=drafts)
     return StepState(ms, pen), out
+
+
+# ---- the MTP drafter (device) ----------------------------------------------------------------------
+def mtp_draft(params, ms, hidden, tokens_next, dmd, pmd, rows, *, model, attn, k: int):
+    """The MTP head (params["mtp"], `models/mtp.py`) inside a step: -> (model state, drafts i32[D, k]).
+
+    First over every token of the step (tokens_next i32[N + T]: the token after each one, hidden
+    [N + T, H] the target's): that writes the head's K/V of the step's positions to its KV-pool
+    layer (the one after the model's own), the context of later drafts, as every step kind does.
+    Then, for the D drafting rows `rows` = (last i32[D]: the token whose head output gives the
+    first draft, its position i32[D], block tables i32[D, max_blocks], valid bool[D]), the first
+    draft is the argmax of the LM head there, and draft j + 1 runs the head once more at position
+    + j on draft j and the head's own previous output (vLLM's chaining), as a decode row whose K/V
+    goes to that position's slot (the scheduler allocates these k - 1 lookahead positions;
+    the next step overwrites them)."""
+    fam, cfg = model.family, model.cfg
+    layer = model.num_attention_layers
+    kv, y = fam.mtp_forward_paged(cfg, params, ms.kv, layer, tokens_next, hidden, dmd, pmd, attn, 0)
+    last, pos, bt, valid = rows
+    d_rows = last.shape[0]
+    if d_rows == 0:  # a prefill step: the head's K/V only
+        return dataclasses.replace(ms, kv=kv), jnp.zeros((0, k), jnp.int32)
+    h = y[last]
+
+    def argmax(x):
+        return jnp.argmax(model.compute_logits(params, x), axis=-1).astype(jnp.int32)
+
+    drafts = [argmax(h)]
+    bs, mb = kv.block_size, bt.shape[1]
+    none = jnp.full((d_rows,), -1, jnp.int32)
+    for j in range(1, k):
+        q = pos + j
+        ok = valid & (q < mb * bs)
+        slots = jnp.where(ok, bt[jnp.arange(d_rows), jnp.clip(q // bs, 0, mb - 1)] * bs + q % bs, -1)
+        md = AttnMetadata(positions=q, positions_h=q, positions_w=q, slots=slots, seq_lens=jnp.where(ok, q + 1, 0),
+                          block_tables=bt, ssm_slots=none, seq_slot=none, moe_row_adapter=none, num_seqs=d_rows,
+                          max_blocks_per_seq=mb)
+        kv, h = fam.mtp_forward_paged(cfg, params, kv, layer, drafts[-1], h, md, None, attn, j)
+        drafts.append(argmax(h))
+    return dataclasses.replace(ms, kv=kv), jnp.stack(drafts, axis=1)
+
+
+def mtp_step_draft(params, ms, hidden, samples, dmd, pmd, smd, *, model, attn, k: int):
+    """`mtp_draft` in a decode / mixed / prefill step: the token after each input token is
+    `smd.mtp_next` (or a sample); the decode rows draft (a prefill stream's first drafts come
+    from its first decode step). -> (model state, drafts i32[N, k])."""
+    m = smd.mtp_next
+    nxt = jnp.where(m >= 0, m, samples[jnp.clip(-1 - m, 0, samples.shape[0] - 1)])
+    if dmd is None:  # a prefill step: only the head's K/V
+        mb = pmd.max_blocks_per_seq
+        rows = (jnp.zeros((0,), jnp.int32),) * 2 + (jnp.zeros((0, mb), jnp.int32), jnp.zeros((0,), jnp.bool_))
+    else:
+        rows = (jnp.arange(dmd.num_seqs, dtype=jnp.int32), dmd.positions, dmd.block_tables, dmd.seq_lens > 0)
+    return mtp_draft(params, ms, hidden, nxt, dmd, pmd, rows, model=model, attn=attn, k=k)
 
 
 # ---- the engine's side (host) ---------------------------------------------------------------------
@@ -332,6 +404,7 @@ def dispatch_verify(engine, sched):
 
     want_lp = bool(inputs.smd.flags[F_LOGPROBS])
     names = ["token_ids", "logprobs", "spec_accepted"] + (["ranks", "top_ids", "top_logprobs"] if want_lp else [])
+    names += ["drafts"] if out.drafts is not None else []
     arrays = [local(getattr(out, n)) for n in names]
     for a in arrays:
         a.copy_to_host_async()
@@ -366,6 +439,8 @@ def finish_verify(engine, f):
                 break
         if seq.status == SeqStatus.RUNNING:
             live.append((seq, a))
+            if "drafts" in out:  # the MTP head's drafts after the emitted tokens
+                seq.mtp_drafts = (len(seq.token_ids), out["drafts"][r])
         if req.first_token_time is None:
             req.first_token_time = now
         touched[req.request_id] = req

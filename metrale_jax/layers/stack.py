@@ -31,6 +31,7 @@ import numpy as np
 
 # top-level parameter subtrees that are NOT stacked over layers (every family's names)
 GLOBAL_KEYS = frozenset({"embed", "norm", "norm_f", "lm_head"})
+MTP_STACKED_KEYS = ("layers", "attn")  # the layer-stacked subtrees of params["mtp"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -70,7 +71,10 @@ def split_layers(params: dict) -> dict:
     Already split leaves are left alone; nested dicts are updated in place.
     """
     for key in list(params):
-        if key not in GLOBAL_KEYS:
+        if key == "mtp":  # an MTP head (models/mtp.py): its fc and norms are not layer-stacked
+            for k in MTP_STACKED_KEYS:
+                _split_in(params[key], k)
+        elif key not in GLOBAL_KEYS:
             _split_in(params, key)
     return params
 

@@ -13,8 +13,8 @@ drafts the head is applied again on its own output (layer `step % num_mtp_layers
 Qwen3-Next's: `load_qwen3_next_mtp` (reads `mtp.*`; the main loader skips them, so they cost no
 memory unless asked for), `qwen3_next_mtp_logits` (dense, for research and the reference test)
 and `qwen3_next_mtp_paged` (over a step's paged metadata, its K/V in a KV-pool layer of its own:
-what the engine's steps will run). Not wired into the engine's steps yet (issue 16: the MTP
-drafter is future work).
+what the engine's steps run, `engine/spec_decode.py`'s MTP drafter, through the family hooks
+`load_mtp` and `mtp_forward_paged`).
 
 Parameter tree: fc [2H, H], norm_embed / norm_hidden / norm [H], and per MTP layer (Lm of them)
 layers/{in_norm, post_norm [Lm, H], router, experts_*, shared_*} and attn/{wq, wkv, wo, q_norm,
@@ -48,12 +48,15 @@ def num_mtp_layers(names) -> int:
 
 
 def load_qwen3_next_mtp(cfg: ModelConfig, reader) -> dict:
-    """Read a Qwen3-Next checkpoint's `mtp.*` tensors through a WeightReader (device arrays)."""
+    """Read a Qwen3-Next checkpoint's `mtp.*` tensors through a WeightReader (device arrays). A
+    reader without tensor names (random weights) draws `num_nextn_predict_layers` (default 1)."""
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     e, im, ish = cfg.get("num_experts"), cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
-    lm = num_mtp_layers(reader.source.names())
+    names = reader.source.names()
+    lm = num_mtp_layers(names) if names else int(cfg.get("num_nextn_predict_layers") or 1)
     if lm == 0:
-        raise ValueError("the checkpoint has no mtp.layers.* tensors")
+        raise ValueError("the checkpoint has no mtp.layers.* tensors: it cannot draft with speculative_config "
+                         "method='mtp'")
     stacks, get = reader.stacks, reader.get
     layers = stacks(lm, in_norm=(h,), post_norm=(h,), router=(h, e), experts_gate_up=(e, h, 2 * im),
                     experts_down=(e, im, h), shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1))
@@ -91,7 +94,8 @@ def _qwen3_next_mtp(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidd
                     tokamax_moe: bool = False):
     """The Qwen3-Next MTP head over S flat tokens: tokens_next i32[S] (tok[i+1]), hidden [S, H]
     (target h[i]), positions i32[S] (i); `attend(q, k, v) -> o [S, Hq, D]` is its attention (dense
-    or paged) -> logits f32[S, V]."""
+    or paged) -> its output [S, H] after the final norm (what the LM head reads, and the hidden
+    state of the next draft step)."""
     from metrale_jax.models import qwen3_next as q3
 
     nl = mtp["layers"]["in_norm"].shape[0]
@@ -105,14 +109,23 @@ def _qwen3_next_mtp(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidd
         x = x + q3._attn_out(ap, attend(q, k, v), gate)
         return x + q3._moe(cfg, lp, norm(x, lp["post_norm"]), tokamax_moe)
 
-    y = mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer)
-    return q3.compute_logits(cfg, params, y)
+    return mtp_head(norm, mtp, params["embed"][tokens_next], hidden.astype(params["embed"].dtype), layer)
 
 
 def qwen3_next_mtp_logits(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidden, positions, lengths,
                           step: int = 0):
     """Dense MTP draft logits. tokens_next i32[B, T] (tok[i+1]), hidden [B, T, H] (target h[i]),
     positions i32[B, T] (i), lengths i32[B] -> f32[B, T, V] (position i predicts tok[i+2])."""
+    from metrale_jax.models.qwen3_next import compute_logits
+
+    y = qwen3_next_mtp_hidden(cfg, params, mtp, tokens_next, hidden, positions, lengths, step)
+    return compute_logits(cfg, params, y)
+
+
+def qwen3_next_mtp_hidden(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidden, positions, lengths,
+                          step: int = 0):
+    """`qwen3_next_mtp_logits` before the LM head: the head's output [B, T, H] (the hidden state
+    a next chained draft reads)."""
     b, t = tokens_next.shape
 
     def attend(q, k, v):  # causal within each sequence
@@ -120,19 +133,19 @@ def qwen3_next_mtp_logits(cfg: ModelConfig, params: dict, mtp: dict, tokens_next
                                    cfg.head_dim**-0.5)
         return o.reshape((b * t,) + o.shape[2:])
 
-    logits = _qwen3_next_mtp(cfg, params, mtp, tokens_next.reshape(-1), hidden.reshape(b * t, -1),
-                             positions.reshape(-1), attend, step)
-    return logits.reshape(b, t, -1)
+    y = _qwen3_next_mtp(cfg, params, mtp, tokens_next.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
+                        attend, step)
+    return y.reshape(b, t, -1)
 
 
-def qwen3_next_mtp_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: int, tokens_next, hidden, dmd, pmd,
-                         attn: AttentionConfig = AttentionConfig(), step: int = 0):
+def qwen3_next_mtp_forward_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: int, tokens_next, hidden,
+                                 dmd, pmd, attn: AttentionConfig = AttentionConfig(), step: int = 0):
     """The MTP head over one step's tokens, paged: tokens_next i32[N + T] (tok[i+1] for each of the
     step's tokens i: decode rows, then prefill tokens, as `forward_paged`), hidden [N + T, H] (the
-    target's final hidden state at i) -> (kv, logits f32[N + T, V]). The MTP layer's K/V of the
-    step's positions go to KV-pool layer `layer` (one the target does not use) at the step's slots,
-    and its attention reads that layer through the step's block tables, so earlier steps' MTP K/V
-    (written the same way) are its context."""
+    target's final hidden state at i) -> (kv, the head's output [N + T, H]). The MTP layer's K/V of
+    the step's positions go to KV-pool layer `layer` (one the target does not use) at the step's
+    slots, and its attention reads that layer through the step's block tables, so earlier steps'
+    MTP K/V (written the same way) are its context."""
     parts = [m for m in (dmd, pmd) if m is not None]
     slots = jnp.concatenate([m.slots for m in parts])
     out = {}
@@ -141,6 +154,15 @@ def qwen3_next_mtp_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: i
         out["kv"] = write_kv(kv, layer, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         return paged_attention(q, out["kv"], layer, dmd, pmd, cfg.head_dim**-0.5, attn)
 
-    logits = _qwen3_next_mtp(cfg, params, mtp, tokens_next, hidden, jnp.concatenate([m.positions for m in parts]),
-                             attend, step, attn.tokamax_moe)
-    return out["kv"], logits
+    y = _qwen3_next_mtp(cfg, params, mtp, tokens_next, hidden, jnp.concatenate([m.positions for m in parts]),
+                        attend, step, attn.tokamax_moe)
+    return out["kv"], y
+
+
+def qwen3_next_mtp_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, layer: int, tokens_next, hidden, dmd, pmd,
+                         attn: AttentionConfig = AttentionConfig(), step: int = 0):
+    """`qwen3_next_mtp_forward_paged` with the shared LM head: -> (kv, draft logits f32[N + T, V])."""
+    from metrale_jax.models.qwen3_next import compute_logits
+
+    kv, y = qwen3_next_mtp_forward_paged(cfg, params, mtp, kv, layer, tokens_next, hidden, dmd, pmd, attn, step)
+    return kv, compute_logits(cfg, params, y)

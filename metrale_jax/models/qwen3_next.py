@@ -166,8 +166,25 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     if any(n.startswith("mtp.") for n in getattr(reader.source, "names", lambda: [])()):
         import logging
 
-        logging.getLogger(__name__).info("skipping the checkpoint's MTP weights (mtp.*): not used yet")
+        logging.getLogger(__name__).info("the checkpoint's MTP weights (mtp.*) are read only for "
+                                         "speculative_config method='mtp'")
     return reader.to_device(params)
+
+
+def load_mtp(cfg: ModelConfig, reader) -> dict:
+    """The family hook of speculative decoding's MTP drafter: the checkpoint's `mtp.*` head."""
+    from metrale_jax.models.mtp import load_qwen3_next_mtp
+
+    return load_qwen3_next_mtp(cfg, reader)
+
+
+def mtp_forward_paged(cfg: ModelConfig, params: dict, kv, layer: int, tokens_next, hidden, dmd, pmd, attn,
+                      step: int = 0):
+    """The family hook running params["mtp"] over a step's tokens (`models/mtp.py`)."""
+    from metrale_jax.models.mtp import qwen3_next_mtp_forward_paged
+
+    return qwen3_next_mtp_forward_paged(cfg, params, params["mtp"], kv, layer, tokens_next, hidden, dmd, pmd,
+                                        attn, step)
 
 
 # ---- blocks ----------------------------------------------------------------------------------------
@@ -249,6 +266,12 @@ def compute_logits(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Arr
 # ---- dense forward ----------------------------------------------------------------------------------
 def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
     """tokens i32[B, T], positions i32[B, T], lengths i32[B] -> logits f32[B, T, V]."""
+    return compute_logits(cfg, params, forward_hidden(cfg, params, tokens, positions, lengths))
+
+
+def forward_hidden(cfg: ModelConfig, params: dict, tokens, positions, lengths):
+    """`forward` up to the LM head: the final hidden states [B, T, H] (after the final norm: what
+    an MTP head reads)."""
     bsz, t = tokens.shape
     nk, nv, dk, dv, w = _gdn_dims(cfg)
     c = 2 * nk * dk + nv * dv
@@ -279,8 +302,7 @@ def forward(cfg: ModelConfig, params: dict, tokens, positions, lengths):
         return (x, ia + (kind == ATTN), ig + (kind == GDN)), None
 
     x, _, _ = scan_layers(layer, (x, jnp.int32(0), jnp.int32(0)), (params["layers"], kinds), unroll=False)
-    x = _norm(cfg, x, params["norm"]).reshape(bsz, t, -1)
-    return compute_logits(cfg, params, x)
+    return _norm(cfg, x, params["norm"]).reshape(bsz, t, -1)
 
 
 # ---- paged forward ----------------------------------------------------------------------------------
