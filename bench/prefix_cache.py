@@ -67,10 +67,14 @@ def main() -> int:
         mml = model.cfg.max_position_embeddings
     cfg = EngineConfig(dtype=dtype, max_model_len=mml, enable_prefix_caching=True, show_progress=False,
                        max_num_seqs=None if on_gpu else 4, kv_offloading_size=a.host_tier,
-                       num_kv_blocks=-(-mml // 16) + 4 if a.host_tier else None)
+                       num_kv_blocks=-(-mml // 16) + 4 if a.host_tier else None,
+                       kv_offloading_restore=True if a.host_tier else None)  # its start-up check: below
     t = time.perf_counter()
     eng = LLMEngine(model, params, cfg)
     startup = time.perf_counter() - t
+    if a.host_tier:  # what the default (kv_offloading_restore=None) start-up check would decide here
+        tier_pays = eng._host_tier_pays()
+        print(f"host tier start-up check: {eng.host_tier_costs} -> {'on' if tier_pays else 'off'}", flush=True)
     llm = LLM.from_engine(eng)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=20)
     rng = np.random.default_rng(0)
@@ -156,6 +160,7 @@ def main() -> int:
         "versions": {"metrale_jax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prefix_len": a.prefix_len,
         "host_tier_gb": a.host_tier,
+        "host_tier_check": dict(eng.host_tier_costs, pays=tier_pays) if a.host_tier else None,
         "config": {"block_size": eng.config.block_size, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
                    "max_model_len": mml, "max_ssm_snapshots": eng.config.max_ssm_snapshots},
         "load_average_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(), "startup_s": startup, "runs": runs,

@@ -189,3 +189,24 @@ def test_mtp_needs_a_head():
     model, params = load_model(PATH, dtype="float32", show_progress=False)  # mtp.* not read
     with pytest.raises(ValueError, match="method='ngram'"):
         LLMEngine(model, params, HYBRID_CONFIG.replace(speculative_config={"method": "mtp"}))
+
+
+def test_mtp_head_in_per_layer_arrays():
+    """`load_model(..., mtp=True, split_layers=True)` (the GPU engine's layout): only the head's
+    layer-stacked subtrees become per-layer arrays (fc and the norms stay whole), with the same
+    logits as the stacked head."""
+    from metrale_jax.layers.stack import Unstacked
+    from metrale_jax.models.mtp import qwen3_next_mtp_logits
+
+    model, stacked = load_model(PATH, dtype="float32", show_progress=False, mtp=True)
+    _, split = load_model(PATH, dtype="float32", show_progress=False, mtp=True, split_layers=True)
+    head = split["mtp"]
+    assert isinstance(head["layers"]["in_norm"], Unstacked) and isinstance(head["attn"]["wo"], Unstacked)
+    assert split["mtp"]["fc"].shape == stacked["mtp"]["fc"].shape
+    g = dict(np.load(PATH / "golden.npz"))
+    tokens, hidden = g["tokens"], g["hidden"]
+    b, t = tokens.shape
+    pos = np.broadcast_to(np.arange(t - 1, dtype=np.int32), (b, t - 1))
+    got = [np.asarray(qwen3_next_mtp_logits(model.cfg, p, p["mtp"], tokens[:, 1:], hidden[:, :-1], pos,
+                                            np.full((b,), t - 1, np.int32))) for p in (stacked, split)]
+    np.testing.assert_allclose(got[1], got[0], atol=1e-6, rtol=0)

@@ -37,7 +37,7 @@ def engine(request):
     model, params = load_model(FIXTURES / request.param, dtype="float32", show_progress=False)
     base = TINY_CONFIG if request.param == "llama_tiny" else HYBRID_CONFIG
     eng = LLMEngine(model, params, base.replace(enable_prefix_caching=True, preemption_mode="swap",
-                                                kv_offloading_size=1e-3))
+                                                kv_offloading_size=1e-3, kv_offloading_restore=True))
     assert eng.uses_ssm == (request.param != "llama_tiny")
     assert eng.config.max_ssm_snapshots == (4 if eng.uses_ssm else 0)
     yield eng

@@ -24,9 +24,10 @@ from tests.test_scheduler import _assert_pools_whole
 # FakeModel's blocks take 16 bytes: a host tier of 24 blocks
 HOST_TIER = 24 * 16 / 1e9
 ENGINES = {
-    "kv-recompute-host-tier": (False, dict(enable_prefix_caching=True, kv_offloading_size=HOST_TIER)),
+    "kv-recompute-host-tier": (False, dict(enable_prefix_caching=True, kv_offloading_size=HOST_TIER,
+                                           kv_offloading_restore=True)),
     "ssm-swap-3-snapshots-host-tier": (True, dict(enable_prefix_caching=True, max_ssm_snapshots=3,
-                                                  kv_offloading_size=HOST_TIER)),
+                                                  kv_offloading_size=HOST_TIER, kv_offloading_restore=True)),
     "ssm-recompute": (True, dict(enable_prefix_caching=True, preemption_mode="recompute")),
 }
 
@@ -200,3 +201,34 @@ def test_keys_follow_the_lora_adapter():
     a2 = SimpleNamespace(lora_int_id=1, lora_name="a", lora_path="/x/a2")  # the id reused for another adapter
     base = keys(None)
     assert len(base) == 2 and keys(a) == keys(a) and len({base[1], keys(a)[1], keys(a2)[1]}) == 3
+
+
+def test_host_tier_start_up_check(monkeypatch):
+    """kv_offloading_restore=None times a restore against a recompute at start-up and keeps the
+    host tier only when restoring is cheaper; True / False decide without timing."""
+    from metrale_jax.engine.engine import LLMEngine
+
+    calls = []
+
+    def fake_check(self, pays):
+        calls.append(pays)
+        self.host_tier_costs = {"restore_ms_per_block": 1.0, "recompute_ms_per_block": 2.0 if pays else 0.5}
+        return pays
+
+    # (fake_engine caches engines by their config: each case its own host tier size)
+    for i, pays in enumerate((True, False)):
+        monkeypatch.setattr(LLMEngine, "_host_tier_pays", lambda self, p=pays: fake_check(self, p))
+        eng = fake_engine(enable_prefix_caching=True, kv_offloading_size=HOST_TIER * (2 + i))
+        assert eng.host_tier_on is pays and (eng.scheduler.prefix_cache.host_capacity > 0) is pays
+    for i, forced in enumerate((True, False)):
+        eng = fake_engine(enable_prefix_caching=True, kv_offloading_size=HOST_TIER * (4 + i),
+                          kv_offloading_restore=forced)
+        assert eng.host_tier_on is forced and (eng.scheduler.prefix_cache.host_capacity > 0) is forced
+    assert calls == [True, False]  # the forced engines did not time anything
+    monkeypatch.undo()
+    # the real check runs (timing the fake model's executables) and records both costs
+    eng = fake_engine(enable_prefix_caching=True, kv_offloading_size=HOST_TIER * 6)
+    assert set(eng.host_tier_costs) == {"restore_ms_per_block", "recompute_ms_per_block"}
+    assert all(v > 0 for v in eng.host_tier_costs.values())
+    assert eng.host_tier_on == (eng.host_tier_costs["restore_ms_per_block"]
+                                < eng.host_tier_costs["recompute_ms_per_block"])

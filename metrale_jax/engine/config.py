@@ -122,6 +122,10 @@ class EngineConfig:
     # Host-memory tier of the prefix cache (vLLM's name), in GB: cached KV blocks evicted from the
     # device are copied there and copied back on a hit; 0 = off. Separate from swap_space_gb.
     kv_offloading_size: float = 0.0
+    # Whether the host tier pays: None measures it at start-up (restoring the largest swap bucket of
+    # blocks against recomputing them with the largest prefill bucket; when recomputing is cheaper
+    # the tier stays off, with a log line); True / False decide without measuring.
+    kv_offloading_restore: bool | None = None
     # Devices the steps span, on one mesh axis `tp` (metrale_jax/parallel.py): attention and MLP
     # heads, the KV and SSM pools and the vocabulary split over them, metadata replicated.
     tensor_parallel_size: int = 1

@@ -209,6 +209,13 @@ class LLMEngine:
                         "pool: lower gpu_memory_utilization or set num_kv_blocks if steps run out of memory",
                         self.compiler.temp_bytes / 1e9, reserve / 1e9)
         self.spec_stats = dict.fromkeys(("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens"), 0)
+        # the prefix cache's host tier, when restoring a block beats recomputing it (measured here)
+        self.host_tier_costs: dict[str, float] = {}
+        self.host_tier_on = c.kv_offloading_size > 0 and c.kv_offloading_restore is not False
+        if self.host_tier_on and c.kv_offloading_restore is None:
+            t = time.perf_counter()
+            self.host_tier_on = self._host_tier_pays()
+            phases["host_tier_check"] = time.perf_counter() - t
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(c.seed)
@@ -332,10 +339,56 @@ class LLMEngine:
             max_loras=c.max_loras if c.enable_lora else 0,
             snapshot_slots=tuple(range(c.max_ssm_slots, c.max_ssm_slots + c.max_ssm_snapshots)),
             cache_decoded=getattr(self.model, "decode_matches_prefill", True),
-            kv_offloading_bytes=int(c.kv_offloading_size * 1e9), **caps,
+            kv_offloading_bytes=int(c.kv_offloading_size * 1e9) if self.host_tier_on else 0, **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
             num_lookahead_tokens=max(0, self.num_drafts - 1),
         )
+
+    def _host_tier_pays(self) -> bool:
+        """Whether restoring cached blocks from the host tier is cheaper than recomputing them, timed
+        once at start-up (best of 3, synchronously): the host-tier path (per-block host arrays
+        joined into the largest swap bucket, its scatter) into free blocks, against the largest
+        prefill bucket on padding inputs, per block of tokens. The padding prefill has no attention
+        context, so it is a lower bound of recomputing a cached prefix: a restore that beats it
+        pays at any depth; one that does not may still pay deep in a long context (then the tier
+        stays off: a documented, conservative choice)."""
+        from metrale_jax.engine.swap import join_blocks, split_blocks
+
+        c, comp = self.config, self.compiler
+        m = c.swap_block_buckets[-1]
+        blocks = list(range(m))  # every block is free at start-up: their contents do not matter
+        data = comp.swap_out(self.state, blocks, -1)
+        data.to_host(comp.swap_roles)
+        kinds = [r for r in comp.swap_roles if r is not None]
+        slot_leaves = tuple(a for a, (kind, _) in zip(data.arrays, kinds) if kind == "slot")
+        parts = split_blocks(data, comp.swap_roles)
+        bucket = comp.bucket_for(0, c.prefill_buckets[-1], 1)
+        dev = comp.transfer(build_step(self.builder, bucket, [], []))
+
+        def restore():
+            self.state = comp.swap_in(self.state, join_blocks(parts, comp.swap_roles, slot_leaves, m), blocks, -1)
+            jax.block_until_ready(self.state)
+
+        def recompute():
+            self.state, out, _ = comp.run(bucket, self.params, self.state, dev)
+            jax.block_until_ready(out.token_ids)
+
+        def best(fn):
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        restore_ms, recompute_ms = 1e3 * best(restore) / m, 1e3 * best(recompute) * c.block_size / bucket.num_tokens
+        self.host_tier_costs = {"restore_ms_per_block": restore_ms, "recompute_ms_per_block": recompute_ms}
+        pays = restore_ms < recompute_ms
+        (log.info if pays else log.warning)(
+            "prefix cache host tier %s: restoring a block of %d tokens takes %.3f ms, recomputing it at least %.3f ms",
+            "on" if pays else "off (recomputing is cheaper; kv_offloading_restore=True forces it)", c.block_size,
+            restore_ms, recompute_ms)
+        return pays
 
     def _kv_pool_size(self, kv_dtype) -> int:
         c = self.config

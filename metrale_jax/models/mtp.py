@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from metrale_jax.cache.kv import write_kv
 from metrale_jax.config import ModelConfig
 from metrale_jax.layers.attention import AttentionConfig, dense_causal_attention, paged_attention
-from metrale_jax.layers.stack import take_layer
+from metrale_jax.layers.stack import num_layers, take_layer
 
 
 def mtp_head(norm, mtp: dict, embed_rows, hidden, layer_fn):
@@ -98,7 +98,7 @@ def _qwen3_next_mtp(cfg: ModelConfig, params: dict, mtp: dict, tokens_next, hidd
     state of the next draft step)."""
     from metrale_jax.models import qwen3_next as q3
 
-    nl = mtp["layers"]["in_norm"].shape[0]
+    nl = num_layers(mtp["layers"]["in_norm"])
     lp, ap = take_layer(mtp["layers"], step % nl), take_layer(mtp["attn"], step % nl)
 
     def norm(x, w):
