@@ -92,8 +92,10 @@ def cost(a) -> dict:
     batches = [int(b) for b in a.batches.split(",")]
     k = a.k
     mml = a.prompt_len + (k + 1) * (a.steps + 2) + 16
+    # two engines in one process: each its own KV pool of just enough blocks (sized from free
+    # memory, the second one found none: H200, 2026-12-02)
     cfg = EngineConfig(dtype=dtype, max_model_len=mml, max_num_seqs=max(batches), decode_buckets=tuple(batches),
-                       show_progress=False)
+                       show_progress=False, num_kv_blocks=max(batches) * -(-mml // 16) + 16)
     engines = {"plain": LLM.from_engine(LLMEngine(model, plain_params, cfg)),
                "spec": LLM.from_engine(LLMEngine(model, params, cfg.replace(
                    speculative_config={"method": a.method, "num_speculative_tokens": k})))}
@@ -166,7 +168,8 @@ def host(a) -> dict:
     runs = {}
     real = spec_decode.draft_tokens
     cases = (("plain (one step ahead)", None),
-             ("spec k=4, 8-gram lookup: few drafts (synchronous)", SpeculativeConfig("ngram", 4, 8, 8)),
+             ("spec k=4, 8-gram lookup: few drafts (steps overlap unless a lookup matches)",
+              SpeculativeConfig("ngram", 4, 8, 8)),
              ("spec k=4, oracle drafts always right", SpeculativeConfig("ngram", 4)))
     for name, spec in cases:
         eng = fake_engine(use_ssm=False, max_model_len=512, num_kv_blocks=batch * 40, max_num_seqs=batch,

@@ -647,10 +647,13 @@ class LLMEngine:
         prev, self._inflight = self._inflight, new
         outputs = self._finish_step(prev) if prev is not None else []
         if self.config.speculative_config is not None and self._inflight is not None:
-            # speculative decoding steps synchronously: the next step's rows depend on how many
-            # drafts this one accepted (lengths, drafts), so read it before scheduling again
-            outputs += self._finish_step(self._inflight)
-            self._inflight = None
+            from metrale_jax.engine.spec_decode import sync_for_drafts
+
+            if sync_for_drafts(self, self._inflight):
+                # the next step's rows depend on this one's accepted drafts (lengths, drafts): read
+                # it before scheduling again
+                outputs += self._finish_step(self._inflight)
+                self._inflight = None
         for seq, d in self._swap_pending:  # copies started before the last step: bring them home
             if seq.swap is not None and seq.swap.data is d:  # (not swapped back in or finished since)
                 d.to_host(self.compiler.swap_roles)
