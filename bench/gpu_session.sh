@@ -16,6 +16,9 @@
 # Session 11: tests 250 s, acceptance of Mamba-2 + Llama-3-8B 300 s, generate (4 runs, 128 steps)
 # 322 s, linear --fp8-batch + structured 157 s, prefix (3 runs) 405 s; a fresh machine's start
 # counts ~85 s of device time before the first command.
+# Session 13: `tests startup` 332 s, acceptance of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 405 s, of
+# Qwen3-Next + Nemotron-H 335 s; `spec` (Llama-3-8B, batches 1,64, --repeats 2 --steps 12) 67 s;
+# the Qwen3-Next MTP cost (SPEC_MTP_ONLY=1 skips the Llama run) did not compile 4 layers in 100 s.
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape

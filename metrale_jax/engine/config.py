@@ -141,8 +141,9 @@ class EngineConfig:
     # gigabytes on a 128-expert model); False leaves them out and refuses adapters that train experts
     lora_experts: bool = True
     # Speculative decoding (vLLM's `speculative_config`): a `SpeculativeConfig` or its dict, e.g.
-    # {"method": "ngram", "num_speculative_tokens": 4}; None = off. With it, verify steps of N rows x
-    # (1 + k) tokens take the place of the decode steps (engine/spec_decode.py).
+    # {"method": "ngram", "num_speculative_tokens": 4} (prompt lookup) or {"method": "mtp", ...} (the
+    # checkpoint's multi-token-prediction head, Qwen3-Next); None = off. With it, verify steps of
+    # N rows x (1 + k) tokens take the place of the decode steps (engine/spec_decode.py).
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
