@@ -198,10 +198,10 @@ def untile_vocab(params: dict, seed: int, scale: float = 0.2) -> dict:
     return params
 
 
-def build_model(cfg: dict, dtype: str, seed: int, tokenizer: bool = True):
+def build_model(cfg: dict, dtype: str, seed: int, tokenizer: bool = True, mtp: bool = False):
     from metrale_jax.model import random_model
 
-    model, params = random_model(cfg, dtype=dtype, seed=seed, repeat_layers=True)
+    model, params = random_model(cfg, dtype=dtype, seed=seed, repeat_layers=True, mtp=mtp)
     params = untile_vocab(params, seed)
     if tokenizer:
         model = dataclasses.replace(model, tokenizer=synthetic_tokenizer(model.cfg.vocab_size,
@@ -639,6 +639,14 @@ SMOKE_BUCKETS = dict(max_num_seqs=4, max_num_batched_tokens=64, decode_buckets=(
                      prefill_buckets=(64,))
 
 
+def wants_mtp(plan: Plan) -> bool:
+    """--engine-config asks for the MTP drafter: the models then get a (random) MTP head."""
+    from metrale_jax.engine.spec_decode import SpeculativeConfig
+
+    spec = SpeculativeConfig.of(dict(plan.overrides).get("speculative_config"))
+    return spec is not None and spec.method == "mtp"
+
+
 def engine_config(plan: Plan, attention=None):
     """The traffic engine's config: the defaults, but for dtype, max_model_len and the KV pool."""
     from metrale_jax.engine.config import EngineConfig
@@ -679,7 +687,7 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
 
     checks = res["checks"]
     t0 = time.perf_counter()
-    model, params = build_model(family_config(fam, plan), plan.dtype, seed)
+    model, params = build_model(family_config(fam, plan), plan.dtype, seed, mtp=wants_mtp(plan))
     jax.block_until_ready(params)
     res["load_s"] = round(time.perf_counter() - t0, 2)
     eng = LLMEngine(model, params, engine_config(plan))
@@ -821,7 +829,7 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
         for name, attn in (("default", None), ("xla_reference", AttentionConfig())):
-            model, params = build_model(cfg, "float32", seed, tokenizer=False)
+            model, params = build_model(cfg, "float32", seed, tokenizer=False, mtp=plan.smoke and wants_mtp(plan))
             ecfg = twin_config(plan, attn)
             if name == "xla_reference":  # the reference computes every token (no prefix cache)
                 ecfg = dataclasses.replace(ecfg, enable_prefix_caching=False)

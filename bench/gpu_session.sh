@@ -9,7 +9,9 @@
 # "--family llama3-8b --family qwen3-30b-a3b --family mamba2-2.7b" (~490 s), then
 # "--family qwen3-next-80b-a3b --family nemotron-h-8b" (~455 s), `generate` (3 runs, ~400 s); with
 # ACCEPTANCE_ARGS='... --engine-config {"enable_prefix_caching":true}' the same traffic with
-# prefix caching on (Mamba-2 alone: 79 s). Run parts one after another:
+# prefix caching on (Mamba-2 alone: 79 s); with '--family qwen3-next-80b-a3b --engine-config
+# {"speculative_config":{"method":"mtp","num_speculative_tokens":2}}' the models get a random MTP
+# head and the traffic drafts with it (CPU smoke: PASS, session 13). Run parts one after another:
 # five acceptance processes plus pytest at once starved the 16 cores and finished nothing in 185 s.
 # Session 10 (2026-12-02) took: tests 248 s, startup+loading 184 s, generate 232 s, acceptance of
 # two families 329-414 s, `LINEAR_ARGS=--fp8-batch linear` 102 s (before the W8A8 variants).
