@@ -88,16 +88,17 @@ request_st = st.fixed_dictionaries(dict(
     too_long=st.booleans(),
     ssm_slots=st.integers(1, 4),
     swap_space=st.sampled_from([None, None, None, 0, 400]),  # bytes (a 30-token sequence takes 144)
+    lookahead=st.sampled_from([0, 0, 3]),  # blocks past a decode row's window (an MTP drafter's k - 1)
 )
 def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long,
-                            ssm_slots, swap_space):
+                            ssm_slots, swap_space, lookahead):
     eng = engine
     w = np.asarray(eng.params["w"])
     if eng.config.speculative_config is not None:
         orig, spec_decode.draft_tokens = spec_decode.draft_tokens, _spec_oracle(w, eng.model.use_ssm)
         try:
             _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
-                          swap_space)
+                          swap_space, lookahead)
         finally:
             spec_decode.draft_tokens = orig
         st_ = eng.stats()
@@ -105,17 +106,18 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
         event(f"spec accepted: {st_.spec_accepted_tokens > 0}")
     else:
         _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
-                      swap_space)
+                      swap_space, lookahead)
 
 
 def _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
-                  swap_space):
+                  swap_space, lookahead=0):
     limits = dict(num_ssm_slots=ssm_slots) if eng.uses_ssm else {}
     if swap_space is not None:
         limits["swap_space_bytes"] = swap_space
     eng.scheduler = eng._new_scheduler(
         num_blocks=num_blocks, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
         max_prefill_streams=streams, max_prefill_tokens=max_prefill, **limits)
+    eng.scheduler.num_lookahead_tokens = lookahead  # (the engine sets it only with an MTP drafter)
     free0 = (eng.scheduler.blocks.num_free, eng.scheduler.ssm_slots.num_free, eng.scheduler.pen_rows.num_free)
     mml = eng.config.max_model_len
     rng = np.random.default_rng(len(reqs) * 1000 + num_blocks)
