@@ -848,7 +848,7 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
                 outs["turn2"] = llm.generate(turn2, sp)
                 hits = dict(alone=h1 - h0, turn2=eng.stats().prefix_cache_hits - h1, block_size=eng.config.block_size,
                             cache_decoded=getattr(eng.scheduler.prefix_cache, "cache_decoded", True),
-                            turn1_prompts=prompts[-2:])
+                            turn1_prompts=[len(p) for p in prompts[-2:]])
             else:
                 outs["turn2_reference"] = llm.generate(turn2, sp)
             del eng, model, params, llm
@@ -874,9 +874,8 @@ def run_twins(fam: Family, plan: Plan, seed: int) -> dict[str, dict]:
         # issue 17's bar: hits >= turn 1's block-aligned length (prompt + reply) minus one block; a
         # model whose decode path differs from its prefill path (Nemotron-H with dt limits:
         # `Model.decode_matches_prefill`) caches only what prefill computed: turn 1's prompt
-        turn1 = [len(p) - TURN2_NEW for p in turn2] if hits["cache_decoded"] else map(len, hits["turn1_prompts"])
+        turn1 = [len(p) - TURN2_NEW for p in turn2] if hits["cache_decoded"] else hits["turn1_prompts"]
         want = sum(max(0, n // bs * bs - bs) for n in turn1)
-        hits["turn1_prompts"] = [len(p) for p in hits["turn1_prompts"]]
         t2 = [compare_twins(list(r.outputs[0].token_ids), r.outputs[0].logprobs, list(g.outputs[0].token_ids),
                             g.outputs[0].logprobs) for r, g in zip(outs["turn2_reference"], outs["turn2"])]
         out["prefix_cache"] = check(all(r["passed"] for r in t2) and hits["turn2"] >= want, hits=hits,

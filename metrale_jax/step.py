@@ -51,7 +51,7 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
     """Zeroed state: `num_blocks` KV blocks of `block_size` tokens, `penalty_rows` penalty rows
     (`extra_kv_layers`: KV layers for an MTP drafter)."""
     ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots,
-                          **({"extra_kv_layers": extra_kv_layers} if extra_kv_layers else {}))
+                          extra_kv_layers=extra_kv_layers)
     return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
 
 

@@ -259,8 +259,7 @@ class LLMEngine:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return self.model.kv_bytes_per_block(self.config.block_size, self.kv_dtype,
-                                             **({"extra_kv_layers": 1} if self.num_drafts else {}))
+        return self.model.kv_bytes_per_block(self.config.block_size, self.kv_dtype, self.extra_kv_layers)
 
     def _check_mtp(self) -> int:
         """k when the speculative config drafts with the model's MTP head, else 0; a clear error
@@ -352,21 +351,20 @@ class LLMEngine:
         context, so it is a lower bound of recomputing a cached prefix: a restore that beats it
         pays at any depth; one that does not may still pay deep in a long context (then the tier
         stays off: a documented, conservative choice)."""
-        from metrale_jax.engine.swap import join_blocks, split_blocks
+        from metrale_jax.engine.swap import join_blocks, slot_leaves, split_blocks
 
         c, comp = self.config, self.compiler
         m = c.swap_block_buckets[-1]
         blocks = list(range(m))  # every block is free at start-up: their contents do not matter
         data = comp.swap_out(self.state, blocks, -1)
         data.to_host(comp.swap_roles)
-        kinds = [r for r in comp.swap_roles if r is not None]
-        slot_leaves = tuple(a for a, (kind, _) in zip(data.arrays, kinds) if kind == "slot")
+        slots = slot_leaves(data, comp.swap_roles)
         parts = split_blocks(data, comp.swap_roles)
         bucket = comp.bucket_for(0, c.prefill_buckets[-1], 1)
         dev = comp.transfer(build_step(self.builder, bucket, [], []))
 
         def restore():
-            self.state = comp.swap_in(self.state, join_blocks(parts, comp.swap_roles, slot_leaves, m), blocks, -1)
+            self.state = comp.swap_in(self.state, join_blocks(parts, comp.swap_roles, slots, m), blocks, -1)
             jax.block_until_ready(self.state)
 
         def recompute():
@@ -674,14 +672,13 @@ class LLMEngine:
     def _offload_to_host(self) -> None:
         """The copies `_offload` started, into the host tier. They ran right after the previous
         step, whose samples `step()` has just read, so this barely waits."""
-        from metrale_jax.engine.swap import split_blocks
+        from metrale_jax.engine.swap import slot_leaves, split_blocks
 
         roles = self.compiler.swap_roles
         for keys, data in self._offload_pending:
             data.to_host(roles)
             if self._slot_leaves is None:
-                kinds = [r for r in roles if r is not None]
-                self._slot_leaves = tuple(a for a, (kind, _) in zip(data.arrays, kinds) if kind == "slot")
+                self._slot_leaves = slot_leaves(data, roles)
             for k, arrays in zip(keys, split_blocks(data, roles)):
                 self.scheduler.prefix_cache.host_put(k, arrays)
         self._offload_pending = []

@@ -425,8 +425,8 @@ class Scheduler:
 
     def _decode_upto(self, seq: Sequence) -> int:
         """Positions a decode row needs blocks for: its window, then the lookahead (up to max_model_len)."""
-        return min(seq.num_computed + 1 + seq.spec_len + self.num_lookahead_tokens,
-                   max(self.max_model_len, seq.num_computed + 1 + seq.spec_len))
+        window = seq.num_computed + 1 + seq.spec_len
+        return max(window, min(window + self.num_lookahead_tokens, self.max_model_len))
 
     def swapped_in(self, seq: Sequence) -> None:
         """The engine wrote `seq`'s saved state back: drop the host copy."""

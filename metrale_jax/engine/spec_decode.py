@@ -318,14 +318,14 @@ def mtp_draft(params, ms, hidden, tokens_next, dmd, pmd, rows, *, model, attn, k
     draft is the argmax of the LM head there, and draft j + 1 runs the head once more at position
     + j on draft j and the head's own previous output (vLLM's chaining), as a decode row whose K/V
     goes to that position's slot (the scheduler allocates these k - 1 lookahead positions;
-    the next step overwrites them)."""
+    the next step overwrites them). rows None (a prefill step): the head's K/V only, drafts i32[0, k]."""
     fam, cfg = model.family, model.cfg
     layer = model.num_attention_layers
     kv, y = fam.mtp_forward_paged(cfg, params, ms.kv, layer, tokens_next, hidden, dmd, pmd, attn, 0)
+    if rows is None:
+        return dataclasses.replace(ms, kv=kv), jnp.zeros((0, k), jnp.int32)
     last, pos, bt, valid = rows
     d_rows = last.shape[0]
-    if d_rows == 0:  # a prefill step: the head's K/V only
-        return dataclasses.replace(ms, kv=kv), jnp.zeros((0, k), jnp.int32)
     h = y[last]
 
     def argmax(x):
@@ -352,11 +352,8 @@ def mtp_step_draft(params, ms, hidden, samples, dmd, pmd, smd, *, model, attn, k
     from its first decode step). -> (model state, drafts i32[N, k])."""
     m = smd.mtp_next
     nxt = jnp.where(m >= 0, m, samples[jnp.clip(-1 - m, 0, samples.shape[0] - 1)])
-    if dmd is None:  # a prefill step: only the head's K/V
-        mb = pmd.max_blocks_per_seq
-        rows = (jnp.zeros((0,), jnp.int32),) * 2 + (jnp.zeros((0, mb), jnp.int32), jnp.zeros((0,), jnp.bool_))
-    else:
-        rows = (jnp.arange(dmd.num_seqs, dtype=jnp.int32), dmd.positions, dmd.block_tables, dmd.seq_lens > 0)
+    rows = None if dmd is None else (jnp.arange(dmd.num_seqs, dtype=jnp.int32), dmd.positions, dmd.block_tables,
+                                     dmd.seq_lens > 0)
     return mtp_draft(params, ms, hidden, nxt, dmd, pmd, rows, model=model, attn=attn, k=k)
 
 

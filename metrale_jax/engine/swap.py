@@ -153,6 +153,12 @@ def split_blocks(data: SwapData, roles: tuple[Role, ...]) -> list[tuple]:
             for i in range(data.num_blocks)]
 
 
+def slot_leaves(data: SwapData, roles: tuple[Role, ...]) -> tuple:
+    """The slot leaves of a host `SwapData` (`join_blocks` takes arrays of their shapes)."""
+    kinds = [r for r in roles if r is not None]
+    return tuple(a for a, (kind, _) in zip(data.arrays, kinds) if kind == "slot")
+
+
 def join_blocks(blocks: list[tuple], roles: tuple[Role, ...], slot_leaves: tuple, bucket: int = 0) -> SwapData:
     """The inverse of `split_blocks` for a scatter into n new blocks; the slot leaves come from
     `slot_leaves` (any arrays of their shapes: they are written to slot -1, i.e. nowhere).

@@ -116,11 +116,12 @@ class FakeModel:
         """Per leaf of `state`: the cache is indexed by block (axis 0), the SSM rows by slot."""
         return [("block", 0)] + [("slot", 0)] * len(jax.tree.leaves(state.ssm))
 
-    def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0) -> FakeState:
+    def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
+                   extra_kv_layers: int = 0) -> FakeState:  # (no MTP head: extra_kv_layers stays 0)
         ssm = init_ssm_pool(self.ssm_spec, max_ssm_slots) if self.use_ssm else {}
         return FakeState(jnp.zeros((num_blocks, block_size), jnp.int32), ssm)
 
-    def kv_bytes_per_block(self, block_size: int, kv_dtype=None) -> int:
+    def kv_bytes_per_block(self, block_size: int, kv_dtype=None, extra_kv_layers: int = 0) -> int:
         return 4 * block_size
 
     def ssm_bytes_per_slot(self) -> int:
