@@ -80,7 +80,7 @@ def cost(a) -> dict:
 
     from metrale_jax import LLM, LLMEngine, SamplingParams, random_model
     from metrale_jax.engine import spec_decode
-    from metrale_jax.engine.bench import shape_config
+    from metrale_jax.engine.bench import profile_calls, shape_config
     from metrale_jax.engine.config import EngineConfig
 
     on_gpu = jax.devices()[0].platform == "gpu"
@@ -133,6 +133,10 @@ def cost(a) -> dict:
             wn, sn = wall(engines["spec"], 2 + a.steps)
         finally:
             spec_decode.draft_tokens = real_propose
+            if a.profile:  # the verify steps of one generate (host events and the GPU's idle gaps too)
+                profile_calls(lambda prompts=prompts: engines["spec"].generate(
+                    prompts, SamplingParams(temperature=0, max_tokens=2 + a.steps, ignore_eos=True), use_tqdm=False),
+                    Path(a.profile) / f"{a.method}_b{b}", 1)
         run["verify_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
         run["verify_over_decode"] = run["verify_step_ms"] / run["decode_step_ms"]
         # end to end with the real n-gram drafter (greedy random weights loop)
@@ -227,6 +231,7 @@ def main() -> int:
     p.add_argument("--method", default="ngram", choices=["ngram", "mtp"], help="cost: the drafter (mtp: Qwen3-Next)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", metavar="DIR", default=None, help="cost: profile one generate of the verify steps")
     a = p.parse_args()
     res = {"acceptance": acceptance, "cost": cost, "host": host}[a.what](a)
     print(json.dumps(res, indent=1))

@@ -456,25 +456,39 @@ def profile_executable(exe, run_once, state, out: Path, steps: int):
     """Write `exe`'s optimized HLO and cost analysis under `out`, then run `run_once(state) -> state`
     `steps` times under the JAX profiler and write the device kernels' total time by name
     (`kernels.txt`, largest first). Returns the state (the step donates it)."""
-    import gzip
-
-    import jax
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "hlo.txt").write_text(exe.as_text())
     try:
         (out / "cost.json").write_text(json.dumps(exe.cost_analysis(), indent=1, default=str))
     except Exception as e:  # noqa: BLE001 - not every backend reports it
         log.warning("cost analysis unavailable: %s", e)
+    box = [state]
+
+    def run():
+        box[0] = run_once(box[0])
+        return box[0]
+
+    profile_calls(run, out, steps)
+    return box[0]
+
+
+def profile_calls(run, out: Path, steps: int) -> None:
+    """Call `run()` `steps` times under the JAX profiler and write the device kernels' total time
+    per call by name, the GPU's idle gaps and the host's largest events (`out/kernels.txt`)."""
+    import gzip
+
+    import jax
+
+    out.mkdir(parents=True, exist_ok=True)
     trace_dir = out / "trace"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(steps):
-            state = run_once(state)
-        jax.block_until_ready(state)
+            r = run()
+        jax.block_until_ready(r)
     files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         log.warning("no perfetto trace written under %s", trace_dir)
-        return state
+        return
     events = json.loads(gzip.open(files[-1]).read())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -493,7 +507,6 @@ def profile_executable(exe, run_once, state, out: Path, steps: int):
     (out / "kernels.txt").write_text("\n".join(lines) + "\n")
     shutil.rmtree(trace_dir, ignore_errors=True)  # tens of MB; the summary is what we keep
     log.info("profile %s:\n%s", out, "\n".join(lines[:50]))
-    return state
 
 
 def _timeline_lines(events, procs, steps: int) -> list[str]:
