@@ -32,7 +32,6 @@ past the sequence's new length (p + 1 + a_r) and is overwritten by the next step
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import weakref
 from collections.abc import Sequence
@@ -166,62 +165,85 @@ class VerifyRow:
     moe_lora_slot: int = -1
 
 
+_PER_SAMPLED_ROW = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "pen_rows", "seeds", "out_index")
+
+
 def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
     """A verify step's inputs (numpy), padded to `bucket` (kind "verify", N rows, k drafts):
-    pmd with N streams and T = N * (1 + k) tokens; sampled row r * (1 + k) + j = row r's position j."""
+    pmd with N streams and T = N * (1 + k) tokens; sampled row r * (1 + k) + j = row r's position j.
+    Built column by column (a synchronous step: the device waits for this)."""
     from metrale_jax.metadata_builder import StepInputs, _sampling_metadata
 
     n, w = bucket.num_seqs, bucket.num_spec + 1
     t = n * w
     bs, mb = cfg.block_size, cfg.max_blocks_per_seq
-    if len(rows) > n:
-        raise ValueError(f"{len(rows)} verify rows do not fit bucket {bucket}")
+    nr = len(rows)
+    if nr > n:
+        raise ValueError(f"{nr} verify rows do not fit bucket {bucket}")
+    lens = np.fromiter((len(r.tokens) for r in rows), np.int32, nr)
+    start = np.fromiter((r.position for r in rows), np.int32, nr)
+    nblk = np.fromiter((len(r.block_table) for r in rows), np.int32, nr)
+    if nr and not (1 <= lens.min() and lens.max() <= w):
+        raise ValueError(f"a verify row carries 1..{w} tokens, got {lens.min() if lens.min() < 1 else lens.max()}")
+    if nr and nblk.max() > mb:
+        raise ValueError(f"block table of {nblk.max()} blocks exceeds {mb}")
+    if np.any(nblk * bs < start + lens):
+        raise ValueError("a verify row's block table does not cover its window")
+    bt = np.zeros((n, mb), np.int32)
+    for r, row in enumerate(rows):
+        bt[r, : nblk[r]] = row.block_table
+    cu = np.zeros(n + 1, np.int32)
+    cu[1: nr + 1] = np.cumsum(lens)
+    o = int(cu[nr])
+    cu[nr + 1:] = o
+    tok_row = np.repeat(np.arange(nr), lens)  # i32[o] the row of each real token
+    j = np.arange(o, dtype=np.int32) - cu[tok_row]  # its place in the row's window
     tokens = np.zeros(t, np.int32)
     pos = np.zeros(t, np.int32)
     slots = np.full(t, -1, np.int32)
-    bt = np.zeros((n, mb), np.int32)
-    cu = np.zeros(n + 1, np.int32)
+    tokens[:o] = [x for row in rows for x in row.tokens]
+    pos[:o] = start[tok_row] + j
+    slots[:o] = bt[tok_row, pos[:o] // bs] * bs + pos[:o] % bs
+
+    def col(name, fill):
+        a = np.full(n, fill, np.int32)
+        a[:nr] = np.fromiter((getattr(r, name) for r in rows), np.int32, nr)
+        return a
+
     kv_lens = np.zeros(n, np.int32)
-    ssm = np.full(n, -1, np.int32)
-    lslot = np.full(n, -1, np.int32)
-    mslot = np.full(n, -1, np.int32)
+    kv_lens[:nr] = start + lens
+    # sampling: every real token's position is sampled (row r * W + j), with its row's parameters
+    # (built once per row, then spread over the positions) and output index + j
+    first = cu[:nr]
     tok_pen_rows = np.full(t, -1, np.int32)
+    tok_pen_rows[first] = [r.sampling.pen_row for r in rows]  # t0 counts now; accepted drafts in the step
     tok_is_output = np.zeros(t, np.bool_)
-    samp = []
-    o = 0
+    tok_is_output[first] = True
+    z = np.zeros(0, np.int32)
+    per_row = _sampling_metadata(cfg, nr, [(r, 0, row.sampling) for r, row in enumerate(rows)], z, z.astype(bool),
+                                 z, z, z)
+    smd = _sampling_metadata(cfg, n * w, [], tok_pen_rows, tok_is_output, np.full(n, -1, np.int32), z, z)
+    sidx = tok_row * w + j
+    for name in _PER_SAMPLED_ROW:
+        getattr(smd, name)[sidx] = getattr(per_row, name)[tok_row]
+    smd.logits_indices[sidx] = np.arange(o)
+    smd.out_index[sidx] += j
+    smd.flags[:] = per_row.flags
+    smd.suppress_ids[sidx] = -1  # min_tokens: the stop ids while the position's output index is below it
     for r, row in enumerate(rows):
-        L = len(row.tokens)
-        if not 1 <= L <= w:
-            raise ValueError(f"a verify row carries 1..{w} tokens, got {L}")
-        if len(row.block_table) > mb:
-            raise ValueError(f"block table of {len(row.block_table)} blocks exceeds {mb}")
-        p = np.arange(row.position, row.position + L, dtype=np.int32)
-        btab = np.asarray(row.block_table, np.int32)
-        tokens[o: o + L] = row.tokens
-        pos[o: o + L] = p
-        slots[o: o + L] = btab[p // bs] * bs + p % bs
-        bt[r, : len(btab)] = btab
-        kv_lens[r] = row.position + L
-        ssm[r] = row.ssm_slot
-        lslot[r], mslot[r] = row.lora_slot, row.moe_lora_slot
-        rs = row.sampling
-        tok_pen_rows[o] = rs.pen_row  # t0 is counted now; accepted drafts once accepted (in the step)
-        tok_is_output[o] = True
-        for j in range(L):
-            pos_rs = copy.copy(rs)  # (dataclasses.replace costs 4x more: the host loop's hot path)
-            pos_rs.out_index = rs.out_index + j
-            pos_rs.suppress_ids = tuple(row.stop_ids) if pos_rs.out_index < row.suppress_until else ()
-            samp.append((r * w + j, o + j, pos_rs))
-        o += L
-        cu[r + 1] = o
-    cu[len(rows) + 1:] = o
+        if row.stop_ids:
+            if len(row.stop_ids) > smd.suppress_ids.shape[1]:
+                raise ValueError(f"{len(row.stop_ids)} suppressed ids exceed max_suppress_ids={cfg.max_suppress_ids}")
+            js = np.arange(lens[r])
+            live = r * w + js[row.sampling.out_index + js < row.suppress_until]
+            smd.suppress_ids[live, : len(row.stop_ids)] = row.stop_ids
     pmd = BatchedAttnMetadata(
         positions=pos, positions_h=pos, positions_w=pos, slots=slots, block_tables=bt, cu_seqlens=cu,
-        kv_lens=kv_lens, ssm_slots=ssm, seq_slot=lslot, moe_row_adapter=mslot, num_tokens=t, num_streams=n,
-        max_blocks_per_seq=mb, verify_width=w)
-    smd = _sampling_metadata(cfg, n * w, samp, tok_pen_rows, tok_is_output, np.full(n, -1, np.int32),
-                             np.zeros(0, np.int32), np.zeros(0, np.int32))
-    return StepInputs(bucket, None, pmd, tokens, smd, [r for r, _, _ in samp])
+        kv_lens=kv_lens, ssm_slots=col("ssm_slot", -1), seq_slot=col("lora_slot", -1),
+        moe_row_adapter=col("moe_lora_slot", -1), num_tokens=t, num_streams=n, max_blocks_per_seq=mb,
+        verify_width=w)
+    return StepInputs(bucket, None, pmd, tokens, smd, sidx.tolist())
 
 
 # ---- the verify step (device) ---------------------------------------------------------------------
