@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -138,6 +138,12 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
       --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     grep -v "rematerialization" "$OUT/$name.log" | tail -10
   done
+fi
+if [[ $parts == *sampler* ]]; then  # issues 15/16: the sampler alone at 1 / 64 / 320 rows (a verify step's, batch 64, k 4)
+  # beside a baseline sampling.py carried as a file (the machine's copy has no git history)
+  timeout ${SAMPLER_LIMIT:-120} python3 bench/sampling_cpu.py --baseline-rev "${SAMPLER_BASELINE:-baseline}" \
+    --baseline-file "${SAMPLER_BASELINE_FILE:-.gpu_carry/sampling_baseline.py}" --rows 1,64,320 --vocab 128256 \
+    --repeats 20 --out "$OUT/sampler_h200" 2>&1 | tail -16
 fi
 if [[ $parts == *topk* ]]; then  # issue 15: the sampler's top logprobs over chunk / round sizes, beside lax.top_k and torch
   timeout ${TOPK_LIMIT:-150} python3 bench/kernels/top_k.py --out "$OUT/top_k" 2>&1 | tail -32

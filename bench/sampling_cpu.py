@@ -2,7 +2,7 @@
 current branch-free one (`metrale_jax.sampling.sample`), on random logits, per variant and size.
 
     python bench/sampling_cpu.py [--baseline-rev 1ce9bbd] [--rows 1,8,64] [--vocab 49152,128256]
-                                 [--repeats 5] [--out bench/results/sampling_cpu_<date>]
+                                 [--repeats 5] [--out bench/results/sampling_cpu_<date>] [--baseline-file F]
 
 Variants: greedy; temperature 0.7 + top_p 0.9; temperature 0.7 + top_k 50; greedy + logprobs=5.
 Every call uses max_logprobs=20, as the engine's steps do. Times are medians of `--repeats` calls
@@ -42,10 +42,11 @@ VARIANTS = {
 }
 
 
-def baseline_module(rev: str) -> types.ModuleType:
-    """metrale_jax/sampling.py as of git revision `rev`, loaded as a module."""
-    src = subprocess.run(["git", "show", f"{rev}:metrale_jax/sampling.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+def baseline_module(rev: str, path: str | None = None) -> types.ModuleType:
+    """metrale_jax/sampling.py as of git revision `rev` (or the file `path`: where the checkout
+    has no git history, e.g. the GPU machine's copy), loaded as a module."""
+    src = Path(path).read_text() if path else subprocess.run(
+        ["git", "show", f"{rev}:metrale_jax/sampling.py"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     mod = types.ModuleType(f"sampling_{rev}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
     exec(compile(src, f"{rev}:metrale_jax/sampling.py", "exec"), mod.__dict__)
@@ -81,13 +82,14 @@ def median_time(fn, *args, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline-rev", default="1ce9bbd")
+    ap.add_argument("--baseline-file", default=None, help="the baseline's sampling.py (instead of git show)")
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--vocab", default="49152,128256")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ways = sampling.default_search_ways()
-    old_mod = baseline_module(args.baseline_rev)
+    old_mod = baseline_module(args.baseline_rev, args.baseline_file)
     date = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"sampling_cpu_{date}"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -385,6 +385,18 @@ def _unkey(k: Array) -> Array:
 _KEY_NEG_INF = 0x007FFFFF  # _key(-inf)
 
 
+def _sums_ge(x: Array, th: Array, weight: Array | None = None) -> Array:
+    """For each row r and threshold j: the sum over V of `weight` f32[R, V] (None: the count, i32)
+    where x f32[R, V] >= th f32[R, J][r, j]. One variadic reduction (J outputs per row), so each
+    element of x is read once per pass: `sum(x[:, None, :] >= th[:, :, None], -1)` re-read every
+    row J times (the CPU wrote the [R, J, V] comparisons out: 16x slower at R 8, V 49,152, J 15)."""
+    zero = jnp.int32(0) if weight is None else jnp.float32(0)
+    ops = tuple((x >= th[:, j:j + 1]).astype(jnp.int32) if weight is None
+                else jnp.where(x >= th[:, j:j + 1], weight, zero) for j in range(th.shape[1]))
+    sums = jax.lax.reduce(ops, (zero,) * len(ops), lambda a, b: tuple(p + q for p, q in zip(a, b)), (1,))
+    return jnp.stack(sums, axis=-1)
+
+
 def _largest_threshold(holds, lo: Array, hi: Array, ways: int) -> Array:
     """Largest f32[R] threshold t (by bit pattern, within [_unkey(lo), _unkey(hi)]) for which
     `holds(t f32[R, W]) -> bool[R, W]` is true, for a `holds` that is true up to some t and false
@@ -438,7 +450,7 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     k = jnp.where(k_on, params.top_k, 1)[:, None, None]  # i32[R, 1, 1]
 
     def enough_tokens(th: Array) -> Array:  # th f32[R, W-1]
-        return jnp.sum(x[:, None, :] >= th[:, :, None], axis=-1, dtype=jnp.int32) >= k[:, :, 0]
+        return _sums_ge(x, th) >= k[:, :, 0]
 
     p_on = params.top_p < 1
     top_p = jnp.where(p_on, params.top_p, 1.0)
@@ -454,8 +466,7 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
         need = (top_p * jnp.sum(e, axis=-1))[:, None]  # f32[R, 1]
 
         def enough_mass(th: Array) -> Array:  # th f32[R, W-1]
-            mass = jnp.sum(jnp.where(xk[:, None, :] >= th[:, :, None], e[:, None, :], 0.0), axis=-1)
-            return mass >= need
+            return _sums_ge(xk, th, e) >= need
 
         return t_k, jnp.where(p_on, _largest_threshold(enough_mass, _key(t_k), _key(m), ways), neg_inf)
 
