@@ -256,13 +256,14 @@ def _window_penalties(ps, smd, tok_grid, mask, w: int):
     if rows == 0:
         return ps, smd
     n = tok_grid.shape[0]
-    v = ps.out_counts.shape[1]
     has = smd.pen_rows >= 0
     r = jnp.clip(smd.pen_rows, 0, rows - 1)
-    drafted = mask & (jnp.arange(w)[None, :] >= 1)  # [N, W]: positions 1.. hold drafts
-    onehot = jax.nn.one_hot(jnp.where(drafted, tok_grid, v), v, dtype=jnp.int32)  # [N, W, V] (v -> zeros)
-    extra = jnp.cumsum(onehot, axis=1).reshape(n * w, v)
-    counts = jnp.where(has[:, None], ps.out_counts[r] + extra, 0)
+    counts = jnp.where(has[:, None], ps.out_counts[r], 0)  # i32[N * W, V]
+    # + the drafts d_i (1 <= i <= j) of position j's window: N * W (W - 1) / 2 scatter-adds
+    pj, pi = np.asarray([(j, i) for j in range(w) for i in range(1, j + 1)], np.int32).T
+    at = jnp.arange(n, dtype=jnp.int32)[:, None] * w + pj[None, :]  # i32[N, P] the sampled row
+    ok = mask[:, pi] & has[at]
+    counts = counts.at[jnp.where(ok, at, n * w).reshape(-1), tok_grid[:, pi].reshape(-1)].add(1, mode="drop")
     seen = ps.prompt_seen[r] & has[:, None]
     own = jnp.where(has, jnp.arange(n * w, dtype=jnp.int32), -1)
     return PenaltyState(seen, counts), dataclasses.replace(smd, pen_rows=own)
