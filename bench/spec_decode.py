@@ -131,12 +131,20 @@ def cost(a) -> dict:
         try:
             w1, s1 = wall(engines["spec"], 2)
             wn, sn = wall(engines["spec"], 2 + a.steps)
+            if a.profile:  # verify steps alone, once every row decodes (host events, the GPU's idle gaps)
+                eng = engines["spec"].llm_engine
+                sp = SamplingParams(temperature=0, max_tokens=4 + a.steps, ignore_eos=True)
+                for i, pr in enumerate(prompts):
+                    eng.add_request(f"profile{b}_{i}", pr, sp)
+                while eng.scheduler.waiting or any(not s.decoding for s in eng.scheduler.running):
+                    eng.step()
+                for _ in range(2):
+                    eng.step()
+                profile_calls(eng.step, Path(a.profile) / f"{a.method}_b{b}", a.steps)
+                while eng.has_unfinished_requests():
+                    eng.step()
         finally:
             spec_decode.draft_tokens = real_propose
-            if a.profile:  # the verify steps of one generate (host events and the GPU's idle gaps too)
-                profile_calls(lambda prompts=prompts: engines["spec"].generate(
-                    prompts, SamplingParams(temperature=0, max_tokens=2 + a.steps, ignore_eos=True), use_tqdm=False),
-                    Path(a.profile) / f"{a.method}_b{b}", 1)
         run["verify_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
         run["verify_over_decode"] = run["verify_step_ms"] / run["decode_step_ms"]
         # end to end with the real n-gram drafter (greedy random weights loop)

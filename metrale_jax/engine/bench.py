@@ -538,7 +538,7 @@ def _timeline_lines(events, procs, steps: int) -> list[str]:
         if e.get("ph") == "X" and "GPU" not in procs.get(e.get("pid"), "") and "dur" in e:
             host[e["name"]] = host.get(e["name"], 0.0) + e["dur"] / steps
     out.append("host events, us per step (largest):")
-    out += [f"  {v:10.1f}  {k[:120]}" for k, v in sorted(host.items(), key=lambda kv: -kv[1])[:15]]
+    out += [f"  {v:10.1f}  {k[:120]}" for k, v in sorted(host.items(), key=lambda kv: -kv[1])[:30]]
     return out
 
 
