@@ -369,3 +369,23 @@ def test_gumbel_noise_is_finite():
     g = jax.jit(row_gumbel, static_argnums=1)(smd, 131072)
     assert bool(jnp.all(jnp.isfinite(g)))
     assert 16 < float(jnp.max(g)) < 17  # -log(-log(1 - 2**-24))
+
+
+@pytest.mark.parametrize("variadic", [True, False])
+def test_threshold_sums_both_forms(variadic):
+    """The searches' counts and masses over {x >= t} (one variadic reduction, the CPU's and a
+    verify step's; or a reduction per threshold, the GPU's for fewer rows) against numpy, with
+    -inf entries and thresholds equal to entries (ties count)."""
+    from metrale_jax.sampling import _sums_ge
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 300)).astype(np.float32)
+    x[:, ::7] = -np.inf
+    th = np.sort(np.concatenate([x[:, 1:4], rng.standard_normal((5, 12)).astype(np.float32)], 1), axis=1)
+    th[0, 0] = -np.inf
+    w = np.exp(np.where(np.isfinite(x), x, -np.inf)).astype(np.float32)
+    ge = x[:, None, :] >= th[:, :, None]
+    counts = np.asarray(_sums_ge(jnp.asarray(x), jnp.asarray(th), variadic=variadic))
+    masses = np.asarray(_sums_ge(jnp.asarray(x), jnp.asarray(th), jnp.asarray(w), variadic=variadic))
+    np.testing.assert_array_equal(counts, ge.sum(-1))
+    np.testing.assert_allclose(masses, np.where(ge, w[:, None, :], 0).sum(-1), rtol=1e-5)
