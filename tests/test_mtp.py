@@ -93,7 +93,7 @@ def test_engine_mtp_drafts_match_dense_reference(monkeypatch):
     the dense MTP head validated above): draft 1 from (h[i], tok[i+1]) at the last accepted
     position i, draft j + 1 from (the head's previous output, draft j) at i + j. Prompts end in
     the middle of prefill chunks and cross blocks; one runs into max_model_len (fewer drafts,
-    lookahead cut at the end of the block table)."""
+    lookahead cut at the end of the block table). A prompt's prefill drafts the first token."""
     import jax.numpy as jnp
 
     from metrale_jax.engine import spec_decode
@@ -129,6 +129,11 @@ def test_engine_mtp_drafts_match_dense_reference(monkeypatch):
         st = eng.stats()
         assert st.spec_num_drafts > 10 and st.spec_draft_tokens == sum(len(d) for _, d in seen)
         assert any(len(d) < k for _, d in seen)  # the rows near max_model_len drafted fewer
+        # a prefill drafts its stream's first token (no lookahead to chain at): where the step after
+        # it has no prefill chunks (the last prompt to finish), it verifies that one draft, checked
+        # against the dense chain below like the others
+        first = [d for p, r in zip(prompts, ref) for toks, d in seen if toks == p + r[:1]]
+        assert first and all(len(d) == 1 for d in first), first
         # the oracle's drafts verified (each accepted length 0..k occurs), the head's still recorded:
         # the head then drafts from every window position
         oracle = _oracle([p + r for p, r in zip(prompts, ref)], v)

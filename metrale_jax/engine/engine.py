@@ -793,7 +793,7 @@ class LLMEngine:
             names += ["ranks", "top_ids", "top_logprobs"]
         if want_plp:
             names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
-        if out.drafts is not None and sched.decode:
+        if out.drafts is not None and sampled:  # decode rows' drafts, and a sampled stream's first one
             names.append("drafts")
         arrays = [local(getattr(out, n)) for n in names]
         for a in arrays:

@@ -140,7 +140,14 @@ def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
     sequence (tests and benches swap this function for other drafters)."""
     if spec.method == "mtp":
         length, drafts = seq.mtp_drafts
-        return [int(d) for d in drafts[:k]] if length == len(seq.token_ids) else []
+        if length != len(seq.token_ids):
+            return []
+        out = []
+        for d in drafts[:k]:  # up to the first -1 (a prefill's stream drafts one token)
+            if d < 0:
+                break
+            out.append(int(d))
+        return out
     idx = _INDEXES.get(seq)
     if idx is None:
         idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -330,8 +337,8 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
 
 
 # ---- the MTP drafter (device) ----------------------------------------------------------------------
-def mtp_draft(params, ms, hidden, tokens_next, dmd, pmd, rows, *, model, attn, k: int):
-    """The MTP head (params["mtp"], `models/mtp.py`) inside a step: -> (model state, drafts i32[D, k]).
+def mtp_draft(params, ms, hidden, tokens_next, dmd, pmd, rows, *, model, attn, k: int, first_only=None):
+    """The MTP head (params["mtp"], `models/mtp.py`) inside a step: -> (model state, drafts i32[D + B, k]).
 
     First over every token of the step (tokens_next i32[N + T]: the token after each one, hidden
     [N + T, H] the target's): that writes the head's K/V of the step's positions to its KV-pool
@@ -341,43 +348,60 @@ def mtp_draft(params, ms, hidden, tokens_next, dmd, pmd, rows, *, model, attn, k
     draft is the argmax of the LM head there, and draft j + 1 runs the head once more at position
     + j on draft j and the head's own previous output (vLLM's chaining), as a decode row whose K/V
     goes to that position's slot (the scheduler allocates these k - 1 lookahead positions;
-    the next step overwrites them). rows None (a prefill step): the head's K/V only, drafts i32[0, k]."""
+    the next step overwrites them). rows None: no such rows (D = 0).
+    first_only = (last i32[B], valid bool[B]): B more rows that draft their first token only, -1
+    after it (and everywhere when not valid): a prefill's sampled streams, which have no lookahead
+    positions to chain at."""
     fam, cfg = model.family, model.cfg
     layer = model.num_attention_layers
     kv, y = fam.mtp_forward_paged(cfg, params, ms.kv, layer, tokens_next, hidden, dmd, pmd, attn, 0)
-    if rows is None:
-        return dataclasses.replace(ms, kv=kv), jnp.zeros((0, k), jnp.int32)
-    last, pos, bt, valid = rows
-    d_rows = last.shape[0]
-    h = y[last]
 
     def argmax(x):
         return jnp.argmax(model.compute_logits(params, x), axis=-1).astype(jnp.int32)
 
-    drafts = [argmax(h)]
-    bs, mb = kv.block_size, bt.shape[1]
-    none = jnp.full((d_rows,), -1, jnp.int32)
-    for j in range(1, k):
-        q = pos + j
-        ok = valid & (q < mb * bs)
-        slots = jnp.where(ok, bt[jnp.arange(d_rows), jnp.clip(q // bs, 0, mb - 1)] * bs + q % bs, -1)
-        md = AttnMetadata(positions=q, positions_h=q, positions_w=q, slots=slots, seq_lens=jnp.where(ok, q + 1, 0),
-                          block_tables=bt, ssm_slots=none, seq_slot=none, moe_row_adapter=none, num_seqs=d_rows,
-                          max_blocks_per_seq=mb)
-        kv, h = fam.mtp_forward_paged(cfg, params, kv, layer, drafts[-1], h, md, None, attn, j)
-        drafts.append(argmax(h))
-    return dataclasses.replace(ms, kv=kv), jnp.stack(drafts, axis=1)
+    out = []
+    if rows is not None:
+        last, pos, bt, valid = rows
+        d_rows = last.shape[0]
+        h = y[last]
+        drafts = [argmax(h)]
+        bs, mb = kv.block_size, bt.shape[1]
+        none = jnp.full((d_rows,), -1, jnp.int32)
+        for j in range(1, k):
+            q = pos + j
+            ok = valid & (q < mb * bs)
+            slots = jnp.where(ok, bt[jnp.arange(d_rows), jnp.clip(q // bs, 0, mb - 1)] * bs + q % bs, -1)
+            md = AttnMetadata(positions=q, positions_h=q, positions_w=q, slots=slots, seq_lens=jnp.where(ok, q + 1, 0),
+                              block_tables=bt, ssm_slots=none, seq_slot=none, moe_row_adapter=none, num_seqs=d_rows,
+                              max_blocks_per_seq=mb)
+            kv, h = fam.mtp_forward_paged(cfg, params, kv, layer, drafts[-1], h, md, None, attn, j)
+            drafts.append(argmax(h))
+        out.append(jnp.stack(drafts, axis=1))
+    if first_only is not None:
+        last, valid = first_only
+        first = jnp.where(valid, argmax(y[last]), -1)
+        out.append(jnp.concatenate([first[:, None], jnp.full((last.shape[0], k - 1), -1, jnp.int32)], axis=1))
+    drafts = jnp.concatenate(out, axis=0) if out else jnp.zeros((0, k), jnp.int32)
+    return dataclasses.replace(ms, kv=kv), drafts
 
 
 def mtp_step_draft(params, ms, hidden, samples, dmd, pmd, smd, *, model, attn, k: int):
     """`mtp_draft` in a decode / mixed / prefill step: the token after each input token is
-    `smd.mtp_next` (or a sample); the decode rows draft (a prefill stream's first drafts come
-    from its first decode step). -> (model state, drafts i32[N, k])."""
+    `smd.mtp_next` (or a sample); the decode rows draft k tokens, a stream whose chunk samples its
+    first one (from its last prompt token and that sample). -> (model state, drafts i32[N + B, k],
+    row r the step's sampled row r: decode rows, then the streams)."""
     m = smd.mtp_next
     nxt = jnp.where(m >= 0, m, samples[jnp.clip(-1 - m, 0, samples.shape[0] - 1)])
-    rows = None if dmd is None else (jnp.arange(dmd.num_seqs, dtype=jnp.int32), dmd.positions, dmd.block_tables,
+    n = 0 if dmd is None else dmd.num_seqs
+    rows = None if dmd is None else (jnp.arange(n, dtype=jnp.int32), dmd.positions, dmd.block_tables,
                                      dmd.seq_lens > 0)
-    return mtp_draft(params, ms, hidden, nxt, dmd, pmd, rows, model=model, attn=attn, k=k)
+    first_only = None
+    if pmd is not None:
+        cu = pmd.cu_seqlens
+        j = jnp.arange(pmd.num_streams, dtype=jnp.int32)
+        last = n + jnp.maximum(cu[1:] - 1, 0)  # the stream's last token among the step's N + T
+        first_only = (last, (cu[1:] > cu[:-1]) & (m[last] == -1 - (n + j)))  # its chunk samples
+    return mtp_draft(params, ms, hidden, nxt, dmd, pmd, rows, model=model, attn=attn, k=k, first_only=first_only)
 
 
 # ---- the engine's side (host) ---------------------------------------------------------------------
