@@ -35,6 +35,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# the commit the tree is (the machine's copy of .git may be stale): `git rev-parse HEAD >
+# .gpu_carry/commit` before the call; reports then name it
+commit_arg=$([[ -f .gpu_carry/commit ]] && echo "--git-commit $(cat .gpu_carry/commit)")
+[[ -n $commit_arg ]] && echo "tree at commit $(cat .gpu_carry/commit)" | tee "$OUT/commit.txt"
 # tokamax imports xprof (its profiler's kernel stats) at import time; the machine lacks xprof and
 # its dependency tree, so a stub module stands in for that one import (nothing here profiles).
 if ! python3 -c "import xprof" 2>/dev/null; then
@@ -118,7 +122,7 @@ if [[ $parts == *serve* ]]; then
 fi
 if [[ $parts == *twins* ]]; then  # the acceptance run's float32 twins alone, every family in its own process
   for f in ${TWIN_FAMILIES:-llama3-8b qwen3-next-80b-a3b qwen3-30b-a3b nemotron-h-8b mamba2-2.7b}; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TWINS_LIMIT:-200} python3 bench/gpu_acceptance.py --family "$f" \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TWINS_LIMIT:-200} python3 bench/gpu_acceptance.py --family "$f" $commit_arg \
       --skip traffic --out "$OUT/twins_$f" > "$OUT/twins_$f.log" 2>&1 &
   done
   wait
@@ -189,7 +193,7 @@ if [[ $parts == *loading* ]]; then  # issue 14: a page-cached safetensors checkp
     --out "$OUT/load_speed.json" 2>&1 | tail -4
 fi
 if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM.generate + HTTP server, twins
-  timeout ${ACCEPTANCE_LIMIT:-570} python3 bench/gpu_acceptance.py --out "$OUT/acceptance" ${ACCEPTANCE_ARGS:-} 2>&1 \
+  timeout ${ACCEPTANCE_LIMIT:-570} python3 bench/gpu_acceptance.py --out "$OUT/acceptance" $commit_arg ${ACCEPTANCE_ARGS:-} 2>&1 \
     | grep -v "^ *[0-9.]* us" | tail -40
 fi
 if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
