@@ -247,7 +247,8 @@ class SampleOutput:
     prompt_top_ids: Array  # i32[P, K]
     prompt_top_logprobs: Array  # f32[P, K]
     spec_accepted: Array | None = None  # i32[N]  verify steps: drafts each row accepted (engine/spec_decode.py)
-    drafts: Array | None = None  # i32[N, k]  MTP drafter: the next step's drafts of each decode / verify row
+    drafts: Array | None = None  # i32[N + B, k]  MTP drafter: each decode row's next drafts, a sampled stream's
+    #                 first (then -1); verify steps i32[N, k]
 
 
 # ---- the penalty table ---------------------------------------------------------------------------
