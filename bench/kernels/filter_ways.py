@@ -4,7 +4,8 @@ row count: few ways read the rows more often, many ways compare more per element
     python bench/kernels/filter_ways.py [--rows 1,64,320] [--ways 4,8,16] [--out FILE.json]
 
 Random logits (std 3: nuclei of thousands of tokens), temperature 0.7, top_k 50 and top_p 0.9 on
-every row (both searches run; the GPU always runs both). Median of 20 synchronous calls.
+every row (both searches run; the GPU always runs both). Median of 20 synchronous calls
+(`bench/kernels/timing.median_seconds`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.kernels.timing import median_seconds  # noqa: E402
 from metrale_jax import sampling  # noqa: E402
 
 
@@ -42,12 +44,8 @@ def main() -> int:
             f = jax.jit(lambda x, fp, w=w: sampling.filter_logits(x, fp, ways=w))
             out = np.isfinite(np.asarray(f(x, fp)))
             ref = out if ref is None else ref
-            ts = []
-            for _ in range(20):
-                t = time.perf_counter()
-                jax.block_until_ready(f(x, fp))
-                ts.append(time.perf_counter() - t)
-            run = dict(rows=r, ways=w, passes=2 * sampling.search_passes(w), ms=1e3 * float(np.median(ts)),
+            ms = 1e3 * median_seconds(f, x, fp, group=1, groups=20)
+            run = dict(rows=r, ways=w, passes=2 * sampling.search_passes(w), ms=ms,
                        same_kept_set=bool((out == ref).all()))
             res["runs"].append(run)
             print(json.dumps(run), flush=True)

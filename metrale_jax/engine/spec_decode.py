@@ -33,6 +33,7 @@ past the sequence's new length (p + 1 + a_r) and is overwritten by the next step
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,12 +143,8 @@ def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
         length, drafts = seq.mtp_drafts
         if length != len(seq.token_ids):
             return []
-        out = []
-        for d in drafts[:k]:  # up to the first -1 (a prefill's stream drafts one token)
-            if d < 0:
-                break
-            out.append(int(d))
-        return out
+        # up to the first -1 (a prefill's stream drafts one token)
+        return [int(d) for d in itertools.takewhile(lambda d: d >= 0, drafts[:k])]
     idx = _INDEXES.get(seq)
     if idx is None:
         idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -379,8 +376,7 @@ def mtp_draft(params, ms, hidden, tokens_next, dmd, pmd, rows, *, model, attn, k
         out.append(jnp.stack(drafts, axis=1))
     if first_only is not None:
         last, valid = first_only
-        first = jnp.where(valid, argmax(y[last]), -1)
-        out.append(jnp.concatenate([first[:, None], jnp.full((last.shape[0], k - 1), -1, jnp.int32)], axis=1))
+        out.append(jnp.full((last.shape[0], k), -1, jnp.int32).at[:, 0].set(jnp.where(valid, argmax(y[last]), -1)))
     drafts = jnp.concatenate(out, axis=0) if out else jnp.zeros((0, k), jnp.int32)
     return dataclasses.replace(ms, kv=kv), drafts
 
