@@ -89,6 +89,20 @@ def _fill_adapters(eng, n: int, rank: int, seed: int) -> list[int]:
     return [slot_of[i] for i in range(1, n + 1)]
 
 
+def _drop(eng) -> None:
+    """Free an engine's KV / SSM pools now: the next engine sizes its pool from the memory left
+    (the default config), and on the H200 (session 15) one made after `del` of the last saw a
+    negative pool."""
+    import gc
+
+    import jax
+
+    for a in jax.tree.leaves(eng.state):
+        a.delete()
+    del eng
+    gc.collect()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama3-8b")
@@ -132,7 +146,7 @@ def main(argv=None) -> int:
                context=args.context, engine_config="tuned" if args.tuned else "default", cases=[])
     base = LLMEngine(model, params, cfg)
     base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b) for b in batches}
-    del base
+    _drop(base)
     for kern in kernels:
         lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
                                    max_cpu_loras=args.num_adapters,
@@ -154,7 +168,7 @@ def main(argv=None) -> int:
                   f"ms ({case['ratio_none']:.3f}x), {case['adapters_in_batch']} adapters {case['lora_mixed_ms']:.3f} "
                   f"ms ({case['ratio_mixed']:.3f}x); steps waited for one by one: base {bt_sync * 1e3:.3f} ms, "
                   f"adapters {mixed_sync * 1e3:.3f} ms ({mixed_sync / bt_sync:.3f}x)", flush=True)
-        del eng
+        _drop(eng)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
