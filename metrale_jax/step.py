@@ -172,50 +172,31 @@ def _next_tokens(token_ids: Array, prev_tokens: Array) -> Array:
     return jnp.zeros_like(prev_tokens).at[:r].set(token_ids[:r])
 
 
-def staged_inputs(stage: tuple[Array, Array], ibuf: Array, fbuf: Array) -> tuple[Array, Array]:
-    """Copy a step's packed inputs (i32[I], f32[F]) into the front of `stage` (i32[I_max + 1],
-    f32[F_max + 1], donated and returned by every step, so its device address never changes) and
-    have the step read them from there.
-
-    A step executable on the GPU is a CUDA graph that XLA updates, node by node, where an argument's
-    address changed since the last launch. The packed inputs are a fresh transfer each step, and
-    dozens of kernels read slices of them, so reading them directly made each launch update all
-    those nodes: 4.0 ms of host time per batch-1 decode launch against 1.3 ms with unchanged
-    addresses (H200, Llama-3-8B shape, `bench/launch_cost.py`, session 15). Now only this copy
-    reads a new address. (The barrier keeps XLA from reading the copy's source in its place.)"""
-    si = jax.lax.dynamic_update_slice(stage[0], ibuf, (0,))
-    sf = jax.lax.dynamic_update_slice(stage[1], fbuf, (0,))
-    return jax.lax.optimization_barrier((si, sf))
-
-
 @functools.cache
 def jit_packed_step(kind: str):
     """Like `jit_step`, but the metadata arrives as two flat buffers (i32, f32) described by the
-    static `layout` (`metadata_builder.pack`): one host->device transfer per step, read through the
-    donated `stage` buffers (`staged_inputs`). It also takes the previous step's sampled tokens
-    `prev_tokens` i32[R] (R fixed for every bucket) for inputs the host does not know yet
-    (`smd.token_src`), and returns its own samples padded to R:
-    `(state, stage, SampleOutput, next_tokens i32[R])`, so a step can be dispatched before the host
-    has read the previous one's output. `bitmask` i32[S, ceil(V / 32)] (S = the bucket's sampled
+    static `layout` (`metadata_builder.pack`): one host->device transfer per step. It also takes
+    the previous step's sampled tokens `prev_tokens` i32[R] (R fixed for every bucket) for inputs
+    the host does not know yet (`smd.token_src`), and returns its own samples padded to R:
+    `(state, SampleOutput, next_tokens i32[R])`, so a step can be dispatched before the host has
+    read the previous one's output. `bitmask` i32[S, ceil(V / 32)] (S = the bucket's sampled
     rows) is the structured-output token mask of each sampled row (-1 = unconstrained;
     `sampling.apply_token_bitmask`)."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, stage, ibuf, fbuf, prev_tokens, bitmask, *, layout, model, attn, max_logprobs,
+    def fn(params, state, ibuf, fbuf, prev_tokens, bitmask, *, layout, model, attn, max_logprobs,
            placement=None, num_drafts=0):
-        stage = staged_inputs(stage, ibuf, fbuf)
-        dmd, pmd, tokens, smd = unpack(layout, *stage)
+        dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                            max_logprobs=max_logprobs, prev_tokens=prev_tokens,
                            bitmask=bitmask, num_drafts=num_drafts)
         nxt = _next_tokens(out.token_ids, prev_tokens)
         if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
             state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
-            stage = placement.replicate(stage)
-        return state, stage, out, nxt
+        return state, out, nxt
 
     fn.__name__ = f"{kind}_step_packed"
-    return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1, 2))
+    return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1,))
 
 
 @functools.cache
@@ -223,37 +204,34 @@ def jit_packed_forward(kind: str):
     """The first half of `jit_packed_step(kind)`, what the engine compiles for decode buckets: the
     forward up to the logits, dispatched before the host has a constrained row's mask (it depends
     on the previous step's token), so that the host fills the masks while it runs.
-    (params, state, stage, ibuf, fbuf, prev_tokens) -> (state, stage, logits f32[S, V], prompt
-    logprobs); the state and the stage are donated. `jit_packed_sample` finishes the step."""
+    (params, state, ibuf, fbuf, prev_tokens) -> (state, logits f32[S, V], prompt logprobs); the
+    state is donated. `jit_packed_sample` finishes the step."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(params, state, stage, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, placement=None,
+    def fn(params, state, ibuf, fbuf, prev_tokens, *, layout, model, attn, max_logprobs, placement=None,
            num_drafts=0):
         assert not num_drafts, "an MTP drafter runs in whole steps (it needs the samples)"
-        stage = staged_inputs(stage, ibuf, fbuf)
-        dmd, pmd, tokens, smd = unpack(layout, *stage)
+        dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, logits, plp, _ = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                                       max_logprobs=max_logprobs, prev_tokens=prev_tokens)
         if placement is not None:
             state, logits, plp = placement.pin_state(state), placement.replicate(logits), placement.replicate(plp)
-            stage = placement.replicate(stage)
-        return state, stage, logits, plp
+        return state, logits, plp
 
     fn.__name__ = f"{kind}_forward_packed"
-    return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1, 2))
+    return jax.jit(fn, static_argnames=("layout",) + _STATIC, donate_argnums=(1,))
 
 
 @functools.cache
 def jit_packed_sample(kind: str):
-    """The second half of `jit_packed_step(kind)`: (logits, penalties, stage, plp, bitmask,
-    prev_tokens) -> (SampleOutput, next_tokens i32[R]) with the same values as the whole step's;
-    `stage` is what the forward half returned (its inputs, not donated here). `prev_tokens` only
-    gives next_tokens its shape."""
+    """The second half of `jit_packed_step(kind)`: (logits, penalties, ibuf, fbuf, plp, bitmask,
+    prev_tokens) -> (SampleOutput, next_tokens i32[R]) with the same values as the whole step's.
+    `prev_tokens` only gives next_tokens its shape."""
     from metrale_jax.metadata_builder import unpack
 
-    def fn(logits, penalties, stage, plp, bitmask, prev_tokens, *, layout, model, attn, max_logprobs,
+    def fn(logits, penalties, ibuf, fbuf, plp, bitmask, prev_tokens, *, layout, model, attn, max_logprobs,
            placement=None, num_drafts=0):
-        _, _, _, smd = unpack(layout, *stage)
+        _, _, _, smd = unpack(layout, ibuf, fbuf)
         out = _sample(logits, penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
         nxt = _next_tokens(out.token_ids, prev_tokens)
         if placement is not None:

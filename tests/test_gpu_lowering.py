@@ -48,8 +48,7 @@ def _lower_steps(model, params) -> dict[str, str]:
     out = {}
     for bucket in BUCKETS:
         lay = packed_layout(builder, bucket)
-        stage = (sds((lay.num_i32 + 1,), jnp.int32), sds((lay.num_f32 + 1,), jnp.float32))
-        args = (p, state, stage, sds((lay.num_i32,), jnp.int32), sds((lay.num_f32,), jnp.float32), sds((8,), jnp.int32),
+        args = (p, state, sds((lay.num_i32,), jnp.int32), sds((lay.num_f32,), jnp.float32), sds((8,), jnp.int32),
                 sds((bucket.num_sample_rows, -(-model.cfg.vocab_size // 32)), jnp.int32))
         with jax.sharding.use_abstract_mesh(mesh):
             traced = jit_packed_step(bucket.kind).trace(*args, layout=lay, model=model, attn=attn, max_logprobs=5,

@@ -54,18 +54,11 @@ def test_forward_then_sample_equals_the_step(bucket):
         s = init_step_state(model, 32, 4, penalty_rows=4)
         return jax.tree.map(lambda a: a + 0.01 if jnp.issubdtype(a.dtype, jnp.floating) else a, s)
 
-    def stage():  # the staging buffers, longer than this bucket's inputs and holding garbage
-        return (jnp.asarray(rng.integers(-9, 9, ibuf.size + 7), jnp.int32),
-                jnp.asarray(rng.normal(size=fbuf.size + 5), jnp.float32))
-
-    s1, st1, out1, nxt1 = jit_packed_step(bucket.kind)(params, state(), stage(), ibuf, fbuf, prev, bitmask, **static)
-    s2, st2, logits, plp = jit_packed_forward(bucket.kind)(params, state(), stage(), ibuf, fbuf, prev, **static)
-    out2, nxt2 = jit_packed_sample(bucket.kind)(logits, s2.penalties, st2, plp, bitmask, prev, **static)
+    s1, out1, nxt1 = jit_packed_step(bucket.kind)(params, state(), ibuf, fbuf, prev, bitmask, **static)
+    s2, logits, plp = jit_packed_forward(bucket.kind)(params, state(), ibuf, fbuf, prev, **static)
+    out2, nxt2 = jit_packed_sample(bucket.kind)(logits, s2.penalties, ibuf, fbuf, plp, bitmask, prev, **static)
     for a, b in zip(jax.tree.leaves((s1, out1, nxt1)), jax.tree.leaves((s2, out2, nxt2))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for st in (st1, st2):  # the inputs were staged at the front
-        np.testing.assert_array_equal(np.asarray(st[0])[: ibuf.size], ibuf)
-        np.testing.assert_array_equal(np.asarray(st[1])[: fbuf.size], fbuf)
     # the constrained row's token is one its mask allows; the test can fail: the masks matter
     t = int(out2.token_ids[1])
     assert (bitmask[1, t // 32] >> (t % 32)) & 1

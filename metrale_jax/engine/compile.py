@@ -240,11 +240,6 @@ class CompilationManager:
         self.max_rows = max(b.num_sample_rows for b in self.buckets if b.kind != "verify")
         self.mask_words = -(-builder.vocab_size // 32)  # W of the structured-output bitmask i32[S, W]
         self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device (sent once)
-        # every step copies its packed inputs into these (i32, f32) buffers, donated and returned,
-        # and reads them there (`step.staged_inputs`): their length fits the largest bucket's
-        layouts = [packed_layout(builder, b) for b in self.buckets]
-        self.stage_shapes = (max(x.num_i32 for x in layouts) + 1, max(x.num_f32 for x in layouts) + 1)
-        self._stage = None  # (i32[stage_shapes[0]], f32[stage_shapes[1]]) on the device, made on first use
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
@@ -269,12 +264,10 @@ class CompilationManager:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.placement.replicated if self.placement else None)
 
     def _step_args(self, bucket: StepBucket, params, state):
-        """Abstract (params, state, stage, ibuf, fbuf, prev_tokens, bitmask) of `bucket`'s step, and
-        its static arguments."""
+        """Abstract (params, state, ibuf, fbuf, prev_tokens, bitmask) of `bucket`'s step, and its
+        static arguments."""
         layout = packed_layout(self.builder, bucket)
-        stage = (self._input((self.stage_shapes[0],), jax.numpy.int32),
-                 self._input((self.stage_shapes[1],), jax.numpy.float32))
-        args = (jax.tree.map(_abstract, params), jax.tree.map(_abstract, state), stage,
+        args = (jax.tree.map(_abstract, params), jax.tree.map(_abstract, state),
                 self._input((layout.num_i32,), jax.numpy.int32), self._input((layout.num_f32,), jax.numpy.float32),
                 self._input((self.max_rows,), jax.numpy.int32),
                 self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32))
@@ -287,13 +280,13 @@ class CompilationManager:
     def lower_split(self, half: str, bucket: StepBucket, params, state):
         """Lower the "forward" or "sample" half of a decode bucket's step (`step.jit_packed_forward`
         / `jit_packed_sample`)."""
-        (p, s, stage, ibuf, fbuf, prev, mask), static = self._step_args(bucket, params, state)
+        (p, s, ibuf, fbuf, prev, mask), static = self._step_args(bucket, params, state)
         forward = jit_packed_forward(bucket.kind)
         if half == "forward":
-            return forward.lower(p, s, stage, ibuf, fbuf, prev, **static)
-        _, _, logits, plp = jax.eval_shape(functools.partial(forward, **static), p, s, stage, ibuf, fbuf, prev)
+            return forward.lower(p, s, ibuf, fbuf, prev, **static)
+        _, logits, plp = jax.eval_shape(functools.partial(forward, **static), p, s, ibuf, fbuf, prev)
         logits, plp = jax.tree.map(lambda a: self._input(a.shape, a.dtype), (logits, plp))
-        return jit_packed_sample(bucket.kind).lower(logits, s.penalties, stage, plp, mask, prev, **static)
+        return jit_packed_sample(bucket.kind).lower(logits, s.penalties, ibuf, fbuf, plp, mask, prev, **static)
 
     def has_split(self, bucket: StepBucket) -> bool:
         return ("sample", bucket) in self.split_executables
@@ -307,24 +300,15 @@ class CompilationManager:
         """Step executables (a decode bucket's two halves count as two)."""
         return len(self.executables) + len(self.split_executables)
 
-    def stage(self) -> tuple:
-        """The step inputs' staging buffers on the device (`step.staged_inputs`)."""
-        if self._stage is None:
-            self._stage = self.put(np.zeros(self.stage_shapes[0], np.int32), np.zeros(self.stage_shapes[1], np.float32))
-        return self._stage
-
     def run_forward(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens):
         """The forward half of `bucket`'s step: (state, logits, prompt logprobs)."""
-        exe = self.split_executables[("forward", bucket)]
-        state, self._stage, logits, plp = exe(params, state, self.stage(), *dev_inputs, prev_tokens)
-        return state, logits, plp
+        return self.split_executables[("forward", bucket)](params, state, *dev_inputs, prev_tokens)
 
-    def run_sample(self, bucket: StepBucket, logits, penalties, plp, bitmask, prev_tokens):
-        """The sampling half, on the inputs of the last `run_forward` (of `bucket`): (SampleOutput,
-        next_tokens), as `run` returns them."""
+    def run_sample(self, bucket: StepBucket, logits, penalties, dev_inputs: tuple, plp, bitmask, prev_tokens):
+        """The sampling half: (SampleOutput, next_tokens), as `run` returns them."""
         if bitmask is None:
             bitmask = self.no_mask(bucket.num_sample_rows)
-        return self.split_executables[("sample", bucket)](logits, penalties, self.stage(), plp, bitmask, prev_tokens)
+        return self.split_executables[("sample", bucket)](logits, penalties, *dev_inputs, plp, bitmask, prev_tokens)
 
     def lower_swap(self, kind: str, m: int, state):
         """Lower the swap `kind` ("gather" | "scatter") for block bucket `m`, or the SSM slot
@@ -351,8 +335,7 @@ class CompilationManager:
         return self.exe_cache.key(
             repr(m.cfg), getattr(m, "family_name", type(m).__name__), getattr(m, "dtype", ""),
             repr(self.cfg.attention), self.cfg.max_logprobs, self.num_drafts,
-            repr(self.builder), repr(bucket), self.max_rows, self.stage_shapes, _tree_signature(params),
-            _tree_signature(state))
+            repr(self.builder), repr(bucket), self.max_rows, _tree_signature(params), _tree_signature(state))
 
     def compile_all(self, params, state) -> float:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
@@ -456,15 +439,14 @@ class CompilationManager:
             prev_tokens = self.zero_tokens()
         if self.has_split(bucket):
             state, logits, plp = self.run_forward(bucket, params, state, dev_inputs, prev_tokens)
-            out, nxt = self.run_sample(bucket, logits, state.penalties, plp, bitmask, prev_tokens)
+            out, nxt = self.run_sample(bucket, logits, state.penalties, dev_inputs, plp, bitmask, prev_tokens)
             return state, out, nxt
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
         if bitmask is None:
             bitmask = self.no_mask(bucket.num_sample_rows)
-        state, self._stage, out, nxt = exe(params, state, self.stage(), *dev_inputs, prev_tokens, bitmask)
-        return state, out, nxt
+        return exe(params, state, *dev_inputs, prev_tokens, bitmask)
 
     def no_mask(self, rows: int):
         """The all-allowed bitmask i32[rows, mask_words] (-1), made on the device once per size."""

@@ -773,8 +773,8 @@ class LLMEngine:
         if bitmask is not None:
             bitmask = self.compiler.put(bitmask)
         if split:
-            out, self._next_tokens = self.compiler.run_sample(bucket, logits, self.state.penalties, plp, bitmask,
-                                                              self._next_tokens)
+            out, self._next_tokens = self.compiler.run_sample(bucket, logits, self.state.penalties, dev, plp,
+                                                              bitmask, self._next_tokens)
         else:
             self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                    self.state, dev, self._next_tokens, bitmask)
