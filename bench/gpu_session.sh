@@ -56,11 +56,11 @@ if [[ $parts == *tests* ]]; then
   # a test's own limit (pytest-timeout: it names the test and prints its stack) stays below the
   # whole run's, so a stuck test is named: on 2026-12-01 (session 9) the run was cut at 130 s
   # after 24 tests and the log said nothing about the rest
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_LIMIT:-300} python3 -m pytest -q -m gpu -n 12 --dist load \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_LIMIT:-300} python3 -m pytest -m gpu -n 12 --dist load \
     -p no:cacheprovider -p no:benchmark -rf --tb=short --timeout ${GPU_TEST_TIMEOUT:-150} --durations=20 -v \
     $gpu_files 2>&1 | tee "$OUT/gpu_tests.log" | grep -v " PASSED \| SKIPPED " | tail -45
-  # (-v: each result is logged as it comes, so a run cut before its summary still names its
-  # failures: session 14's stopped at 100% before printing which test failed)
+  # (-v, without -q, which cancels it: each result is logged as it comes, so a run cut before its
+  # summary still names its failures: session 14's stopped at 100% before printing which failed)
   grep " FAILED \| ERROR " "$OUT/gpu_tests.log" | head -20
 fi
 if [[ $parts == *throughput* ]]; then

@@ -25,8 +25,11 @@ KERNELS = {
     "pallas-gpu": AttentionConfig(use_pallas=True, unroll_layers=True),
 }
 # The kernels' interpret-mode runs live in their own tests (a model-level one costs ~45 s on CI).
-CASES = [(h, impl) for h in HYBRIDS for impl in ("reference", "reference-unrolled")]
-CASES += [pytest.param(h, "pallas-gpu", marks=pytest.mark.gpu) for h in HYBRIDS]
+# (CI runs the Python layer loop with GDN and with pure Mamba-2; Nemotron-H's is `slow`)
+CASES = [pytest.param(h, impl, marks=pytest.mark.slow) if (h, impl) == ("nemotron_h_tiny", "reference-unrolled")
+         else (h, impl) for h in HYBRIDS for impl in ("reference", "reference-unrolled")]
+# (a long compile: with 12 GPU test workers on 16 cores Qwen3-Next's passed 150 s on the H200, session 15)
+CASES += [pytest.param(h, "pallas-gpu", marks=[pytest.mark.gpu, pytest.mark.timeout(400)]) for h in HYBRIDS]
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,7 @@ def test_qwen3_moe_expert_lora():
     assert eng.lora.has_experts(1) and not eng.lora.has_experts(2)
 
 
+@pytest.mark.slow  # (CI: Qwen3-MoE's expert adapters take the same grouped-GEMM path)
 def test_qwen3_next_expert_lora():
     eng = _engine("qwen3_next_tiny", preemption_mode="recompute")
     g = dict(np.load(LORA / "qwen3_next_tiny" / "golden.npz"))

@@ -163,8 +163,20 @@ def test_decode_reference_matches_naive_dense(case):
     assert_close(ref, naive, tol=1e-5, what="decode reference")
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"g{c[0]}-d{c[2]}-bs{c[3]}-{jnp.dtype(c[4]).name}")
+def _grid(cases, ci: tuple[int, ...]):
+    """(case, interpret) pairs: every case on the GPU; interpreted on the CPU, the cases numbered
+    (g) in `ci` in CI and the others `slow` (`pytest -m slow`): interpret mode is slow."""
+    out = []
+    for c in cases:
+        name = f"g{c[0]}-d{c[2]}-bs{c[3]}-{jnp.dtype(c[4]).name}"
+        out.append(pytest.param(c, True, id=f"{name}-interpret", marks=() if c[0] in ci else pytest.mark.slow))
+        out.append(pytest.param(c, False, id=f"{name}-gpu", marks=needs_gpu))
+    return out
+
+
+# CI: all lengths (1, 16), a window with splits and d 256 (3), FP8 with the heads inner and prefetch
+# (4), f32 with 4 splits (5), FP8 with a window (6), a one-token window and the default parameters (9)
+@pytest.mark.parametrize("case,interpret", _grid(DECODE_CASES, ci=(1, 3, 4, 5, 6, 9, 16)))
 def test_decode_kernel(case, interpret):
     g, hkv, d, bs, kv_dtype, q_dtype, window, params, lens = case
     q, k_pool, v_pool, tables, seq_lens, dk, dv, ks, vs = _decode_problem(case, seed=g)
@@ -285,8 +297,9 @@ def test_prefill_reference_matches_naive_dense(case):
     assert_close(ref, naive, tol=1e-5, what="prefill reference")
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"g{c[0]}-d{c[2]}-bs{c[3]}-{jnp.dtype(c[4]).name}")
+# CI: every stream shape (1), a window with d 256 (3), FP8 (4), f32 (5), FP8 with a window (6), the
+# default parameters (10), a 64-token window (14)
+@pytest.mark.parametrize("case,interpret", _grid(PREFILL_CASES, ci=(1, 3, 4, 5, 6, 10, 14)))
 def test_prefill_kernel(case, interpret):
     g, hkv, d, bs, kv_dtype, q_dtype, window, params, streams, pad = case
     q, k_pool, v_pool, tables, cu, kv_lens, dk, dv, ks, vs = _prefill_problem(case, seed=100 + g)

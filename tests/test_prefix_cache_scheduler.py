@@ -77,7 +77,7 @@ request_st = st.fixed_dictionaries(dict(
 ))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     reqs=st.lists(request_st, min_size=1, max_size=9),
     num_blocks=st.integers(32, 44),

@@ -16,12 +16,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax.parallel import Sharder, make_mesh, param_dim
+from tests.conftest import CPU_TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(*args: str, devices: int = 4) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")  # (after conftest's CPU test flags)
     r = subprocess.run([sys.executable, "-m", "tests.tp_check", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -56,7 +58,7 @@ def test_two_processes_match_one(family, spec, tmp_path):
     from tests.tp_check import run_family
 
     port, env = _free_port(), dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = CPU_TEST_XLA_FLAGS  # one device per process (conftest's flags only)
     cmd = [sys.executable, "-m", "tests.mh_check", "--port", str(port), "--family", family]
     if spec:  # speculative decoding, drafts from the one-device outputs: verify steps followed too
         want, _ = run_family(family, 1, False, False)
