@@ -67,6 +67,49 @@ def main() -> int:
                        launch_ms_median=1e3 * float(np.median(launch[5:])), wall_ms_per_call=1e3 * wall)
             res["runs"].append(run)
             print(json.dumps(run), flush=True)
+    # a verify step is read before the next is built (synchronous): its latency, call to samples on
+    # the host, and the time the call takes to return, as the engine compiles it; compiled without
+    # CUDA graphs (XLA then launches the kernels one by one and the first starts at once, instead of
+    # after the whole graph's launch: session 14's batch-1 verify profile showed ~2.7 ms idle before
+    # the first kernel); and, for 64 rows, with the threshold searches' per-threshold reductions
+    # instead of the variadic one (a batch-64 verify call returned only once the step was done,
+    # session 15: which part holds the host is not known)
+    from metrale_jax import sampling
+
+    res["sync_latency"] = []
+    variants = (("engine", None, None), ("no command buffers", {"xla_gpu_enable_command_buffer": ""}, None),
+                ("no variadic reduction", {}, 10**9))
+    for bucket in [b for b in comp.buckets if b.kind == "verify" and b.num_seqs in (1, 64)]:
+        _, ibuf, fbuf = pack(eng.builder, build_step(eng.builder, bucket, [], []))
+        for name, opts, min_rows in variants:
+            if min_rows is not None and bucket.num_sample_rows < sampling.VARIADIC_MIN_ROWS:
+                continue
+            keep = sampling.VARIADIC_MIN_ROWS
+            try:
+                sampling.VARIADIC_MIN_ROWS = min_rows or keep
+                if min_rows is not None:
+                    jax.clear_caches()  # (the constant is read when the step is traced)
+                exe = comp.executables[bucket] if opts is None else comp.lower(
+                    bucket, eng.params, eng.state).compile(compiler_options=opts)
+            except Exception as e:  # noqa: BLE001 - an option this XLA does not take: say so, go on
+                res["sync_latency"].append(dict(bucket=str(bucket), variant=name, error=f"{type(e).__name__}: {e}"))
+                print(json.dumps(res["sync_latency"][-1]), flush=True)
+                continue
+            finally:
+                sampling.VARIADIC_MIN_ROWS = keep
+            prev, mask = comp.zero_tokens(), comp.no_mask(bucket.num_sample_rows)
+            lat, ret = [], []
+            for _ in range(a.calls):
+                d = comp.put(ibuf, fbuf)
+                t = time.perf_counter()
+                eng.state, out, _ = exe(eng.params, eng.state, *d, prev, mask)
+                ret.append(time.perf_counter() - t)
+                np.asarray(out.token_ids)
+                lat.append(time.perf_counter() - t)
+            run = dict(bucket=str(bucket), variant=name, latency_ms_median=1e3 * float(np.median(lat[5:])),
+                       returns_ms_median=1e3 * float(np.median(ret[5:])))
+            res["sync_latency"].append(run)
+            print(json.dumps(run), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

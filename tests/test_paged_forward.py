@@ -41,7 +41,7 @@ ATTN = {
 CASES = [(f, "reference") for f in sorted(CONFIGS)] + [
     ("qwen3", "pallas-interpret"),  # q/k norm: RoPE in XLA, the Pallas K/V write
     ("llama", "pallas-interpret"),  # RoPE + K/V write fused (rope_and_write_kv), llama3 RoPE scaling
-    ("qwen2", "pallas-interpret"),  # the same with q/k/v biases
+    pytest.param("qwen2", "pallas-interpret", marks=pytest.mark.slow),  # the same with q/k/v biases
     *[pytest.param(f, "pallas-gpu", marks=pytest.mark.gpu) for f in sorted(CONFIGS)],
 ]
 
