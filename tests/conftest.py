@@ -5,16 +5,17 @@ the process in jax 0.11.2); on the GPU it lives under ~/.cache/metrale_jax/jax_c
 import gc
 import glob
 import os
+import shutil
 from pathlib import Path
 
 # On a machine without a GPU, XLA:CPU's LLVM runs at its cheapest optimization level: most of the
 # suite's time is compiling steps, not running them (2 cores, session 15: a tiny engine's compile
 # 16.7 -> 13.6 s, an engine/kernel subset 132 -> 98 s; the few tests that run the real SmolLM2 for
-# long take ~2.5x as long, and the whole suite still gains). HLO optimizations are unchanged; the
+# long take ~2.5x as long; the suite as a whole ran faster). HLO optimizations are unchanged; the
 # generated CPU code may round differently in the last bits, which no test's tolerance depends on.
 # Set here, before JAX starts its backend; subprocesses started by tests inherit it.
 CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if not glob.glob("/dev/nvidia[0-9]*"):
+if not glob.glob("/dev/nvidia[0-9]*") and shutil.which("nvidia-smi") is None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402
