@@ -170,7 +170,10 @@ if [[ $parts == *nextfp8* ]]; then  # issue 19: Qwen3-Next shape (12 of 48 layer
   done
 fi
 if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${W4_LIMIT:-200} python3 bench/kernels/w4.py --out "$OUT/w4" 2>&1 | tail -25
+  # (W4_ARGS, e.g. "--shapes o,gate_up,down --kinds int4 --ms 1,64": session 15's 170 s swept q/k/v only;
+  # merge $OUT/w4/tuned_w4.json into pallas_kernels/linear/tuned_w4.json)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${W4_LIMIT:-200} python3 bench/kernels/w4.py --out "$OUT/w4" \
+    --budget-s $(( ${W4_LIMIT:-200} - 40 )) ${W4_ARGS:-} 2>&1 | tail -25
   for q in ${W4_KINDS:-int4 nvfp4}; do
     timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
       --batches 1,64 --quantization "$q" --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1

@@ -109,13 +109,24 @@ def _time(fn, x, ws, groups=5, target_s=0.02):
     return float(np.median(ts)), out[0]
 
 
+class _BudgetReached(Exception):
+    pass
+
+
 def main(argv=None):
     global SHAPES, MS, SWEEP, MIN_ROTATION_BYTES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=500.0, help="stop starting new cells after this")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, no torch (plumbing)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {','.join(SHAPES)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"some of {','.join(KINDS)}")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values")
     args = ap.parse_args(argv)
+    # (session 15's 170 s reached only q/k/v: pick the cells; the table merges into tuned_w4.json)
+    SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
+    KINDS_RUN = {k: KINDS[k] for k in args.kinds.split(",")}
+    MS = tuple(int(m) for m in args.ms.split(","))
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
         SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2], 1e4
@@ -135,52 +146,54 @@ def main(argv=None):
     def save():
         (out / "w4.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
-    for name, (k, n) in SHAPES.items():
-        bf16 = [((jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16),)
-                for i in range(max(2, math.ceil(MIN_ROTATION_BYTES / (n * k * 2))))]
-        for kind, group in KINDS.items():
-            copies = max(2, math.ceil(MIN_ROTATION_BYTES / (n * k // 2)))
-            ws = _weights(jax.random.fold_in(key, n + k), n, k, kind, group, copies)
-            packed_bytes = n * ((k + 1) // 2)
-            all_bytes = sum(a.nbytes for a in ws[0])
-            for m in MS:
-                if time.perf_counter() - t_start > args.budget_s:
-                    print("budget reached", flush=True)
+    try:  # (a budget stop still writes the tables below)
+        for name, (k, n) in SHAPES.items():
+            bf16 = [((jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16),)
+                    for i in range(max(2, math.ceil(MIN_ROTATION_BYTES / (n * k * 2))))]
+            for kind, group in KINDS_RUN.items():
+                copies = max(2, math.ceil(MIN_ROTATION_BYTES / (n * k // 2)))
+                ws = _weights(jax.random.fold_in(key, n + k), n, k, kind, group, copies)
+                packed_bytes = n * ((k + 1) // 2)
+                all_bytes = sum(a.nbytes for a in ws[0])
+                for m in MS:
+                    if time.perf_counter() - t_start > args.budget_s:
+                        raise _BudgetReached
+                    x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
+                    w0 = dequantize_w4_reference(*ws[0], k=k, group_size=group, kind=kind)
+                    ref = jnp.dot(x.astype(jnp.float32), w0.T, precision=jax.lax.Precision.HIGHEST)
+                    t_bf16, _ = _time(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, bf16)
+                    cells = [("xla_bf16", None, t_bf16, None)]
+                    t, y = _time(functools.partial(_dequant_dot, k=k, group_size=group, kind=kind), x, ws)
+                    cells.append(("xla_dequant_dot", None, t, y))
+                    for p in SWEEP:
+                        if p.group_partial and kind == "fp4" or p.gemv and m > 1:
+                            continue
+                        try:
+                            t, y = _time(functools.partial(kernel, k=k, group_size=group, kind=kind, params=p), x, ws)
+                            cells.append(("pallas_w4", p, t, y))
+                        except Exception as e:  # noqa: BLE001 - recorded
+                            rows.append(dict(shape=name, K=k, N=n, M=m, kind=kind, impl="pallas_w4",
+                                             params=p.__dict__, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    for impl, p, t, y in cells:
+                        err = None if y is None else float(jnp.linalg.norm(y.astype(jnp.float32) - ref)
+                                                            / jnp.linalg.norm(ref))
+                        row = dict(shape=name, K=k, N=n, M=m, kind=kind, impl=impl,
+                                   params=None if p is None else p.__dict__, time_us=t * 1e6,
+                                   packed_tb_s=packed_bytes / t / 1e12, all_tb_s=all_bytes / t / 1e12,
+                                   frac_memcpy=packed_bytes / t / memcpy, speedup_vs_bf16=t_bf16 / t, rel_err=err)
+                        if impl == "xla_bf16":
+                            row.update(packed_tb_s=None, all_tb_s=n * k * 2 / t / 1e12)
+                        rows.append(row)
+                        print(f"{name:8s} {kind} M={m:2d} {impl:16s} {str(p and p.__dict__):70s} {t * 1e6:8.2f} us "
+                              f"x{t_bf16 / t:4.2f} vs bf16" + ("" if err is None else f" err {err:.1e}"), flush=True)
                     save()
-                    return
-                x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
-                w0 = dequantize_w4_reference(*ws[0], k=k, group_size=group, kind=kind)
-                ref = jnp.dot(x.astype(jnp.float32), w0.T, precision=jax.lax.Precision.HIGHEST)
-                t_bf16, _ = _time(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, bf16)
-                cells = [("xla_bf16", None, t_bf16, None)]
-                t, y = _time(functools.partial(_dequant_dot, k=k, group_size=group, kind=kind), x, ws)
-                cells.append(("xla_dequant_dot", None, t, y))
-                for p in SWEEP:
-                    if p.group_partial and kind == "fp4" or p.gemv and m > 1:
-                        continue
-                    try:
-                        t, y = _time(functools.partial(kernel, k=k, group_size=group, kind=kind, params=p), x, ws)
-                        cells.append(("pallas_w4", p, t, y))
-                    except Exception as e:  # noqa: BLE001 - recorded
-                        rows.append(dict(shape=name, K=k, N=n, M=m, kind=kind, impl="pallas_w4",
-                                         params=p.__dict__, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                for impl, p, t, y in cells:
-                    err = None if y is None else float(jnp.linalg.norm(y.astype(jnp.float32) - ref)
-                                                        / jnp.linalg.norm(ref))
-                    row = dict(shape=name, K=k, N=n, M=m, kind=kind, impl=impl,
-                               params=None if p is None else p.__dict__, time_us=t * 1e6,
-                               packed_tb_s=packed_bytes / t / 1e12, all_tb_s=all_bytes / t / 1e12,
-                               frac_memcpy=packed_bytes / t / memcpy, speedup_vs_bf16=t_bf16 / t, rel_err=err)
-                    if impl == "xla_bf16":
-                        row.update(packed_tb_s=None, all_tb_s=n * k * 2 / t / 1e12)
-                    rows.append(row)
-                    print(f"{name:8s} {kind} M={m:2d} {impl:16s} {str(p and p.__dict__):70s} {t * 1e6:8.2f} us "
-                          f"x{t_bf16 / t:4.2f} vs bf16" + ("" if err is None else f" err {err:.1e}"), flush=True)
-                save()
+    except _BudgetReached:
+        print("budget reached", flush=True)
+    save()
     md = ["| shape | kind | M | best pallas_w4 (us) | packed TB/s | xla dequant+dot (us) | bf16 (us) | x bf16 |",
           "|---|---|---|---|---|---|---|---|"]
     for name in SHAPES:
-        for kind in KINDS:
+        for kind in KINDS_RUN:
             for m in MS:
                 cell = [r for r in rows if (r["shape"], r["kind"], r["M"]) == (name, kind, m) and "error" not in r]
                 best = min((r for r in cell if r["impl"] == "pallas_w4"), key=lambda r: r["time_us"], default=None)

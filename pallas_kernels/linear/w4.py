@@ -22,8 +22,10 @@ dtype. Shapes are arbitrary: partial N and K tiles are masked; the group size mu
 byte's two codes share a group). Lowered through Triton, as
 `skinny.py` (see its docstring for why); runs in interpret mode on the CPU.
 
-Variants, static in `W4Params`, for the H200 sweep to choose between (none measured yet, so the
-defaults are a guess): `scale_tile` loads each step's scales as a [block_n, block_k / G] tile
+Variants, static in `W4Params`, for the H200 sweep to choose between (the defaults are a guess;
+`tuned_w4.json` holds session 15's sweep of the q/k/v shape, K 4,096 x N 6,144, where `gemv` with
+`scale_tile` took 14.0 µs at M = 1 against the defaults' 33.8, and `scale_tile` won at M 8-64):
+`scale_tile` loads each step's scales as a [block_n, block_k / G] tile
 broadcast in registers instead of a per-byte gather; `group_partial` (int4) dots x with the raw
 codes per group and applies zero and scale to the f32 partial; `gemv` (M = 1) multiplies and
 reduces on the CUDA cores instead of a dot padded to 16 rows. `w4_params_for` reads the sweep's
@@ -49,7 +51,7 @@ MAX_M = 64
 
 @dataclasses.dataclass(frozen=True)
 class W4Params:
-    """Static tuning of `skinny_matmul_w4` (`w4_params_for`: the H200 sweep's table, none yet).
+    """Static tuning of `skinny_matmul_w4` (`w4_params_for`: the H200 sweep's table, `tuned_w4.json`).
 
     block_n: weight rows per program (power of two >= 16); block_k: K columns per loop step
     (power of two >= 32, i.e. block_k / 2 bytes per row); num_warps / num_stages: Triton launch.
