@@ -20,6 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _record(runs: list, run: dict) -> None:
+    runs.append(run)
+    print(json.dumps(run), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama3-8b")
@@ -63,10 +68,8 @@ def main() -> int:
                 launch.append(time.perf_counter() - t)
             jax.block_until_ready(eng.state)
             wall = (time.perf_counter() - t0) / a.calls
-            run = dict(bucket=str(bucket), inputs="same buffers" if stable else "fresh buffers",
-                       launch_ms_median=1e3 * float(np.median(launch[5:])), wall_ms_per_call=1e3 * wall)
-            res["runs"].append(run)
-            print(json.dumps(run), flush=True)
+            _record(res["runs"], dict(bucket=str(bucket), inputs="same buffers" if stable else "fresh buffers",
+                                      launch_ms_median=1e3 * float(np.median(launch[5:])), wall_ms_per_call=1e3 * wall))
     # a verify step is read before the next is built (synchronous): its latency, call to samples on
     # the host, and the time the call takes to return, as the engine compiles it; compiled without
     # CUDA graphs (XLA then launches the kernels one by one and the first starts at once, instead of
@@ -86,14 +89,13 @@ def main() -> int:
                 continue
             keep = sampling.VARIADIC_MIN_ROWS
             try:
-                sampling.VARIADIC_MIN_ROWS = min_rows or keep
                 if min_rows is not None:
+                    sampling.VARIADIC_MIN_ROWS = min_rows
                     jax.clear_caches()  # (the constant is read when the step is traced)
                 exe = comp.executables[bucket] if opts is None else comp.lower(
                     bucket, eng.params, eng.state).compile(compiler_options=opts)
             except Exception as e:  # noqa: BLE001 - an option this XLA does not take: say so, go on
-                res["sync_latency"].append(dict(bucket=str(bucket), variant=name, error=f"{type(e).__name__}: {e}"))
-                print(json.dumps(res["sync_latency"][-1]), flush=True)
+                _record(res["sync_latency"], dict(bucket=str(bucket), variant=name, error=f"{type(e).__name__}: {e}"))
                 continue
             finally:
                 sampling.VARIADIC_MIN_ROWS = keep
@@ -106,10 +108,9 @@ def main() -> int:
                 ret.append(time.perf_counter() - t)
                 np.asarray(out.token_ids)
                 lat.append(time.perf_counter() - t)
-            run = dict(bucket=str(bucket), variant=name, latency_ms_median=1e3 * float(np.median(lat[5:])),
-                       returns_ms_median=1e3 * float(np.median(ret[5:])))
-            res["sync_latency"].append(run)
-            print(json.dumps(run), flush=True)
+            _record(res["sync_latency"], dict(bucket=str(bucket), variant=name,
+                                              latency_ms_median=1e3 * float(np.median(lat[5:])),
+                                              returns_ms_median=1e3 * float(np.median(ret[5:]))))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

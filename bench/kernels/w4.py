@@ -114,7 +114,7 @@ class _BudgetReached(Exception):
 
 
 def main(argv=None):
-    global SHAPES, MS, SWEEP, MIN_ROTATION_BYTES
+    global SHAPES, MS, KINDS, SWEEP, MIN_ROTATION_BYTES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=500.0, help="stop starting new cells after this")
@@ -125,7 +125,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     # (session 15's 170 s reached only q/k/v: pick the cells; the table merges into tuned_w4.json)
     SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
-    KINDS_RUN = {k: KINDS[k] for k in args.kinds.split(",")}
+    KINDS = {k: KINDS[k] for k in args.kinds.split(",")}
     MS = tuple(int(m) for m in args.ms.split(","))
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
@@ -150,7 +150,7 @@ def main(argv=None):
         for name, (k, n) in SHAPES.items():
             bf16 = [((jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16),)
                     for i in range(max(2, math.ceil(MIN_ROTATION_BYTES / (n * k * 2))))]
-            for kind, group in KINDS_RUN.items():
+            for kind, group in KINDS.items():
                 copies = max(2, math.ceil(MIN_ROTATION_BYTES / (n * k // 2)))
                 ws = _weights(jax.random.fold_in(key, n + k), n, k, kind, group, copies)
                 packed_bytes = n * ((k + 1) // 2)
@@ -193,7 +193,7 @@ def main(argv=None):
     md = ["| shape | kind | M | best pallas_w4 (us) | packed TB/s | xla dequant+dot (us) | bf16 (us) | x bf16 |",
           "|---|---|---|---|---|---|---|---|"]
     for name in SHAPES:
-        for kind in KINDS_RUN:
+        for kind in KINDS:
             for m in MS:
                 cell = [r for r in rows if (r["shape"], r["kind"], r["M"]) == (name, kind, m) and "error" not in r]
                 best = min((r for r in cell if r["impl"] == "pallas_w4"), key=lambda r: r["time_us"], default=None)
