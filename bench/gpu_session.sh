@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [launch] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [launch] [toy] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -154,6 +154,9 @@ if [[ $parts == *sampler* ]]; then  # issues 15/16: the sampler alone at 1 / 64 
 fi
 if [[ $parts == *launch* ]]; then  # the host's cost of launching a step executable (fresh vs the same input buffers)
   timeout ${LAUNCH_LIMIT:-200} python3 bench/launch_cost.py --out "$OUT/launch_cost.json" 2>&1 | tail -8
+fi
+if [[ $parts == *toy* ]]; then  # why a launch with fresh inputs waits for the previous step (a toy step)
+  timeout ${TOY_LIMIT:-120} python3 bench/launch_toy.py --out "$OUT/launch_toy.json" 2>&1 | grep -v rematerial | tail -12
 fi
 if [[ $parts == *cmdbuf* ]]; then  # which step executables XLA captures as CUDA graphs (Mosaic vs Triton prefill attention)
   timeout ${CMDBUF_LIMIT:-200} python3 bench/command_buffers.py --out "$OUT/command_buffers" 2>&1 | cut -c1-400 | tail -30

@@ -184,7 +184,7 @@ def host(a) -> dict:
               SpeculativeConfig("ngram", 4, 8, 8)),
              ("spec k=4, oracle drafts always right", SpeculativeConfig("ngram", 4)))
     for name, spec in cases:
-        eng = fake_engine(use_ssm=False, max_model_len=512, num_kv_blocks=batch * 40, max_num_seqs=batch,
+        eng = fake_engine(use_ssm=False, max_model_len=512, num_kv_blocks=max(batch, 4) * 40, max_num_seqs=batch,
                           max_num_batched_tokens=2048, decode_buckets=(batch,), mixed_decode_buckets=(batch,),
                           prefill_buckets=(2048,), max_prefill_streams=4, speculative_config=spec)
         w = np.asarray(eng.params["w"])

@@ -61,3 +61,24 @@ class BatchedAttnMetadata:
     # > 0: a speculative verify step, each stream one row's window of at most this many tokens
     # (1 + k); recurrent layers then keep the state after every position (layers/spec_states.py)
     verify_width: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+
+def pad_decode_rows(md: AttnMetadata, tokens: Array, rows: int) -> tuple[AttnMetadata, Array]:
+    """`md` (N decode rows) and tokens i32[N] padded to `rows` >= N rows by the padding rules
+    above (seq_lens 0, slots -1, ssm_slots / seq_slot / moe_row_adapter -1, positions and
+    block tables 0): the same rows the builder pads a bucket with."""
+    import jax.numpy as jnp
+
+    extra = rows - md.num_seqs
+    if extra <= 0:
+        return md, tokens
+
+    def pad(a, fill):
+        return jnp.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
+
+    md = AttnMetadata(positions=pad(md.positions, 0), positions_h=pad(md.positions_h, 0),
+                      positions_w=pad(md.positions_w, 0), slots=pad(md.slots, -1), seq_lens=pad(md.seq_lens, 0),
+                      block_tables=pad(md.block_tables, 0), ssm_slots=pad(md.ssm_slots, -1),
+                      seq_slot=pad(md.seq_slot, -1), moe_row_adapter=pad(md.moe_row_adapter, -1), num_seqs=rows,
+                      max_blocks_per_seq=md.max_blocks_per_seq)
+    return md, pad(tokens, 0)

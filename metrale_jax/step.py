@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.layers.attention import AttentionConfig
-from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata, pad_decode_rows
 from metrale_jax.sampling import (
     PenaltyState,
     SampleOutput,
@@ -66,7 +66,12 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
         src = smd.token_src
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens)
     pen = update_penalty_state(state.penalties, tokens, smd)
-    ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
+    if pmd is None and n < attn.min_decode_rows:  # the model on padded rows (AttentionConfig.min_decode_rows)
+        md, padded = pad_decode_rows(dmd, tokens, attn.min_decode_rows)
+        ms, hidden = model.forward_paged(params, state.model, padded, md, None, attn)
+        hidden = hidden[:n]
+    else:
+        ms, hidden = model.forward_paged(params, state.model, tokens, dmd, pmd, attn)  # [N + T, H]
     s = smd.logits_indices.shape[0]
     p = smd.prompt_lp_targets.shape[0]  # prompt-logprob rows (0 in decode steps)
     plp_hidden = hidden[n + smd.prompt_lp_rows]  # [P, H]

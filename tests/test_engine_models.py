@@ -38,9 +38,11 @@ def _log_softmax(x):
 def tiny(request):
     path = FIXTURES / request.param
     model, params = load_model(path, dtype="float32", show_progress=False)
-    # two of the four walk the layers in Python over per-layer arrays, as on the GPU
+    # two of the four walk the layers in Python over per-layer arrays and run decode steps on 8
+    # padded rows (the decode bucket has 4), as on the GPU
     unroll = request.param in ("qwen3_tiny", "llama_tied_sharded")
-    cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(unroll_layers=unroll))
+    cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(unroll_layers=unroll,
+                                                                     min_decode_rows=8 if unroll else 1))
     eng = LLMEngine(model, params, cfg)
     assert isinstance(params["layers"]["wo"], Unstacked) == unroll  # split in place
     return eng, dict(np.load(path / "golden.npz"))

@@ -60,6 +60,11 @@ class AttentionConfig:
     # expand: two GEMMs), "gather" (each token's own A/B) or "auto" (gather when a step has fewer
     # tokens than slots); see metrale_jax/lora/ops.py
     lora_kernel: str = "auto"
+    # Decode steps of fewer rows run the model on this many, the extra rows padding (as a bucket
+    # pads): XLA's GEMMs stream weights faster at 8 rows than at 1 on the H200 (Llama-3-8B: the
+    # four projections 3.84 ms per step at 1 row, 3.49 at 8; bench/results/session16_2026-12-02.md).
+    # The GPU default for models without MoE layers (padding rows would route to experts).
+    min_decode_rows: int = 1
 
 
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):

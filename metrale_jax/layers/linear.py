@@ -127,6 +127,12 @@ def _fp8_kernel(w: Fp8Linear, dtype, m: int):
     return skinny_matmul_fp8 if m <= KERNEL_MAX_M else None
 
 
+def has_quantized_linears(params) -> bool:
+    """Whether `params` holds any `Fp8Linear` or `W4Linear`."""
+    kinds = (Fp8Linear, W4Linear)
+    return any(isinstance(w, kinds) for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, kinds)))
+
+
 def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8`: the FP8 ones of 9-64 rows through
