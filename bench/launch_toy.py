@@ -35,18 +35,22 @@ def main() -> int:
 
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
-    dim = 4096 if gpu else 256
-    # one layer reads 2 x dim^2 bf16 (64 MiB on the GPU, ~16 us at 4 TB/s)
+    dim = 8192 if gpu else 256
+    # one layer reads 2 x dim^2 bf16 (256 MiB on the GPU, ~67 us at 4 TB/s); the layers are
+    # separate arrays walked by a Python loop, as the engine's on the GPU (a `lax.scan` is an XLA
+    # while loop, which the GPU runs from the host: every call then waits for the last; session
+    # 16's first run of this toy measured exactly that, 13.5 ms per launch in every variant)
     layers = max(1, int(a.ms * 1e-3 / (2 * dim * dim * 2 / 4e12))) if gpu else 4
-    w = jax.device_put(jnp.ones((layers, 2, dim, dim), jnp.bfloat16) * 1e-3, dev)
+    w = [jax.device_put(jnp.full((2, dim, dim), 1e-3, jnp.bfloat16), dev) for _ in range(layers)]
     small = [jax.device_put(jnp.zeros((8,), jnp.float32), dev) for _ in range(200)]
 
     def body(w, h, ibuf, extra):
         def layer(h, wl):
             return jnp.tanh(h @ wl[0]) @ wl[1].T + h, None
 
-        x = ibuf[:, :dim].astype(jnp.bfloat16) * 1e-3  # [8, dim]
-        h, _ = jax.lax.scan(layer, h + x, w)
+        h = h + ibuf[:, :dim].astype(jnp.bfloat16) * 1e-3  # [8, dim]
+        for wl in w:
+            h, _ = layer(h, wl)
         for s in extra:
             h = h + s[0].astype(h.dtype)
         return h, jnp.argmax(h, axis=-1).astype(jnp.int32)
