@@ -90,7 +90,7 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
     """x [..., K] @ w (* row_scale) (+ b [N]) with float32 accumulation, result in x's dtype.
 
     w: [K, N], an `Fp8Linear` whose valid output columns are N, or a 4-bit `W4Linear` [N, K].
-    row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_parts`).
+    row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
     """
     if isinstance(w, W4Linear):
         from metrale_jax.layers.linear_w4 import w4_matmul

@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.layers.linear import linear
+
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, zero_centered: bool = False) -> jax.Array:
     """x [..., H], w [H]. zero_centered uses (1 + w), as Qwen3-Next's layer norms do."""
@@ -13,16 +15,15 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, zero_centered: bool = False
     return y.astype(x.dtype)
 
 
-def rms_norm_parts(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """x [..., H], w [H] -> (x * w rounded to x's dtype, the row's 1/rms f32[..., 1]), so that
-    rms_norm(x, w) = (x * w) * r: a projection of the norm is `linear(x * w, proj, row_scale=r)`.
+def rms_norm_linear(x: jax.Array, w: jax.Array, eps: float, proj, b: jax.Array | None = None) -> jax.Array:
+    """`linear(rms_norm(x, w, eps), proj, b)`, with the row's 1/rms applied to the product.
 
-    (x * w) @ proj * r equals (x * r * w) @ proj: the matmul's input needs no broadcast of the row
-    reduction, so XLA computes the reduction and x * w in one kernel and folds r into the GEMM's
-    consumers (H200 decode profile, bench/results/session4_2026-11-30.md: two kernels per norm with
-    the residual add, three before); a LoRA shrink reads the same x * w and scales its delta by r.
-    Rounding: x * w is rounded to x's dtype, as HF rounds x * r.
+    x [..., H], w [H], proj [H, N] (or an `Fp8Linear`) -> [..., N]. (x * w) @ proj * r equals
+    (x * r * w) @ proj: the matmul's input needs no broadcast of the row reduction, so XLA computes
+    the reduction and x * w in one kernel and folds r into the GEMM's consumers (H200 decode
+    profile, bench/results/session4_2026-11-30.md: two kernels per norm with the residual add,
+    three before). Rounding: x * w is rounded to x's dtype, as HF rounds x * r.
     """
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # f32[..., 1]
-    return (xf * w.astype(jnp.float32)).astype(x.dtype), r
+    return linear((xf * w.astype(jnp.float32)).astype(x.dtype), proj, b, row_scale=r)

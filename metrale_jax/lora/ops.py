@@ -80,15 +80,12 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
     raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked' or 'gather'")
 
 
-def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str,
-              row_scale: jax.Array | None = None) -> jax.Array:
-    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`) times `row_scale` (f32[..., 1],
-    as `linear`'s: the input x * w of an RMS norm, whose 1/rms scales the delta as it scales y);
-    y unchanged without LoRA."""
+def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
+    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA."""
     if lora is None:
         return y
-    d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel).reshape(y.shape)
-    return (y.astype(jnp.float32) + (d if row_scale is None else d * row_scale)).astype(y.dtype)
+    d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel)
+    return (y.astype(jnp.float32) + d.reshape(y.shape)).astype(y.dtype)
 
 
 class ExpertGroups(NamedTuple):

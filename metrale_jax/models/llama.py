@@ -33,7 +33,7 @@ from metrale_jax.layers.attention import (
 )
 from metrale_jax.layers.mlp import linear, silu_mul
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
-from metrale_jax.layers.norms import rms_norm, rms_norm_parts
+from metrale_jax.layers.norms import rms_norm, rms_norm_linear
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
 from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
@@ -104,9 +104,9 @@ def load_dense_mlp(cfg: ModelConfig, reader: WeightReader) -> dict:
 def _qkv_proj(cfg: ModelConfig, lp: dict, x: jax.Array, lora: LoRAInputs | None = None) -> jax.Array:
     """x [..., T, H] (the residual stream, before attn_norm) -> the fused projection [..., T, (Hq + 2 Hkv) D]
     (plus each token's LoRA delta on q, k and v when `lora` is given)."""
-    # (the LoRA shrink reads the base GEMM's input x * w and scales by 1/rms: no second norm kernel)
-    xw, r = rms_norm_parts(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = add_delta(linear(xw, lp["wqkv"], lp.get("bqkv"), row_scale=r), xw, lora, "qkv_a", "qkv_b", row_scale=r)
+    qkv = rms_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp["wqkv"], lp.get("bqkv"))
+    if lora is not None:
+        qkv = add_delta(qkv, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lora, "qkv_a", "qkv_b")
     # The barrier keeps q|k|v one GEMM: without it XLA on the GPU fuses the three slices' users
     # into three copies of the dot (H200, Llama-3-8B decode: 52.7 us per layer instead of 17.5).
     return jax.lax.optimization_barrier(qkv)
@@ -133,8 +133,10 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
     """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router
     (with each token's LoRA deltas when `lora` is given: see `metrale_jax.lora`)."""
     if "router" not in lp:
-        xw, r = rms_norm_parts(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate_up = add_delta(linear(xw, lp["w_gate_up"], row_scale=r), xw, lora, "gate_up_a", "gate_up_b", row_scale=r)
+        gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
+        if lora is None:
+            return x + linear(silu_mul(gate_up), lp["w_down"])
+        gate_up = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b")
         act = silu_mul(gate_up)
         return x + add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
