@@ -138,6 +138,19 @@ def test_kernel_defaults_and_cli_overrides():
     with mock.patch("jax.devices", return_value=[mock.Mock(platform="gpu", compute_capability="9.0")]):
         assert config_module.hopper()
     assert not (cpu.use_pallas or cpu.unroll_layers or cpu.tokamax_moe)
+    # decode steps of < 8 rows run on 8 on the GPU, only where every linear is a plain dot and no
+    # layer routes to experts (the test of the padded rows' outputs: test_engine_models' tiny fixtures)
+    assert gpu.min_decode_rows == 8 and cpu.min_decode_rows == 1
+    from metrale_jax.layers.linear import Fp8Linear
+    from metrale_jax.step import _pads_pay
+
+    dense, moe = mock.Mock(has_experts=False), mock.Mock(has_experts=True)
+    w = np.zeros((4, 4), np.float32)
+    fp8 = Fp8Linear(np.zeros((128, 4), np.float32), np.ones((1, 1), np.float32), ((0, 128),))
+    assert _pads_pay(dense, {"layers": {"wo": w}})
+    assert not _pads_pay(moe, {"layers": {"wo": w}})
+    assert not _pads_pay(dense, {"layers": {"wo": w, "lora": {"o_a": w}}})
+    assert not _pads_pay(dense, {"layers": {"wo": fp8}})
     ns = argparse.Namespace
     assert kernels_from_args(ns(pallas=None, unroll_layers=None)) is None
     assert kernels_from_args(ns(pallas=True, unroll_layers=False)) == dataclasses.replace(gpu, unroll_layers=False)

@@ -50,15 +50,13 @@ def hopper() -> bool:
     return d.platform != "gpu" or cc is None or str(cc).split(".")[0] == "9"
 
 
-def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = None,
-                    quantized: bool = False) -> AttentionConfig:
+def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = None) -> AttentionConfig:
     """The kernel choices when none are given: on the GPU the Pallas kernels (attention, scans,
     FP8 decode linears), the Python layer loop and, for MoE models, tokamax's grouped GEMM when it
     imports (tried only then: the import takes seconds); on the CPU the XLA reference. The Mosaic
     GPU kernels only where the GPU has wgmma (`wgmma`, None = `hopper()`): other GPUs take the
-    Triton prefill kernel and the W8A16 linears at every decode size. Decode steps of fewer than 8
-    rows run on 8 where every linear is a plain (bf16) XLA dot and no layer routes to experts
-    (`quantized`: FP8 / 4-bit linears, whose kernels have their own 1-row variants)."""
+    Triton prefill kernel and the W8A16 linears at every decode size. On the GPU, decode steps of
+    fewer than 8 rows run the model on 8 (where the step finds that it pays: `min_decode_rows`)."""
     from metrale_jax.layers.moe import tokamax_available
 
     mosaic = on_gpu and (hopper() if wgmma is None else wgmma)
@@ -67,7 +65,7 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = N
     return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
                            tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
                            fp8_w8a8=mosaic, mosaic_prefill=mosaic, sampler_branches=not on_gpu,
-                           min_decode_rows=8 if on_gpu and not (uses_moe or quantized) else 1)
+                           min_decode_rows=8 if on_gpu else 1)
 
 
 @dataclass(frozen=True)
@@ -157,7 +155,7 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
     def resolve(self, *, max_position_embeddings: int, on_gpu: bool, uses_ssm: bool = False,
-                uses_moe: bool = False, quantized: bool = False) -> EngineConfig:
+                uses_moe: bool = False) -> EngineConfig:
         """Fill every None/() size and the "auto" preemption mode; raise ValueError for an
         inconsistent config."""
         mml = self.max_model_len
@@ -217,7 +215,7 @@ class EngineConfig:
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots, max_ssm_snapshots=snaps,
-            attention=self.attention or default_kernels(on_gpu, uses_moe, quantized=quantized), preemption_mode=mode,
+            attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             max_cpu_loras=cpu_loras,
             # one compile thread on the CPU: in jax 0.11.2 two XLA:CPU compiles at once can crash the process

@@ -33,7 +33,7 @@ from metrale_jax.errors import (
     MaxTokensTooLargeError,
     PromptTooLongError,
 )
-from metrale_jax.layers.linear import has_quantized_linears, use_fp8_kernel
+from metrale_jax.layers.linear import use_fp8_kernel
 from metrale_jax.layers.stack import split_layers
 from metrale_jax.metadata_builder import (
     BuilderConfig,
@@ -112,8 +112,7 @@ class LLMEngine:
         self.uses_ssm = model.ssm_bytes_per_slot() > 0
         self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
                                      on_gpu=_on_gpu(), uses_ssm=self.uses_ssm,
-                                     uses_moe=getattr(model, "has_experts", False),
-                                     quantized=has_quantized_linears(params))
+                                     uses_moe=getattr(model, "has_experts", False))
         why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None
         if self.config.attention.use_pallas and why_not:
             log.warning("Pallas kernels off for this model (%s): using the XLA reference path", why_not)

@@ -61,9 +61,10 @@ class AttentionConfig:
     # tokens than slots); see metrale_jax/lora/ops.py
     lora_kernel: str = "auto"
     # Decode steps of fewer rows run the model on this many, the extra rows padding (as a bucket
-    # pads): XLA's GEMMs stream weights faster at 8 rows than at 1 on the H200 (Llama-3-8B: the
-    # four projections 3.84 ms per step at 1 row, 3.49 at 8; bench/results/session16_2026-12-02.md).
-    # The GPU default for models without MoE layers (padding rows would route to experts).
+    # pads), where every linear is a plain XLA dot and no layer routes to experts (`step.py`
+    # checks): XLA's GEMMs stream weights faster at 8 rows than at 1 on the H200 (Llama-3-8B: the
+    # four projections 3.84 ms per step at 1 row, 3.49 at 8; batch-1 step 4.70 -> 4.58 ms;
+    # bench/results/session16_2026-12-02.md). The GPU default: 8.
     min_decode_rows: int = 1
 
 
