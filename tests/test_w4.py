@@ -393,3 +393,11 @@ def test_w4_params_for_reads_the_tuned_table(monkeypatch):
     assert p8.block_n == 64 and p8.group_partial and not p8.gemv
     assert kw4.w4_params_for("int4", 64, 4096, 4096) == W4Params()  # past the measured M: defaults
     assert kw4.w4_params_for("fp4", 1, 4096, 4096) == W4Params()
+    # a shape not measured takes the nearest measured shape's params (N 14,336 x K 4,096 -> 4,096 x 4,096)
+    table["int4_n1024_k256_m1"] = dict(block_n=32, block_k=256, num_warps=2, num_stages=2)
+    assert kw4.w4_params_for("int4", 1, 14336, 4096).gemv
+    assert kw4.w4_params_for("int4", 1, 512, 128).num_warps == 2
+    # ... unless this group size cannot take them (scale_tile needs a power of two dividing block_k)
+    table["int4_n4096_k4096_m1"]["scale_tile"] = True
+    assert kw4.w4_params_for("int4", 1, 4096, 4096, group_size=128).scale_tile
+    assert kw4.w4_params_for("int4", 1, 4096, 4096, group_size=96) == W4Params()
