@@ -41,7 +41,8 @@ CFG = EngineConfig(
 
 def _engine(name: str, unroll: bool = False, lora_kernel: str = "auto", **kw) -> LLMEngine:
     model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
-    cfg = dataclasses.replace(CFG, attention=AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel), **kw)
+    attn = AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel, interpret=lora_kernel == "pallas")
+    cfg = dataclasses.replace(CFG, attention=attn, **kw)
     return LLMEngine(model, params, cfg)
 
 
@@ -123,8 +124,9 @@ def test_llama_preemption_keeps_adapters(llama_eng):
         eng.scheduler = saved
 
 
-def test_qwen3_mixed_batch_unrolled_gather():
-    eng = _engine("qwen3_tiny", unroll=True, lora_kernel="gather")  # ("auto" takes "masked" at these buckets)
+@pytest.mark.parametrize("kernel", ["gather", "pallas"])  # ("auto" takes "masked" at these buckets)
+def test_qwen3_mixed_batch_unrolled(kernel):
+    eng = _engine("qwen3_tiny", unroll=True, lora_kernel=kernel)  # pallas: the fused kernel, interpreted
     g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
     reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
             "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
@@ -296,6 +298,18 @@ def test_lora_delta_kernels_and_token_slots():
     for kernel in ("masked", "gather", "auto"):
         got = lora_delta(jnp.asarray(x), jnp.asarray(slot), jnp.asarray(a), jnp.asarray(bd), kernel)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    # the fused Pallas kernel (interpreted) adds the delta to y in one call; past 64 tokens: "masked"
+    from metrale_jax.lora.ops import LoRAInputs, add_delta
+
+    y = rng.standard_normal((t, sum(outs)), np.float32)
+    lw = {"qkv_a": jnp.asarray(a), "qkv_b": jnp.asarray(bd)}
+    lora = LoRAInputs(lw, jnp.asarray(slot), jnp.asarray(slot), "pallas", interpret=True)
+    got = add_delta(jnp.asarray(y), jnp.asarray(x), lora, "qkv_a", "qkv_b")
+    np.testing.assert_allclose(np.asarray(got), y + ref, rtol=1e-5, atol=1e-5)
+    big = np.repeat(x, 10, axis=0)  # 70 tokens
+    lora = LoRAInputs(lw, jnp.asarray(np.repeat(slot, 10)), jnp.asarray(np.repeat(slot, 10)), "pallas")
+    got = add_delta(jnp.asarray(np.repeat(y, 10, axis=0)), jnp.asarray(big), lora, "qkv_a", "qkv_b")
+    np.testing.assert_allclose(np.asarray(got), np.repeat(y + ref, 10, axis=0), rtol=1e-5, atol=1e-5)
     # prefill tokens take their stream's slot; pad tokens -1
     pmd = BatchedAttnMetadata(*(np.zeros(8, np.int32),) * 4, block_tables=np.zeros((3, 1), np.int32),
                               cu_seqlens=np.array([0, 3, 4, 4], np.int32), kv_lens=np.zeros(3, np.int32),
@@ -354,7 +368,7 @@ def test_expert_lora_virtual_groups():
     ("llama_tiny", {"a": "a", "b": "b"}, ["a", "base", "b", "a"]),
     ("qwen3_moe_tiny", {"experts": "experts", "attn": "attn"}, ["experts", "base", "attn", "experts"]),
 ])
-@pytest.mark.parametrize("kernel", ["masked", "gather"])
+@pytest.mark.parametrize("kernel", ["masked", "gather", "pallas"])
 def test_gpu_kernels_mixed_batch(name, adapters, names, kernel):
     import jax
 

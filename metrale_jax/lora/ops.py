@@ -17,6 +17,10 @@ the adapter bytes each reads are min(T, S) slots' worth, and the bucket's T is s
   (in + out) FLOPs but T copies of the adapter bytes; better for very many slots and few tokens.
   (A Pallas / `ragged_dot` kernel grouped by slot, as Punica's SGMV, is the next step for
   prefill at large S: not written yet.)
+* "pallas": steps of at most 64 tokens run each projection's delta and its add to y as one fused
+  kernel (`pallas_kernels/linear/lora.py`: XLA's paths take four to six launches per projection,
+  most of a batch-1 LoRA step's extra time on the H200); larger steps take "masked". Not yet
+  measured on a GPU, so not the default.
 
 MoE experts (`expert_lora`): vLLM's "virtual experts": the (token, expert) pairs of tokens whose
 `moe_row_adapter` >= 0 are grouped by `slot * E + expert`, the others by the all-zero group
@@ -26,12 +30,14 @@ GPU, `jax.lax.ragged_dot` elsewhere), the same primitive as the experts themselv
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+from pallas_kernels.linear import lora as lora_kernel
 
 
 class LoRAInputs(NamedTuple):
@@ -41,6 +47,7 @@ class LoRAInputs(NamedTuple):
     slot: jax.Array  # i32[N + T]  adapter slot per token; -1 = base
     moe_slot: jax.Array  # i32[N + T]  expert-LoRA slot per token; -1 = none
     kernel: str = "auto"
+    interpret: bool = False  # the "pallas" kernel in interpret mode (CPU)
 
 
 def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field: str = "seq_slot") -> jax.Array:
@@ -67,7 +74,7 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
     s = a.shape[0]
     if kernel == "auto":
         kernel = "gather" if x.shape[0] < s else "masked"
-    if kernel == "masked":
+    if kernel in ("masked", "pallas"):  # ("pallas" past its MAX_T tokens: see add_delta)
         h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
         hit = slot[:, None, None] == jnp.arange(s, dtype=slot.dtype)[None, :, None]
         h = jnp.where(hit, h, 0.0).astype(x.dtype)
@@ -77,13 +84,17 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
         h = jnp.einsum("ti,tri->tr", x, a[safe].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, kR]
         h = jnp.where((slot >= 0)[:, None], h, 0.0).astype(x.dtype)
         return jnp.einsum("tr,tro->to", h, b[safe].astype(x.dtype), preferred_element_type=jnp.float32)
-    raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked' or 'gather'")
+    raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked', 'gather' or 'pallas'")
 
 
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
     """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA."""
     if lora is None:
         return y
+    t = math.prod(y.shape[:-1])
+    if lora.kernel == "pallas" and t <= lora_kernel.MAX_T:  # one fused kernel: shrink, mask, expand, add
+        return lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], lora.w[b],
+                        interpret=lora.interpret).reshape(y.shape)
     d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel)
     return (y.astype(jnp.float32) + d.reshape(y.shape)).astype(y.dtype)
 

@@ -199,7 +199,7 @@ def forward_paged(
 
     def layer(carry, lp):
         x, kv, i = carry
-        lora = LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel) if lora_on else None
+        lora = LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret) if lora_on else None
         if fused_rope:
             kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, lora), cos_sin, cfg.num_heads,
                                       attn.interpret)
