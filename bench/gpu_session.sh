@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [launch] [toy] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -137,7 +137,8 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
   for run in "generate_llama3_8b:--batches 1,8,64 --profile $OUT/profile_generate" "generate_llama3_8b_b1_64:--batches 1,64" \
              "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8" \
-             "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}"; do
+             "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}" \
+             "generate_llama3_8b_count_kernel:--batches 1,64 --attention {\"sampler_kernel\":true}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue
     # 128 decode steps (the issue's max_tokens=129): at 32 (session 10) batch 64 read 1.18x the device step
@@ -151,6 +152,9 @@ if [[ $parts == *sampler* ]]; then  # issues 15/16: the sampler alone at 1 / 64 
   timeout ${SAMPLER_LIMIT:-120} python3 bench/sampling_cpu.py --baseline-rev "${SAMPLER_BASELINE:-baseline}" \
     --baseline-file "${SAMPLER_BASELINE_FILE:-.gpu_carry/sampling_baseline.py}" --rows 1,64,320 --vocab 128256 \
     --repeats 20 --out "$OUT/sampler_h200" 2>&1 | tail -16
+fi
+if [[ $parts == *ways* ]]; then  # the sampler's searches: ways per pass, XLA's reductions vs the counting kernel
+  timeout ${WAYS_LIMIT:-150} python3 bench/kernels/filter_ways.py --out "$OUT/filter_ways.json" 2>&1 | tail -24
 fi
 if [[ $parts == *launch* ]]; then  # the host's cost of launching a step executable (fresh vs the same input buffers)
   timeout ${LAUNCH_LIMIT:-200} python3 bench/launch_cost.py --out "$OUT/launch_cost.json" 2>&1 | tail -8

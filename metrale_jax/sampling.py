@@ -396,9 +396,24 @@ _KEY_NEG_INF = 0x007FFFFF  # _key(-inf)
 VARIADIC_MIN_ROWS = 256
 
 
-def _sums_ge(x: Array, th: Array, weight: Array | None = None, *, variadic: bool = True) -> Array:
+@dataclass(frozen=True)
+class CountKernel:
+    """The threshold searches count through the Pallas kernel `pallas_kernels.sampling.sums_ge`
+    (a grid over rows and vocabulary chunks) instead of XLA's row reductions (one thread block per
+    row); `AttentionConfig.sampler_kernel`. interpret: the kernel's interpret mode (CPU tests)."""
+
+    interpret: bool = False
+
+
+def _sums_ge(x: Array, th: Array, weight: Array | None = None, *, variadic: bool = True,
+             kernel: CountKernel | None = None) -> Array:
     """For each row r and threshold j: the sum over V of `weight` f32[R, V] (None: the count, i32)
-    where x f32[R, V] >= th f32[R, J][r, j], in one of the two forms above (static `variadic`)."""
+    where x f32[R, V] >= th f32[R, J][r, j], in one of the two forms above (static `variadic`) or
+    through the Pallas kernel (`kernel`)."""
+    if kernel is not None:
+        from pallas_kernels.sampling import sums_ge
+
+        return sums_ge(x, th, weight, interpret=kernel.interpret)
     zero = jnp.int32(0) if weight is None else jnp.float32(0)
     if not variadic:
         ge = x[:, None, :] >= th[:, :, None]  # [R, J, V]
@@ -425,7 +440,8 @@ def _largest_threshold(holds, lo: Array, hi: Array, ways: int) -> Array:
     return _unkey(lo)
 
 
-def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = None, candidates: int = 0) -> Array:
+def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = None, candidates: int = 0,
+                  count_kernel: CountKernel | None = None) -> Array:
     """vLLM v1's sampling filters on f32[R, V] logits, per row, without a sort and without a branch:
     temperature -> min_p -> top_k -> top_p. Returns the temperature-scaled logits f32[R, V] with
     every dropped token set to -inf; softmax of a row is the distribution that row samples from.
@@ -448,6 +464,7 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     thresholds off the `candidates` largest logits (`lax.top_k`, a partial sort on the CPU) and
     run the searches only, under `lax.cond`, when some row's top_k or nucleus reaches past them.
     The same kept sets (up to the float rounding of the mass sums).
+    count_kernel (static): the searches count through that Pallas kernel (`CountKernel`).
     """
     ways = default_search_ways() if ways is None else ways
     x = logits.astype(jnp.float32)
@@ -465,7 +482,7 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
     variadic = x.shape[0] >= VARIADIC_MIN_ROWS or jax.default_backend() == "cpu"
 
     def enough_tokens(th: Array) -> Array:  # th f32[R, W-1]
-        return _sums_ge(x, th, variadic=variadic) >= k[:, :, 0]
+        return _sums_ge(x, th, variadic=variadic, kernel=count_kernel) >= k[:, :, 0]
 
     p_on = params.top_p < 1
     top_p = jnp.where(p_on, params.top_p, 1.0)
@@ -481,7 +498,7 @@ def filter_logits(logits: Array, params: FilterParams, *, ways: int | None = Non
         need = (top_p * jnp.sum(e, axis=-1))[:, None]  # f32[R, 1]
 
         def enough_mass(th: Array) -> Array:  # th f32[R, W-1]
-            return _sums_ge(xk, th, e, variadic=variadic) >= need
+            return _sums_ge(xk, th, e, variadic=variadic, kernel=count_kernel) >= need
 
         return t_k, jnp.where(p_on, _largest_threshold(enough_mass, _key(t_k), _key(m), ways), neg_inf)
 
@@ -593,7 +610,7 @@ def apply_token_bitmask(logits: Array, bitmask: Array) -> Array:
 # ---- sampling ------------------------------------------------------------------------------------
 def sample(
     logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False,
-    bitmask: Array | None = None,
+    bitmask: Array | None = None, count_kernel: CountKernel | None = None,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
@@ -614,6 +631,8 @@ def sample(
     unconstrained), applied first: the logprobs, penalties, the greedy argmax and every filter
     see the banned tokens at -inf (vLLM applies its grammar bitmask to the logits before its
     sampler too). With `branches`, skipped under `lax.cond` when every word is -1.
+
+    count_kernel: `filter_logits`'s (the searches' counting kernel).
     """
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
@@ -630,7 +649,8 @@ def sample(
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw(x):
-        kept = filter_logits(x, FilterParams.of(smd), candidates=CPU_CANDIDATES if branches else 0)
+        kept = filter_logits(x, FilterParams.of(smd), candidates=CPU_CANDIDATES if branches else 0,
+                             count_kernel=count_kernel)
         noise = row_gumbel(smd, v)
         if branches:  # the CPU: XLA fused the noise into the argmax reduction, 6x slower than this
             kept, noise = jax.lax.optimization_barrier((kept, noise))
@@ -678,6 +698,6 @@ def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:
 __all__ = [
     "SamplingParams", "RequestOutputKind", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
     "update_penalty_state", "sample", "prompt_logprobs", "FilterParams", "filter_logits", "search_passes",
-    "SEARCH_WAYS", "CPU_SEARCH_WAYS", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
+    "SEARCH_WAYS", "CPU_SEARCH_WAYS", "CountKernel", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
     "apply_token_bitmask", "top_k_plan",
 ]

@@ -25,6 +25,7 @@ from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.layers.linear import has_quantized_linears
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata, pad_decode_rows
 from metrale_jax.sampling import (
+    CountKernel,
     PenaltyState,
     SampleOutput,
     SamplingMetadata,
@@ -54,6 +55,11 @@ def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_
     ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots,
                           extra_kv_layers=extra_kv_layers)
     return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
+
+
+def count_kernel(attn: AttentionConfig) -> CountKernel | None:
+    """The sampler's counting kernel when `attn.sampler_kernel` (interpreted with `attn.interpret`)."""
+    return CountKernel(attn.interpret) if attn.sampler_kernel else None
 
 
 def _pads_pay(model, params) -> bool:
@@ -108,7 +114,8 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
 def _sample(logits: Array, pen: PenaltyState, smd: SamplingMetadata, plp: tuple, *, attn: AttentionConfig,
             max_logprobs: int, bitmask: Array | None = None) -> SampleOutput:
     tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
-                                            branches=attn.sampler_branches, bitmask=bitmask)
+                                            branches=attn.sampler_branches, bitmask=bitmask,
+                                            count_kernel=count_kernel(attn))
     return SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
 
 

@@ -39,10 +39,12 @@ def tiny(request):
     path = FIXTURES / request.param
     model, params = load_model(path, dtype="float32", show_progress=False)
     # two of the four walk the layers in Python over per-layer arrays and run decode steps on 8
-    # padded rows (the decode bucket has 4), as on the GPU
+    # padded rows (the decode bucket has 4), as on the GPU; one of them samples with the searches'
+    # counting kernel (interpreted)
     unroll = request.param in ("qwen3_tiny", "llama_tied_sharded")
-    cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(unroll_layers=unroll,
-                                                                     min_decode_rows=8 if unroll else 1))
+    kernel = request.param == "llama_tied_sharded"
+    cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(
+        unroll_layers=unroll, min_decode_rows=8 if unroll else 1, sampler_kernel=kernel, interpret=kernel))
     eng = LLMEngine(model, params, cfg)
     assert isinstance(params["layers"]["wo"], Unstacked) == unroll  # split in place
     return eng, dict(np.load(path / "golden.npz"))

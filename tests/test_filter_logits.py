@@ -15,21 +15,31 @@ import pytest
 from scipy.stats import chi2
 
 from metrale_jax.metadata_builder import BuilderConfig, RowSampling, sampling_only
-from metrale_jax.sampling import FilterParams, filter_logits, init_penalty_state, row_gumbel, sample, seed_words
+from metrale_jax.sampling import (
+    CountKernel,
+    FilterParams,
+    filter_logits,
+    init_penalty_state,
+    row_gumbel,
+    sample,
+    seed_words,
+)
 
 V = 4096
 CFG = BuilderConfig(block_size=4, max_blocks_per_seq=4, vocab_size=V, max_suppress_ids=1)
 
 
-@functools.partial(jax.jit, static_argnames=("ways", "candidates"))
-def _filter(x, temperature, top_k, top_p, min_p, ways=None, candidates=0):
-    return filter_logits(x, FilterParams(temperature, top_k, top_p, min_p), ways=ways, candidates=candidates)
+@functools.partial(jax.jit, static_argnames=("ways", "candidates", "kernel"))
+def _filter(x, temperature, top_k, top_p, min_p, ways=None, candidates=0, kernel=False):
+    return filter_logits(x, FilterParams(temperature, top_k, top_p, min_p), ways=ways, candidates=candidates,
+                         count_kernel=CountKernel(interpret=True) if kernel else None)
 
 
 _R = 24  # every call is padded to 24 rows (rows off, logits 0): one compilation per `ways`
 
 
-def _run(x: np.ndarray, rows: list[tuple], ways=None, pad: bool = True, candidates: int = 0) -> np.ndarray:
+def _run(x: np.ndarray, rows: list[tuple], ways=None, pad: bool = True, candidates: int = 0,
+         kernel: bool = False) -> np.ndarray:
     """filter_logits over rows of (temperature, top_k, top_p, min_p)."""
     n = len(rows)
     if pad:
@@ -37,7 +47,8 @@ def _run(x: np.ndarray, rows: list[tuple], ways=None, pad: bool = True, candidat
         rows = list(rows) + [(1.0, 0, 1.0, 0.0)] * (_R - n)
     t, k, p, m = (np.asarray(c) for c in zip(*rows, strict=True))
     out = _filter(jnp.asarray(x), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                  jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32), ways=ways, candidates=candidates)
+                  jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32), ways=ways, candidates=candidates,
+                  kernel=kernel)
     return np.asarray(out)[:n]
 
 
@@ -95,14 +106,15 @@ _AWKWARD = (
 )
 
 
-@pytest.mark.parametrize("ways", [None, 16])
-def test_membership_matches_reference(ways):
+@pytest.mark.parametrize("ways,kernel", [(None, False), (16, False), (16, True)])
+def test_membership_matches_reference(ways, kernel):
     """Awkward top_k / top_p / min_p and combinations on random logits of three scales: peaked
-    (nuclei of a few tokens), moderate, and near-uniform (nuclei of most of the vocabulary)."""
+    (nuclei of a few tokens), moderate, and near-uniform (nuclei of most of the vocabulary);
+    kernel: the searches count through the Pallas kernel (interpreted), as the GPU may."""
     rng = np.random.default_rng(0)
     for scale in (6.0, 1.5, 0.02):
         x = (rng.standard_normal((len(_AWKWARD), V)) * scale).astype(np.float32)
-        out = _run(x, _AWKWARD, ways=ways)
+        out = _run(x, _AWKWARD, ways=ways, kernel=kernel)
         _check_rows(out, x, _AWKWARD)
     # the nuclei really span from one token to most of the vocabulary
     sizes = [int(_ref_keep(x[i], *r).sum()) for i, r in enumerate(_AWKWARD)]
@@ -371,12 +383,15 @@ def test_gumbel_noise_is_finite():
     assert 16 < float(jnp.max(g)) < 17  # -log(-log(1 - 2**-24))
 
 
-@pytest.mark.parametrize("variadic", [True, False])
-def test_threshold_sums_both_forms(variadic):
+@pytest.mark.parametrize("variadic,kernel", [(True, None), (False, None), (False, "one chunk"), (False, "chunks"),
+                                             pytest.param(False, "gpu", marks=pytest.mark.gpu)])
+def test_threshold_sums_every_form(variadic, kernel):
     """The searches' counts and masses over {x >= t} (one variadic reduction, the CPU's and a
-    verify step's; or a reduction per threshold, the GPU's for fewer rows) against numpy, with
-    -inf entries and thresholds equal to entries (ties count)."""
+    verify step's; a reduction per threshold, the GPU's for fewer rows; the Pallas kernel over one
+    chunk of the row or several, the last partial) against numpy, with -inf entries and
+    thresholds equal to entries (ties count)."""
     from metrale_jax.sampling import _sums_ge
+    from pallas_kernels.sampling import sums_ge
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 300)).astype(np.float32)
@@ -385,7 +400,13 @@ def test_threshold_sums_both_forms(variadic):
     th[0, 0] = -np.inf
     w = np.exp(np.where(np.isfinite(x), x, -np.inf)).astype(np.float32)
     ge = x[:, None, :] >= th[:, :, None]
-    counts = np.asarray(_sums_ge(jnp.asarray(x), jnp.asarray(th), variadic=variadic))
-    masses = np.asarray(_sums_ge(jnp.asarray(x), jnp.asarray(th), jnp.asarray(w), variadic=variadic))
+    if kernel is None:
+        counts = np.asarray(_sums_ge(jnp.asarray(x), jnp.asarray(th), variadic=variadic))
+        masses = np.asarray(_sums_ge(jnp.asarray(x), jnp.asarray(th), jnp.asarray(w), variadic=variadic))
+    else:
+        blocks = dict(block_v=128, sub=32) if kernel == "chunks" else {}  # 300 = 2 x 128 + 44
+        blocks["interpret"] = kernel != "gpu"
+        counts = np.asarray(sums_ge(jnp.asarray(x), jnp.asarray(th), **blocks))
+        masses = np.asarray(sums_ge(jnp.asarray(x), jnp.asarray(th), jnp.asarray(w), **blocks))
     np.testing.assert_array_equal(counts, ge.sum(-1))
     np.testing.assert_allclose(masses, np.where(ge, w[:, None, :], 0).sum(-1), rtol=1e-5)

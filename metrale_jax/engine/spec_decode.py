@@ -294,7 +294,7 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
     last accepted position)."""
     from metrale_jax.layers.spec_states import add_scratch, commit, verify_grid
     from metrale_jax.sampling import PenaltyState, SampleOutput, sample, update_penalty_state
-    from metrale_jax.step import StepState
+    from metrale_jax.step import StepState, count_kernel
 
     n, w = pmd.num_streams, pmd.verify_width
     pen = update_penalty_state(state.penalties, tokens, smd)  # t0 of each penalized row
@@ -307,7 +307,7 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
     tok_grid = tokens[idx]
     wps, wsmd = _window_penalties(pen, smd, tok_grid, mask, w)
     tok, lp, rank, top_ids, top_lp = sample(logits, wsmd, wps, max_logprobs=max_logprobs,
-                                            branches=attn.sampler_branches)
+                                            branches=attn.sampler_branches, count_kernel=count_kernel(attn))
     acc = accepted_drafts(tok, tokens, pmd)
     if ms.ssm:
         ms = dataclasses.replace(ms, ssm=commit(ms.ssm, pmd.ssm_slots, acc, w))

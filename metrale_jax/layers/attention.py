@@ -53,6 +53,10 @@ class AttentionConfig:
     # the step needs them (`sampling.sample(branches=...)`): the CPU default. On the GPU XLA
     # evaluates a conditional's predicate on the host, so the next step could not be queued.
     sampler_branches: bool = False
+    # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
+    # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
+    # batch-64 Llama-3-8B step on the H200, session 16). Not yet measured on a GPU: off by default.
+    sampler_kernel: bool = False
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
