@@ -13,6 +13,8 @@ host cannot be queued behind the previous one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -31,9 +33,15 @@ BUCKETS = (StepBucket("decode", num_seqs=4), StepBucket("prefill", num_tokens=64
            StepBucket("verify", num_seqs=4, num_spec=2))  # speculative decoding's verify step
 
 
-def _lower_steps(model, params) -> dict[str, str]:
-    """StableHLO text of each BUCKETS step with the GPU's default kernels, lowered for an H200."""
-    attn = default_kernels(on_gpu=True)
+def _h200_mesh():
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200)
+
+
+def _lower_steps(model, params, **kernels) -> dict[str, str]:
+    """StableHLO text of each BUCKETS step with the GPU's default kernels (`kernels` set over them),
+    lowered for an H200."""
+    attn = dataclasses.replace(default_kernels(on_gpu=True), **kernels)
     if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
         params = split_layers(params)
     if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
@@ -43,8 +51,7 @@ def _lower_steps(model, params) -> dict[str, str]:
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
     state = jax.eval_shape(lambda: init_step_state(model, 64, 16, max_ssm_slots=slots, penalty_rows=4))
     builder = BuilderConfig(block_size=16, max_blocks_per_seq=8, vocab_size=model.cfg.vocab_size, max_suppress_ids=4)
-    h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200)
+    mesh = _h200_mesh()
     out = {}
     for bucket in BUCKETS:
         lay = packed_layout(builder, bucket)
@@ -82,3 +89,25 @@ def test_mosaic_prefill_lowers_for_h200():
     texts = _lower_steps(model, params)
     assert "mosaic_gpu" not in texts["decode"]
     assert all("mosaic_gpu" in texts[k] for k in ("prefill", "mixed", "verify"))
+
+
+def test_opt_in_kernels_lower_for_h200():
+    """The kernels not on by default yet (the fused LoRA delta, the searches' counting kernel)
+    lower to Triton for an H200, alone at their sizes and inside the steps of a bf16 Llama."""
+    from pallas_kernels.linear.lora import lora_add
+    from pallas_kernels.sampling import sums_ge
+
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    with jax.sharding.use_abstract_mesh(_h200_mesh()):
+        for t in (1, 64):
+            args = (sds((t, 6144), bf), sds((t, 4096), bf), sds((t,), jnp.int32), sds((8, 48, 4096), bf),
+                    sds((8, 48, 6144), bf))
+            assert "lora_add" in jax.jit(lora_add).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        for r in (1, 320):
+            x = sds((r, 128256), jnp.float32)
+            text = jax.jit(sums_ge).trace(x, sds((r, 15), jnp.float32), x).lower(lowering_platforms=("cuda",)).as_text()
+            assert "sums_ge" in text
+    model, params = load_model(FIXTURES / "llama_tiny", dtype="bfloat16", show_progress=False)
+    texts = _lower_steps(model, params, sampler_kernel=True)
+    assert all("sums_ge" in t and "stablehlo.case" not in t for t in texts.values())

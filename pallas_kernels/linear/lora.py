@@ -62,7 +62,8 @@ def _lora_kernel(slot_ref, x_ref, a_ref, b_ref, y_ref, o_ref, *, t, tp, num_slot
                                    other=0.0)  # [kRp, BN]
             return acc + plgpu_triton.dot(h, bt.astype(h.dtype)).astype(jnp.float32)
 
-        return jax.lax.cond(jnp.any(hit), delta, lambda acc: acc, acc)
+        # (a sum, not jnp.any: Triton lowers integer sums for sure; an OR reduction is less certain)
+        return jax.lax.cond(jnp.sum(hit.astype(jnp.int32)) > 0, delta, lambda acc: acc, acc)
 
     acc = jax.lax.fori_loop(0, num_slots, one_slot, jnp.zeros((tp, block_n), jnp.float32))
     mask = row_ok[:, None] & col_ok[None, :]
