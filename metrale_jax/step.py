@@ -62,13 +62,15 @@ def count_kernel(attn: AttentionConfig) -> CountKernel | None:
     return CountKernel(attn.interpret) if attn.sampler_kernel else None
 
 
-def _pads_pay(model, params) -> bool:
+def _pads_pay(model, params, attn: AttentionConfig) -> bool:
     """Whether a decode step may run on padding rows (`AttentionConfig.min_decode_rows`): every
-    linear a plain XLA dot (FP8 and 4-bit kernels have 1-row variants; LoRA deltas cost more with
-    the rows: a batch-1 Llama-3-8B LoRA step on the H200 went 5.55 -> 6.18 ms padded to 8) and no
-    layer routing to experts (padding rows would be routed)."""
+    linear a plain XLA dot (FP8 and 4-bit kernels have 1-row variants), LoRA deltas only through
+    the fused kernel, which skips the padding rows' absent slots (XLA's cost more with the rows: a
+    batch-1 Llama-3-8B LoRA step on the H200 went 5.55 -> 6.18 ms padded to 8), and no layer
+    routing to experts (padding rows would be routed)."""
     layers = params.get("layers", {}) if isinstance(params, dict) else {}
-    return not (getattr(model, "has_experts", False) or "lora" in layers or has_quantized_linears(params))
+    lora = "lora" in layers and attn.lora_kernel != "pallas"
+    return not (getattr(model, "has_experts", False) or lora or has_quantized_linears(params))
 
 
 def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
@@ -82,7 +84,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
         src = smd.token_src
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens)
     pen = update_penalty_state(state.penalties, tokens, smd)
-    if pmd is None and n < attn.min_decode_rows and _pads_pay(model, params):  # AttentionConfig.min_decode_rows
+    if pmd is None and n < attn.min_decode_rows and _pads_pay(model, params, attn):  # AttentionConfig.min_decode_rows
         md, padded = pad_decode_rows(dmd, tokens, attn.min_decode_rows)
         ms, hidden = model.forward_paged(params, state.model, padded, md, None, attn)
         hidden = hidden[:n]

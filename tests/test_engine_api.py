@@ -147,10 +147,12 @@ def test_kernel_defaults_and_cli_overrides():
     dense, moe = mock.Mock(has_experts=False), mock.Mock(has_experts=True)
     w = np.zeros((4, 4), np.float32)
     fp8 = Fp8Linear(np.zeros((128, 4), np.float32), np.ones((1, 1), np.float32), ((0, 128),))
-    assert _pads_pay(dense, {"layers": {"wo": w}})
-    assert not _pads_pay(moe, {"layers": {"wo": w}})
-    assert not _pads_pay(dense, {"layers": {"wo": w, "lora": {"o_a": w}}})
-    assert not _pads_pay(dense, {"layers": {"wo": fp8}})
+    assert _pads_pay(dense, {"layers": {"wo": w}}, gpu)
+    assert not _pads_pay(moe, {"layers": {"wo": w}}, gpu)
+    lora = {"layers": {"wo": w, "lora": {"o_a": w}}}
+    assert not _pads_pay(dense, lora, gpu)  # XLA's deltas cost more with the rows; the fused kernel's not
+    assert _pads_pay(dense, lora, dataclasses.replace(gpu, lora_kernel="pallas"))
+    assert not _pads_pay(dense, {"layers": {"wo": fp8}}, gpu)
     ns = argparse.Namespace
     assert kernels_from_args(ns(pallas=None, unroll_layers=None)) is None
     assert kernels_from_args(ns(pallas=True, unroll_layers=False)) == dataclasses.replace(gpu, unroll_layers=False)

@@ -41,7 +41,9 @@ CFG = EngineConfig(
 
 def _engine(name: str, unroll: bool = False, lora_kernel: str = "auto", **kw) -> LLMEngine:
     model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
-    attn = AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel, interpret=lora_kernel == "pallas")
+    fused = lora_kernel == "pallas"  # interpreted, and with decode steps on 8 padded rows as the GPU may run it
+    attn = AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel, interpret=fused,
+                           min_decode_rows=8 if fused else 1)
     cfg = dataclasses.replace(CFG, attention=attn, **kw)
     return LLMEngine(model, params, cfg)
 
