@@ -93,8 +93,9 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
         return y
     t = math.prod(y.shape[:-1])
     if lora.kernel == "pallas" and t <= lora_kernel.MAX_T:  # one fused kernel: shrink, mask, expand, add
-        return lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], lora.w[b],
-                        interpret=lora.interpret).reshape(y.shape)
+        out = lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], lora.w[b],
+                                   interpret=lora.interpret)
+        return out.reshape(y.shape)
     d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel)
     return (y.astype(jnp.float32) + d.reshape(y.shape)).astype(y.dtype)
 

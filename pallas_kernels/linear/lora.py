@@ -82,10 +82,10 @@ def lora_add(y, x, slot, a, b, *, block_n: int = 128, block_k: int = 256, interp
     if y.shape != (t, n_out) or slot.shape != (t,) or a.shape != (s, kr, k_in):
         raise ValueError(f"lora_add: shapes disagree: y {y.shape}, x {x.shape}, slot {slot.shape}, a {a.shape}, "
                          f"b {b.shape}")
-    block_k = min(block_k, max(16, 1 << max(0, (k_in - 1).bit_length())))
-    block_n = min(block_n, max(16, 1 << max(0, (n_out - 1).bit_length())))
+    block_k = min(block_k, m_bucket(k_in))
+    block_n = min(block_n, m_bucket(n_out))
     kernel = functools.partial(_lora_kernel, t=t, tp=m_bucket(t), num_slots=s, kr=kr,
-                               krp=max(16, 1 << max(0, (kr - 1).bit_length())), k_in=k_in, n_out=n_out,
+                               krp=m_bucket(kr), k_in=k_in, n_out=n_out,
                                block_n=block_n, block_k=block_k)
     return pl.pallas_call(
         kernel,

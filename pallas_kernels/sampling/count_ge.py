@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from pallas_kernels.linear.params import m_bucket
+
 
 def sums_ge_reference(x, th, weight=None):
     """The same with one comparison tensor [R, J, V] (float32 / int32 sums)."""
@@ -63,11 +65,11 @@ def sums_ge(x, th, weight=None, *, block_v: int = 8192, sub: int = 512, interpre
     j = th.shape[1]
     if th.shape[0] != r or (weight is not None and weight.shape != x.shape):
         raise ValueError(f"sums_ge: x {x.shape}, th {th.shape}, weight {None if weight is None else weight.shape}")
-    sub = min(sub, max(16, 1 << max(0, (v - 1).bit_length())))
+    sub = min(sub, m_bucket(v))
     block_v = max(sub, min(block_v, sub * -(-v // sub)))
     block_v -= block_v % sub
     chunks = -(-v // block_v)
-    jp = max(16, 1 << max(0, (j - 1).bit_length()))
+    jp = m_bucket(j)  # (the next power of two >= 16: Triton's block sizes)
     weighted = weight is not None
     kernel = functools.partial(_kernel, v=v, j=j, jp=jp, block_v=block_v, sub=sub, weighted=weighted)
     dtype = jnp.float32 if weighted else jnp.int32
