@@ -214,7 +214,9 @@ def test_regex_and_choice_with_free_rows(llm, monkeypatch):
     masks = []  # the bitmask each step ran with (None: the compiler's constant, nothing sent)
     run = eng.compiler.run
     monkeypatch.setattr(eng.compiler, "run", lambda *a: (masks.append(a[5]), run(*a))[1])
-    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # (penalties: the deferred sample of a constrained step reads the penalty state its forward left)
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                          frequency_penalty=0.5)
     p_free = _chat_prompt(llm, "Tell me about the sea.")
     alone = llm.generate([p_free], free, use_tqdm=False)[0].outputs[0].token_ids
     assert masks and all(m is None for m in masks)
@@ -267,15 +269,18 @@ def test_server_response_format(llm):
 def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     """Decode buckets are forward + sample executables (equal to the one-executable step bit for
     bit: tests/test_split_step.py); a decode step with constrained rows dispatches its forward
-    before the host waits for the previous step's samples and fills the masks, then samples with
-    them. The outputs follow their constraints and a second run gives the same tokens."""
+    before the host waits for the previous step's samples and fills the masks, and its sample is
+    launched only once the next step's inputs are sent (before that step's forward). The outputs
+    follow their constraints and a second run gives the same tokens."""
     eng = llm.llm_engine
     comp = eng.compiler
     decode = [b for b in comp.buckets if b.kind == "decode"]
     assert decode and all(comp.has_split(b) and b not in comp.executables for b in decode)
     events = []
-    run_forward, advance = comp.run_forward, eng._advance_grammars
+    run_forward, run_sample, put, advance = comp.run_forward, comp.run_sample, comp.put, eng._advance_grammars
     monkeypatch.setattr(comp, "run_forward", lambda *a: (events.append("forward"), run_forward(*a))[1])
+    monkeypatch.setattr(comp, "run_sample", lambda *a: (events.append("sample"), run_sample(*a))[1])
+    monkeypatch.setattr(comp, "put", lambda *a: (events.append("put" if len(a) == 2 else "mask"), put(*a))[1])
     monkeypatch.setattr(eng, "_advance_grammars", lambda f: (events.append("grammar"), advance(f))[1])
     sps = [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20,
                           structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{2}")),
@@ -286,6 +291,9 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
                _chat_prompt(llm, "Tell me about the sea.")]
     first = llm.generate(prompts, sps, use_tqdm=False)
     assert "forward" in events and any(a == "forward" and b == "grammar" for a, b in zip(events, events[1:]))
+    # forward, masks, (the previous step read), then the next call sends the next step's inputs,
+    # launches this step's sample, then the next forward
+    assert re.search("forward grammar mask (grammar )?put sample forward", " ".join(events))
     for c in first[0].outputs:
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
     assert first[1].outputs[0].text in ("red", "green", "dark blue")

@@ -90,6 +90,16 @@ class _InFlight:
     want_plp: bool
     constrained: bool = False  # a sampled row follows a grammar (structured output)
     advanced: bool = False  # its samples were fed to those grammars (`_advance_grammars`)
+    # a constrained split step's sampling half, not launched yet (see `LLMEngine._dispatch`): it
+    # fills `arrays`; None once launched
+    launch: Any = None
+
+    def launched(self) -> _InFlight:
+        """This step with its sampling half launched (its `arrays` filled)."""
+        if self.launch is not None:
+            launch, self.launch = self.launch, None
+            launch()
+        return self
 
 
 def _on_gpu() -> bool:
@@ -638,6 +648,9 @@ class LLMEngine:
         dispatches (the device idles for that much; everything else still overlaps).
         """
         sched = self.scheduler.schedule()
+        if sched.empty() or sched.swap_out or sched.swap_in or sched.kv_offload or sched.kv_onload \
+                or sched.ssm_restores:
+            self._launch_sample()  # (what follows donates the state the pending sample reads)
         while self.scheduler.dropped_swaps:  # the other processes drop their saved copies too
             self._announce("drop", self.scheduler.dropped_swaps.pop())
         self._swap(sched)
@@ -732,8 +745,16 @@ class LLMEngine:
             self._announce("ssm_copy", sched.ssm_restores)
             self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_restores)
 
+    def _launch_sample(self) -> None:
+        """Launch the in-flight step's sampling half if it waits (a constrained step's, see
+        `_dispatch`)."""
+        if self._inflight is not None:
+            self._inflight.launched()
+
     def _dispatch(self, sched) -> _InFlight:
         self._steps += 1
+        if self.config.speculative_config is not None:
+            self._launch_sample()  # (a verify step reads the previous step's samples)
         if self.config.speculative_config is not None and sched.decode and not sched.chunks:
             from metrale_jax.engine.spec_decode import dispatch_verify
 
@@ -755,6 +776,7 @@ class LLMEngine:
         inputs = build_step(self.builder, bucket, rows, chunks)
         _, ibuf, fbuf = pack(self.builder, inputs)
         dev = self.compiler.put(ibuf, fbuf)
+        self._launch_sample()  # the previous step's sampling half, if it waits: the inputs are sent
         # sampled rows: decode rows 0..n-1, then stream j at row N + j when its chunk samples
         n_bucket = bucket.num_seqs
         sampled = [(i, s) for i, s in enumerate(sched.decode)]
@@ -772,12 +794,40 @@ class LLMEngine:
         self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
         if bitmask is not None:
             bitmask = self.compiler.put(bitmask)
+        want_lp = bool(inputs.smd.flags[F_LOGPROBS])
+        want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
+        names = ["token_ids", "logprobs"]
+        if want_lp:
+            names += ["ranks", "top_ids", "top_logprobs"]
+        if want_plp:
+            names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
+        f = _InFlight(sched, inputs, sampled, names, [], want_lp, want_plp, constrained=bool(masked))
+
+        def fetch(out):
+            if out.drafts is not None and sampled:  # decode rows' drafts, and a sampled stream's first one
+                names.append("drafts")
+            f.arrays = [local(getattr(out, n)) for n in names]
+            for a in f.arrays:
+                a.copy_to_host_async()
+
         if split:
-            out, self._next_tokens = self.compiler.run_sample(bucket, logits, self.state.penalties, dev, plp,
-                                                              bitmask, self._next_tokens)
+            def launch_sample(penalties=self.state.penalties):
+                out, self._next_tokens = self.compiler.run_sample(bucket, logits, penalties, dev, plp, bitmask,
+                                                                  self._next_tokens)
+                fetch(out)
+
+            if sched.ssm_snapshots:  # (the copy below donates the state the sample reads)
+                launch_sample()
+            else:
+                # launched by the next step once its inputs are sent (or before anything touches the
+                # state): a launch with a fresh input (the mask) returns only when the device is
+                # free, so the host's work for the next step (reading this one's predecessor,
+                # scheduling, building) runs while the forward does, not after the sample
+                f.launch = launch_sample
         else:
             self.state, out, self._next_tokens = self.compiler.run(inputs.bucket, self.params,
                                                                    self.state, dev, self._next_tokens, bitmask)
+            fetch(out)
         self.scheduler.complete(sched)
         if sched.ssm_snapshots:  # prefix caching: SSM snapshots at the block boundaries this step reached
             self._announce("ssm_copy", sched.ssm_snapshots)
@@ -786,19 +836,7 @@ class LLMEngine:
         for row, seq in sampled:
             seq.inflight += 1
             seq.inflight_row = row
-        want_lp = bool(inputs.smd.flags[F_LOGPROBS])
-        want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
-        names = ["token_ids", "logprobs"]
-        if want_lp:
-            names += ["ranks", "top_ids", "top_logprobs"]
-        if want_plp:
-            names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
-        if out.drafts is not None and sampled:  # decode rows' drafts, and a sampled stream's first one
-            names.append("drafts")
-        arrays = [local(getattr(out, n)) for n in names]
-        for a in arrays:
-            a.copy_to_host_async()
-        return _InFlight(sched, inputs, sampled, names, arrays, want_lp, want_plp, constrained=bool(masked))
+        return f
 
     def _advance_grammars(self, f: _InFlight) -> None:
         """Feed a dispatched step's samples to its constrained rows' grammars, once (EOS is not fed:
@@ -807,7 +845,7 @@ class LLMEngine:
         if f.advanced:
             return
         f.advanced = True
-        toks = np.asarray(f.arrays[f.names.index("token_ids")])  # waits for the step
+        toks = np.asarray(f.launched().arrays[f.names.index("token_ids")])  # waits for the step
         for row, seq in f.sampled:
             if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted:
                 t = int(toks[row])
@@ -816,6 +854,7 @@ class LLMEngine:
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
+        f.launched()  # (the last step's sample: no next step launched it)
         if f.inputs.bucket.kind == "verify":
             from metrale_jax.engine.spec_decode import finish_verify
 
