@@ -131,7 +131,7 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
         from metrale_jax.engine.spec_decode import verify_step
 
         return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
-                           num_drafts=num_drafts)
+                           num_drafts=num_drafts, bitmask=bitmask)
     state, logits, plp, hidden = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                                           max_logprobs=max_logprobs, prev_tokens=prev_tokens)
     out = _sample(logits, state.penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)

@@ -16,8 +16,10 @@ has read step i's samples; when both have constrained rows, `LLMEngine._dispatch
 step i+1's inputs, then waits for step i's sampled ids, feeds them to the grammars
 (`LLMEngine._advance_grammars`) and fills the masks before the launch: the device idles for the
 fill, the mask transfer and the launch (measured in `bench/structured_output.py`). The mask has
-one row per sampled row of the step (S; with speculative decoding S x (1 + k), llguidance's
-`fill_next_token_bitmask_par_with_draft_tokens` fills such rows).
+one row per sampled row of the step (S; with speculative decoding S x (1 + k): a verify step's
+window position j is masked by the grammar's state after the row's drafts d1..dj, which llguidance's
+`fill_next_token_bitmask_par_with_draft_tokens` fills, so a draft the grammar forbids is never
+sampled there and is rejected; drafts past the first the grammar forbids are not sent at all).
 """
 
 from __future__ import annotations
@@ -198,18 +200,29 @@ class GrammarCompiler:
             raise InvalidStructuredOutputsError(f"grammar rejected: {m.get_error()}")
         return m
 
-    def fill(self, rows: list[tuple[Any, int]], num_rows: int) -> np.ndarray:
+    def fill(self, rows: list[tuple], num_rows: int) -> np.ndarray:
         """int32[num_rows, W]: row r of each (matcher, r) holds its next-token mask (padded ids
-        banned); every other row is -1 (all allowed)."""
+        banned); with drafts, (matcher, r, [d1..dk]) (a verify step's window; the drafts valid for
+        the grammar: `valid_drafts`), rows r + 1..r + k hold the masks after d1..dj, the matcher
+        left as it was. Every other row is -1 (all allowed)."""
         out = np.full((num_rows, self._llg_width), -1, np.int32)
-        if rows:
-            _llguidance().numpy.fill_next_token_bitmask_par(self._executor, rows, out)
+        drafts = [(m, r, list(d)) for m, r, *rest in rows for d in [rest[0] if rest else []]]
+        llg = _llguidance().numpy
+        if any(d for _, _, d in drafts):  # (llguidance's draft fill takes rows with drafts only)
+            llg.fill_next_token_bitmask_par_with_draft_tokens(self._executor, [x for x in drafts if x[2]], out)
+        if not all(d for _, _, d in drafts):
+            llg.fill_next_token_bitmask_par(self._executor, [(m, r) for m, r, d in drafts if not d], out)
         if self._llg_width != self.width:
             out = np.ascontiguousarray(out[:, : self.width]) if self._llg_width > self.width else np.pad(
                 out, ((0, 0), (0, self.width - self._llg_width)), constant_values=-1)
-        idx = [r for _, r in rows]
+        idx = [r + j for _, r, d in drafts for j in range(len(d) + 1)]
         out[idx] &= self.valid_row
         return out
+
+    @staticmethod
+    def valid_drafts(matcher, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar accepts from `matcher`'s state (unchanged)."""
+        return list(drafts[: matcher.validate_tokens(list(drafts))]) if drafts else []
 
 
 __all__ = ["StructuredOutputsParams", "GrammarCompiler", "grammar_text", "packed_width"]

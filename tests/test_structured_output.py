@@ -301,3 +301,56 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     for w, g in zip(first, again):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
         assert [c.cumulative_logprob for c in g.outputs] == [c.cumulative_logprob for c in w.outputs]
+
+
+def test_draft_window_masks(compiler, smollm2_tokenizer):  # noqa: F811
+    """A verify window's masks: row r + j is the grammar's mask after drafts d1..dj (each checked
+    against a matcher that consumed them one by one), drafts past the first the grammar forbids
+    are cut, and the matcher is left as it was."""
+    tok = smollm2_tokenizer
+    m = compiler.matcher(compiler.compile(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,5}")))
+    ids = list(tok.encode("123-abc", add_special_tokens=False))
+    assert len(ids) >= 3
+    bad = tok.encode("!", add_special_tokens=False)[0]
+    assert compiler.valid_drafts(m, ids + [bad, ids[0]]) == ids and compiler.valid_drafts(m, [bad]) == []
+    got = compiler.fill([(m, 2, ids)], 2 + len(ids) + 2)
+    ref = compiler.matcher(compiler.compile(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,5}")))
+    for j in range(len(ids) + 1):
+        np.testing.assert_array_equal(got[2 + j], compiler.fill([(ref, 0)], 1)[0], err_msg=f"position {j}")
+        if j < len(ids):
+            assert ref.consume_token(ids[j])
+    assert (got[:2] == -1).all() and (got[2 + len(ids) + 1:] == -1).all()
+    np.testing.assert_array_equal(compiler.fill([(m, 0)], 1)[0], got[2])  # m unchanged
+
+
+def test_speculative_decoding_with_grammars(llm, smollm2_gguf):  # noqa: F811
+    """n-gram speculation over constrained rows: greedy outputs equal the unspeculated engine's
+    (the grammar masks every window position; a draft it forbids is rejected), drafts were
+    verified and accepted, and sampled rows still follow their constraints."""
+    from metrale_jax.engine import LLMEngine
+    from metrale_jax.llm import LLM
+    from metrale_jax.model import load_model
+
+    model, params = load_model(smollm2_gguf, dtype="float32", show_progress=False)
+    cfg = llm.llm_engine.config.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = LLM.from_engine(LLMEngine(model, params, cfg))
+    regex = r"(cat|dog)( (cat|dog|bird)){6,12}\."
+    sps = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)),
+           SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+           SamplingParams(temperature=0, max_tokens=24),
+           SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=40,
+                          structured_outputs=StructuredOutputsParams(regex=regex))]
+    prompts = [_chat_prompt(llm, "List some animals, cat dog cat dog cat dog."),
+               _chat_prompt(llm, "Describe a cat as a JSON object."),
+               _chat_prompt(llm, "Say cat dog cat dog cat dog cat dog."),
+               _chat_prompt(llm, "List some animals.")]
+    want = llm.generate(prompts[:3], sps[:3], use_tqdm=False)
+    got = spec.generate(prompts, sps, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (w.outputs[0].text, g.outputs[0].text)
+    assert re.fullmatch(regex, got[0].outputs[0].text)
+    if got[1].outputs[0].finish_reason == "stop":  # (else cut by max_tokens)
+        jsonschema.validate(json.loads(got[1].outputs[0].text), SCHEMA)
+    assert all(c.finish_reason == "stop" and re.fullmatch(regex, c.text) for c in got[3].outputs)
+    st = spec.stats()
+    assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens > 0

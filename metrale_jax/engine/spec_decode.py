@@ -288,10 +288,12 @@ def accepted_drafts(samples, tokens, md: BatchedAttnMetadata):
 
 
 def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, attn, max_logprobs: int,
-                num_drafts: int = 0):
+                num_drafts: int = 0, bitmask=None):
     """One verify step (see the module doc) -> (state, SampleOutput with `spec_accepted` i32[N],
     and with an MTP drafter (num_drafts = k) each row's next drafts i32[N, k], drafted from its
-    last accepted position)."""
+    last accepted position). bitmask i32[N * W, ceil(V / 32)]: structured output's mask of each
+    window position (the grammar's state after the drafts before it; -1 = unconstrained), so a
+    draft the grammar forbids is never the sample there: rejected."""
     from metrale_jax.layers.spec_states import add_scratch, commit, verify_grid
     from metrale_jax.sampling import PenaltyState, SampleOutput, sample, update_penalty_state
     from metrale_jax.step import StepState, count_kernel
@@ -306,7 +308,7 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
     idx, mask = verify_grid(pmd)
     tok_grid = tokens[idx]
     wps, wsmd = _window_penalties(pen, smd, tok_grid, mask, w)
-    tok, lp, rank, top_ids, top_lp = sample(logits, wsmd, wps, max_logprobs=max_logprobs,
+    tok, lp, rank, top_ids, top_lp = sample(logits, wsmd, wps, max_logprobs=max_logprobs, bitmask=bitmask,
                                             branches=attn.sampler_branches, count_kernel=count_kernel(attn))
     acc = accepted_drafts(tok, tokens, pmd)
     if ms.ssm:
@@ -403,14 +405,15 @@ def mtp_step_draft(params, ms, hidden, samples, dmd, pmd, smd, *, model, attn, k
 # ---- the engine's side (host) ---------------------------------------------------------------------
 def dispatch_verify(engine, sched):
     """Build and run a verify step for `sched.decode` (no prefill chunks); -> the engine's _InFlight,
-    or None for a plain decode step: when no row has drafts (1 token per row instead of 1 + k), when
-    a row follows a grammar (structured output masks one position per row: not speculated), or
+    or None for a plain decode step: when no row has drafts (1 token per row instead of 1 + k), or
     when a row's last token is still in flight (`sync_for_drafts` let the previous step overlap).
+    A row that follows a grammar (structured output) drafts only what its grammar accepts, and each
+    of its window positions is masked by the grammar's state after the drafts before it.
 
     `Scheduler.complete` (which counts the computed tokens and, with prefix caching, registers the
     filled blocks and picks the SSM snapshots to take) runs in `finish_verify`, once the accepted
     counts are known: a snapshot is then only ever taken of a verified state at a block boundary."""
-    if any(getattr(s, "grammar", None) is not None or s.inflight for s in sched.decode):
+    if any(s.inflight for s in sched.decode):
         return None  # (a row whose last token is still on the device cannot draft after it)
     from metrale_jax.engine.compile import _ceil_bucket
     from metrale_jax.engine.engine import _InFlight
@@ -421,6 +424,8 @@ def dispatch_verify(engine, sched):
     rows, sampled = [], []
     for s in sched.decode:
         drafts = draft_tokens(s, s.spec_len, spec) if s.spec_len else []
+        if s.grammar is not None:
+            drafts = engine._grammars.valid_drafts(s.grammar, drafts)
         p = s.request.params
         rows.append(VerifyRow(tokens=[s.token_ids[-1], *drafts], position=s.num_computed, block_table=s.blocks,
                               sampling=engine._row_sampling(s), ssm_slot=s.ssm_slot, suppress_until=p.min_tokens,
@@ -434,10 +439,15 @@ def dispatch_verify(engine, sched):
     bucket = StepBucket("verify", num_seqs=_ceil_bucket(engine.config.decode_buckets, len(rows)), num_spec=k)
     inputs = build_verify_step(engine.builder, bucket, rows)
     _, ibuf, fbuf = pack(engine.builder, inputs)
-    engine._announce("step", bucket, ibuf, fbuf, None)  # processes under jax.distributed run it too
+    w = 1 + k
+    masked = [(s.grammar, r * w, rows[r].tokens[1:]) for r, s, _ in sampled if s.grammar is not None]
+    bitmask = engine._grammars.fill(masked, bucket.num_sample_rows) if masked else None
+    engine._announce("step", bucket, ibuf, fbuf, bitmask)  # processes under jax.distributed run it too
     dev = engine.compiler.put(ibuf, fbuf)
+    if bitmask is not None:
+        bitmask = engine.compiler.put(bitmask)
     engine.state, out, engine._next_tokens = engine.compiler.run(bucket, engine.params, engine.state, dev,
-                                                                 engine._next_tokens)
+                                                                 engine._next_tokens, bitmask)
     for _, s, _ in sampled:
         s.inflight += 1
     from metrale_jax.sampling import F_LOGPROBS
@@ -490,6 +500,9 @@ def finish_verify(engine, f):
         if req.aborted or seq.status == SeqStatus.FINISHED:
             continue
         for j in range(a + 1):
+            t = int(out["token_ids"][r * w + j])
+            if seq.grammar is not None and t not in engine.eos_token_ids:
+                seq.grammar.consume_token(t)  # (a token it rejects finishes the row: `_append_token`)
             engine._append_token(seq, r * w + j, out, f.want_lp)
             if seq.status == SeqStatus.FINISHED:
                 break
