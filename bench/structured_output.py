@@ -141,6 +141,58 @@ def _device_mask_cost(eng, args) -> dict:
     return out
 
 
+def _host_timeline(eng, run) -> dict:
+    """Where the host's time goes per engine step: `run()` with the engine's host phases wrapped
+    (each call's start and end recorded) -> per phase, the median ms per step it takes and the
+    median ms from the step's start to the phase's start (steps of the middle half only)."""
+    comp = eng.compiler
+    phases = {"put": (comp, "put"), "launch_forward": (comp, "run_forward"), "launch_sample": (comp, "run_sample"),
+              "launch_whole": (comp, "run"), "advance_grammars": (eng, "_advance_grammars"),
+              "finish": (eng, "_finish_step"), "schedule": (eng.scheduler, "schedule")}
+    if eng._grammars is not None:
+        phases["mask_fill"] = (eng._grammars, "fill")
+    events, saved = [], {}
+    for name, (obj, attr) in phases.items():
+        fn = saved[name] = getattr(obj, attr)
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                events.append((_name, t, time.perf_counter()))
+        setattr(obj, attr, wrapped)
+    step = eng.step
+
+    def step_timed():
+        events.append(("step", time.perf_counter(), None))
+        return step()
+    eng.step = step_timed
+    try:
+        run()
+    finally:
+        for name, (obj, attr) in phases.items():
+            setattr(obj, attr, saved[name])
+        del eng.step  # (the instance attribute: the method shows again)
+    steps, cur = [], None
+    for ev in events:
+        if ev[0] == "step":
+            cur = {"t": ev[1], "phases": {}}
+            steps.append(cur)
+        elif cur is not None:
+            cur["phases"].setdefault(ev[0], []).append((ev[1] - cur["t"], ev[2] - ev[1]))
+    mid = steps[len(steps) // 4: 3 * len(steps) // 4]
+    ends = [b["t"] - a["t"] for a, b in zip(mid, mid[1:])]
+    out = {"step_wall": round(statistics.median(ends) * 1e3, 3) if ends else None}
+    for name in phases:
+        took = [sum(d for _, d in s["phases"].get(name, [])) for s in mid]
+        start = [s["phases"][name][0][0] for s in mid if name in s["phases"]]
+        if start:
+            out[name] = {"ms": round(statistics.median(took) * 1e3, 3),
+                         "starts_at": round(statistics.median(start) * 1e3, 3)}
+    return out
+
+
 def _save_tokenizer(out: Path) -> None:
     from metrale_jax.loading.checkpoint import open_checkpoint
     from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
@@ -234,6 +286,8 @@ def main() -> None:
                 texts = [o.outputs[0].text for o in outs]
     res = {k: min(v) for k, v in per_step.items()}
     cpu = {k: min(v) for k, v in cpu_per_step.items()}
+    timeline = {mode: _host_timeline(eng, lambda mode=mode: timed(mode == "constrained", args.tokens))
+                for mode in ("free", "constrained")}
     device = _device_mask_cost(eng, args)
     # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
     gc = eng.grammar_compiler()
@@ -269,6 +323,7 @@ def main() -> None:
         "cpu_time_per_step_ms": {k: round(v, 3) for k, v in cpu.items()},
         "cpu_time_overhead_pct": round(100 * (cpu["constrained"] / cpu["free"] - 1), 1),
         "decode_executable_ms": device,
+        "host_timeline_ms": timeline,
         "stall_ms": {"median": round(stalls[len(stalls) // 2] * 1e3, 3), "n": len(stalls)} if stalls else None,
         "mask_fill_batch_ms": {"median": round(fills[len(fills) // 2] * 1e3, 3), "max": round(fills[-1] * 1e3, 3)},
         "sample_texts": [t[:160] for t in (texts or [])[:3]],

@@ -219,6 +219,12 @@ class GrammarCompiler:
         out[idx] &= self.valid_row
         return out
 
+    def consume(self, pairs: list[tuple[Any, int]]) -> None:
+        """Feed each (matcher, token) its token, in parallel; a matcher that rejects its token is
+        left in an error state (`LLMatcher.is_error`)."""
+        if pairs:
+            _llguidance().numpy.consume_token_par(self._executor, pairs)
+
     @staticmethod
     def valid_drafts(matcher, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar accepts from `matcher`'s state (unchanged)."""

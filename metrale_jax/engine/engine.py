@@ -846,11 +846,9 @@ class LLMEngine:
             return
         f.advanced = True
         toks = np.asarray(f.launched().arrays[f.names.index("token_ids")])  # waits for the step
-        for row, seq in f.sampled:
-            if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted:
-                t = int(toks[row])
-                if t not in self.eos_token_ids:
-                    seq.grammar.consume_token(t)
+        self._grammars.consume([(seq.grammar, t) for row, seq in f.sampled
+                                if seq.grammar is not None and seq.status != SeqStatus.FINISHED
+                                and not seq.request.aborted and (t := int(toks[row])) not in self.eos_token_ids])
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
