@@ -219,11 +219,10 @@ class GrammarCompiler:
         out[idx] &= self.valid_row
         return out
 
-    def consume(self, pairs: list[tuple[Any, int]]) -> None:
-        """Feed each (matcher, token) its token, in parallel; a matcher that rejects its token is
-        left in an error state (`LLMatcher.is_error`)."""
-        if pairs:
-            _llguidance().numpy.consume_token_par(self._executor, pairs)
+    def consume(self, pairs: list[tuple[Any, int]]) -> list[bool]:
+        """Feed each (matcher, token) its token, in parallel -> whether each took it; a matcher that
+        rejects its token is left in an error state (`LLMatcher.is_error`)."""
+        return _llguidance().numpy.consume_token_par(self._executor, pairs) if pairs else []
 
     @staticmethod
     def valid_drafts(matcher, drafts: list[int]) -> list[int]:

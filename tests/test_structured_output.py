@@ -291,9 +291,10 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
                _chat_prompt(llm, "Tell me about the sea.")]
     first = llm.generate(prompts, sps, use_tqdm=False)
     assert "forward" in events and any(a == "forward" and b == "grammar" for a, b in zip(events, events[1:]))
-    # forward, masks, (the previous step read), then the next call sends the next step's inputs,
-    # launches this step's sample, then the next forward
-    assert re.search("forward grammar mask (grammar )?put sample forward", " ".join(events))
+    # forward, the grammars advanced (masks filled on a worker thread; the previous step read), then
+    # the next call sends the next step's inputs, this step's masks, launches its sample, then the
+    # next forward
+    assert re.search("forward grammar (grammar )?put mask sample forward", " ".join(events))
     for c in first[0].outputs:
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
     assert first[1].outputs[0].text in ("red", "green", "dark blue")
@@ -354,3 +355,19 @@ def test_speculative_decoding_with_grammars(llm, smollm2_gguf):  # noqa: F811
     assert all(c.finish_reason == "stop" and re.fullmatch(regex, c.text) for c in got[3].outputs)
     st = spec.stats()
     assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens > 0
+
+
+def test_grammar_rejecting_a_token_finishes_only_its_row(llm):
+    """min_tokens past a finished grammar bans the only token it allows (EOS): the row samples a
+    token its grammar rejects and finishes with "abort"; the rows beside it are unaffected."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    p_free = _chat_prompt(llm, "Tell me about the sea.")
+    alone = llm.generate([p_free], free, use_tqdm=False)[0].outputs[0].token_ids
+    stuck = SamplingParams(temperature=0, max_tokens=12, min_tokens=8,
+                           structured_outputs=StructuredOutputsParams(choice=["red", "blue"]))
+    ok = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["red", "blue"]))
+    prompts = [_chat_prompt(llm, "Pick a colour."), p_free, _chat_prompt(llm, "Pick a colour.")]
+    outs = llm.generate(prompts, [stuck, free, ok], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].text.startswith(("red", "blue"))
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[2].outputs[0].finish_reason == "stop" and outs[2].outputs[0].text in ("red", "blue")

@@ -240,6 +240,7 @@ class LLMEngine:
         self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
         self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
         self._grammars = None  # structured output's GrammarCompiler, made by the first constrained request
+        self._filler = None  # its mask-filling thread (`_mask_filler`)
         self.startup_seconds = time.perf_counter() - t0
         self.startup_phases = phases
         log.info("engine ready in %.1fs (%s; %d executables, %d from the cache at %s)", self.startup_seconds,
@@ -745,6 +746,14 @@ class LLMEngine:
             self._announce("ssm_copy", sched.ssm_restores)
             self.state = self.compiler.copy_ssm_slots(self.state, sched.ssm_restores)
 
+    def _mask_filler(self):
+        """The one worker thread that fills structured-output masks (made on first use)."""
+        if self._filler is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="metrale-masks")
+        return self._filler
+
     def _launch_sample(self) -> None:
         """Launch the in-flight step's sampling half if it waits (a constrained step's, see
         `_dispatch`)."""
@@ -787,10 +796,15 @@ class LLMEngine:
         if split:  # the forward first: it runs while the host fills the masks below
             self.state, logits, plp = self.compiler.run_forward(bucket, self.params, self.state, dev,
                                                                 self._next_tokens)
+        defer = split and not sched.ssm_snapshots  # the sample launched by the next step (below)
         if masked:
             if self._inflight is not None and self._inflight.constrained:
                 self._advance_grammars(self._inflight)  # waits for the previous step's samples
-            bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
+            if defer:  # llguidance fills the masks on a worker thread (it releases the GIL) while this
+                # thread reads the previous step and builds the next; the sample's launch waits for it
+                fill = self._mask_filler().submit(self._grammars.fill, masked, bucket.num_sample_rows)
+            else:
+                bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
         self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
         if bitmask is not None:
             bitmask = self.compiler.put(bitmask)
@@ -811,12 +825,14 @@ class LLMEngine:
                 a.copy_to_host_async()
 
         if split:
-            def launch_sample(penalties=self.state.penalties):
+            def launch_sample(penalties=self.state.penalties, bitmask=bitmask):
+                if defer:
+                    bitmask = self.compiler.put(fill.result())
                 out, self._next_tokens = self.compiler.run_sample(bucket, logits, penalties, dev, plp, bitmask,
                                                                   self._next_tokens)
                 fetch(out)
 
-            if sched.ssm_snapshots:  # (the copy below donates the state the sample reads)
+            if not defer:  # (the SSM copy below donates the state the sample reads)
                 launch_sample()
             else:
                 # launched by the next step once its inputs are sent (or before anything touches the
@@ -846,9 +862,12 @@ class LLMEngine:
             return
         f.advanced = True
         toks = np.asarray(f.launched().arrays[f.names.index("token_ids")])  # waits for the step
-        self._grammars.consume([(seq.grammar, t) for row, seq in f.sampled
-                                if seq.grammar is not None and seq.status != SeqStatus.FINISHED
-                                and not seq.request.aborted and (t := int(toks[row])) not in self.eos_token_ids])
+        fed = [(seq, int(toks[row])) for row, seq in f.sampled
+               if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted]
+        fed = [(seq, t) for seq, t in fed if t not in self.eos_token_ids]
+        for (seq, _), ok in zip(fed, self._grammars.consume([(seq.grammar, t) for seq, t in fed])):
+            if not ok:  # (recorded now: a mask fill may hold the matcher when `_append_token` runs)
+                seq.grammar_error = seq.grammar.get_error() or "token rejected"
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
@@ -938,11 +957,11 @@ class LLMEngine:
                                               out["top_logprobs"][row], p.logprobs))
         n_out = seq.num_outputs
         finish, reason = None, None
-        if seq.grammar is not None and seq.grammar.is_error():
+        if seq.grammar_error is not None:
             # the mask allowed nothing but what the grammar rejects (e.g. min_tokens banned the EOS of
             # a finished grammar): stop rather than go on unconstrained
             log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
-                        seq.request.request_id, t, seq.grammar.get_error())
+                        seq.request.request_id, t, seq.grammar_error)
             finish = "abort"
         if finish is None and n_out >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:

@@ -151,6 +151,7 @@ class Sequence:
     detok: Any = None  # IncrementalDetokenizer (None without a tokenizer)
     row_sampling: Any = None  # the engine's RowSampling of this sequence (cached across steps)
     grammar: Any = None  # structured output: the sequence's llguidance LLMatcher (None = free text)
+    grammar_error: str | None = None  # why the matcher rejected a sampled token (the row then finishes)
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
     sent_tokens: int = 0  # RequestOutputKind.DELTA: output tokens (and their logprobs) already returned

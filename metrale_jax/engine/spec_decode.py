@@ -501,8 +501,8 @@ def finish_verify(engine, f):
             continue
         for j in range(a + 1):
             t = int(out["token_ids"][r * w + j])
-            if seq.grammar is not None and t not in engine.eos_token_ids:
-                seq.grammar.consume_token(t)  # (a token it rejects finishes the row: `_append_token`)
+            if seq.grammar is not None and t not in engine.eos_token_ids and not seq.grammar.consume_token(t):
+                seq.grammar_error = seq.grammar.get_error() or "token rejected"  # (`_append_token` finishes it)
             engine._append_token(seq, r * w + j, out, f.want_lp)
             if seq.status == SeqStatus.FINISHED:
                 break
