@@ -365,7 +365,8 @@ def test_grammar_rejecting_a_token_finishes_only_its_row(llm):
     alone = llm.generate([p_free], free, use_tqdm=False)[0].outputs[0].token_ids
     stuck = SamplingParams(temperature=0, max_tokens=12, min_tokens=8,
                            structured_outputs=StructuredOutputsParams(choice=["red", "blue"]))
-    ok = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["red", "blue"]))
+    ok = SamplingParams(temperature=0, max_tokens=12,
+                        structured_outputs=StructuredOutputsParams(choice=["red", "blue"]))
     prompts = [_chat_prompt(llm, "Pick a colour."), p_free, _chat_prompt(llm, "Pick a colour.")]
     outs = llm.generate(prompts, [stuck, free, ok], use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].text.startswith(("red", "blue"))

@@ -644,9 +644,10 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
 
         Structured output: the mask of a constrained row depends on the token the previous step
-        sampled for it, so once the next step's inputs are built and sent, `_dispatch` waits for
-        the previous step's sampled ids, feeds them to the grammars and fills the masks before it
-        dispatches (the device idles for that much; everything else still overlaps).
+        sampled for it, so `_dispatch` launches the step's forward, waits for the previous step's
+        sampled ids, feeds them to the grammars and has the masks filled on a worker thread; the
+        step's sampling half is launched by the next call once its step's inputs are sent
+        (`_InFlight.launch`), so the host's work overlaps the forward.
         """
         sched = self.scheduler.schedule()
         if sched.empty() or sched.swap_out or sched.swap_in or sched.kv_offload or sched.kv_onload \
