@@ -14,9 +14,9 @@ always banned for a constrained row. A row whose grammar is complete may only sa
 The mask of a row depends on the token it sampled last. The engine dispatches step i+1 before it
 has read step i's samples; decode steps are two executables (the forward to the logits, then the
 sampler), so for a constrained step `LLMEngine._dispatch` launches the forward, waits for step i's
-sampled ids, feeds them to the grammars (`LLMEngine._advance_grammars`) and fills the masks on a
-worker thread, and the sampler is launched only when the next step's inputs have been sent: the
-mask fill, reading step i and building step i+2 all run while the forward does. The mask has
+sampled ids, feeds them to the grammars (`LLMEngine._advance_grammars`) and fills the masks, and
+the sampler is launched only when the next step's inputs have been sent: the mask fill, reading
+step i and building step i+2 all run while the forward does. The mask has
 one row per sampled row of the step (S; with speculative decoding S x (1 + k): a verify step's
 window position j is masked by the grammar's state after the row's drafts d1..dj, which llguidance's
 `fill_next_token_bitmask_par_with_draft_tokens` fills, so a draft the grammar forbids is never

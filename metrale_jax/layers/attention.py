@@ -55,7 +55,8 @@ class AttentionConfig:
     sampler_branches: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
-    # batch-64 Llama-3-8B step on the H200, session 16). Not yet measured on a GPU: off by default.
+    # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,
+    # bench/kernels/filter_ways.py): off by default.
     sampler_kernel: bool = False
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
@@ -63,7 +64,8 @@ class AttentionConfig:
     # LoRA deltas (engines built with enable_lora): "masked" (shrink against all slots, mask,
     # expand: two GEMMs), "gather" (each token's own A/B), "auto" (gather when a step has fewer
     # tokens than slots) or "pallas" (steps of <= 64 tokens: one fused kernel per projection,
-    # pallas_kernels/linear/lora.py, not yet measured on a GPU; masked above); see
+    # pallas_kernels/linear/lora.py, 1.9x / 7x the base step on the H200 with adapters, session 17;
+    # masked above); see
     # metrale_jax/lora/ops.py
     lora_kernel: str = "auto"
     # Decode steps of fewer rows run the model on this many, the extra rows padding (as a bucket
