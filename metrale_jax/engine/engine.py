@@ -854,7 +854,7 @@ class LLMEngine:
                if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted]
         fed = [(seq, t) for seq, t in fed if t not in self.eos_token_ids]
         for (seq, _), ok in zip(fed, self._grammars.consume([(seq.grammar, t) for seq, t in fed])):
-            if not ok:  # (recorded now: a mask fill may hold the matcher when `_append_token` runs)
+            if not ok:  # (`_append_token` finishes the row on this record)
                 seq.grammar_error = seq.grammar.get_error() or "token rejected"
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
