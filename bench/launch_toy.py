@@ -58,6 +58,10 @@ def main() -> int:
     def step(w, h, ibuf, *extra):
         return body(w, h, ibuf, extra)
 
+    def step_out(w, h, ibuf, obuf):  # the output written into a donated buffer: every address stays
+        h, o = body(w, h, ibuf, ())
+        return h, obuf.at[:].set(o)
+
     def step_pinned(w, h, ibuf):  # ibuf in pinned host memory: the step copies it to the device
         return body(w, h, jax.device_put(ibuf, jax.memory.Space.Device), ())
 
@@ -67,7 +71,7 @@ def main() -> int:
     res = {"device": dev.device_kind, "jax": jax.__version__, "layers": layers,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
 
-    def run(name, call, make_input, d2h: bool):
+    def run(name, call, make_input, d2h: bool, idle: bool = False):
         h = jnp.zeros_like(h0)
         x = make_input()
         h, o = call(h, x)  # compile / warm
@@ -76,6 +80,8 @@ def main() -> int:
         t0 = time.perf_counter()
         for _ in range(a.calls):
             xi = make_input() if make_input is not None else x
+            if idle:  # the device idle at the launch (each call waited for)
+                jax.block_until_ready((h, xi))
             t = time.perf_counter()
             h, o = call(h, xi)
             launch.append(time.perf_counter() - t)
@@ -95,6 +101,20 @@ def main() -> int:
     run("fresh input + copy_to_host_async", lambda h, x: fn(w, h, x), fresh, True)
     run("same input, 200 more arguments", lambda h, x: fn(w, h, x, *small), lambda: same_x, False)
     run("fresh input, 200 more arguments", lambda h, x: fn(w, h, x, *small), fresh, False)
+    # is it the command buffer's update when an address changes? every input and output at a fixed
+    # address (the output written into a donated buffer), against fresh inputs / outputs, device idle
+    fo = jax.jit(step_out, donate_argnums=(1, 3))
+    ob = [jnp.zeros((8,), jnp.int32)]
+
+    def call_out(h, x):
+        h, ob[0] = fo(w, h, x, ob[0])
+        return h, ob[0]
+
+    run("same input, output in a donated buffer", call_out, lambda: same_x, False)
+    run("fresh input, output in a donated buffer", call_out, fresh, False)
+    run("same input, output in a donated buffer, device idle", call_out, lambda: same_x, False, idle=True)
+    run("same input, device idle", lambda h, x: fn(w, h, x), lambda: same_x, False, idle=True)
+    run("fresh input, device idle", lambda h, x: fn(w, h, x), fresh, False, idle=True)
     pool = [fresh() for _ in range(4)]
     it = iter(range(10**9))
     run("4 input buffers made once, rotated", lambda h, x: fn(w, h, x), lambda: pool[next(it) % 4], False)

@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _time_decode(eng, batch: int, context: int, steps: int, slots: list[int]) -> tuple[float, float]:
+def _time_decode(eng, batch: int, context: int, steps: int, slots: list[int],
+                 profile: Path | None = None) -> tuple[float, float]:
     """Seconds per step of the bucket-`batch` decode step, rows with `context` tokens of (zero)
     cache in blocks of their own and LoRA slot slots[i] (-1 = base): (pipelined: `steps` steps
     dispatched back to back, one wait at the end, as `generate` runs them, i.e. the device time
@@ -62,6 +63,16 @@ def _time_decode(eng, batch: int, context: int, steps: int, slots: list[int]) ->
         state, out, _ = eng.compiler.run(inputs.bucket, eng.params, state, dev)
     jax.block_until_ready(out.token_ids)
     pipelined = (time.perf_counter() - t0) / steps
+    if profile is not None:  # the device kernels of these steps, by name (engine.bench.profile_calls)
+        from metrale_jax.engine.bench import profile_calls
+
+        box = [state]
+
+        def run():
+            box[0], o, _ = eng.compiler.run(inputs.bucket, eng.params, box[0], dev)
+            return o.token_ids
+        profile_calls(run, profile, steps)
+        state = box[0]
     eng.state = state
     return pipelined, float(np.median(times))
 
@@ -111,6 +122,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-loras", default=None, help="slots, comma-separated values each timed (default: "
+                   "--num-adapters); batch 1 uses one adapter either way")
+    p.add_argument("--profile", metavar="DIR", default=None, help="profile the base and adapter steps")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernels", default="auto,masked,gather")
@@ -145,26 +159,28 @@ def main(argv=None) -> int:
                jax=jax.__version__, date=time.strftime("%Y-%m-%d"), num_adapters=args.num_adapters, rank=args.rank,
                context=args.context, engine_config="tuned" if args.tuned else "default", cases=[])
     base = LLMEngine(model, params, cfg)
-    base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b) for b in batches}
+    prof = (lambda name: Path(args.profile) / name) if args.profile else (lambda name: None)
+    base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b, prof(f"base_b{b}")) for b in batches}
     _drop(base)
-    for kern in kernels:
-        lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
-                                   max_cpu_loras=args.num_adapters,
+    for kern, slots_n in [(k, int(n)) for k in kernels for n in (args.max_loras or str(args.num_adapters)).split(",")]:
+        lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=slots_n, max_lora_rank=args.rank,
+                                   max_cpu_loras=max(slots_n, args.num_adapters),
                                    attention=dataclasses.replace(attn0, lora_kernel=kern))
         eng = LLMEngine(model, params, lcfg)
-        slots = _fill_adapters(eng, args.num_adapters, args.rank, args.seed)
+        slots = _fill_adapters(eng, min(slots_n, args.num_adapters), args.rank, args.seed)
         for b in batches:
             (none, none_sync), (mixed, mixed_sync) = (
-                _time_decode(eng, b, args.context, args.steps, s_) for s_ in
-                ([-1] * b, [slots[i % len(slots)] for i in range(b)]))
+                _time_decode(eng, b, args.context, args.steps, s_, p_) for s_, p_ in
+                (([-1] * b, None), ([slots[i % len(slots)] for i in range(b)], prof(f"{kern}_s{slots_n}_b{b}"))))
             (bt, bt_sync) = base_t[b]
             case = dict(kernel=kern, batch=b, base_ms=bt * 1e3, lora_none_ms=none * 1e3,
-                        lora_mixed_ms=mixed * 1e3, adapters_in_batch=min(b, len(slots)),
+                        lora_mixed_ms=mixed * 1e3, adapters_in_batch=min(b, len(slots)), max_loras=slots_n,
                         ratio_none=none / bt, ratio_mixed=mixed / bt,
                         sync=dict(base_ms=bt_sync * 1e3, lora_none_ms=none_sync * 1e3,
                                   lora_mixed_ms=mixed_sync * 1e3, ratio_mixed=mixed_sync / bt_sync))
             res["cases"].append(case)
-            print(f"{kern:7s} batch {b:3d}: base {case['base_ms']:.3f} ms, lora rows none {case['lora_none_ms']:.3f} "
+            print(f"{kern:7s} {slots_n} slots, batch {b:3d}: base {case['base_ms']:.3f} ms, "
+                  f"lora rows none {case['lora_none_ms']:.3f} "
                   f"ms ({case['ratio_none']:.3f}x), {case['adapters_in_batch']} adapters {case['lora_mixed_ms']:.3f} "
                   f"ms ({case['ratio_mixed']:.3f}x); steps waited for one by one: base {bt_sync * 1e3:.3f} ms, "
                   f"adapters {mixed_sync * 1e3:.3f} ms ({mixed_sync / bt_sync:.3f}x)", flush=True)

@@ -224,6 +224,10 @@ def main() -> None:
                     "the wheel's GGUF")
     ap.add_argument("--tuned", action="store_true", help="one decode bucket of the batch, short max_model_len and "
                     "small prefill buckets (quicker start-up; the figures before session 12) instead of the defaults")
+    ap.add_argument("--variants", default="helper", help="host variants, comma-separated, each timed "
+                    "(interleaved) beside free rows: 'helper' (the engine: a step's samples applied on a helper "
+                    "thread during the mask fill), 'inline' (applied after it, as before session 18); '-tN': "
+                    "llguidance's executor with N threads (default: its own, 80%% of the cores)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -272,20 +276,49 @@ def main() -> None:
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
         return dt, dc, outs
 
+    import concurrent.futures
+
+    import llguidance
+
+    class _Inline:  # 'inline': the finish runs on this thread before the fill (same serial work as before)
+        def submit(self, fn, *a):
+            fut = concurrent.futures.Future()
+            fut.set_result(fn(*a))
+            return fut
+
+    engine_helper = eng._helper
+
+    def use(variant: str) -> None:
+        kind, _, threads = variant.partition("-t")
+        eng._helper = engine_helper if kind == "helper" else _Inline
+        if kind not in ("helper", "inline"):
+            raise SystemExit(f"unknown variant {variant!r}")
+        gcomp = eng.grammar_compiler()
+        gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
+
+    variants = [v for v in args.variants.split(",") if v]
+    use(variants[0])
     llm.chat(prompts, params(args.tokens0, True), use_tqdm=False)  # warm: grammar compile, first masks
-    per_step = {"free": [], "constrained": []}
-    cpu_per_step = {"free": [], "constrained": []}  # process CPU time (all threads): less hit by others' load
+    modes = ["free"] + [f"constrained:{v}" for v in variants]
+    per_step = {m: [] for m in modes}
+    cpu_per_step = {m: [] for m in modes}  # process CPU time (all threads): less hit by others' load
     texts = None
     for _ in range(args.repeats):  # the modes interleaved, so that a shared machine's load hits both
-        for mode in ("free", "constrained"):
-            t1, c1, outs = timed(mode == "constrained", args.tokens)
-            t0, c0, _ = timed(mode == "constrained", args.tokens0)
+        for mode in modes:
+            constrained = mode != "free"
+            if constrained:
+                use(mode.split(":")[1])
+            t1, c1, outs = timed(constrained, args.tokens)
+            t0, c0, _ = timed(constrained, args.tokens0)
             per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
             cpu_per_step[mode].append((c1 - c0) / (args.tokens - args.tokens0) * 1e3)
-            if mode == "constrained":
+            if constrained:
                 texts = [o.outputs[0].text for o in outs]
     res = {k: min(v) for k, v in per_step.items()}
     cpu = {k: min(v) for k, v in cpu_per_step.items()}
+    use(variants[0])
+    res["constrained"], cpu["constrained"] = res[modes[1]], cpu[modes[1]]
+    per_step["constrained"] = per_step[modes[1]]
     timeline = {mode: _host_timeline(eng, lambda mode=mode: timed(mode == "constrained", args.tokens))
                 for mode in ("free", "constrained")}
     device = _device_mask_cost(eng, args)
@@ -315,6 +348,11 @@ def main() -> None:
         "tokens": [args.tokens0, args.tokens],
         "repeats": args.repeats,
         "engine_startup_s": round(startup, 1),
+        "variants": variants,
+        "overhead_pct_by_variant": {m: {"best": round(100 * (res[m] / res["free"] - 1), 1),
+                                        "of_medians": round(100 * (statistics.median(per_step[m])
+                                                                   / statistics.median(per_step["free"]) - 1), 1)}
+                                    for m in modes[1:]},
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
         "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
         "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),
