@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.layers.linear import has_quantized_linears
-from metrale_jax.layers.stack import Unstacked
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata, pad_decode_rows
 from metrale_jax.sampling import (
     CountKernel,
@@ -65,24 +64,13 @@ def count_kernel(attn: AttentionConfig) -> CountKernel | None:
 
 def _pads_pay(model, params, attn: AttentionConfig) -> bool:
     """Whether a decode step may run on padding rows (`AttentionConfig.min_decode_rows`): every
-    linear a plain XLA dot (FP8 and 4-bit kernels have 1-row variants), LoRA deltas through the
-    fused kernel (it skips the padding rows' absent slots) or over one slot (XLA's masked delta
-    reads every slot once a step has as many rows: with 8 slots a batch-1 Llama-3-8B LoRA step on
-    the H200 went 5.55 -> 6.18 ms padded to 8), and no layer routing to experts (padding rows
-    would be routed)."""
+    linear a plain XLA dot (FP8 and 4-bit kernels have 1-row variants), LoRA deltas only through
+    the fused kernel, which skips the padding rows' absent slots (XLA's cost more with the rows: a
+    batch-1 Llama-3-8B LoRA step on the H200 went 5.55 -> 6.18 ms padded to 8), and no layer
+    routing to experts (padding rows would be routed)."""
     layers = params.get("layers", {}) if isinstance(params, dict) else {}
-    lora = "lora" in layers and attn.lora_kernel != "pallas" and _lora_slots(layers["lora"]) > 1
+    lora = "lora" in layers and attn.lora_kernel != "pallas"
     return not (getattr(model, "has_experts", False) or lora or has_quantized_linears(params))
-
-
-def _lora_slots(lora: dict) -> int:
-    """The number of adapter slots S of the LoRA leaves (dense leaves are [L, S, ...], or per layer
-    [S, ...] once split; expert-only adapters' leaves count virtual experts: no padding then)."""
-    dense = [v for k, v in lora.items() if not k.startswith("x_")]
-    if not dense:
-        return 2
-    leaf = dense[0]
-    return int(leaf.parts[0].shape[0] if isinstance(leaf, Unstacked) else leaf.shape[1])
 
 
 def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,

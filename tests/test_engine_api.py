@@ -149,15 +149,9 @@ def test_kernel_defaults_and_cli_overrides():
     fp8 = Fp8Linear(np.zeros((128, 4), np.float32), np.ones((1, 1), np.float32), ((0, 128),))
     assert _pads_pay(dense, {"layers": {"wo": w}}, gpu)
     assert not _pads_pay(moe, {"layers": {"wo": w}}, gpu)
-    lora = {"layers": {"wo": w, "lora": {"o_a": np.zeros((3, 2, 4, 4), np.float32)}}}  # [L, S, R, in]
+    lora = {"layers": {"wo": w, "lora": {"o_a": w}}}
     assert not _pads_pay(dense, lora, gpu)  # XLA's deltas cost more with the rows; the fused kernel's not
     assert _pads_pay(dense, lora, dataclasses.replace(gpu, lora_kernel="pallas"))
-    from metrale_jax.layers.stack import Unstacked
-
-    one = {"layers": {"wo": w, "lora": {"o_a": np.zeros((3, 1, 4, 4), np.float32)}}}  # one slot: rows cost nothing
-    assert _pads_pay(dense, one, gpu)
-    assert _pads_pay(dense, {"layers": {"lora": {"o_a": Unstacked([np.zeros((1, 4, 4))] * 3)}}}, gpu)
-    assert not _pads_pay(dense, {"layers": {"lora": {"o_a": Unstacked([np.zeros((2, 4, 4))] * 3)}}}, gpu)
     assert not _pads_pay(dense, {"layers": {"wo": fp8}}, gpu)
     ns = argparse.Namespace
     assert kernels_from_args(ns(pallas=None, unroll_layers=None)) is None

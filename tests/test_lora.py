@@ -109,21 +109,6 @@ def test_llama_mixed_batch_and_swaps(llama_eng, tmp_path):
     assert (cc.lowerings, cc.backend_compiles) == (0, 0)
 
 
-def test_one_slot_on_padded_rows():
-    """One adapter slot (vLLM's default max_loras=1): decode steps of fewer rows run on 8 padded
-    ones (`step._pads_pay`: the masked delta reads the one slot whatever the rows), and each row
-    still gets its adapter's (or the base model's) goldens."""
-    from metrale_jax.step import _pads_pay
-
-    model, params = load_model(FIXTURES / "llama_tiny", dtype="float32", show_progress=False)
-    eng = LLMEngine(model, params, dataclasses.replace(CFG, attention=AttentionConfig(min_decode_rows=8),
-                                                       max_lora_rank=8, max_loras=1))
-    assert eng.config.attention.min_decode_rows == 8 and _pads_pay(eng.model, eng.params, eng.config.attention)
-    g = dict(np.load(LORA / "llama_tiny" / "golden.npz"))
-    reqs = {"base": None, "a": LoRARequest("a", 1, str(LORA / "llama_tiny" / "a"))}
-    _check(_run(LLM.from_engine(eng), g, ["a", "base", "a"], reqs), g, ["a", "base", "a"])
-
-
 def test_llama_preemption_keeps_adapters(llama_eng):
     """A KV pool too small for the batch: sequences are preempted (recompute) and resumed with
     their adapters; outputs stay those of each adapter alone."""
