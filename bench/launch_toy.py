@@ -126,6 +126,22 @@ def main() -> int:
                 lambda: jax.device_put(ib, pinned), False)
         except Exception as e:  # noqa: BLE001 - a variant this jax does not take: say so, go on
             res["runs"].append(dict(variant="pinned host input", error=f"{type(e).__name__}: {e}"[:300]))
+        try:  # numpy -> pinned host array (a host copy) -> device (a DMA from pinned memory), then the step
+            pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+            run("fresh input staged through pinned host memory", lambda h, x: fn(w, h, x),
+                lambda: jax.device_put(jax.device_put(ib, pinned), dev), False)
+        except Exception as e:  # noqa: BLE001
+            res["runs"].append(dict(variant="staged through pinned host", error=f"{type(e).__name__}: {e}"[:300]))
+
+        def awaited():  # the transfer waited for before the launch: does the copy itself wait for the device?
+            x = fresh()
+            t = time.perf_counter()
+            x.block_until_ready()
+            waits.append(time.perf_counter() - t)
+            return x
+        waits = []
+        run("fresh input, transfer awaited before the launch", lambda h, x: fn(w, h, x), awaited, False)
+        res["runs"][-1]["transfer_wait_ms_median"] = 1e3 * float(np.median(waits[3:]))
         try:
             nocb = fn.lower(w, h0, same_x).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
             run("fresh input, no command buffers", lambda h, x: nocb(w, h, x), fresh, False)

@@ -98,9 +98,9 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
         out = lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], lora.w[b],
                                    interpret=lora.interpret)
         return out.reshape(y.shape)
-    # the expand in y's dtype, added to y as is: XLA folds the add into the expand's GEMM (cuBLAS
-    # adds y in f32 and rounds once), one kernel less per projection than an f32 delta plus a
-    # separate add
+    # the expand in y's dtype, added to y as is: on the H200 XLA fuses the add with the residual
+    # add and the next norm (batch-64 Llama-3-8B step with 8 adapters 1.241x the base, from 1.257x
+    # with an f32 delta and its own add; session 18)
     d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel, out_dtype=y.dtype)
     return y + d.reshape(y.shape)
 
