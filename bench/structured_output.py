@@ -227,7 +227,8 @@ def main() -> None:
     ap.add_argument("--variants", default="helper", help="host variants, comma-separated, each timed "
                     "(interleaved) beside free rows: 'helper' (the engine: a step's samples applied on a helper "
                     "thread during the mask fill), 'inline' (applied after it, as before session 18); '-tN': "
-                    "llguidance's executor with N threads (default: its own, 80%% of the cores)")
+                    "llguidance's executor with N threads (default: its own, 80%% of the cores); '+pinned': step "
+                    "inputs and masks sent through pinned host memory")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -278,6 +279,7 @@ def main() -> None:
 
     import concurrent.futures
 
+    import jax
     import llguidance
 
     class _Inline:  # 'inline': the finish runs on this thread before the fill (same serial work as before)
@@ -286,13 +288,21 @@ def main() -> None:
             fut.set_result(fn(*a))
             return fut
 
-    engine_helper = eng._helper
+    engine_helper, engine_put = eng._helper, eng.compiler.put
+    dev0 = jax.devices()[0]
+
+    def pinned_put(*host):  # numpy -> pinned host memory (a host copy) -> the device (a DMA)
+        pinned = jax.sharding.SingleDeviceSharding(dev0, memory_kind="pinned_host")
+        out = tuple(jax.device_put(jax.device_put(h, pinned), dev0) for h in host)
+        return out if len(out) > 1 else out[0]
 
     def use(variant: str) -> None:
+        variant, pinned = variant.removesuffix("+pinned"), variant.endswith("+pinned")
         kind, _, threads = variant.partition("-t")
         eng._helper = engine_helper if kind == "helper" else _Inline
         if kind not in ("helper", "inline"):
             raise SystemExit(f"unknown variant {variant!r}")
+        eng.compiler.put = pinned_put if pinned and dev0.platform == "gpu" else engine_put  # (GPU only)
         gcomp = eng.grammar_compiler()
         gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
 
@@ -338,8 +348,6 @@ def main() -> None:
             m.consume_token(t)
     fills.sort()
     stalls.sort()
-    import jax
-
     out = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": str(jax.devices()[0].device_kind), "platform": platform.platform(), "model": name,
