@@ -293,7 +293,8 @@ def main() -> None:
 
     def pinned_put(*host):  # numpy -> pinned host memory (a host copy) -> the device (a DMA)
         pinned = jax.sharding.SingleDeviceSharding(dev0, memory_kind="pinned_host")
-        out = tuple(jax.device_put(jax.device_put(h, pinned), dev0) for h in host)
+        on_dev = jax.sharding.SingleDeviceSharding(dev0, memory_kind="device")
+        out = tuple(jax.device_put(jax.device_put(h, pinned), on_dev) for h in host)
         return out if len(out) > 1 else out[0]
 
     def use(variant: str) -> None:
