@@ -224,11 +224,9 @@ def main() -> None:
                     "the wheel's GGUF")
     ap.add_argument("--tuned", action="store_true", help="one decode bucket of the batch, short max_model_len and "
                     "small prefill buckets (quicker start-up; the figures before session 12) instead of the defaults")
-    ap.add_argument("--variants", default="helper", help="host variants, comma-separated, each timed "
-                    "(interleaved) beside free rows: 'helper' (the engine: a step's samples applied on a helper "
-                    "thread during the mask fill), 'inline' (applied after it, as before session 18); '-tN': "
-                    "llguidance's executor with N threads (default: its own, 80%% of the cores); '+pinned': step "
-                    "inputs and masks sent through pinned host memory")
+    ap.add_argument("--variants", default="default", help="llguidance executors, comma-separated, each timed "
+                    "(interleaved) beside free rows: 'default' (its own thread count, 80%% of the cores) or 'tN' "
+                    "(N threads)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -277,35 +275,14 @@ def main() -> None:
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
         return dt, dc, outs
 
-    import concurrent.futures
-
     import jax
     import llguidance
 
-    class _Inline:  # 'inline': the finish runs on this thread before the fill (same serial work as before)
-        def submit(self, fn, *a):
-            fut = concurrent.futures.Future()
-            fut.set_result(fn(*a))
-            return fut
-
-    engine_helper, engine_put = eng._helper, eng.compiler.put
-    dev0 = jax.devices()[0]
-
-    def pinned_put(*host):  # numpy -> pinned host memory (a host copy) -> the device (a DMA)
-        pinned = jax.sharding.SingleDeviceSharding(dev0, memory_kind="pinned_host")
-        on_dev = jax.sharding.SingleDeviceSharding(dev0, memory_kind="device")
-        out = tuple(jax.device_put(jax.device_put(h, pinned), on_dev) for h in host)
-        return out if len(out) > 1 else out[0]
-
     def use(variant: str) -> None:
-        variant, pinned = variant.removesuffix("+pinned"), variant.endswith("+pinned")
-        kind, _, threads = variant.partition("-t")
-        eng._helper = engine_helper if kind == "helper" else _Inline
-        if kind not in ("helper", "inline"):
+        if variant != "default" and not (variant.startswith("t") and variant[1:].isdigit()):
             raise SystemExit(f"unknown variant {variant!r}")
-        eng.compiler.put = pinned_put if pinned and dev0.platform == "gpu" else engine_put  # (GPU only)
         gcomp = eng.grammar_compiler()
-        gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
+        gcomp._executor = llguidance.LLExecutor(int(variant[1:])) if variant != "default" else llguidance.LLExecutor()
 
     variants = [v for v in args.variants.split(",") if v]
     use(variants[0])

@@ -94,7 +94,6 @@ class _InFlight:
     # a constrained split step's sampling half, not launched yet (see `LLMEngine._dispatch`): it
     # fills `arrays`; None once launched
     launch: Any = None
-    outputs: list | None = None  # its samples already applied (`_finish_step`'s result), see `_dispatch`
 
     def launched(self) -> _InFlight:
         """This step with its sampling half launched (its `arrays` filled)."""
@@ -245,7 +244,6 @@ class LLMEngine:
         self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
         self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
         self._grammars = None  # structured output's GrammarCompiler, made by the first constrained request
-        self._helper_pool = None  # see `_helper`
         # the start-up heap (~0.5M objects: traces, compiled executables' records) left out of the
         # garbage collector's full passes, as vLLM's engine does: while decoding, those passes took
         # ~0.25 s every ~9 s (2-core CPU, structured-output bench, session 18), a stall per pass
@@ -801,22 +799,13 @@ class LLMEngine:
                                                                 self._next_tokens)
         defer = split and not sched.ssm_snapshots  # the sample launched by the next step (below)
         if masked:
-            prev = self._inflight
-            if prev is not None and prev.constrained:
-                self._advance_grammars(prev)  # waits for the previous step's samples
-            # llguidance fills the masks with the GIL released, so the previous step's samples are
-            # applied (text, stops, logprobs: Python) on a helper thread meanwhile. Not the other way
-            # round: a fill on a helper thread waits for the GIL while this one runs Python (3.5 ms
-            # instead of 2.1 on the H200, session 17). Not after a verify step, whose finish feeds
-            # the grammars.
-            job = None
-            if prev is not None and prev.inputs.bucket.kind != "verify":
-                job = self._helper().submit(self._finish_step, prev)
-            try:
-                bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
-            finally:
-                if job is not None:
-                    prev.outputs = job.result()
+            if self._inflight is not None and self._inflight.constrained:
+                self._advance_grammars(self._inflight)  # waits for the previous step's samples
+            # (applying the previous step's samples on a helper thread during the fill, which
+            # llguidance runs with the GIL released, measured no better on the H200: 1.155x free
+            # against 1.145x inline over 13 runs each, session 18; the fill itself on a helper
+            # thread waits for the GIL while this one runs Python: 3.5 ms instead of 2.1, session 17)
+            bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
         self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
         if bitmask is not None:
             bitmask = self.compiler.put(bitmask)
@@ -879,19 +868,8 @@ class LLMEngine:
             if not ok:  # (`_append_token` finishes the row on this record)
                 seq.grammar_error = seq.grammar.get_error() or "token rejected"
 
-    def _helper(self):
-        """The thread that applies a step's samples while the host fills grammar masks (`_dispatch`)."""
-        if self._helper_pool is None:
-            import concurrent.futures
-
-            self._helper_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrale-finish")
-        return self._helper_pool
-
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
-        """Read a dispatched step's samples and apply them (stop checks, text, logprobs), once."""
-        if f.outputs is not None:  # (applied already, see `_dispatch`)
-            outputs, f.outputs = f.outputs, []
-            return outputs
+        """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
         f.launched()  # (the last step's sample: no next step launched it)
         if f.inputs.bucket.kind == "verify":
             from metrale_jax.engine.spec_decode import finish_verify
