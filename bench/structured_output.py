@@ -19,6 +19,9 @@ calls of N and N0 tokens, so prefill and the first steps cancel; best of `--repe
 modes interleaved. A step with constrained rows is dispatched only once the previous step's
 samples are on the host and fed to the grammars (engine.step), so the constrained time includes
 that stall; `stall_ms` is the host time from then to the dispatch (mask fill, transfer, launch).
+The two-run difference is noisy on the H200 (one stall in either run moves it by 10-20%), so each
+N-token run also records the median wall time between its engine steps over its middle half
+(`step_wall_median_ms`, `step_wall_overhead_pct`: medians over the repeats).
 """
 
 from __future__ import annotations
@@ -268,12 +271,34 @@ def main() -> None:
 
     eng._advance_grammars, eng._dispatch = advance_timed, dispatch_timed
 
+    step_starts: list[float] = []
+
     def timed(constrained: bool, n: int) -> tuple[float, float, list]:
+        step_starts.clear()
+        inner, wrapped = eng.step, eng.__dict__.get("step")  # (the method, or the host timeline's wrapper)
+
+        def step_recorded():
+            step_starts.append(time.perf_counter())
+            return inner()
+        eng.step = step_recorded
         t, c = time.perf_counter(), time.process_time()
-        outs = llm.chat(prompts, params(n, constrained), use_tqdm=False)
+        try:
+            outs = llm.chat(prompts, params(n, constrained), use_tqdm=False)
+        finally:
+            if wrapped is None:
+                del eng.step  # (the instance attribute: the method shows again)
+            else:
+                eng.step = wrapped
         dt, dc = time.perf_counter() - t, time.process_time() - c
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
         return dt, dc, outs
+
+    def median_step_ms() -> float:
+        """The median wall time between consecutive engine steps over the last run's middle half
+        (decode steps only: robust to a stall that one run of the two-run difference absorbs)."""
+        walls = [b - a for a, b in zip(step_starts, step_starts[1:])]
+        mid = walls[len(walls) // 4: 3 * len(walls) // 4] or walls
+        return statistics.median(mid) * 1e3
 
     import jax
     import llguidance
@@ -289,6 +314,7 @@ def main() -> None:
     llm.chat(prompts, params(args.tokens0, True), use_tqdm=False)  # warm: grammar compile, first masks
     modes = ["free"] + [f"constrained:{v}" for v in variants]
     per_step = {m: [] for m in modes}
+    step_median = {m: [] for m in modes}  # the median engine-step wall of each N-token run
     cpu_per_step = {m: [] for m in modes}  # process CPU time (all threads): less hit by others' load
     texts = None
     for _ in range(args.repeats):  # the modes interleaved, so that a shared machine's load hits both
@@ -297,6 +323,7 @@ def main() -> None:
             if constrained:
                 use(mode.split(":")[1])
             t1, c1, outs = timed(constrained, args.tokens)
+            step_median[mode].append(median_step_ms())
             t0, c0, _ = timed(constrained, args.tokens0)
             per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
             cpu_per_step[mode].append((c1 - c0) / (args.tokens - args.tokens0) * 1e3)
@@ -339,6 +366,10 @@ def main() -> None:
                                         "of_medians": round(100 * (statistics.median(per_step[m])
                                                                    / statistics.median(per_step["free"]) - 1), 1)}
                                     for m in modes[1:]},
+        "step_wall_median_ms": {k: [round(x, 3) for x in v] for k, v in step_median.items()},
+        "step_wall_overhead_pct": {m: round(100 * (statistics.median(step_median[m])
+                                                    / statistics.median(step_median["free"]) - 1), 1)
+                                   for m in modes[1:]},
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
         "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
         "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),
