@@ -161,8 +161,8 @@ def test_kernel_defaults_and_cli_overrides():
 
 def test_startup_heap_frozen_and_dropped_engines_freed():
     """An engine freezes the start-up heap out of the garbage collector's full passes (gc.freeze);
-    an engine dropped afterwards is still freed, at the latest when the next one starts (it
-    unfreezes and collects before sizing its pools), even when it sits in a reference cycle."""
+    an engine dropped afterwards, even in a reference cycle, is freed when the next one starts (it
+    unfreezes, collects before sizing its KV pool from free GPU memory and before its own freeze)."""
     import gc
     import weakref
 

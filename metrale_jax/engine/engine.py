@@ -117,9 +117,7 @@ class LLMEngine:
 
     def __init__(self, model, params, config: EngineConfig | None = None):
         t0 = time.perf_counter()
-        if gc.get_freeze_count():  # an earlier engine froze the heap (below): what was dropped since
-            gc.unfreeze()  # (an engine, its device arrays) is freed before this one sizes its pools
-            gc.collect()
+        gc.unfreeze()  # (an earlier engine froze the heap, below: what was dropped since is garbage again)
         config = config or EngineConfig()
         self.model = model
         self.params = params
@@ -246,7 +244,8 @@ class LLMEngine:
         self._grammars = None  # structured output's GrammarCompiler, made by the first constrained request
         # the start-up heap (~0.5M objects: traces, compiled executables' records) left out of the
         # garbage collector's full passes, as vLLM's engine does: while decoding, those passes took
-        # ~0.25 s every ~9 s (2-core CPU, structured-output bench, session 18), a stall per pass
+        # ~0.25 s every ~9 s (2-core CPU, structured-output bench, session 18), a stall per pass.
+        # The collection first frees what was dropped before (an earlier engine, unfrozen above).
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
@@ -419,6 +418,7 @@ class LLMEngine:
         tp = c.tensor_parallel_size
         if tp > 1 and self.model.cfg.num_kv_heads % tp == 0:
             per_block //= tp  # each device holds its KV heads of every block (metrale_jax/parallel.py)
+        gc.collect()  # a dropped engine (in a reference cycle, say) returns its device memory first
         stats = jax.devices()[0].memory_stats() or {}
         limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
         # scratch of the steps: activations of the largest batch plus sampling rows (an estimate;
