@@ -129,24 +129,21 @@ def main() -> int:
         try:  # numpy -> pinned host array (a host copy) -> device (a DMA from pinned memory), then the step
             pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
             on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-            puts = []
+            def run_put_timed(name, call, put):  # `run`, plus the median host time of each input's put
+                puts = []
 
-            def staged():
-                t = time.perf_counter()
-                x = jax.device_put(jax.device_put(ib, pinned), on_dev)
-                puts.append(time.perf_counter() - t)
-                return x
-            run("fresh input staged through pinned host memory", lambda h, x: fn(w, h, x), staged, False)
-            res["runs"][-1]["put_ms_median"] = 1e3 * float(np.median(puts[3:]))
-            puts.clear()
+                def make():
+                    t = time.perf_counter()
+                    x = put()
+                    puts.append(time.perf_counter() - t)
+                    return x
+                run(name, call, make, False)
+                res["runs"][-1]["put_ms_median"] = 1e3 * float(np.median(puts[3:]))
 
-            def pinned_only():
-                t = time.perf_counter()
-                x = jax.device_put(ib, pinned)
-                puts.append(time.perf_counter() - t)
-                return x
-            run("fresh input in pinned host memory (put timed)", lambda h, x: fp(w, h, x), pinned_only, False)
-            res["runs"][-1]["put_ms_median"] = 1e3 * float(np.median(puts[3:]))
+            run_put_timed("fresh input staged through pinned host memory", lambda h, x: fn(w, h, x),
+                          lambda: jax.device_put(jax.device_put(ib, pinned), on_dev))
+            run_put_timed("fresh input in pinned host memory (put timed)", lambda h, x: fp(w, h, x),
+                          lambda: jax.device_put(ib, pinned))
         except Exception as e:  # noqa: BLE001
             res["runs"].append(dict(variant="staged through pinned host", error=f"{type(e).__name__}: {e}"[:300]))
 

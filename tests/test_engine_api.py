@@ -171,9 +171,9 @@ def test_startup_heap_frozen_and_dropped_engines_freed():
     from metrale_jax.engine.testing import FAKE_ENGINE_CONFIG, FakeModel
 
     model = FakeModel(use_ssm=False)
-    cfg = EngineConfig(**{**FAKE_ENGINE_CONFIG, **dict(max_num_seqs=2, max_num_batched_tokens=8, decode_buckets=(2,),
-                                                       mixed_decode_buckets=(2,), prefill_buckets=(8,),
-                                                       max_prefill_streams=1, max_logprobs=0)})
+    cfg = EngineConfig(**FAKE_ENGINE_CONFIG).replace(max_num_seqs=2, max_num_batched_tokens=8, decode_buckets=(2,),
+                                                     mixed_decode_buckets=(2,), prefill_buckets=(8,),
+                                                     max_prefill_streams=1, max_logprobs=0)
     a = LLMEngine(model, model.init_params(), cfg)
     assert gc.get_freeze_count() > 0
     a.cycle = a  # (whatever else holds it, a cycle keeps it from being freed by reference counts)
