@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [fp8moe] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -138,7 +138,8 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
              "generate_llama3_8b_nucleus100:--batches 1,64 --lm-head-scale auto" \
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8" \
              "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}" \
-             "generate_llama3_8b_count_kernel:--batches 1,64 --attention {\"sampler_kernel\":true}"; do
+             "generate_llama3_8b_count_kernel:--batches 1,64 --attention {\"sampler_kernel\":true}" \
+             "generate_llama3_8b_skip:--batches 1,64 --attention {\"sampler_skip\":true}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue
     # 128 decode steps (the issue's max_tokens=129): at 32 (session 10) batch 64 read 1.18x the device step
@@ -155,6 +156,9 @@ if [[ $parts == *sampler* ]]; then  # issues 15/16: the sampler alone at 1 / 64 
 fi
 if [[ $parts == *ways* ]]; then  # the sampler's searches: ways per pass, XLA's reductions vs the counting kernel
   timeout ${WAYS_LIMIT:-150} python3 bench/kernels/filter_ways.py --out "$OUT/filter_ways.json" 2>&1 | tail -24
+fi
+if [[ $parts == *cond* ]]; then  # can lax.cond skip work without the host waiting (conditional command buffers)?
+  timeout ${COND_LIMIT:-150} python3 bench/cond_toy.py --out "$OUT/cond_toy.json" 2>&1 | tail -10
 fi
 if [[ $parts == *launch* ]]; then  # the host's cost of launching a step executable (fresh vs the same input buffers)
   timeout ${LAUNCH_LIMIT:-200} python3 bench/launch_cost.py --out "$OUT/launch_cost.json" 2>&1 | tail -8
@@ -193,8 +197,13 @@ if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, F
 fi
 if [[ $parts == *spec* ]]; then  # issue 16: verify step (k=4) against the decode step at batch 1 / 64, n-gram end to end
   if [[ -z ${SPEC_MTP_ONLY:-} ]]; then
-    timeout ${SPEC_LIMIT:-300} python3 bench/spec_decode.py cost --shape llama3-8b --batches 1,64 \
-      --profile "$OUT/spec_profile_llama3_8b" --out "$OUT/spec_decode_cost_llama3_8b.json" 2>&1 | grep -v "rematerialization" | tail -12
+    # SPEC_VARIANTS="default skip": the default kernels, then with the sampler's skips (sampler_skip)
+    for v in ${SPEC_VARIANTS:-default}; do
+      att=$([[ $v == skip ]] && echo '{"sampler_skip":true}' || echo '{}')
+      timeout ${SPEC_LIMIT:-300} python3 bench/spec_decode.py cost --shape llama3-8b --batches 1,64 --attention "$att" \
+        --profile "$OUT/spec_profile_llama3_8b_$v" --out "$OUT/spec_decode_cost_llama3_8b_$v.json" 2>&1 \
+        | grep -v "rematerialization" | tail -12
+    done
   fi
   # the Qwen3-Next shape (12 of 48 layers) drafting with its MTP head (random weights; SPEC_LLAMA_ONLY=1 skips it)
   [[ -z ${SPEC_LLAMA_ONLY:-} ]] && timeout ${SPEC_MTP_LIMIT:-300} python3 bench/spec_decode.py cost \

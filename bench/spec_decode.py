@@ -28,6 +28,7 @@ host (CPU): the engine's host loop per step over FakeModel (negligible device wo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -81,7 +82,7 @@ def cost(a) -> dict:
     from metrale_jax import LLM, LLMEngine, SamplingParams, random_model
     from metrale_jax.engine import spec_decode
     from metrale_jax.engine.bench import profile_calls, shape_config
-    from metrale_jax.engine.config import EngineConfig
+    from metrale_jax.engine.config import EngineConfig, default_kernels
 
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = a.dtype or ("bfloat16" if on_gpu else "float32")
@@ -96,11 +97,16 @@ def cost(a) -> dict:
     # memory, the second one found none: H200, 2026-12-02)
     cfg = EngineConfig(dtype=dtype, max_model_len=mml, max_num_seqs=max(batches), decode_buckets=tuple(batches),
                        show_progress=False, num_kv_blocks=max(batches) * -(-mml // 16) + 16)
+    kernels = json.loads(a.attention)
+    if kernels:  # AttentionConfig fields over the device's default kernels
+        base = default_kernels(on_gpu, getattr(model, "has_experts", False))
+        cfg = cfg.replace(attention=dataclasses.replace(base, **kernels))
     engines = {"plain": LLM.from_engine(LLMEngine(model, plain_params, cfg)),
                "spec": LLM.from_engine(LLMEngine(model, params, cfg.replace(
                    speculative_config={"method": a.method, "num_speculative_tokens": k})))}
     rng = np.random.default_rng(0)
     res = {"shape": a.shape, "num_layers": a.num_layers, "dtype": dtype, "k": k, "method": a.method,
+           "attention": kernels,
            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
     real_propose = spec_decode.draft_tokens
@@ -239,6 +245,7 @@ def main() -> int:
     p.add_argument("--method", default="ngram", choices=["ngram", "mtp"], help="cost: the drafter (mtp: Qwen3-Next)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--attention", default="{}", help="cost: JSON of AttentionConfig fields over the device's default")
     p.add_argument("--profile", metavar="DIR", default=None, help="cost: profile one generate of the verify steps")
     a = p.parse_args()
     res = {"acceptance": acceptance, "cost": cost, "host": host}[a.what](a)

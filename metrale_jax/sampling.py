@@ -610,7 +610,7 @@ def apply_token_bitmask(logits: Array, bitmask: Array) -> Array:
 # ---- sampling ------------------------------------------------------------------------------------
 def sample(
     logits: Array, smd: SamplingMetadata, ps: PenaltyState, *, max_logprobs: int, branches: bool = False,
-    bitmask: Array | None = None, count_kernel: CountKernel | None = None,
+    skip: bool = False, bitmask: Array | None = None, count_kernel: CountKernel | None = None,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """Sample f32[S, V] logits. Returns (token_ids i32[S], logprobs f32[S], ranks i32[S],
     top_ids i32[S, K], top_logprobs f32[S, K]) with K = max(max_logprobs, 1).
@@ -623,20 +623,26 @@ def sample(
 
     branches (static): skip the filters and the random draw when no row samples at random, and
     the ranks and top logprobs when no row asked for them (zeros then), under `lax.cond` on the
-    host-computed flags. The same tokens and values either way. Cheap on the CPU (the CPU
-    default, where the searches cost more than the step of a small model); on the GPU XLA
-    evaluates a conditional's predicate on the host, which stalls the step queue, so off there.
+    host-computed flags, and take the CPU's algorithms (the searches from `lax.top_k`
+    candidates, top logprobs of whole rows). The same tokens and values either way. Cheap on the
+    CPU (the CPU default, where the searches cost more than the step of a small model).
+    skip (static): the same `lax.cond` skips with the GPU's algorithms
+    (`AttentionConfig.sampler_skip`). XLA runs a plain conditional from the host, which copies the
+    predicate back and waits for it (stalling the step queue), so the step executables that skip
+    are compiled with conditionals inside their command buffers (CUDA graph conditional nodes:
+    the predicate stays on the device; `engine.compile.COMMAND_BUFFER_WITH_CONDITIONALS`).
 
     bitmask: i32[S, ceil(V / 32)] structured-output masks (`apply_token_bitmask`; -1 rows =
     unconstrained), applied first: the logprobs, penalties, the greedy argmax and every filter
     see the banned tokens at -inf (vLLM applies its grammar bitmask to the logits before its
-    sampler too). With `branches`, skipped under `lax.cond` when every word is -1.
+    sampler too). With `branches` or `skip`, skipped under `lax.cond` when every word is -1.
 
     count_kernel: `filter_logits`'s (the searches' counting kernel).
     """
+    cond = branches or skip
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
-        if branches:
+        if cond:
             logits = jax.lax.cond(jnp.all(bitmask == -1), lambda x, m: x, apply_token_bitmask, logits, bitmask)
         else:
             logits = apply_token_bitmask(logits, bitmask)
@@ -659,7 +665,7 @@ def sample(
     def no_draw(x):
         return greedy
 
-    sampled = jax.lax.cond(smd.flags[F_RANDOM], draw, no_draw, x) if branches else draw(x)
+    sampled = jax.lax.cond(smd.flags[F_RANDOM], draw, no_draw, x) if cond else draw(x)
     tok = jnp.where(smd.temperature > 0, sampled, greedy)
     chosen = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
 
@@ -669,7 +675,7 @@ def sample(
     def no_tops(lp, t):
         return jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
 
-    if branches:
+    if cond:
         ranks, top_ids, top_lp = jax.lax.cond(smd.flags[F_LOGPROBS], tops, no_tops, raw_lp, tok)
     else:
         ranks, top_ids, top_lp = tops(raw_lp, tok)

@@ -116,7 +116,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
 def _sample(logits: Array, pen: PenaltyState, smd: SamplingMetadata, plp: tuple, *, attn: AttentionConfig,
             max_logprobs: int, bitmask: Array | None = None) -> SampleOutput:
     tok, lp, rank, top_ids, top_lp = sample(logits, smd, pen, max_logprobs=max_logprobs,
-                                            branches=attn.sampler_branches, bitmask=bitmask,
+                                            branches=attn.sampler_branches, skip=attn.sampler_skip, bitmask=bitmask,
                                             count_kernel=count_kernel(attn))
     return SampleOutput(tok, lp, rank, top_ids, top_lp, *plp)
 

@@ -249,11 +249,13 @@ def test_prompt_logprobs_match_numpy():
         np.testing.assert_allclose(top[i], np.sort(ref[i])[::-1][:K], atol=1e-4)
 
 
-def test_branches_give_the_same_samples():
+@pytest.mark.parametrize("how", ["branches", "skip"])
+def test_branches_give_the_same_samples(how):
     """`sample(branches=True)` (the CPU default: filters, draw and top logprobs under `lax.cond`)
-    gives exactly the branch-free sampler's outputs for greedy rows, seeded random rows with
+    and `sample(skip=True)` (the same skips with the GPU's algorithms) give exactly the
+    branch-free sampler's outputs for greedy rows, seeded random rows with
     min_p, penalised rows (others untouched), suppressed ids and top-k/top-p/logprob rows; with no
-    random row and no logprob row it skips both and still returns the argmax."""
+    random row and no logprob row they skip both and still return the argmax."""
     s, rows_n = 7, 3
     x = jnp.asarray(_logits(s, seed=21))
     ps = init_penalty_state(rows_n, V)
@@ -266,12 +268,51 @@ def test_branches_give_the_same_samples():
             RowSampling(temperature=0.9, top_k=5, top_p=0.8, seed=seed_words(3, 0), logprobs=True)]
     smd = sampling_only(CFG, rows)
     full = _sample(x, smd, ps)
-    branched = jax.jit(functools.partial(sample, max_logprobs=K, branches=True))(x, smd, ps)
+    branched = jax.jit(functools.partial(sample, max_logprobs=K, **{how: True}))(x, smd, ps)
     for a, b in zip(branched, full, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # a batch of greedy rows only: the argmax and its logprob, no top logprobs computed
     smd_g = sampling_only(CFG, [RowSampling()] * s)
-    g = jax.jit(functools.partial(sample, max_logprobs=K, branches=True))(x, smd_g, init_penalty_state(0, V))
+    g = jax.jit(functools.partial(sample, max_logprobs=K, **{how: True}))(x, smd_g, init_penalty_state(0, V))
     np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(jnp.argmax(x, -1)))
     np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(_sample(x, smd_g, init_penalty_state(0, V))[1]))
     assert not np.any(np.asarray(g[3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen3_next_tiny"])
+def test_sampler_skip_in_the_engine_gpu(name):
+    """The GPU's sampler skips (`AttentionConfig.sampler_skip`: `lax.cond` inside the step's CUDA
+    graphs, the predicate read on the device) give the default engine's tokens and logprobs: a
+    greedy batch (everything skipped), a batch mixing greedy, seeded top-p and logprob rows, and
+    n-gram verify steps (a hybrid's recurrent states committed after the sampler)."""
+    import dataclasses
+
+    from metrale_jax import LLMEngine, SamplingParams, load_model
+    from metrale_jax.engine.config import EngineConfig, default_kernels
+    from tests.conftest import FIXTURES
+
+    model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
+    base = default_kernels(True, getattr(model, "has_experts", False))
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(5, 40)), [7] * 9, list(range(60, 20, -3))]
+    mixed = [SamplingParams(temperature=0, max_tokens=10),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10),
+             SamplingParams(temperature=0, logprobs=3, max_tokens=10),
+             SamplingParams(temperature=1.1, top_k=5, min_p=0.05, seed=11, max_tokens=10, logprobs=2)]
+
+    def run(skip: bool, spec=None):
+        cfg = EngineConfig(dtype="float32", max_model_len=128, max_num_seqs=8, show_progress=False,
+                           attention=dataclasses.replace(base, sampler_skip=skip), speculative_config=spec)
+        eng = LLMEngine(model, params, cfg)
+        res = []
+        for sp in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), mixed):
+            for o in eng.generate(prompts, sp):
+                c = o.outputs[0]
+                lps = [sorted((t, round(lp.logprob, 4)) for t, lp in d.items()) for d in c.logprobs or []]
+                res.append((c.token_ids, round(c.cumulative_logprob or 0.0, 3), lps))
+        return res
+
+    ref = run(False)
+    assert run(True) == ref
+    spec = run(True, {"method": "ngram", "num_speculative_tokens": 3})
+    assert [r[0] for r in spec] == [r[0] for r in ref]

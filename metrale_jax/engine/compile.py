@@ -125,6 +125,11 @@ def _tree_signature(tree) -> str:
 # add_select_fusion.2 not found"), so the CPU relies on JAX's persistent cache alone.
 EXE_CACHE_PLATFORMS = ("gpu",)
 
+# XLA's default command-buffer contents (xla/debug_options_flags.cc, jax 0.11) plus conditionals,
+# which CUDA graphs then run as conditional nodes (the predicate read on the device): the step
+# executables of `AttentionConfig.sampler_skip` (sampling.sample's `skip`) compile with it
+COMMAND_BUFFER_WITH_CONDITIONALS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"
+
 
 def executable_cache_dir() -> str | None:
     """`<JAX's persistent cache dir>/metrale_executables` (None when that cache is off)."""
@@ -255,6 +260,14 @@ class CompilationManager:
         self.temp_bytes = 0  # the largest executable's scratch memory
         self.exe_cache = ExecutableCache(executable_cache_dir())
 
+    @property
+    def compiler_options(self) -> dict | None:
+        """XLA options of the step executables: conditionals inside the command buffers when the
+        sampler skips under `lax.cond` on the GPU (`AttentionConfig.sampler_skip`)."""
+        if self.cfg.attention.sampler_skip and jax.default_backend() == "gpu":
+            return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITH_CONDITIONALS}
+        return None
+
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,
                     placement=self.placement, num_drafts=self.num_drafts)
@@ -365,11 +378,11 @@ class CompilationManager:
             if why != "off":
                 self.cache_misses[str(bucket)] = why
             if _is_split(bucket):
-                exe = self.lower_split(*bucket, params, state).compile()
+                exe = self.lower_split(*bucket, params, state).compile(compiler_options=self.compiler_options)
             elif isinstance(bucket, tuple):
                 exe = self.lower_swap(*bucket, state).compile()
             else:
-                exe = self.lower(bucket, params, state).compile()
+                exe = self.lower(bucket, params, state).compile(compiler_options=self.compiler_options)
             unsaved = self.exe_cache.save(key, exe)
             if unsaved:
                 self.cache_unsaved[str(bucket)] = unsaved

@@ -309,7 +309,8 @@ def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, 
     tok_grid = tokens[idx]
     wps, wsmd = _window_penalties(pen, smd, tok_grid, mask, w)
     tok, lp, rank, top_ids, top_lp = sample(logits, wsmd, wps, max_logprobs=max_logprobs, bitmask=bitmask,
-                                            branches=attn.sampler_branches, count_kernel=count_kernel(attn))
+                                            branches=attn.sampler_branches, skip=attn.sampler_skip,
+                                            count_kernel=count_kernel(attn))
     acc = accepted_drafts(tok, tokens, pmd)
     if ms.ssm:
         ms = dataclasses.replace(ms, ssm=commit(ms.ssm, pmd.ssm_slots, acc, w))

@@ -53,6 +53,11 @@ class AttentionConfig:
     # the step needs them (`sampling.sample(branches=...)`): the CPU default. On the GPU XLA
     # evaluates a conditional's predicate on the host, so the next step could not be queued.
     sampler_branches: bool = False
+    # The GPU's form of those skips: the same `lax.cond`s with the GPU's algorithms, in step
+    # executables compiled with conditionals inside their CUDA graphs (`engine/compile.py`), where
+    # the device evaluates the predicate: a greedy step without logprobs runs no filter, draw or
+    # top-k (a batch-64 verify step's sampler: ~3.8 of 13.3 ms of kernels, H200, session 14).
+    sampler_skip: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,
