@@ -139,7 +139,7 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8" \
              "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}" \
              "generate_llama3_8b_count_kernel:--batches 1,64 --attention {\"sampler_kernel\":true}" \
-             "generate_llama3_8b_skip:--batches 1,64 --attention {\"sampler_skip\":true}"; do
+             "generate_llama3_8b_noskip:--batches 1,64 --attention {\"sampler_skip\":false}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue
     # 128 decode steps (the issue's max_tokens=129): at 32 (session 10) batch 64 read 1.18x the device step
@@ -197,9 +197,9 @@ if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, F
 fi
 if [[ $parts == *spec* ]]; then  # issue 16: verify step (k=4) against the decode step at batch 1 / 64, n-gram end to end
   if [[ -z ${SPEC_MTP_ONLY:-} ]]; then
-    # SPEC_VARIANTS="default skip": the default kernels, then with the sampler's skips (sampler_skip)
+    # SPEC_VARIANTS="default noskip": the default kernels, then without the sampler's skips (sampler_skip)
     for v in ${SPEC_VARIANTS:-default}; do
-      att=$([[ $v == skip ]] && echo '{"sampler_skip":true}' || echo '{}')
+      att=$([[ $v == noskip ]] && echo '{"sampler_skip":false}' || echo '{}')
       timeout ${SPEC_LIMIT:-300} python3 bench/spec_decode.py cost --shape llama3-8b --batches 1,64 --attention "$att" \
         --profile "$OUT/spec_profile_llama3_8b_$v" --out "$OUT/spec_decode_cost_llama3_8b_$v.json" 2>&1 \
         | grep -v "rematerialization" | tail -12

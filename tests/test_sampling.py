@@ -301,7 +301,7 @@ def test_sampler_skip_in_the_engine_gpu(name):
              SamplingParams(temperature=1.1, top_k=5, min_p=0.05, seed=11, max_tokens=10, logprobs=2)]
 
     def run(skip: bool, spec=None):
-        cfg = EngineConfig(dtype="float32", max_model_len=128, max_num_seqs=8, show_progress=False,
+        cfg = EngineConfig(dtype="float32", max_model_len=128, max_num_seqs=8, show_progress=False, num_kv_blocks=96,
                            attention=dataclasses.replace(base, sampler_skip=skip), speculative_config=spec)
         eng = LLMEngine(model, params, cfg)
         res = []

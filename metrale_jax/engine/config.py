@@ -56,7 +56,8 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = N
     imports (tried only then: the import takes seconds); on the CPU the XLA reference. The Mosaic
     GPU kernels only where the GPU has wgmma (`wgmma`, None = `hopper()`): other GPUs take the
     Triton prefill kernel and the W8A16 linears at every decode size. On the GPU, decode steps of
-    fewer than 8 rows run the model on 8 (where the step finds that it pays: `min_decode_rows`)."""
+    fewer than 8 rows run the model on 8 (where the step finds that it pays: `min_decode_rows`),
+    and the sampler skips what no row of the step needs (`sampler_skip`)."""
     from metrale_jax.layers.moe import tokamax_available
 
     mosaic = on_gpu and (hopper() if wgmma is None else wgmma)
@@ -65,7 +66,7 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = N
     return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
                            tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
                            fp8_w8a8=mosaic, mosaic_prefill=mosaic, sampler_branches=not on_gpu,
-                           min_decode_rows=8 if on_gpu else 1)
+                           sampler_skip=on_gpu, min_decode_rows=8 if on_gpu else 1)
 
 
 @dataclass(frozen=True)
