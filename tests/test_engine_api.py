@@ -141,6 +141,8 @@ def test_kernel_defaults_and_cli_overrides():
     # decode steps of < 8 rows run on 8 on the GPU, only where every linear is a plain dot and no
     # layer routes to experts (the test of the padded rows' outputs: test_engine_models' tiny fixtures)
     assert gpu.min_decode_rows == 8 and cpu.min_decode_rows == 1
+    # the sampler skips unneeded work under lax.cond everywhere: the CPU's form, the GPU's form
+    assert gpu.sampler_skip and not gpu.sampler_branches and cpu.sampler_branches and not cpu.sampler_skip
     from metrale_jax.layers.linear import Fp8Linear
     from metrale_jax.step import _pads_pay
 
