@@ -13,10 +13,13 @@ Seeds: the random key of a row is derived from (request seed, sequence index, ou
 from the row's position in the batch, so a seeded request samples the same tokens whatever else
 is in the batch.
 
-One graph samples every batch: no `lax.cond` (on the GPU XLA runs a conditional from the host,
-which waits for the predicate, i.e. for the whole forward pass, so the next step could not be
-queued behind this one) and no sort over the vocabulary. Penalties, the filters, the random draw
-and the logprobs are computed for every row and selected per row. `filter_logits` applies
+No sort over the vocabulary, and no conditional whose predicate goes to the host (XLA runs a
+plain conditional from the host, which waits for the predicate, i.e. for the whole forward pass,
+so the next step could not be queued behind this one). Penalties, the filters, the random draw
+and the logprobs are computed per row and selected per row; what no row of the step needs (the
+filters and the draw, the top logprobs, the bitmask) is skipped under `lax.cond` on the CPU
+(`branches`) and on the GPU (`skip`: conditionals inside the step's CUDA graph, evaluated on the
+device). `filter_logits` applies
 min_p / top_k / top_p with thresholds found by a fixed number of passes over [R, V] (a k-ary
 search over float32 bit patterns: 8 passes of 15 thresholds on a GPU); the top logprobs come
 from `lax.top_k` (`top_k_plan`: up to 32 rows over chunks of 2,048 logits, which XLA sorts; more
