@@ -109,10 +109,13 @@ def cost(a) -> dict:
            "attention": kernels,
            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
-    real_propose = spec_decode.draft_tokens
+    real_propose, real_ahead = spec_decode.draft_tokens, spec_decode.draft_past_inflight
     v = model.cfg.vocab_size
 
     def full(seq, kk, spec):  # always kk drafts (cost only: mostly rejected)
+        return [int(seq.token_ids[-1])] * kk
+
+    def full_ahead(seq, inflight, kk, spec):  # the same for rows whose last step is in flight
         return [int(seq.token_ids[-1])] * kk
 
     for b in batches:
@@ -133,7 +136,7 @@ def cost(a) -> dict:
         w1, s1 = wall(engines["plain"], 1)
         wn, sn = wall(engines["plain"], 1 + a.steps)
         run["decode_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
-        spec_decode.draft_tokens = full
+        spec_decode.draft_tokens, spec_decode.draft_past_inflight = full, full_ahead
         try:
             w1, s1 = wall(engines["spec"], 2)
             wn, sn = wall(engines["spec"], 2 + a.steps)
@@ -150,7 +153,7 @@ def cost(a) -> dict:
                 while eng.has_unfinished_requests():
                     eng.step()
         finally:
-            spec_decode.draft_tokens = real_propose
+            spec_decode.draft_tokens, spec_decode.draft_past_inflight = real_propose, real_ahead
         run["verify_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
         run["verify_over_decode"] = run["verify_step_ms"] / run["decode_step_ms"]
         # end to end with the real n-gram drafter (greedy random weights loop)
@@ -184,7 +187,7 @@ def host(a) -> dict:
 
     batch, mt = a.host_batch, a.max_tokens
     runs = {}
-    real = spec_decode.draft_tokens
+    real, real_ahead = spec_decode.draft_tokens, spec_decode.draft_past_inflight
     cases = (("plain (one step ahead)", None),
              ("spec k=4, 8-gram lookup: few drafts (steps overlap unless a lookup matches)",
               SpeculativeConfig("ngram", 4, 8, 8)),
@@ -195,13 +198,21 @@ def host(a) -> dict:
                           prefill_buckets=(2048,), max_prefill_streams=4, speculative_config=spec)
         w = np.asarray(eng.params["w"])
         if "oracle" in name:
-            def oracle(seq, k, spec, w=w):
-                ids, out = list(seq.token_ids), []
+            def continuation(ids, k, w=w):
+                ids, out = list(ids), []
                 for _ in range(k):
                     out.append(fake_next_token(w, ids))
                     ids.append(out[-1])
                 return out
-            spec_decode.draft_tokens = oracle
+
+            def oracle(seq, k, spec):
+                return continuation(seq.token_ids, k)
+
+            def oracle_ahead(seq, inflight, k, spec):  # past the step in flight (overlapped verify steps)
+                cont = continuation(seq.token_ids, len(inflight) + 1 + k)
+                a = next((i for i, d in enumerate(inflight) if cont[i] != d), len(inflight))
+                return cont[a + 1: a + 1 + k]
+            spec_decode.draft_tokens, spec_decode.draft_past_inflight = oracle, oracle_ahead
         rng = np.random.default_rng(0)
         sp = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         for i in range(batch):
@@ -216,7 +227,7 @@ def host(a) -> dict:
                 eng.step()
                 times.append(time.perf_counter() - t)
         finally:
-            spec_decode.draft_tokens = real
+            spec_decode.draft_tokens, spec_decode.draft_past_inflight = real, real_ahead
         dt = time.perf_counter() - t0
         st = eng.stats()
         runs[name] = dict(median_step_ms=1e3 * float(np.median(times)), steps=len(times),

@@ -82,7 +82,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
     n = dmd.num_seqs if dmd is not None else 0
     if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
         src = smd.token_src
-        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens)
+        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] // 2 - 1)], tokens)
     pen = update_penalty_state(state.penalties, tokens, smd)
     if pmd is None and n < attn.min_decode_rows and _pads_pay(model, params, attn):  # AttentionConfig.min_decode_rows
         md, padded = pad_decode_rows(dmd, tokens, attn.min_decode_rows)
@@ -127,11 +127,11 @@ def _step(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMe
           num_drafts: int = 0) -> tuple[StepState, SampleOutput]:
     """num_drafts: k of an MTP drafter (params["mtp"]) that runs after the sampler and returns the
     decode rows' next drafts (`engine/spec_decode.py`); 0 = none."""
-    if pmd is not None and pmd.verify_width:  # speculative verify step (synchronous: no prev_tokens)
+    if pmd is not None and pmd.verify_width:  # speculative verify step
         from metrale_jax.engine.spec_decode import verify_step
 
         return verify_step(params, state, pmd, tokens, smd, model=model, attn=attn, max_logprobs=max_logprobs,
-                           num_drafts=num_drafts, bitmask=bitmask)
+                           num_drafts=num_drafts, bitmask=bitmask, prev_tokens=prev_tokens)
     state, logits, plp, hidden = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                                           max_logprobs=max_logprobs, prev_tokens=prev_tokens)
     out = _sample(logits, state.penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
@@ -189,20 +189,31 @@ def jit_step(kind: str):
     return jax.jit(fn, static_argnames=_STATIC, donate_argnums=(1,))
 
 
-def _next_tokens(token_ids: Array, prev_tokens: Array) -> Array:
-    """A step's samples i32[S] padded (or cut: a verify step's) to the fixed width i32[R] of
-    `prev_tokens`, at which the next step reads them."""
-    r = min(token_ids.shape[0], prev_tokens.shape[0])
-    return jnp.zeros_like(prev_tokens).at[:r].set(token_ids[:r])
+def _next_tokens(out: SampleOutput, prev_tokens: Array, verify_width: int = 0) -> Array:
+    """What the next step reads of this one, at the fixed width i32[2R] of `prev_tokens`: each
+    sampled row's token (padded or cut to R), then each row's position shift (R). A verify step's
+    row r gives the last token it emits (the sample after its accepted drafts) and, as its shift,
+    the drafts it accepted, which the next step's window of that row moves by (overlapped verify
+    steps: `engine/spec_decode.py`); other steps' shifts are 0."""
+    r = prev_tokens.shape[0] // 2
+    tok, shift = out.token_ids, None
+    if verify_width:
+        acc = out.spec_accepted
+        tok = tok.reshape(-1, verify_width)[jnp.arange(acc.shape[0]), acc]
+        shift = acc
+    nxt = jnp.zeros_like(prev_tokens).at[:min(tok.shape[0], r)].set(tok[:r])
+    if shift is not None:
+        nxt = nxt.at[r:r + min(shift.shape[0], r)].set(shift[:r])
+    return nxt
 
 
 @functools.cache
 def jit_packed_step(kind: str):
     """Like `jit_step`, but the metadata arrives as two flat buffers (i32, f32) described by the
     static `layout` (`metadata_builder.pack`): one host->device transfer per step. It also takes
-    the previous step's sampled tokens `prev_tokens` i32[R] (R fixed for every bucket) for inputs
-    the host does not know yet (`smd.token_src`), and returns its own samples padded to R:
-    `(state, SampleOutput, next_tokens i32[R])`, so a step can be dispatched before the host has
+    the previous step's sampled tokens and row shifts `prev_tokens` i32[2R] (R fixed for every
+    bucket; `_next_tokens`) for inputs the host does not know yet (`smd.token_src`), and returns
+    its own: `(state, SampleOutput, next_tokens i32[2R])`, so a step can be dispatched before the host has
     read the previous one's output. `bitmask` i32[S, ceil(V / 32)] (S = the bucket's sampled
     rows) is the structured-output token mask of each sampled row (-1 = unconstrained;
     `sampling.apply_token_bitmask`)."""
@@ -214,7 +225,7 @@ def jit_packed_step(kind: str):
         state, out = _step(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                            max_logprobs=max_logprobs, prev_tokens=prev_tokens,
                            bitmask=bitmask, num_drafts=num_drafts)
-        nxt = _next_tokens(out.token_ids, prev_tokens)
+        nxt = _next_tokens(out, prev_tokens, pmd.verify_width if pmd is not None else 0)
         if placement is not None:  # tensor parallel (metrale_jax/parallel.py)
             state, out, nxt = placement.pin_state(state), placement.replicate(out), placement.replicate(nxt)
         return state, out, nxt
@@ -257,7 +268,7 @@ def jit_packed_sample(kind: str):
            placement=None, num_drafts=0):
         _, _, _, smd = unpack(layout, ibuf, fbuf)
         out = _sample(logits, penalties, smd, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
-        nxt = _next_tokens(out.token_ids, prev_tokens)
+        nxt = _next_tokens(out, prev_tokens)
         if placement is not None:
             out, nxt = placement.replicate(out), placement.replicate(nxt)
         return out, nxt

@@ -24,8 +24,10 @@ from metrale_jax.sampling import SamplingParams
 # the other two combinations
 ENGINES = {"ssm-swap": (True, "auto"), "kv-only-recompute": (False, "auto"),
            "ssm-recompute": (True, "recompute"), "kv-only-swap": (False, "swap"),
-           # speculative decoding (k = 3) with an oracle drafter (`_spec_oracle`)
-           "ssm-swap-spec": (True, "auto")}
+           # speculative decoding (k = 3) with an oracle drafter (`_spec_oracle`): synchronous verify
+           # steps with SSM state, overlapped ones without (engine/spec_decode.py `overlaps`)
+           "ssm-swap-spec": (True, "auto"), "kv-only-recompute-spec": (False, "auto"),
+           "kv-only-swap-spec": (False, "swap")}
 SPEC = SpeculativeConfig("ngram", 3)
 
 
@@ -65,6 +67,23 @@ def _spec_oracle(w, use_ssm: bool):
     return propose
 
 
+def _spec_oracle_ahead(w, use_ssm: bool):
+    """`_spec_oracle` for a row whose last step is still in flight (spec_decode.draft_past_inflight's
+    signature): the greedy continuation predicts what that step emits, the drafts follow it."""
+    def propose(seq, inflight, k, spec):
+        ids, cont = list(seq.token_ids), []
+        for _ in range(len(inflight) + 1 + k):
+            cont.append(fake_next_token(w, ids, use_ssm))
+            ids.append(cont[-1])
+        a = next((i for i, d in enumerate(inflight) if cont[i] != d), len(inflight))
+        out = cont[a + 1: a + 1 + k]
+        c = ((len(seq.token_ids) + a + 1) * 7) % (k + 2)
+        if c < len(out):
+            out[c] = (out[c] + 1) % w.shape[0]
+        return out
+    return propose
+
+
 request_st = st.fixed_dictionaries(dict(
     arrival=st.integers(0, 30),
     prompt_len=st.integers(1, 70),
@@ -95,12 +114,14 @@ def test_scheduler_property(engine, reqs, num_blocks, budget, max_seqs, streams,
     eng = engine
     w = np.asarray(eng.params["w"])
     if eng.config.speculative_config is not None:
-        orig, spec_decode.draft_tokens = spec_decode.draft_tokens, _spec_oracle(w, eng.model.use_ssm)
+        orig = spec_decode.draft_tokens, spec_decode.draft_past_inflight
+        spec_decode.draft_tokens = _spec_oracle(w, eng.model.use_ssm)
+        spec_decode.draft_past_inflight = _spec_oracle_ahead(w, eng.model.use_ssm)
         try:
             _run_property(eng, w, reqs, num_blocks, budget, max_seqs, streams, max_prefill, too_long, ssm_slots,
                           swap_space, lookahead)
         finally:
-            spec_decode.draft_tokens = orig
+            spec_decode.draft_tokens, spec_decode.draft_past_inflight = orig
         st_ = eng.stats()
         assert st_.spec_accepted_tokens <= st_.spec_draft_tokens
         event(f"spec accepted: {st_.spec_accepted_tokens > 0}")

@@ -88,6 +88,41 @@ def _oracle(refs: list[list[int]], vocab: int):
     return propose
 
 
+def _patch_oracle(monkeypatch, refs: list[list[int]], vocab: int) -> list[int]:
+    """The oracle for both drafters: `draft_tokens` (a row whose tokens are all known) and
+    `draft_past_inflight` (overlapped verify steps: the row's last step is on the device, its
+    window [last known token, drafts]), which predicts exactly what that step emits and drafts
+    the reference after it, corrupted as `_oracle` does. Returns a list that counts, per verify
+    step, its rows whose window follows a step still in flight."""
+    first = _oracle(refs, vocab)
+    real_ahead, real_build = spec_decode.draft_past_inflight, spec_decode.build_verify_step
+    overlapped = []
+
+    def ahead(seq, inflight, k, spec):
+        t = list(seq.token_ids)
+        for ref in refs:
+            if len(ref) > len(t) and ref[: len(t)] == t:
+                cont = ref[len(t):]
+                a = 0
+                while a < len(inflight) and a < len(cont) and cont[a] == inflight[a]:
+                    a += 1
+                d = cont[a + 1: a + 1 + k]
+                c = ((len(t) + a + 1) * 7) % (k + 2)
+                if c < len(d):
+                    d[c] = (d[c] + 1) % vocab
+                return d
+        return real_ahead(seq, inflight, k, spec)
+
+    def build(cfg, bucket, rows):
+        overlapped.append(sum(r.src_row >= 0 for r in rows))
+        return real_build(cfg, bucket, rows)
+
+    monkeypatch.setattr(spec_decode, "draft_tokens", first)
+    monkeypatch.setattr(spec_decode, "draft_past_inflight", ahead)
+    monkeypatch.setattr(spec_decode, "build_verify_step", build)
+    return overlapped
+
+
 def _spec_delta(eng, before):
     st = eng.stats()
     return tuple(getattr(st, f) - b for f, b in zip(("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens"),
@@ -153,21 +188,26 @@ def test_greedy_equals_plain_decoding(name, k, monkeypatch):
         nd, ntok, _ = _spec_delta(eng, b0)
         assert nd > 0 and ntok > 0
         # the oracle: accepted and rejected drafts at every window position
-        monkeypatch.setattr(spec_decode, "draft_tokens", _oracle([p + r for p, r in zip(prompts, ref)], vocab))
+        overlapped = _patch_oracle(monkeypatch, [p + r for p, r in zip(prompts, ref)], vocab)
         b0 = _spec_now(eng)
         assert _ids(eng.generate([{"prompt_token_ids": p} for p in prompts], sp)) == ref
         nd, ntok, acc = _spec_delta(eng, b0)
         assert 0 < acc < ntok, (nd, ntok, acc)
+        # attention-only models overlap their verify steps (windows moved on the device by what
+        # the step in flight accepted); the hybrids' stay synchronous
+        assert (sum(1 for n in overlapped if n) > len(overlapped) // 2) == eng._spec_overlap, overlapped
+        assert eng._spec_overlap == (name not in HYBRIDS)
         monkeypatch.undo()
     assert cc.lowerings == 0 and cc.backend_compiles == 0
     _assert_whole(eng)
 
 
-def test_seeded_sampling_with_every_parameter_equals_plain(monkeypatch):
+@pytest.mark.parametrize("name", ["qwen3_next_tiny", "llama_tiny"])
+def test_seeded_sampling_with_every_parameter_equals_plain(name, monkeypatch):
     """The same seeds give the same tokens with and without speculation: penalties (counted per
     window position), top-p, min-p, top-k, min_tokens suppression and logprobs all apply to the
-    target distribution of every position."""
-    name = "qwen3_next_tiny"
+    target distribution of every position; with overlapped verify steps (llama_tiny) too, whose
+    output indices (the seeds' counters) move with the accepted drafts on the device."""
     base, eng = _engine(name, None), _engine(name, 4)
     vocab = base.vocab_size
     rng = np.random.default_rng(5)
@@ -179,12 +219,13 @@ def test_seeded_sampling_with_every_parameter_equals_plain(monkeypatch):
            SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16, ignore_eos=True, seed=3)]
     outs = base.generate([{"prompt_token_ids": p} for p in prompts], sps)
     ref = _ids(outs)
-    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle([p + r for p, r in zip(prompts, ref)], vocab))
+    overlapped = _patch_oracle(monkeypatch, [p + r for p, r in zip(prompts, ref)], vocab)
     b0 = _spec_now(eng)
     got = eng.generate([{"prompt_token_ids": p} for p in prompts], sps)
     assert _ids(got) == ref
     _, ntok, acc = _spec_delta(eng, b0)
     assert 0 < acc < ntok
+    assert any(overlapped) == eng._spec_overlap
     for a, b in zip(outs, got):
         lp_a = [d[t].logprob for t, d in zip(a.outputs[0].token_ids, a.outputs[0].logprobs or [])]
         lp_b = [d[t].logprob for t, d in zip(b.outputs[0].token_ids, b.outputs[0].logprobs or [])]

@@ -14,3 +14,8 @@ from metrale_jax.cache.kv import KVCache
 class EngineState:
     kv: KVCache | None  # None for a model with no attention layers
     ssm: dict = field(default_factory=dict)  # layer name -> {array name: [max_slots, ...]}
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per KV block (None without attention layers)."""
+        return self.kv.block_size if self.kv is not None else None

@@ -240,8 +240,9 @@ class CompilationManager:
         self.builder = builder
         self.placement = placement  # parallel.Placement under tensor parallelism, else None
         self.buckets = list_buckets(cfg)
-        # width of next_tokens (verify steps are followed synchronously: nobody reads their samples
-        # there, so they do not widen it, and the other steps compile as without speculation)
+        # R, next_tokens is i32[2R] (`step._next_tokens`): a verify step of N rows passes on one
+        # token and one shift per row (N <= its decode bucket's), not its N x (1 + k) samples, so
+        # it does not widen it, and the other steps compile as without speculation
         self.max_rows = max(b.num_sample_rows for b in self.buckets if b.kind != "verify")
         self.mask_words = -(-builder.vocab_size // 32)  # W of the structured-output bitmask i32[S, W]
         self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device (sent once)
@@ -282,7 +283,7 @@ class CompilationManager:
         layout = packed_layout(self.builder, bucket)
         args = (jax.tree.map(_abstract, params), jax.tree.map(_abstract, state),
                 self._input((layout.num_i32,), jax.numpy.int32), self._input((layout.num_f32,), jax.numpy.float32),
-                self._input((self.max_rows,), jax.numpy.int32),
+                self._input((2 * self.max_rows,), jax.numpy.int32),
                 self._input((bucket.num_sample_rows, self.mask_words), jax.numpy.int32))
         return args, dict(layout=layout, **self._static())
 
@@ -524,7 +525,7 @@ class CompilationManager:
     def zero_tokens(self):
         import numpy as np
 
-        return jax.device_put(np.zeros(self.max_rows, np.int32), self._device())
+        return jax.device_put(np.zeros(2 * self.max_rows, np.int32), self._device())
 
     def _device(self):
         return self.placement.replicated if self.placement else None

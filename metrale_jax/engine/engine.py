@@ -94,6 +94,10 @@ class _InFlight:
     # a constrained split step's sampling half, not launched yet (see `LLMEngine._dispatch`): it
     # fills `arrays`; None once launched
     launch: Any = None
+    # an overlapped verify step (engine/spec_decode.py): its t0s were counted at dispatch, so the
+    # next step could be scheduled before its acceptance is read; each row's drafts by seq_id
+    overlapped: bool = False
+    row_drafts: dict | None = None
 
     def launched(self) -> _InFlight:
         """This step with its sampling half launched (its `arrays` filled)."""
@@ -238,6 +242,9 @@ class LLMEngine:
         self._steps = 0
         self._inflight: _InFlight | None = None  # the dispatched step whose samples are not read yet
         self._next_tokens = self.compiler.zero_tokens()  # its samples, on the device
+        from metrale_jax.engine.spec_decode import overlaps
+
+        self._spec_overlap = overlaps(self)  # verify steps dispatched before the last one is read
         self._swap_pending: list = []  # (Sequence, SwapData) copied out by the last step, not on the host yet
         self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
         self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
@@ -657,6 +664,12 @@ class LLMEngine:
         launched by the next call once its step's inputs are sent (`_InFlight.launch`), so the
         host's work overlaps the forward.
         """
+        outputs = []
+        if self._inflight is not None and self._inflight.overlapped:  # a verify step in flight
+            from metrale_jax.engine.spec_decode import can_overlap
+
+            if not can_overlap(self):  # (new requests, swaps: the next step needs exact lengths)
+                outputs, self._inflight = self._finish_step(self._inflight), None
         sched = self.scheduler.schedule()
         if sched.empty() or sched.swap_out or sched.swap_in or sched.kv_offload or sched.kv_onload \
                 or sched.ssm_restores:
@@ -666,7 +679,7 @@ class LLMEngine:
         self._swap(sched)
         new = None if sched.empty() else self._dispatch(sched)
         prev, self._inflight = self._inflight, new
-        outputs = self._finish_step(prev) if prev is not None else []
+        outputs += self._finish_step(prev) if prev is not None else []
         if self.config.speculative_config is not None and self._inflight is not None:
             from metrale_jax.engine.spec_decode import sync_for_drafts
 

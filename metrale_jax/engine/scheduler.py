@@ -145,6 +145,9 @@ class Sequence:
     swap: SwapRecord | None = None  # set while SWAPPED
     cache_state: Any = None  # prefix caching's record (metrale_jax.cache.prefix_cache.SeqCacheState)
     spec_len: int = 0  # drafts this step's decode row may carry (speculative decoding; 0 = plain)
+    # drafts of its dispatched verify steps whose acceptance the host has not read yet (overlapped
+    # verify steps, engine/spec_decode.py): its length is known up to these many tokens
+    spec_inflight: int = 0
     mtp_drafts: tuple = (-1, ())  # (length of token_ids they follow, drafts): an MTP drafter's last output
     # outputs
     text: str = ""
@@ -191,7 +194,7 @@ class Sequence:
 
     def at_limit(self, max_model_len: int) -> bool:
         """Its in-flight tokens already reach max_tokens or max_model_len: schedule no more."""
-        n = len(self.token_ids) + self.inflight
+        n = len(self.token_ids) + self.inflight + self.spec_inflight
         return n - self.prompt_len >= (self.request.params.max_tokens or 1 << 62) or n >= max_model_len
 
     @property
@@ -420,13 +423,14 @@ class Scheduler:
         at most 1 + drafts tokens)."""
         if not self.num_spec_tokens:
             return 0
-        n = len(seq.token_ids) + seq.inflight
+        n = len(seq.token_ids) + seq.inflight + seq.spec_inflight
         room = min((seq.request.params.max_tokens or 1 << 62) - (n - seq.prompt_len), self.max_model_len - n) - 1
         return max(0, min(self.num_spec_tokens, room))
 
     def _decode_upto(self, seq: Sequence) -> int:
-        """Positions a decode row needs blocks for: its window, then the lookahead (up to max_model_len)."""
-        window = seq.num_computed + 1 + seq.spec_len
+        """Positions a decode row needs blocks for: its window (after the drafts a verify step in
+        flight may still accept), then the lookahead (up to max_model_len)."""
+        window = seq.num_computed + seq.spec_inflight + 1 + seq.spec_len
         return max(window, min(window + self.num_lookahead_tokens, self.max_model_len))
 
     def swapped_in(self, seq: Sequence) -> None:

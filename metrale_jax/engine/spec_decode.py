@@ -116,7 +116,9 @@ class NgramIndex:
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(nmin, nmax + 1)}
         self.next_start = dict.fromkeys(self.latest, 0)
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], k: int, extend: bool = False) -> list[int]:
+        """Up to k tokens after `tokens`; `extend`: always k when a match is found, repeating
+        the tokens that followed it (the sequence taken as periodic from there on)."""
         n_tok = len(tokens)
         for n, table in self.latest.items():  # windows starting at next_start .. n_tok-1-n
             for s in range(self.next_start[n], n_tok - n):
@@ -127,7 +129,11 @@ class NgramIndex:
         for n in range(min(self.nmax, n_tok - 1), self.nmin - 1, -1):
             s = self.latest[n].get(tuple(tokens[n_tok - n:]))
             if s is not None:
-                return list(tokens[s + n: s + n + k])
+                out = list(tokens[s + n: s + n + k])
+                period = n_tok - s - n  # = len(out) when it ran to the end of `tokens`
+                while extend and len(out) < k:
+                    out.append(out[-period])
+                return out
         return []
 
 
@@ -151,6 +157,24 @@ def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
     return idx.propose(seq.token_ids, k)
 
 
+def draft_past_inflight(seq, inflight_drafts: Sequence[int], k: int, spec: SpeculativeConfig) -> list[int]:
+    """Up to k n-gram drafts for a row whose last step is still on the device (overlapped verify
+    steps): that step's window is [the last known token, `inflight_drafts`] and its outcome is
+    unknown, so the n-gram continuation of the known tokens stands in for it: the in-flight step
+    is predicted to accept the drafts that agree with the continuation and to emit the
+    continuation's next token, and the drafts are the continuation after that. Any drafts are
+    correct (verification keeps the target distribution); these are right when the sequence goes
+    on repeating itself."""
+    idx = _INDEXES.get(seq)
+    if idx is None:
+        idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    cont = idx.propose(seq.token_ids, len(inflight_drafts) + 1 + k, extend=True)
+    a = 0
+    while a < len(inflight_drafts) and a < len(cont) and cont[a] == inflight_drafts[a]:
+        a += 1
+    return cont[a + 1: a + 1 + k]
+
+
 # ---- the verify step's inputs (host) --------------------------------------------------------------
 @dataclass
 class VerifyRow:
@@ -167,6 +191,9 @@ class VerifyRow:
     stop_ids: Sequence[int] = ()
     lora_slot: int = -1  # as DecodeRow's (set by the LoRA manager's assign_slots)
     moe_lora_slot: int = -1
+    # the sampled row, in the step in flight, of this row's last token (overlapped verify steps):
+    # t0 and the window's shift come from the device (`advance_windows`); -1 = t0 is tokens[0]
+    src_row: int = -1
 
 
 _PER_SAMPLED_ROW = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -232,6 +259,7 @@ def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
     for name in _PER_SAMPLED_ROW:
         getattr(smd, name)[sidx] = getattr(per_row, name)[tok_row]
     smd.logits_indices[sidx] = np.arange(o)
+    smd.token_src[first] = [row.src_row for row in rows]
     smd.out_index[sidx] += j
     smd.flags[:] = per_row.flags
     smd.suppress_ids[sidx] = -1  # min_tokens: the stop ids while the position's output index is below it
@@ -287,18 +315,50 @@ def accepted_drafts(samples, tokens, md: BatchedAttnMetadata):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
+def advance_windows(pmd: BatchedAttnMetadata, tokens, smd, prev, block_size: int):
+    """Overlapped verify steps: a row whose last step is still in flight (`smd.token_src` >= 0 at
+    its window's first token: that step's sampled row) takes its first token from `prev`
+    (i32[2R], `step._next_tokens`) and moves its whole window by that row's shift (the drafts a
+    verify step accepted, which the host has not read): positions, KV slots, KV lengths and the
+    output index of each position (seeded sampling). -> (pmd, tokens, smd)."""
+    from metrale_jax.layers.spec_states import verify_grid
+
+    r = prev.shape[0] // 2
+    n, w = pmd.num_streams, pmd.verify_width
+    t = tokens.shape[0]
+    src = smd.token_src
+    tokens = jnp.where(src >= 0, prev[jnp.clip(src, 0, r - 1)], tokens)
+    cu = pmd.cu_seqlens
+    row_src = jnp.where(cu[1:] > cu[:-1], src[jnp.clip(cu[:-1], 0, t - 1)], -1)  # i32[N]
+    shift = jnp.where(row_src >= 0, prev[r + jnp.clip(row_src, 0, r - 1)], 0).astype(jnp.int32)  # i32[N]
+    idx, mask = verify_grid(pmd)
+    at = jnp.where(mask, idx, t).reshape(-1)
+    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, w)).reshape(-1)
+    tok_row = jnp.zeros((t,), jnp.int32).at[at].set(rows, mode="drop")  # i32[T] (pads: row 0, unused)
+    pos = pmd.positions + shift[tok_row]
+    mb = pmd.block_tables.shape[1]
+    blk = pmd.block_tables[tok_row, jnp.clip(pos // block_size, 0, mb - 1)]
+    slots = jnp.where(pmd.slots >= 0, blk * block_size + pos % block_size, -1)
+    pmd = dataclasses.replace(pmd, positions=pos, positions_h=pos, positions_w=pos, slots=slots,
+                              kv_lens=jnp.where(cu[1:] > cu[:-1], pmd.kv_lens + shift, pmd.kv_lens))
+    return pmd, tokens, dataclasses.replace(smd, out_index=smd.out_index + jnp.repeat(shift, w))
+
+
 def verify_step(params, state, pmd: BatchedAttnMetadata, tokens, smd, *, model, attn, max_logprobs: int,
-                num_drafts: int = 0, bitmask=None):
+                num_drafts: int = 0, bitmask=None, prev_tokens=None):
     """One verify step (see the module doc) -> (state, SampleOutput with `spec_accepted` i32[N],
     and with an MTP drafter (num_drafts = k) each row's next drafts i32[N, k], drafted from its
     last accepted position). bitmask i32[N * W, ceil(V / 32)]: structured output's mask of each
     window position (the grammar's state after the drafts before it; -1 = unconstrained), so a
-    draft the grammar forbids is never the sample there: rejected."""
+    draft the grammar forbids is never the sample there: rejected. prev_tokens i32[2R]: the
+    previous step's `next_tokens`, for rows whose last step is still in flight (`advance_windows`)."""
     from metrale_jax.layers.spec_states import add_scratch, commit, verify_grid
     from metrale_jax.sampling import PenaltyState, SampleOutput, sample, update_penalty_state
     from metrale_jax.step import StepState, count_kernel
 
     n, w = pmd.num_streams, pmd.verify_width
+    if prev_tokens is not None and state.model.block_size:
+        pmd, tokens, smd = advance_windows(pmd, tokens, smd, prev_tokens, state.model.block_size)
     pen = update_penalty_state(state.penalties, tokens, smd)  # t0 of each penalized row
     ms = state.model
     if ms.ssm:
@@ -404,17 +464,50 @@ def mtp_step_draft(params, ms, hidden, samples, dmd, pmd, smd, *, model, attn, k
 
 
 # ---- the engine's side (host) ---------------------------------------------------------------------
+def overlaps(engine) -> bool:
+    """Whether this engine's verify steps overlap (n-gram drafts, no recurrent state, one
+    process): each is dispatched with its rows' first tokens counted as computed, and the next
+    step may be scheduled and dispatched before the host reads it, its rows' windows moved on the
+    device by what it accepted (`advance_windows`) and their drafts taken past it
+    (`draft_past_inflight`). MTP drafts and recurrent states stay synchronous (a prefix-cache
+    snapshot of a verified state is taken after its step; MTP lookahead positions)."""
+    spec = engine.config.speculative_config
+    return (spec is not None and spec.method == "ngram" and not engine.uses_ssm and not engine.num_drafts
+            and engine.lockstep is None)
+
+
+def _needs_host(s) -> bool:
+    """Whether a row's next inputs need its last samples on the host: a grammar's masks, and
+    min_tokens' suppression (by output index)."""
+    return s.grammar is not None or s.num_outputs < s.request.params.min_tokens
+
+
+def can_overlap(engine) -> bool:
+    """Whether the next step may be scheduled while the step in flight runs: only decode rows
+    to schedule (nothing waiting, swapped or mid-prefill, so the next step is a decode or verify
+    step, whose windows `advance_windows` moves), and no row whose inputs need that step's
+    samples on the host (a grammar's masks, min_tokens' suppression)."""
+    sch = engine.scheduler
+    if sch.waiting or sch.swapped:
+        return False
+    return not any(_needs_host(s) or s.pending > 1 or s.num_computed < s.prompt_len for s in sch.running)
+
+
 def dispatch_verify(engine, sched):
     """Build and run a verify step for `sched.decode` (no prefill chunks); -> the engine's _InFlight,
-    or None for a plain decode step: when no row has drafts (1 token per row instead of 1 + k), or
-    when a row's last token is still in flight (`sync_for_drafts` let the previous step overlap).
+    or None for a plain decode step: when no row has drafts (1 token per row instead of 1 + k) and
+    none has a verify step in flight, or, without overlap (`overlaps`), when a row's last token is
+    still in flight (`sync_for_drafts` let the previous step overlap).
     A row that follows a grammar (structured output) drafts only what its grammar accepts, and each
     of its window positions is masked by the grammar's state after the drafts before it.
 
-    `Scheduler.complete` (which counts the computed tokens and, with prefix caching, registers the
-    filled blocks and picks the SSM snapshots to take) runs in `finish_verify`, once the accepted
-    counts are known: a snapshot is then only ever taken of a verified state at a block boundary."""
-    if any(s.inflight for s in sched.decode):
+    Without overlap, `Scheduler.complete` (which counts the computed tokens and, with prefix
+    caching, registers the filled blocks and picks the SSM snapshots to take) runs in
+    `finish_verify`, once the accepted counts are known: a snapshot is then only ever taken of a
+    verified state at a block boundary. With overlap it runs here for each row's first token (as
+    for a decode step); the accepted drafts are counted when read."""
+    overlap = engine._spec_overlap  # (`overlaps`)
+    if any(s.inflight for s in sched.decode) and (not overlap or any(map(_needs_host, sched.decode))):
         return None  # (a row whose last token is still on the device cannot draft after it)
     from metrale_jax.engine.compile import _ceil_bucket
     from metrale_jax.engine.engine import _InFlight
@@ -422,17 +515,24 @@ def dispatch_verify(engine, sched):
     from metrale_jax.parallel import local
 
     spec = engine.config.speculative_config
+    prev = engine._inflight
+    prev_drafts = (prev.row_drafts or {}) if prev is not None else {}
     rows, sampled = [], []
     for s in sched.decode:
-        drafts = draft_tokens(s, s.spec_len, spec) if s.spec_len else []
+        if s.inflight:  # its last token (and with a verify step, its length) is still on the device
+            drafts = draft_past_inflight(s, prev_drafts.get(s.seq_id, ()), s.spec_len, spec) if s.spec_len else []
+            t0, src = 0, s.inflight_row
+        else:
+            drafts = draft_tokens(s, s.spec_len, spec) if s.spec_len else []
+            t0, src = s.token_ids[-1], -1
         if s.grammar is not None:
             drafts = engine._grammars.valid_drafts(s.grammar, drafts)
         p = s.request.params
-        rows.append(VerifyRow(tokens=[s.token_ids[-1], *drafts], position=s.num_computed, block_table=s.blocks,
+        rows.append(VerifyRow(tokens=[t0, *drafts], position=s.num_computed, block_table=s.blocks,
                               sampling=engine._row_sampling(s), ssm_slot=s.ssm_slot, suppress_until=p.min_tokens,
-                              stop_ids=tuple(sorted(engine._stop_ids(p))) if p.min_tokens else ()))
+                              stop_ids=tuple(sorted(engine._stop_ids(p))) if p.min_tokens else (), src_row=src))
         sampled.append((len(sampled), s, len(drafts)))
-    if not any(n for _, _, n in sampled):
+    if not any(n for _, _, n in sampled) and not any(s.spec_inflight for s in sched.decode):
         return None
     k = spec.num_speculative_tokens
     if engine.lora is not None:
@@ -449,8 +549,13 @@ def dispatch_verify(engine, sched):
         bitmask = engine.compiler.put(bitmask)
     engine.state, out, engine._next_tokens = engine.compiler.run(bucket, engine.params, engine.state, dev,
                                                                  engine._next_tokens, bitmask)
-    for _, s, _ in sampled:
+    if overlap:
+        engine.scheduler.complete(sched)  # each row's t0 (its accepted drafts: `finish_verify`)
+    for r, s, n in sampled:
         s.inflight += 1
+        s.inflight_row = r
+        if overlap:
+            s.spec_inflight += n
     from metrale_jax.sampling import F_LOGPROBS
 
     want_lp = bool(inputs.smd.flags[F_LOGPROBS])
@@ -459,17 +564,23 @@ def dispatch_verify(engine, sched):
     arrays = [local(getattr(out, n)) for n in names]
     for a in arrays:
         a.copy_to_host_async()
-    return _InFlight(sched, inputs, sampled, names, arrays, want_lp, False)
+    return _InFlight(sched, inputs, sampled, names, arrays, want_lp, False, overlapped=overlap,
+                     row_drafts={s.seq_id: rows[r].tokens[1:] for r, s, _ in sampled} if overlap else None)
 
 
 def sync_for_drafts(engine, f) -> bool:
-    """Whether the engine reads dispatched step `f` before scheduling the next one: after a verify
-    step always (the next rows' lengths depend on what it accepted), with an MTP drafter always
-    (its drafts come with the samples); after a plain step only when some row's n-gram lookup over
-    its known tokens already finds a match (the sequence repeats itself, so the lookup after the
-    token in flight likely finds one too). Otherwise the step stays in flight and the next one is
-    dispatched first, as without speculation: stepping synchronously with no drafts to verify cost
-    25% of tokens/s at batch 1 and 39% at batch 64 (Llama-3-8B shape, H200, session 13)."""
+    """Whether the engine reads dispatched step `f` before scheduling the next one. With overlap
+    (`overlaps`) only a verify step, when the next step could not overlap it (`can_overlap`); a
+    plain step stays in flight as without speculation (the next one drafts past it). Otherwise: after a
+    verify step always (the next rows' lengths depend on what it accepted), with an MTP drafter
+    always (its drafts come with the samples); after a plain step only when some row's n-gram
+    lookup over its known tokens already finds a match (the sequence repeats itself, so the lookup
+    after the token in flight likely finds one too). Otherwise the step stays in flight and the
+    next one is dispatched first, as without speculation: stepping synchronously with no drafts
+    to verify cost 25% of tokens/s at batch 1 and 39% at batch 64 (Llama-3-8B shape, H200,
+    session 13)."""
+    if engine._spec_overlap:  # (`overlaps`)
+        return f.overlapped and not can_overlap(engine)
     if f.inputs.bucket.kind == "verify" or engine.num_drafts:
         return True
     from metrale_jax.engine.scheduler import SeqStatus
@@ -492,6 +603,8 @@ def finish_verify(engine, f):
     live = []  # (sequence, accepted drafts) of the rows still running after their tokens
     for r, seq, n_drafts in f.sampled:
         seq.inflight -= 1
+        if f.overlapped:
+            seq.spec_inflight -= n_drafts
         req = seq.request
         a = min(int(out["spec_accepted"][r]), n_drafts)
         if n_drafts:
@@ -518,6 +631,8 @@ def finish_verify(engine, f):
     # one): count them, then let prefix caching register the blocks and snapshot verified states
     for seq, a in live:
         seq.num_computed += a
+    if f.overlapped:  # (its t0s were counted at dispatch)
+        return engine._outputs(touched.values(), now)
     done = ScheduledStep([seq for seq, _ in live], [], [])
     engine.scheduler.complete(done)  # + 1 per row (t0)
     if getattr(done, "ssm_snapshots", None):

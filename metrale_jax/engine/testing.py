@@ -43,6 +43,10 @@ class FakeState:
     # when use_ssm: {"fake": {"acc": i32[max_slots], "count": i32[max_slots], "tail": i32[max_slots, 2]}}
     ssm: dict = field(default_factory=dict)
 
+    @property
+    def block_size(self) -> int:
+        return self.cache.shape[1]
+
 
 class FakeTokenizer:
     """id i <-> ALPHABET[i] (ids 0, 1 are the special "<pad>" and "</s>")."""
