@@ -88,15 +88,12 @@ def _oracle(refs: list[list[int]], vocab: int):
     return propose
 
 
-def _patch_oracle(monkeypatch, refs: list[list[int]], vocab: int) -> list[int]:
-    """The oracle for both drafters: `draft_tokens` (a row whose tokens are all known) and
-    `draft_past_inflight` (overlapped verify steps: the row's last step is on the device, its
-    window [last known token, drafts]), which predicts exactly what that step emits and drafts
-    the reference after it, corrupted as `_oracle` does. Returns a list that counts, per verify
-    step, its rows whose window follows a step still in flight."""
-    first = _oracle(refs, vocab)
-    real_ahead, real_build = spec_decode.draft_past_inflight, spec_decode.build_verify_step
-    overlapped = []
+def _oracle_ahead(refs: list[list[int]], vocab: int):
+    """`_oracle` for a row whose last step is still in flight (overlapped verify steps;
+    `spec_decode.draft_past_inflight`'s signature): with the step's window [last known token,
+    `inflight` drafts] it predicts exactly what that step emits and drafts the reference after
+    it, corrupted as `_oracle` does."""
+    real = spec_decode.draft_past_inflight
 
     def ahead(seq, inflight, k, spec):
         t = list(seq.token_ids)
@@ -111,14 +108,22 @@ def _patch_oracle(monkeypatch, refs: list[list[int]], vocab: int) -> list[int]:
                 if c < len(d):
                     d[c] = (d[c] + 1) % vocab
                 return d
-        return real_ahead(seq, inflight, k, spec)
+        return real(seq, inflight, k, spec)
+    return ahead
+
+
+def _patch_oracle(monkeypatch, refs: list[list[int]], vocab: int) -> list[int]:
+    """Both drafters replaced by the oracle (`_oracle`, `_oracle_ahead`). Returns a list that
+    counts, per verify step, its rows whose window follows a step still in flight."""
+    real_build = spec_decode.build_verify_step
+    overlapped = []
 
     def build(cfg, bucket, rows):
         overlapped.append(sum(r.src_row >= 0 for r in rows))
         return real_build(cfg, bucket, rows)
 
-    monkeypatch.setattr(spec_decode, "draft_tokens", first)
-    monkeypatch.setattr(spec_decode, "draft_past_inflight", ahead)
+    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle(refs, vocab))
+    monkeypatch.setattr(spec_decode, "draft_past_inflight", _oracle_ahead(refs, vocab))
     monkeypatch.setattr(spec_decode, "build_verify_step", build)
     return overlapped
 

@@ -90,12 +90,13 @@ def run_family(family: str, tp: int, expert_parallel: bool, interpret_kernels: b
     cfg = _config(tp, expert_parallel, interpret_kernels, features)
     if spec_refs is not None:
         from metrale_jax.engine import spec_decode
-        from tests.test_spec_decode import _oracle
+        from tests.test_spec_decode import _oracle, _oracle_ahead
 
         cfg = cfg.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         prompts, _ = _requests(int(model.cfg.vocab_size))
         refs = [p["prompt_token_ids"] + r for p, (r, _) in zip(prompts, spec_refs)]
         spec_decode.draft_tokens = _oracle(refs, int(model.cfg.vocab_size))
+        spec_decode.draft_past_inflight = _oracle_ahead(refs, int(model.cfg.vocab_size))
     eng = LLMEngine(model, params, cfg)
     if follower:
         eng.follow_leader()

@@ -570,8 +570,9 @@ def dispatch_verify(engine, sched):
 
 def sync_for_drafts(engine, f) -> bool:
     """Whether the engine reads dispatched step `f` before scheduling the next one. With overlap
-    (`overlaps`) only a verify step, when the next step could not overlap it (`can_overlap`); a
-    plain step stays in flight as without speculation (the next one drafts past it). Otherwise: after a
+    (`overlaps`) a verify step when the next step could not overlap it (`can_overlap`), and a
+    plain step stays in flight as without speculation (the next one drafts past it) unless a row
+    needs its samples on the host (`_needs_host`): then, and without overlap: after a
     verify step always (the next rows' lengths depend on what it accepted), with an MTP drafter
     always (its drafts come with the samples); after a plain step only when some row's n-gram
     lookup over its known tokens already finds a match (the sequence repeats itself, so the lookup
@@ -580,7 +581,10 @@ def sync_for_drafts(engine, f) -> bool:
     to verify cost 25% of tokens/s at batch 1 and 39% at batch 64 (Llama-3-8B shape, H200,
     session 13)."""
     if engine._spec_overlap:  # (`overlaps`)
-        return f.overlapped and not can_overlap(engine)
+        if f.overlapped:
+            return not can_overlap(engine)
+        if not any(_needs_host(s) for _, s in f.sampled):
+            return False  # (the next verify step drafts past it)
     if f.inputs.bucket.kind == "verify" or engine.num_drafts:
         return True
     from metrale_jax.engine.scheduler import SeqStatus
