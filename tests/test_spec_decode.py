@@ -321,22 +321,25 @@ def test_cli_serve_option_and_metrics():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_next_tiny", "nemotron_h_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_next_tiny", "nemotron_h_tiny", "llama_tiny"])
 def test_verify_with_pallas_kernels_interpreted(name, monkeypatch):
     """The GPU path of a verify step (Pallas prefill attention, conv1d and KV-write kernels, the
-    Python layer loop), interpreted on the CPU: the same greedy tokens as plain decoding."""
+    Python layer loop), interpreted on the CPU: the same greedy tokens as plain decoding; for
+    llama_tiny with overlapped verify steps (windows moved on the device)."""
     base = _engine(name, None)
     att = AttentionConfig(use_pallas=True, interpret=True, unroll_layers=True)
-    eng = LLMEngine(*_MODELS.get(name) or load_model(FIXTURES / name, dtype="float32", show_progress=False),
+    # (its own copy of the weights: unroll_layers splits them in place, and _MODELS' serve other engines)
+    eng = LLMEngine(*load_model(FIXTURES / name, dtype="float32", show_progress=False),
                     CONFIG.replace(attention=att, speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 12, 30)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], sp))
-    monkeypatch.setattr(spec_decode, "draft_tokens", _oracle([p + r for p, r in zip(prompts, ref)], 256))
+    overlapped = _patch_oracle(monkeypatch, [p + r for p, r in zip(prompts, ref)], 256)
     assert _ids(eng.generate([{"prompt_token_ids": p} for p in prompts], sp)) == ref
     st = eng.stats()
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    assert any(overlapped) == eng._spec_overlap == (name == "llama_tiny")
 
 
 @pytest.mark.slow
