@@ -31,7 +31,8 @@ ENGINES = {"ssm-swap": (True, "auto"), "kv-only-recompute": (False, "auto"),
 SPEC = SpeculativeConfig("ngram", 3)
 
 
-@pytest.fixture(scope="module", params=list(ENGINES))
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "kv-only-swap-spec" else k
+                                        for k in ENGINES])
 def engine(request):
     use_ssm, mode = ENGINES[request.param]
     kw = {} if mode == "auto" else {"preemption_mode": mode}
