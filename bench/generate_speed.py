@@ -137,8 +137,8 @@ def main() -> int:
                   f"1+N run: {len(ms)} engine steps, median {np.median(ms):.2f} ms, 5 longest "
                   f"{', '.join(f'{x:.1f}' for x in sorted(ms)[-5:])} ms, outside steps {1e3 * tn - ms.sum():.1f} ms",
                   flush=True)
-        # the device step with top-p rows (the sampler has no branch on the GPU: greedy rows run
-        # the same graph), profiled on request
+        # the device step with top-p rows, profiled on request (with the sampler's skips, the GPU
+        # default since session 19, a greedy batch's step is shorter than this one)
         lat = measure_decode_latency(eng, argparse.Namespace(context=a.prompt_len, decode_steps=a.steps, seed=0,
                                                              profile=a.profile), b, bw,
                                      RowSampling(temperature=0.7, top_p=0.9, seed=(1, 0, 0)))
