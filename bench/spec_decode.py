@@ -116,7 +116,7 @@ def cost(a) -> dict:
         return [int(seq.token_ids[-1])] * kk
 
     def full_ahead(seq, inflight, kk, spec):  # the same for rows whose last step is in flight
-        return [int(seq.token_ids[-1])] * kk
+        return full(seq, kk, spec)
 
     for b in batches:
         prompts = [{"prompt_token_ids": rng.integers(3, v - 1, a.prompt_len).tolist()} for _ in range(b)]
@@ -209,9 +209,7 @@ def host(a) -> dict:
                 return continuation(seq.token_ids, k)
 
             def oracle_ahead(seq, inflight, k, spec):  # past the step in flight (overlapped verify steps)
-                cont = continuation(seq.token_ids, len(inflight) + 1 + k)
-                a = next((i for i, d in enumerate(inflight) if cont[i] != d), len(inflight))
-                return cont[a + 1: a + 1 + k]
+                return spec_decode.drafts_after(continuation(seq.token_ids, len(inflight) + 1 + k), inflight, k)
             spec_decode.draft_tokens, spec_decode.draft_past_inflight = oracle, oracle_ahead
         rng = np.random.default_rng(0)
         sp = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)

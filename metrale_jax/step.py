@@ -73,6 +73,12 @@ def _pads_pay(model, params, attn: AttentionConfig) -> bool:
     return not (getattr(model, "has_experts", False) or lora or has_quantized_linears(params))
 
 
+def take_prev_tokens(tokens: Array, src: Array, prev_tokens: Array) -> Array:
+    """tokens i32[T] with each one whose `src` i32[T] is >= 0 replaced by that row's token of the
+    previous step (`prev_tokens` i32[2R], `_next_tokens`)."""
+    return jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] // 2 - 1)], tokens)
+
+
 def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None,
              tokens: Array, smd: SamplingMetadata, *, model, attn: AttentionConfig, max_logprobs: int,
              prev_tokens: Array | None = None) -> tuple[StepState, Array, tuple, Array]:
@@ -81,8 +87,7 @@ def _forward(params, state: StepState, dmd: AttnMetadata | None, pmd: BatchedAtt
     top values f32[P, K]), the final hidden states [N + T, H])."""
     n = dmd.num_seqs if dmd is not None else 0
     if prev_tokens is not None:  # overlapped stepping: some inputs are the last step's samples
-        src = smd.token_src
-        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] // 2 - 1)], tokens)
+        tokens = take_prev_tokens(tokens, smd.token_src, prev_tokens)
     pen = update_penalty_state(state.penalties, tokens, smd)
     if pmd is None and n < attn.min_decode_rows and _pads_pay(model, params, attn):  # AttentionConfig.min_decode_rows
         md, padded = pad_decode_rows(dmd, tokens, attn.min_decode_rows)

@@ -151,10 +151,25 @@ def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
             return []
         # up to the first -1 (a prefill's stream drafts one token)
         return [int(d) for d in itertools.takewhile(lambda d: d >= 0, drafts[:k])]
+    return _index(seq, spec).propose(seq.token_ids, k)
+
+
+def _index(seq, spec: SpeculativeConfig) -> NgramIndex:
+    """`seq`'s n-gram index (made on first use)."""
     idx = _INDEXES.get(seq)
     if idx is None:
         idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return idx.propose(seq.token_ids, k)
+    return idx
+
+
+def drafts_after(cont: Sequence[int], inflight_drafts: Sequence[int], k: int) -> list[int]:
+    """Given `cont`, the tokens predicted after a row's last known token, and the drafts of its
+    step in flight (window [that token, `inflight_drafts`]): that step accepts the drafts `cont`
+    agrees with and emits `cont`'s next token; -> up to k drafts after that."""
+    a = 0
+    while a < len(inflight_drafts) and a < len(cont) and cont[a] == inflight_drafts[a]:
+        a += 1
+    return list(cont[a + 1: a + 1 + k])
 
 
 def draft_past_inflight(seq, inflight_drafts: Sequence[int], k: int, spec: SpeculativeConfig) -> list[int]:
@@ -165,14 +180,8 @@ def draft_past_inflight(seq, inflight_drafts: Sequence[int], k: int, spec: Specu
     continuation's next token, and the drafts are the continuation after that. Any drafts are
     correct (verification keeps the target distribution); these are right when the sequence goes
     on repeating itself."""
-    idx = _INDEXES.get(seq)
-    if idx is None:
-        idx = _INDEXES[seq] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    cont = idx.propose(seq.token_ids, len(inflight_drafts) + 1 + k, extend=True)
-    a = 0
-    while a < len(inflight_drafts) and a < len(cont) and cont[a] == inflight_drafts[a]:
-        a += 1
-    return cont[a + 1: a + 1 + k]
+    cont = _index(seq, spec).propose(seq.token_ids, len(inflight_drafts) + 1 + k, extend=True)
+    return drafts_after(cont, inflight_drafts, k)
 
 
 # ---- the verify step's inputs (host) --------------------------------------------------------------
@@ -321,20 +330,20 @@ def advance_windows(pmd: BatchedAttnMetadata, tokens, smd, prev, block_size: int
     (i32[2R], `step._next_tokens`) and moves its whole window by that row's shift (the drafts a
     verify step accepted, which the host has not read): positions, KV slots, KV lengths and the
     output index of each position (seeded sampling). -> (pmd, tokens, smd)."""
-    from metrale_jax.layers.spec_states import verify_grid
+    from metrale_jax.layers.spec_states import _scatter_tokens, verify_grid
+    from metrale_jax.step import take_prev_tokens
 
     r = prev.shape[0] // 2
     n, w = pmd.num_streams, pmd.verify_width
     t = tokens.shape[0]
     src = smd.token_src
-    tokens = jnp.where(src >= 0, prev[jnp.clip(src, 0, r - 1)], tokens)
+    tokens = take_prev_tokens(tokens, src, prev)
     cu = pmd.cu_seqlens
     row_src = jnp.where(cu[1:] > cu[:-1], src[jnp.clip(cu[:-1], 0, t - 1)], -1)  # i32[N]
     shift = jnp.where(row_src >= 0, prev[r + jnp.clip(row_src, 0, r - 1)], 0).astype(jnp.int32)  # i32[N]
     idx, mask = verify_grid(pmd)
-    at = jnp.where(mask, idx, t).reshape(-1)
-    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, w)).reshape(-1)
-    tok_row = jnp.zeros((t,), jnp.int32).at[at].set(rows, mode="drop")  # i32[T] (pads: row 0, unused)
+    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, w))
+    tok_row = _scatter_tokens(rows, idx, mask, t)  # i32[T] (pads: row 0, unused)
     pos = pmd.positions + shift[tok_row]
     mb = pmd.block_tables.shape[1]
     blk = pmd.block_tables[tok_row, jnp.clip(pos // block_size, 0, mb - 1)]
