@@ -139,7 +139,8 @@ if [[ $parts == *generate* ]]; then  # issue 15: LLM.generate decode step, greed
              "generate_llama3_8b_fp8:--batches 1,64 --quantization fp8" \
              "generate_llama3_8b_streams16:--batches 64 --engine-config {\"max_prefill_streams\":16}" \
              "generate_llama3_8b_count_kernel:--batches 1,64 --attention {\"sampler_kernel\":true}" \
-             "generate_llama3_8b_noskip:--batches 1,64 --attention {\"sampler_skip\":false}"; do
+             "generate_llama3_8b_noskip:--batches 1,64 --attention {\"sampler_skip\":false}" \
+             "generate_llama3_8b_noremat:--batches 1,64 --attention {\"xla_remat\":false}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${GENERATE_ONLY:-} && " $GENERATE_ONLY " != *" $name "* ]] && continue
     # 128 decode steps (the issue's max_tokens=129): at 32 (session 10) batch 64 read 1.18x the device step

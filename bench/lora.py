@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tuned", action="store_true", help="decode buckets of the batches only, a pool just large "
                    "enough, no top logprobs (the figures before session 12) instead of the default EngineConfig")
+    p.add_argument("--attention", default="{}", help="JSON of AttentionConfig fields set over the device's default "
+                   "kernels for every case, base included (a tuned variant), e.g. '{\"xla_remat\": false}'")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     batches = sorted({int(b) for b in args.batches.split(",")})
     kernels = [k for k in args.kernels.split(",") if k]
-    attn0 = default_kernels(on_gpu)
+    attn0 = dataclasses.replace(default_kernels(on_gpu), **json.loads(args.attention))
     model, params = random_model(shape_config(args.shape, args.num_layers), dtype=dtype, seed=args.seed,
                                  repeat_layers=True, split_layers=attn0.unroll_layers)
     bs = 16
@@ -157,7 +159,8 @@ def main(argv=None) -> int:
                        attention=attn0, **(tuned if args.tuned else {}))
     res = dict(shape=args.shape, num_layers=model.cfg.num_layers, dtype=dtype, device=str(jax.devices()[0]),
                jax=jax.__version__, date=time.strftime("%Y-%m-%d"), num_adapters=args.num_adapters, rank=args.rank,
-               context=args.context, engine_config="tuned" if args.tuned else "default", cases=[])
+               context=args.context, engine_config="tuned" if args.tuned else "default",
+               attention=json.loads(args.attention), cases=[])
     base = LLMEngine(model, params, cfg)
     prof = (lambda name: Path(args.profile) / name) if args.profile else (lambda name: None)
     base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b, prof(f"base_b{b}")) for b in batches}

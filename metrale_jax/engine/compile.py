@@ -264,10 +264,14 @@ class CompilationManager:
     @property
     def compiler_options(self) -> dict | None:
         """XLA options of the step executables: conditionals inside the command buffers when the
-        sampler skips under `lax.cond` on the GPU (`AttentionConfig.sampler_skip`)."""
+        sampler skips under `lax.cond` on the GPU (`AttentionConfig.sampler_skip`); no
+        rematerialization pass without `AttentionConfig.xla_remat`."""
+        opts = {}
         if self.cfg.attention.sampler_skip and jax.default_backend() == "gpu":
-            return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_WITH_CONDITIONALS}
-        return None
+            opts["xla_gpu_enable_command_buffer"] = COMMAND_BUFFER_WITH_CONDITIONALS
+        if not self.cfg.attention.xla_remat:
+            opts["xla_disable_hlo_passes"] = "rematerialization"
+        return opts or None
 
     def _static(self) -> dict:
         return dict(model=self.model, attn=self.cfg.attention, max_logprobs=self.cfg.max_logprobs,

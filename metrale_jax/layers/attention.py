@@ -58,6 +58,11 @@ class AttentionConfig:
     # the device evaluates the predicate: a greedy step without logprobs runs no filter, draw or
     # top-k (a batch-64 verify step's sampler: ~3.8 of 13.3 ms of kernels, H200, session 14).
     sampler_skip: bool = False
+    # XLA's rematerialization pass on the step executables. It counts the donated KV / SSM pools
+    # against the device memory (a Llama-3-8B step "uses" 233 GiB of a 89 GiB limit on the H200),
+    # so it always runs and recomputes fusions (norms twice, `*_remat` GEMM fusions) to save
+    # memory that it cannot save; off = `xla_disable_hlo_passes=rematerialization`.
+    xla_remat: bool = True
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,
