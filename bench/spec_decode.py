@@ -11,8 +11,10 @@ cost (for the GPU; a tiny shape on the CPU to check it runs): random weights of 
       whatever is accepted), (wall(long) - wall(short)) / (engine steps between them); with
       `--method mtp` the step also runs the model's MTP head (random weights) for the next drafts;
     * the ratio verify / decode (issue bars: <= 1.25 at batch 1, <= 1.6 at batch 64);
-    * end to end, the real n-gram drafter on greedy random weights (which fall into loops):
-      generated tokens/s with and without speculation, acceptance per verify row.
+    * end to end, the real n-gram drafter on greedy random weights (which, at these sizes, do
+      not fall into loops: few drafts, none right), then on the same weights made to loop
+      (`_looping`: every draft right): generated tokens/s with and without speculation,
+      acceptance per verify row.
 
 host (CPU): the engine's host loop per step over FakeModel (negligible device work), batch 64:
     plain (steps dispatched one ahead), speculation finding few drafts (synchronous stepping), and
@@ -73,6 +75,22 @@ def acceptance(a) -> dict:
                spec_draft_tokens=ntok, spec_accepted_tokens=acc, engine_steps=steps,
                accepted_per_verify_row=acc / max(nd, 1), text=got.text[:400])
     return res
+
+
+def _looping(params: dict) -> dict:
+    """A model whose greedy output repeats each row's last token (so n-gram drafts are right): the
+    attention and MLP outputs zeroed (the same GEMMs and bytes), the LM head the embeddings. Random
+    weights do not fall into loops by themselves (H200 runs: 0 accepted drafts)."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = dict(params["layers"])
+    for name in ("wo", "w_down"):
+        layers[name] = jax.tree.map(jnp.zeros_like, layers[name])
+    out = {**params, "layers": layers}
+    if "lm_head" in params:  # (tied embeddings: the head is the embeddings already)
+        out["lm_head"] = params["embed"].T.astype(params["lm_head"].dtype)
+    return out
 
 
 def cost(a) -> dict:
@@ -156,7 +174,7 @@ def cost(a) -> dict:
             spec_decode.draft_tokens, spec_decode.draft_past_inflight = real_propose, real_ahead
         run["verify_step_ms"] = 1e3 * (wn - w1) / max(sn - s1, 1)
         run["verify_over_decode"] = run["verify_step_ms"] / run["decode_step_ms"]
-        # end to end with the real n-gram drafter (greedy random weights loop)
+        # end to end with the real n-gram drafter
         n = 1 + (k + 1) * a.steps
         for name in ("plain", "spec"):
             llm = engines[name]
@@ -171,6 +189,23 @@ def cost(a) -> dict:
                 run["e2e_accepted_per_verify_row"] = st[2] / max(st[0], 1)
                 run["e2e_spec_draft_tokens"], run["e2e_spec_accepted_tokens"] = st[1], st[2]
         run["e2e_speedup"] = run["e2e_spec_tok_s"] / run["e2e_plain_tok_s"]
+        if not mtp:  # the same with a model that loops (see _looping): the real drafter finds its drafts
+            for name in ("plain", "spec"):
+                eng = engines[name].llm_engine
+                real_params, eng.params = eng.params, _looping(eng.params)
+                try:
+                    st0 = _stats(engines[name])
+                    t = time.perf_counter()
+                    outs = engines[name].generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                                  use_tqdm=False)
+                    dt = time.perf_counter() - t
+                finally:
+                    eng.params = real_params
+                st = [x - y for x, y in zip(_stats(engines[name]), st0)]
+                run[f"e2e_loop_{name}_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+                if name == "spec":
+                    run["e2e_loop_accepted_per_verify_row"] = st[2] / max(st[0], 1)
+            run["e2e_loop_speedup"] = run["e2e_loop_spec_tok_s"] / run["e2e_loop_plain_tok_s"]
         res["runs"].append(run)
         print(json.dumps(run), flush=True)
     return res
