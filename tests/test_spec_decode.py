@@ -10,11 +10,13 @@
   draws), and the first k+1 tokens' joint distribution passes a chi-square test against the
   exact one of a tiny-vocabulary model;
 - swap preemption in the middle of speculative decoding keeps outputs exact; nothing compiles
-  after start-up; every block and slot is free afterwards.
+  after start-up; every block and slot is free afterwards; `disable_by_batch_size` stops drafting
+  while that many sequences run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -163,6 +165,8 @@ def test_ngram_propose_and_config():
         SpeculativeConfig("eagle", 2)
     with pytest.raises(ValueError):
         SpeculativeConfig("ngram", 0)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig("ngram", 2, disable_by_batch_size=0)
 
 
 # CI runs k = 4 on the two hybrid kinds (GDN + gated attention + MoE; Mamba-2 + attention + MoE: their
@@ -205,8 +209,40 @@ def test_greedy_equals_plain_decoding(name, k, monkeypatch):
         assert (sum(1 for n in overlapped if n) > len(overlapped) // 2) == eng._spec_overlap, overlapped
         assert eng._spec_overlap == (name not in HYBRIDS)
         monkeypatch.undo()
+        _check_disable_by_batch_size(eng, prompts, sp, ref, monkeypatch)
     assert cc.lowerings == 0 and cc.backend_compiles == 0
     _assert_whole(eng)
+
+
+def _check_disable_by_batch_size(eng, prompts, sp, ref, monkeypatch):
+    """`disable_by_batch_size`: no row drafts while that many sequences run, and drafting resumes
+    once fewer do (same outputs)."""
+    real_build = spec_decode.build_verify_step
+    drafted_at = []  # running sequences at each verify step that carries drafts
+
+    def build(cfg, bucket, rows):
+        if any(len(r.tokens) > 1 for r in rows):
+            drafted_at.append(len(eng.scheduler.running))
+        return real_build(cfg, bucket, rows)
+
+    monkeypatch.setattr(spec_decode, "build_verify_step", build)
+    spec = eng.config.speculative_config
+    try:
+        for off_at in (3, 1):
+            monkeypatch.setattr(eng, "config", eng.config.replace(
+                speculative_config=dataclasses.replace(spec, disable_by_batch_size=off_at)))
+            eng.scheduler = eng._new_scheduler()
+            drafted_at.clear()
+            b0 = _spec_now(eng)
+            assert _ids(eng.generate([{"prompt_token_ids": p} for p in prompts], sp)) == ref
+            nd = _spec_delta(eng, b0)[0]
+            assert all(n < off_at for n in drafted_at), (off_at, drafted_at)
+            # (3: the two longest outputs run on alone, one of them repeating its prompt's 4 tokens)
+            assert (nd > 0) == (off_at > 1) and (len(drafted_at) > 0) == (off_at > 1), (off_at, nd, drafted_at)
+            _assert_whole(eng)
+    finally:
+        monkeypatch.undo()
+        eng.scheduler = eng._new_scheduler()
 
 
 @pytest.mark.parametrize("name", ["qwen3_next_tiny", "llama_tiny"])

@@ -366,6 +366,7 @@ class LLMEngine:
             kv_offloading_bytes=int(c.kv_offloading_size * 1e9) if self.host_tier_on else 0, **caps,
             num_spec_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
             num_lookahead_tokens=max(0, self.num_drafts - 1),
+            spec_off_at=c.speculative_config.disable_by_batch_size if c.speculative_config else None,
         )
 
     def _host_tier_pays(self) -> bool:

@@ -250,6 +250,7 @@ class Scheduler:
         prefix_caching: bool = False, snapshot_slots: tuple[int, ...] = (), cache_decoded: bool = True,
         kv_offloading_bytes: int = 0,
         num_spec_tokens: int = 0, max_prompt_lp_tokens: int = 1 << 62, num_lookahead_tokens: int = 0,
+        spec_off_at: int | None = None,
     ):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
@@ -281,6 +282,7 @@ class Scheduler:
         self.num_swaps = 0  # swap-outs
         self.num_swap_ins = 0
         self.num_spec_tokens = num_spec_tokens  # k: a decode row may verify k drafts (blocks + budget)
+        self.spec_off_at = spec_off_at  # no drafts while this many sequences run (None: always)
         # blocks past a decode row's window: an MTP drafter writes its k - 1 chained drafts' K/V there
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_prompt_lp_tokens = max_prompt_lp_tokens  # prompt-logprob positions per step (the step's rows)
@@ -421,11 +423,15 @@ class Scheduler:
     def _spec_len(self, seq: Sequence) -> int:
         """Drafts a decode row may verify: k, fewer near max_tokens / max_model_len (the row emits
         at most 1 + drafts tokens)."""
-        if not self.num_spec_tokens:
+        if not self.num_spec_tokens or self.spec_paused():
             return 0
         n = len(seq.token_ids) + seq.inflight + seq.spec_inflight
         room = min((seq.request.params.max_tokens or 1 << 62) - (n - seq.prompt_len), self.max_model_len - n) - 1
         return max(0, min(self.num_spec_tokens, room))
+
+    def spec_paused(self) -> bool:
+        """Whether rows draft nothing now (`SpeculativeConfig.disable_by_batch_size`)."""
+        return self.spec_off_at is not None and len(self.running) >= self.spec_off_at
 
     def _decode_upto(self, seq: Sequence) -> int:
         """Positions a decode row needs blocks for: its window (after the drafts a verify step in
