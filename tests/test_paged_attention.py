@@ -27,6 +27,7 @@ from pallas_kernels.paged_attention import (
     paged_kv_write,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    paged_verify_attention,
 )
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -321,6 +322,38 @@ def test_prefill_rejects_bad_inputs():
                                 jnp.zeros((2,), jnp.int32), sm_scale=1.0)
     with pytest.raises(ValueError, match="block_rows"):
         PrefillParams(block_rows=100)
+
+
+# ---- speculative verify windows through the decode kernel ---------------------------------------
+# (group, hkv, head_dim, block_size, kv_dtype, q_dtype, window, params, width, streams, pad_tokens):
+# streams (window tokens <= width, cached tokens), as a verify step lays them out (pad streams (0, 0))
+VERIFY_CASES = [
+    (4, 2, 128, 16, BF16, BF16, None, DecodeParams(block_k=64), 5,
+     ((5, 60), (1, 0), (3, 12), (5, 295), (2, 63), (0, 0)), 9),
+    (8, 1, 64, 32, F32, F32, None, DecodeParams(block_k=16, num_splits=3), 3, ((3, 300), (1, 64), (2, 0)), 3),
+    (2, 2, 64, 16, FP8, BF16, 20, DecodeParams(block_k=32, num_splits=2, prefetch=True), 5,
+     ((5, 40), (4, 15), (0, 0)), 5),
+    (1, 1, 256, 64, BF16, BF16, None, None, 2, ((2, 63), (1, 1)), 2),
+    (16, 1, 128, 16, BF16, BF16, 7, DecodeParams(block_k=16, heads_inner=True), 3, ((3, 64), (3, 2)), 0),
+]
+
+
+@pytest.mark.parametrize("case,interpret", _grid(VERIFY_CASES, ci=(1, 2, 4, 8, 16)))
+def test_verify_kernel(case, interpret):
+    """`paged_verify_attention` against the f32 ragged-prefill reference on verify-shaped
+    metadata: ragged windows up to the width, GQA groups up to 16 (rows = width x group), split-K,
+    fp8 pools, sliding windows that cut inside the window, permuted block tables, pad streams and
+    pad tokens (zeros), NaN-poisoned outputs."""
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, width, streams, pad = case
+    q, k_pool, v_pool, tables, cu, kv_lens, dk, dv, ks, vs = _prefill_problem(
+        (g, hkv, d, bs, kv_dtype, q_dtype, window, None, streams, pad), seed=200 + g)
+    kw = dict(sm_scale=1.0 / math.sqrt(d), sliding_window=window, k_scale=ks, v_scale=vs)
+    out = paged_verify_attention(q, k_pool, v_pool, jnp.int32(1), tables, cu, kv_lens, width=width, params=params,
+                                 interpret=interpret, _poison=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = paged_prefill_attention_reference(q, k_pool, v_pool, 1, tables, cu, kv_lens, **kw)
+    assert_close(out, ref, tol=_tol(q_dtype, kv_dtype), what="verify")
+    assert (np.asarray(out.astype(F32))[int(cu[-1]):] == 0).all(), "pad tokens must give zeros"
 
 
 # ---- compiled on the GPU at a realistic size ------------------------------------------------------

@@ -359,13 +359,16 @@ def test_cli_serve_option_and_metrics():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_next_tiny", "nemotron_h_tiny", "llama_tiny"])
-def test_verify_with_pallas_kernels_interpreted(name, monkeypatch):
-    """The GPU path of a verify step (Pallas prefill attention, conv1d and KV-write kernels, the
-    Python layer loop), interpreted on the CPU: the same greedy tokens as plain decoding; for
-    llama_tiny with overlapped verify steps (windows moved on the device)."""
+@pytest.mark.parametrize("name,verify_decode_kernel", [("qwen3_next_tiny", False), ("nemotron_h_tiny", False),
+                                                       ("llama_tiny", False), ("llama_tiny", True)])
+def test_verify_with_pallas_kernels_interpreted(name, verify_decode_kernel, monkeypatch):
+    """The GPU path of a verify step (Pallas prefill attention, or the decode kernel over the
+    windows with `verify_decode_kernel`, conv1d and KV-write kernels, the Python layer loop),
+    interpreted on the CPU: the same greedy tokens as plain decoding; for llama_tiny with
+    overlapped verify steps (windows moved on the device)."""
     base = _engine(name, None)
-    att = AttentionConfig(use_pallas=True, interpret=True, unroll_layers=True)
+    att = AttentionConfig(use_pallas=True, interpret=True, unroll_layers=True,
+                          verify_decode_kernel=verify_decode_kernel)
     # (its own copy of the weights: unroll_layers splits them in place, and _MODELS' serve other engines)
     eng = LLMEngine(*load_model(FIXTURES / name, dtype="float32", show_progress=False),
                     CONFIG.replace(attention=att, speculative_config={"method": "ngram", "num_speculative_tokens": 3}))

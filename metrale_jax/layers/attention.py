@@ -68,6 +68,11 @@ class AttentionConfig:
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,
     # bench/kernels/filter_ways.py): off by default.
     sampler_kernel: bool = False
+    # Speculative verify windows through the decode kernel (`paged_verify_attention`: each row's
+    # 1 + k queries as extra rows of its GQA group) instead of the ragged prefill kernel. H200,
+    # Llama-3-8B batch 64, k = 4: the Mosaic prefill kernel takes 44 us per layer (~10x the KV
+    # bytes at memcpy speed, session 20); this one is not measured yet: off by default.
+    verify_decode_kernel: bool = False
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
@@ -225,10 +230,13 @@ def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
 
 def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
     if cfg.use_pallas:
-        from pallas_kernels.paged_attention import paged_prefill_attention, prefill_mgpu
+        from pallas_kernels.paged_attention import paged_prefill_attention, paged_verify_attention, prefill_mgpu
 
         tables = (md.block_tables, md.cu_seqlens, md.kv_lens)
-        if cfg.mosaic_prefill and prefill_mgpu.supports(q, cache.k, cache.v):
+        if md.verify_width > 1 and cfg.verify_decode_kernel:
+            kernel = functools.partial(paged_verify_attention, width=md.verify_width, sm_scale=scale,
+                                       sliding_window=cfg.sliding_window, interpret=cfg.interpret)
+        elif cfg.mosaic_prefill and prefill_mgpu.supports(q, cache.k, cache.v):
             def kernel(q, k, v, layer, *tables, k_scale, v_scale):
                 return prefill_mgpu.paged_prefill_attention_mgpu(q, k, v, layer, *tables, sm_scale=scale,
                                                                  sliding_window=cfg.sliding_window,

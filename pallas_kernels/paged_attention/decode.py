@@ -46,10 +46,10 @@ def _decode_kernel(
     scales_ref,  # f32[2]: [sm_scale * k_scale * log2(e), v_scale]
     lens_ref,  # i32[N]
     bt_ref,  # i32[N * MB]
-    q_ref,  # [N * Hq, D]
-    k_ref,  # [L*NB*bs*Hkv, D] pool
-    v_ref,  # [L*NB*bs*Hkv, D] pool
-    *out_refs,  # o [S * N * Hq, D] (q dtype when S == 1, else f32); + lse f32[S * N * Hq] when S > 1
+    *refs,  # (cu_ref i32[N + 1] when width > 1), q_ref [T * Hq, D], k_ref / v_ref [L*NB*bs*Hkv, D]
+    # pools, then the outputs: o [S * T * Hq, D] (q dtype when S == 1, else f32); + lse
+    # f32[S * T * Hq] when S > 1 (T = N for decode)
+    width: int,
     num_rows: int,
     num_q_heads: int,
     group: int,
@@ -66,6 +66,10 @@ def _decode_kernel(
     heads_inner: bool,
     prefetch: bool,
 ):
+    if width > 1:
+        cu_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    else:
+        q_ref, k_ref, v_ref, *out_refs = refs
     if heads_inner:  # grid (Hkv, N, S)
         h, n = pl.program_id(0), pl.program_id(1)
     else:  # grid (N, Hkv, S)
@@ -77,7 +81,10 @@ def _decode_kernel(
     seq_len = lens_ref[n]
     d = q_ref.shape[1]
 
-    lo = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    # Verify windows (width > 1): row n's queries are tokens cu[n] .. cu[n+1] - 1 (at most
+    # `width`), the last ones of its seq_len keys; query j sees the keys up to its own position.
+    qlen = cu_ref[n + 1] - cu_ref[n] if width > 1 else 1
+    lo = 0 if sliding_window is None else jnp.maximum(seq_len - qlen + 1 - sliding_window, 0)
     blk_lo = lo // block_k
     blk_hi = pl.cdiv(seq_len, block_k)
     per = pl.cdiv(jnp.maximum(blk_hi - blk_lo, 0), num_splits)
@@ -87,8 +94,14 @@ def _decode_kernel(
     # The G query heads of KV head h, padded to Gp >= 16 rows (tensor-core minimum); pad rows
     # read nothing and are never stored.
     gi = jnp.arange(group_pad, dtype=jnp.int32)
-    row_valid = gi < group
-    qrow = jnp.where(row_valid, n * num_q_heads + h * group + gi, q_ref.shape[0])  # past the end if pad
+    if width > 1:  # rows j * G + g: query j of the window, head g of the group
+        qj = gi // group
+        row_valid = (gi < width * group) & (qj < qlen)
+        qpos = seq_len - qlen + qj  # i32[Gp] each row's position
+        qrow = jnp.where(row_valid, (cu_ref[n] + qj) * num_q_heads + h * group + gi % group, q_ref.shape[0])
+    else:
+        row_valid = gi < group
+        qrow = jnp.where(row_valid, n * num_q_heads + h * group + gi, q_ref.shape[0])  # past the end if pad
     cols = jnp.arange(d, dtype=jnp.int32)
     q = plgpu_triton.load(q_ref.at[qrow[:, None], cols[None, :]], mask=row_valid[:, None], other=0.0)
     q = q.astype(cdtype)  # [Gp, D]
@@ -112,7 +125,14 @@ def _decode_kernel(
         k = k.astype(cdtype)
         v = v.astype(cdtype)
         sc = common.dot(q, k, trans_b=True) * qk_scale  # f32[Gp, BK], log2 domain
-        sc = jnp.where(valid[None, :], sc, -jnp.inf)
+        if width > 1:  # causal within the window (and each row's own sliding window)
+            tok, _ = tokens(i)
+            seen = valid[None, :] & (tok[None, :] <= qpos[:, None])
+            if sliding_window is not None:
+                seen &= tok[None, :] > qpos[:, None] - sliding_window
+            sc = jnp.where(seen, sc, -jnp.inf)
+        else:
+            sc = jnp.where(valid[None, :], sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(sc - m_new[:, None])
@@ -136,7 +156,7 @@ def _decode_kernel(
     inv_l = jnp.where(nonempty, v_scale / jnp.where(nonempty, l, 1.0), 0.0)
     o = o * inv_l[:, None]
     o_ref = out_refs[0]
-    orow = jnp.where(row_valid, s * num_rows + n * num_q_heads + h * group + gi, o_ref.shape[0])
+    orow = jnp.where(row_valid, s * num_rows + qrow, o_ref.shape[0])
     plgpu_triton.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_valid[:, None])
     if num_splits > 1:
         lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
@@ -151,30 +171,33 @@ def combine_splits(o_parts, lse_parts):
 
 
 def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
-                 sliding_window, interpret: bool, poison: bool, head_major: bool = False):
+                 sliding_window, interpret: bool, poison: bool, head_major: bool = False,
+                 cu_seqlens=None, width: int = 1):
     if head_major:  # [L, NB, Hkv, bs, D]: a layout the bench compares against; not public
         num_layers, num_blocks, hkv, block_size, d = k_pool.shape
     else:
         num_layers, num_blocks, block_size, hkv, d = k_pool.shape
-    n, hq, _ = q.shape
+    t, hq, _ = q.shape  # (T = N for decode)
+    n, mb = block_tables.shape
     g = hq // hkv
-    gp = max(16, common.next_pow2(g))
-    mb = block_tables.shape[1]
+    gp = max(16, common.next_pow2(width * g))
     cdtype = common.compute_dtype(q.dtype, k_pool.dtype)
     rows = num_layers * num_blocks * block_size * hkv
     ns = params.num_splits
     if ns == 1:
-        out_shape = [jax.ShapeDtypeStruct((n * hq, d), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((t * hq, d), q.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((ns * n * hq, d), jnp.float32),
-                     jax.ShapeDtypeStruct((ns * n * hq,), jnp.float32)]
-    args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
-            q.reshape(n * hq, d), k_pool.reshape(rows, d), v_pool.reshape(rows, d)]
+        out_shape = [jax.ShapeDtypeStruct((ns * t * hq, d), jnp.float32),
+                     jax.ShapeDtypeStruct((ns * t * hq,), jnp.float32)]
+    args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1)]
+    if width > 1:
+        args.append(cu_seqlens.astype(jnp.int32))
+    args += [q.reshape(t * hq, d), k_pool.reshape(rows, d), v_pool.reshape(rows, d)]
     whole = pl.no_block_spec
     in_specs = [whole] * len(args)
     aliases = {}
     kernel = functools.partial(
-        _decode_kernel, num_rows=n * hq, num_q_heads=hq, group=g, group_pad=gp, max_blocks=mb,
+        _decode_kernel, width=width, num_rows=t * hq, num_q_heads=hq, group=g, group_pad=gp, max_blocks=mb,
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv, block_k=params.block_k,
         num_splits=ns, sliding_window=sliding_window, cdtype=cdtype, head_major=head_major,
         heads_inner=params.heads_inner, prefetch=params.prefetch,
@@ -199,8 +222,50 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     if ns == 1:
         o = outs[0]
     else:
-        o = combine_splits(outs[0].reshape(ns, n * hq, d), outs[1].reshape(ns, n * hq)).astype(q.dtype)
-    return o.reshape(n, hq, d)
+        o = combine_splits(outs[0].reshape(ns, t * hq, d), outs[1].reshape(ns, t * hq)).astype(q.dtype)
+    o = o.reshape(t, hq, d)
+    if width > 1:  # tokens past the last window (the bucket's padding) are never written: zeros
+        o = jnp.where((jnp.arange(t) < cu_seqlens[-1])[:, None, None], o, 0).astype(q.dtype)
+    return o
+
+
+@functools.partial(jax.jit, static_argnames=("width", "sm_scale", "sliding_window", "params", "interpret", "_poison"))
+def paged_verify_attention(
+    q,
+    k_pool,
+    v_pool,
+    layer,
+    block_tables,
+    cu_seqlens,
+    kv_lens,
+    *,
+    width: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    k_scale=None,
+    v_scale=None,
+    params: DecodeParams | None = None,
+    interpret: bool = False,
+    _poison: bool = False,
+):
+    """Attention of speculative verify windows: the decode kernel with the queries of each row's
+    window (at most `width`, its last token and drafts) as extra rows of its GQA group, causal
+    within the window. The arguments of `paged_prefill_attention` (a verify step's ragged
+    metadata: q [T, Hq, D], block_tables i32[N, MB], cu_seqlens i32[N + 1], kv_lens i32[N]), with
+    every stream at most `width` (static) tokens long, the last of its kv_lens keys. Pad tokens
+    (past cu_seqlens[-1]) give zeros. -> [T, Hq, D] in q's dtype."""
+    num_layers, num_blocks, block_size, hkv, d = common.check_pools(q, k_pool, v_pool, k_scale, v_scale)
+    common.check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window)
+    if width < 1:
+        raise ValueError(f"{width=} must be >= 1")
+    n = block_tables.shape[0]
+    if params is None:
+        params = decode_params_for(n, q.shape[1], hkv, d, block_size, k_pool.dtype,
+                                   block_tables.shape[1] * block_size)
+    layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)
+    return _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, kv_lens, params=params,
+                        sliding_window=sliding_window, interpret=interpret, poison=_poison,
+                        cu_seqlens=cu_seqlens, width=max(width, 2))
 
 
 def _drop_alias_inputs(kernel, num_outs):
