@@ -26,6 +26,11 @@ stored, so no XLA pad/slice surrounds the kernel) over one split of the context,
 an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
 its normalized partial output and log-sum-exp, and a small XLA combine merges them.
 Rows with seq_len 0 give zeros, never NaN.
+
+Verify windows (`paged_verify_attention`, speculative decoding): a row's 1 + k queries are its
+last tokens, so one program takes all of them as (1 + k) x G rows (padded to a power of two),
+each masked to the keys up to its own position: the window's keys are read once, as in decode,
+where the ragged prefill kernels tile for long chunks.
 """
 
 from __future__ import annotations
