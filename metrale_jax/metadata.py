@@ -38,6 +38,9 @@ class AttnMetadata:
     moe_row_adapter: Array  # i32[N]  expert-LoRA slot per row (its adapter trains experts); -1 = none
     num_seqs: int = dataclasses.field(metadata=dict(static=True), default=0)
     max_blocks_per_seq: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # > 0: rows from this one on were added by the step (`pad_decode_rows`: a few rows run on 8,
+    # `AttentionConfig.min_decode_rows`) and carry nothing, not even a LoRA delta; 0 = none added
+    live_rows: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
 @jax.tree_util.register_dataclass
@@ -80,5 +83,5 @@ def pad_decode_rows(md: AttnMetadata, tokens: Array, rows: int) -> tuple[AttnMet
                       positions_w=pad(md.positions_w, 0), slots=pad(md.slots, -1), seq_lens=pad(md.seq_lens, 0),
                       block_tables=pad(md.block_tables, 0), ssm_slots=pad(md.ssm_slots, -1),
                       seq_slot=pad(md.seq_slot, -1), moe_row_adapter=pad(md.moe_row_adapter, -1), num_seqs=rows,
-                      max_blocks_per_seq=md.max_blocks_per_seq)
+                      max_blocks_per_seq=md.max_blocks_per_seq, live_rows=md.live_rows or md.num_seqs)
     return md, pad(tokens, 0)

@@ -64,13 +64,11 @@ def count_kernel(attn: AttentionConfig) -> CountKernel | None:
 
 def _pads_pay(model, params, attn: AttentionConfig) -> bool:
     """Whether a decode step may run on padding rows (`AttentionConfig.min_decode_rows`): every
-    linear a plain XLA dot (FP8 and 4-bit kernels have 1-row variants), LoRA deltas only through
-    the fused kernel, which skips the padding rows' absent slots (XLA's cost more with the rows: a
-    batch-1 Llama-3-8B LoRA step on the H200 went 5.55 -> 6.18 ms padded to 8), and no layer
-    routing to experts (padding rows would be routed)."""
-    layers = params.get("layers", {}) if isinstance(params, dict) else {}
-    lora = "lora" in layers and attn.lora_kernel != "pallas"
-    return not (getattr(model, "has_experts", False) or lora or has_quantized_linears(params))
+    linear a plain XLA dot (FP8 and 4-bit kernels have 1-row variants) and no layer routing to
+    experts (padding rows would be routed). LoRA deltas run on the live rows alone
+    (`AttnMetadata.live_rows`): XLA's deltas over all 8 rows cost more than the padding saved (a
+    batch-1 Llama-3-8B LoRA step on the H200 went 5.55 -> 6.18 ms padded to 8, session 18)."""
+    return not (getattr(model, "has_experts", False) or has_quantized_linears(params))
 
 
 def take_prev_tokens(tokens: Array, src: Array, prev_tokens: Array) -> Array:

@@ -152,8 +152,7 @@ def test_kernel_defaults_and_cli_overrides():
     assert _pads_pay(dense, {"layers": {"wo": w}}, gpu)
     assert not _pads_pay(moe, {"layers": {"wo": w}}, gpu)
     lora = {"layers": {"wo": w, "lora": {"o_a": w}}}
-    assert not _pads_pay(dense, lora, gpu)  # XLA's deltas cost more with the rows; the fused kernel's not
-    assert _pads_pay(dense, lora, dataclasses.replace(gpu, lora_kernel="pallas"))
+    assert _pads_pay(dense, lora, gpu)  # (the deltas of the live rows only: tests/test_lora.py, pad_rows)
     assert not _pads_pay(dense, {"layers": {"wo": fp8}}, gpu)
     ns = argparse.Namespace
     assert kernels_from_args(ns(pallas=None, unroll_layers=None)) is None

@@ -39,11 +39,13 @@ CFG = EngineConfig(
 )
 
 
-def _engine(name: str, unroll: bool = False, lora_kernel: str = "auto", **kw) -> LLMEngine:
+def _engine(name: str, unroll: bool = False, lora_kernel: str = "auto", pad_rows: bool = False, **kw) -> LLMEngine:
+    """pad_rows: decode steps on 8 rows (the buckets' 4 padded), as the GPU runs a few rows
+    (`min_decode_rows`; the deltas on the live rows only); the fused kernel is interpreted."""
     model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
-    fused = lora_kernel == "pallas"  # interpreted, and with decode steps on 8 padded rows as the GPU may run it
+    fused = lora_kernel == "pallas"
     attn = AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel, interpret=fused,
-                           min_decode_rows=8 if fused else 1)
+                           min_decode_rows=8 if pad_rows else 1)
     cfg = dataclasses.replace(CFG, attention=attn, **kw)
     return LLMEngine(model, params, cfg)
 
@@ -128,7 +130,8 @@ def test_llama_preemption_keeps_adapters(llama_eng):
 
 @pytest.mark.parametrize("kernel", ["gather", "pallas"])  # ("auto" takes "masked" at these buckets)
 def test_qwen3_mixed_batch_unrolled(kernel):
-    eng = _engine("qwen3_tiny", unroll=True, lora_kernel=kernel)  # pallas: the fused kernel, interpreted
+    # decode steps on 8 rows, 4 of them live (pallas: the fused kernel, interpreted)
+    eng = _engine("qwen3_tiny", unroll=True, lora_kernel=kernel, pad_rows=True)
     g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
     reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
             "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}

@@ -49,6 +49,7 @@ class LoRAInputs(NamedTuple):
     moe_slot: jax.Array  # i32[N + T]  expert-LoRA slot per token; -1 = none
     kernel: str = "auto"
     interpret: bool = False  # the "pallas" kernel in interpret mode (CPU)
+    live: int = 0  # > 0: only the first `live` tokens may carry a delta (`AttnMetadata.live_rows`)
 
 
 def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field: str = "seq_slot") -> jax.Array:
@@ -101,7 +102,11 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     # the expand in y's dtype, added to y as is: on the H200 XLA fuses the add with the residual
     # add and the next norm (batch-64 Llama-3-8B step with 8 adapters 1.241x the base, from 1.257x
     # with an f32 delta and its own add; session 18)
-    d = lora_delta(x.reshape(-1, x.shape[-1]), lora.slot, lora.w[a], lora.w[b], lora.kernel, out_dtype=y.dtype)
+    x2 = x.reshape(t, -1)
+    if 0 < lora.live < t:  # decode rows padded by the step: the deltas of the live rows only
+        d = lora_delta(x2[:lora.live], lora.slot[:lora.live], lora.w[a], lora.w[b], lora.kernel, out_dtype=y.dtype)
+        return y + jnp.pad(d, ((0, t - lora.live), (0, 0))).reshape(y.shape)
+    d = lora_delta(x2, lora.slot, lora.w[a], lora.w[b], lora.kernel, out_dtype=y.dtype)
     return y + d.reshape(y.shape)
 
 

@@ -196,10 +196,11 @@ def forward_paged(
     lora_on = "lora" in params["layers"]
     lora_slot = token_slots(dmd, pmd, "seq_slot") if lora_on else None
     moe_slot = token_slots(dmd, pmd, "moe_row_adapter") if lora_on else None
+    live = dmd.live_rows if dmd is not None and pmd is None else 0  # (rows the step padded carry no delta)
 
     def layer(carry, lp):
         x, kv, i = carry
-        lora = LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret) if lora_on else None
+        lora = LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret, live) if lora_on else None
         if fused_rope:
             kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, lora), cos_sin, cfg.num_heads,
                                       attn.interpret)
