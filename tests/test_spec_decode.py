@@ -209,7 +209,8 @@ def test_greedy_equals_plain_decoding(name, k, monkeypatch):
         assert (sum(1 for n in overlapped if n) > len(overlapped) // 2) == eng._spec_overlap, overlapped
         assert eng._spec_overlap == (name not in HYBRIDS)
         monkeypatch.undo()
-        _check_disable_by_batch_size(eng, prompts, sp, ref, monkeypatch)
+        if name == "llama_tiny":  # (a scheduler rule: one family suffices)
+            _check_disable_by_batch_size(eng, prompts, sp, ref, monkeypatch)
     assert cc.lowerings == 0 and cc.backend_compiles == 0
     _assert_whole(eng)
 

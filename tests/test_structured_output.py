@@ -323,6 +323,7 @@ def test_draft_window_masks(compiler, smollm2_tokenizer):  # noqa: F811
     np.testing.assert_array_equal(compiler.fill([(m, 0)], 1)[0], got[2])  # m unchanged
 
 
+@pytest.mark.slow  # (~60 s on 2 cores: a second SmolLM2 engine; CI time)
 def test_speculative_decoding_with_grammars(llm, smollm2_gguf):  # noqa: F811
     """n-gram speculation over constrained rows: greedy outputs equal the unspeculated engine's
     (the grammar masks every window position; a draft it forbids is rejected), drafts were

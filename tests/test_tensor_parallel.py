@@ -52,7 +52,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family,spec", [("mamba2_tiny", False),  # swap preemption: the saved copies follow too
+# (both `slow`, ~60 s each on 2 cores, for CI time: CI keeps the single-process check above)
+@pytest.mark.parametrize("family,spec", [pytest.param("mamba2_tiny", False, marks=pytest.mark.slow),  # swap preemption
                                          pytest.param("qwen3_next_tiny", True, marks=pytest.mark.slow)])
 def test_two_processes_match_one(family, spec, tmp_path):
     from tests.tp_check import run_family
