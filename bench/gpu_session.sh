@@ -21,6 +21,8 @@
 # Session 13: `tests startup` 332 s, acceptance of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 405 s, of
 # Qwen3-Next + Nemotron-H 335 s; `spec` (Llama-3-8B, batches 1,64, --repeats 2 --steps 12) 67 s;
 # the Qwen3-Next MTP cost (SPEC_MTP_ONLY=1 skips the Llama run) did not compile 4 layers in 100 s.
+# Session 20: `spec acceptance` (Llama only) 238 s from a cold start; `generate` (2 runs) + `lora`
+# (auto kernel) 296 s; `spec tests` 369 s warm (tests cut at 290 s, 99%).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
