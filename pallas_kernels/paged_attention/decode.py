@@ -261,8 +261,8 @@ def paged_verify_attention(
     (past cu_seqlens[-1]) give zeros. -> [T, Hq, D] in q's dtype."""
     num_layers, num_blocks, block_size, hkv, d = common.check_pools(q, k_pool, v_pool, k_scale, v_scale)
     common.check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window)
-    if width < 1:
-        raise ValueError(f"{width=} must be >= 1")
+    if width < 2:
+        raise ValueError(f"{width=} must be >= 2 (a verify window: the last token and >= 1 draft)")
     n = block_tables.shape[0]
     if params is None:
         params = decode_params_for(n, q.shape[1], hkv, d, block_size, k_pool.dtype,
@@ -270,7 +270,7 @@ def paged_verify_attention(
     layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)
     return _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, kv_lens, params=params,
                         sliding_window=sliding_window, interpret=interpret, poison=_poison,
-                        cu_seqlens=cu_seqlens, width=max(width, 2))
+                        cu_seqlens=cu_seqlens, width=width)
 
 
 def _drop_alias_inputs(kernel, num_outs):
