@@ -200,10 +200,11 @@ if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, F
 fi
 if [[ $parts == *spec* ]]; then  # issue 16: verify step (k=4) against the decode step at batch 1 / 64, n-gram end to end
   if [[ -z ${SPEC_MTP_ONLY:-} ]]; then
-    # SPEC_VARIANTS="default noskip verifydecode": the default kernels, then without the sampler's
-    # skips (sampler_skip), then with the verify windows through the decode kernel (verify_decode_kernel)
+    # SPEC_VARIANTS="default noskip prefillverify": the default kernels, then without the sampler's
+    # skips (sampler_skip), then with the verify windows through the ragged prefill kernel
+    # (verify_decode_kernel off; on by default since session 21)
     for v in ${SPEC_VARIANTS:-default}; do
-      case $v in noskip) att='{"sampler_skip":false}' ;; verifydecode) att='{"verify_decode_kernel":true}' ;; *) att='{}' ;; esac
+      case $v in noskip) att='{"sampler_skip":false}' ;; prefillverify) att='{"verify_decode_kernel":false}' ;; *) att='{}' ;; esac
       timeout ${SPEC_LIMIT:-300} python3 bench/spec_decode.py cost --shape llama3-8b --batches 1,64 --attention "$att" \
         --profile "$OUT/spec_profile_llama3_8b_$v" --out "$OUT/spec_decode_cost_llama3_8b_$v.json" 2>&1 \
         | grep -v "rematerialization" | tail -12

@@ -28,6 +28,7 @@ from pallas_kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_reference,
     paged_verify_attention,
+    verify_supports,
 )
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -335,6 +336,8 @@ VERIFY_CASES = [
      ((5, 40), (4, 15), (0, 0)), 5),
     (1, 1, 256, 64, BF16, BF16, None, None, 2, ((2, 63), (1, 1)), 2),
     (16, 1, 128, 16, BF16, BF16, 7, DecodeParams(block_k=16, heads_inner=True), 3, ((3, 64), (3, 2)), 0),
+    # the largest tile at d 256, 32 x 256 (Qwen3-Next, G 8, MTP k = 2 pads to it too; slow on the CPU)
+    (6, 2, 256, 16, BF16, BF16, None, None, 3, ((3, 70), (2, 9), (3, 0)), 3),
 ]
 
 
@@ -351,9 +354,19 @@ def test_verify_kernel(case, interpret):
     out = paged_verify_attention(q, k_pool, v_pool, jnp.int32(1), tables, cu, kv_lens, width=width, params=params,
                                  interpret=interpret, _poison=True, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert verify_supports(q, k_pool, width), "the engine would send these windows to the prefill kernel"
     ref = paged_prefill_attention_reference(q, k_pool, v_pool, 1, tables, cu, kv_lens, **kw)
     assert_close(out, ref, tol=_tol(q_dtype, kv_dtype), what="verify")
     assert (np.asarray(out.astype(F32))[int(cu[-1]):] == 0).all(), "pad tokens must give zeros"
+
+
+def test_verify_supports_bounds_the_tile():
+    """Windows whose group rows x head_dim exceed the tiles run on the GPU go to the prefill kernel."""
+    def ok(width, g, d, hkv=2):
+        return verify_supports(jnp.zeros((1, g * hkv, d), BF16), jnp.zeros((1, 1, 16, hkv, d), BF16), width)
+
+    assert ok(5, 4, 128) and ok(3, 16, 128) and ok(3, 8, 256) and ok(2, 1, 256)  # Llama-3 k=4, Qwen3-Next k=2
+    assert not ok(5, 16, 128) and not ok(5, 8, 256) and not ok(9, 8, 128) and not ok(1, 4, 128)
 
 
 # ---- compiled on the GPU at a realistic size ------------------------------------------------------

@@ -69,10 +69,11 @@ class AttentionConfig:
     # bench/kernels/filter_ways.py): off by default.
     sampler_kernel: bool = False
     # Speculative verify windows through the decode kernel (`paged_verify_attention`: each row's
-    # 1 + k queries as extra rows of its GQA group) instead of the ragged prefill kernel. H200,
-    # Llama-3-8B batch 64, k = 4: the Mosaic prefill kernel takes 44 us per layer (~10x the KV
-    # bytes at memcpy speed, session 20); this one is not measured yet: off by default.
-    verify_decode_kernel: bool = False
+    # 1 + k queries as extra rows of its GQA group) instead of the ragged prefill kernel, where
+    # the window's rows fit the kernel's tile (`verify_supports`). H200, Llama-3-8B, k = 4
+    # (session 21): batch 64 13 us per layer against the Mosaic prefill kernel's 44 us, the
+    # verify step 1.60x a decode step (1.62x); batch 1 1.02x (1.10x).
+    verify_decode_kernel: bool = True
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
@@ -230,10 +231,15 @@ def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
 
 def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
     if cfg.use_pallas:
-        from pallas_kernels.paged_attention import paged_prefill_attention, paged_verify_attention, prefill_mgpu
+        from pallas_kernels.paged_attention import (
+            paged_prefill_attention,
+            paged_verify_attention,
+            prefill_mgpu,
+            verify_supports,
+        )
 
         tables = (md.block_tables, md.cu_seqlens, md.kv_lens)
-        if md.verify_width > 1 and cfg.verify_decode_kernel:
+        if cfg.verify_decode_kernel and verify_supports(q, cache.k, md.verify_width):
             kernel = functools.partial(paged_verify_attention, width=md.verify_width, sm_scale=scale,
                                        sliding_window=cfg.sliding_window, interpret=cfg.interpret)
         elif cfg.mosaic_prefill and prefill_mgpu.supports(q, cache.k, cache.v):

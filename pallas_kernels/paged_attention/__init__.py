@@ -17,7 +17,7 @@ ragged launch; see prefill.py. All kernels but the prefill twin lower through Tr
 session4_2026-11-30.md (the Mosaic GPU prefill).
 """
 
-from pallas_kernels.paged_attention.decode import paged_decode_attention, paged_verify_attention
+from pallas_kernels.paged_attention.decode import paged_decode_attention, paged_verify_attention, verify_supports
 from pallas_kernels.paged_attention.kv_write import paged_kv_write, rope_and_write_kv
 from pallas_kernels.paged_attention.params import DecodeParams, PrefillParams
 from pallas_kernels.paged_attention.prefill import paged_prefill_attention
@@ -36,4 +36,5 @@ __all__ = [
     "paged_prefill_attention_reference",
     "paged_verify_attention",
     "rope_and_write_kv",
+    "verify_supports",
 ]

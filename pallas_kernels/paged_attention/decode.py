@@ -234,6 +234,20 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     return o
 
 
+# The largest query tile (rows x head_dim) a verify program takes: the GPU runs (session 21)
+# cover up to 64 rows x 128 (a group of 16, width 3) and 16 x 256; larger windows go to the
+# ragged prefill kernel, whose query tiles do not grow with the group.
+VERIFY_MAX_TILE = 64 * 128
+
+
+def verify_supports(q, k_pool, width: int) -> bool:
+    """Whether `paged_verify_attention` takes verify windows of `width` tokens for q [T, Hq, D]
+    over pools [L, NB, bs, Hkv, D]: the window's rows of a GQA group (width x G, padded to a
+    power of two >= 16) times D fit one program's tile."""
+    g = q.shape[1] // k_pool.shape[-2]
+    return width >= 2 and max(16, common.next_pow2(width * g)) * q.shape[-1] <= VERIFY_MAX_TILE
+
+
 @functools.partial(jax.jit, static_argnames=("width", "sm_scale", "sliding_window", "params", "interpret", "_poison"))
 def paged_verify_attention(
     q,
