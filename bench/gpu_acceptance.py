@@ -750,7 +750,8 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
             generated_tokens=int(gen_tokens), prompt_tokens=int(st.prompt_tokens_total),
             tokens_per_s=round(gen_tokens / max(batch_wall + stag_wall, 1e-9), 1),
             preemptions=st.num_preemptions, swaps=st.num_swaps, swap_ins=st.num_swap_ins,
-            prefix_cache_hits=st.prefix_cache_hits)
+            prefix_cache_hits=st.prefix_cache_hits, spec_num_drafts=st.spec_num_drafts,
+            spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens)
         checks["all_finished"] = check(not problems, problems=problems[:20], num_problems=len(problems))
         checks["aborts"] = check(not abort_bad, aborted=len(run["aborted"]), problems=abort_bad)
         checks["stop_derived"] = check(not stop_bad, problems=stop_bad, divergences=stop_div)
