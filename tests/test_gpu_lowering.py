@@ -83,18 +83,19 @@ def test_default_gpu_steps_lower_for_h200(name):
 
 
 def test_mosaic_prefill_lowers_for_h200():
-    """head_dim 64, bf16 pools: the prefill and mixed steps take the Mosaic GPU prefill kernel (and
-    the verify step, unless its windows go through the decode kernel)."""
+    """head_dim 64, bf16 pools: the prefill and mixed steps take the Mosaic GPU prefill kernel; the
+    verify step takes the decode kernel (`paged_verify_attention`), or the Mosaic kernel with
+    `verify_decode_kernel` off."""
     cfg = dict(architectures=["Qwen3ForCausalLM"], vocab_size=97, hidden_size=128, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
                rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
     model, params = random_model(cfg, dtype="bfloat16", seed=0)
     texts = _lower_steps(model, params)
     assert "mosaic_gpu" not in texts["decode"]
-    assert all("mosaic_gpu" in texts[k] for k in ("prefill", "mixed", "verify"))
-    # opt-in: the verify windows through the decode kernel (`paged_verify_attention`)
-    verify = _lower_steps(model, params, verify_decode_kernel=True)["verify"]
-    assert "mosaic_gpu" not in verify and "paged_decode_attention" in verify
+    assert all("mosaic_gpu" in texts[k] for k in ("prefill", "mixed"))
+    assert "mosaic_gpu" not in texts["verify"] and "paged_decode_attention" in texts["verify"]
+    verify = _lower_steps(model, params, verify_decode_kernel=False)["verify"]
+    assert "mosaic_gpu" in verify and "paged_decode_attention" not in verify
 
 
 def test_opt_in_kernels_lower_for_h200():
