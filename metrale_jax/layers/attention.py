@@ -72,7 +72,7 @@ class AttentionConfig:
     # 1 + k queries as extra rows of its GQA group) instead of the ragged prefill kernel, where
     # the window's rows fit the kernel's tile (`verify_supports`). H200, Llama-3-8B, k = 4
     # (session 21): batch 64 13 us per layer against the Mosaic prefill kernel's 44 us, the
-    # verify step 1.60x a decode step (1.62x); batch 1 1.02x (1.10x).
+    # verify step 1.55-1.60x a decode step (1.62-1.69x); batch 1 1.01-1.05x (1.10-1.11x).
     verify_decode_kernel: bool = True
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.

@@ -234,9 +234,9 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     return o
 
 
-# The largest query tile (rows x head_dim) a verify program takes: the GPU runs (session 21)
-# cover up to 64 rows x 128 (a group of 16, width 3) and 16 x 256; larger windows go to the
-# ragged prefill kernel, whose query tiles do not grow with the group.
+# The largest query tile (rows x head_dim) a verify program takes: the GPU tests (session 21)
+# cover 64 rows x 128 (a group of 16, width 3) and 32 x 256 (Qwen3-Next's group of 8, width 3);
+# larger windows go to the ragged prefill kernel, whose query tiles do not grow with the group.
 VERIFY_MAX_TILE = 64 * 128
 
 
