@@ -23,6 +23,9 @@
 # the Qwen3-Next MTP cost (SPEC_MTP_ONLY=1 skips the Llama run) did not compile 4 layers in 100 s.
 # Session 20: `spec acceptance` (Llama only) 238 s from a cold start; `generate` (2 runs) + `lora`
 # (auto kernel) 296 s; `spec tests` 369 s warm (tests cut at 290 s, 99%).
+# Session 21: `spec lora` (two spec variants) 324 s cold; `tests` 338 s warm (cut at 330 s, 99%);
+# `tests` (GPU_TEST_FILES=tests/test_paged_attention.py: 45 s) + `acceptance` (Qwen3-Next with MTP)
+# 290 s cold; `spec` (one / two variants) 59 / 79 s warm; `acceptance` (Llama) + `lora --profile` 336 s cold.
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
