@@ -360,13 +360,13 @@ def test_cli_serve_option_and_metrics():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,verify_decode_kernel", [("qwen3_next_tiny", False), ("nemotron_h_tiny", False),
+@pytest.mark.parametrize("name,verify_decode_kernel", [("qwen3_next_tiny", True), ("nemotron_h_tiny", True),
                                                        ("llama_tiny", False), ("llama_tiny", True)])
 def test_verify_with_pallas_kernels_interpreted(name, verify_decode_kernel, monkeypatch):
-    """The GPU path of a verify step (Pallas prefill attention, or the decode kernel over the
-    windows with `verify_decode_kernel`, conv1d and KV-write kernels, the Python layer loop),
-    interpreted on the CPU: the same greedy tokens as plain decoding; for llama_tiny with
-    overlapped verify steps (windows moved on the device)."""
+    """The GPU path of a verify step (the decode kernel over the windows, the GPU default, or the
+    Pallas prefill attention without `verify_decode_kernel`; conv1d and KV-write kernels, the
+    Python layer loop), interpreted on the CPU: the same greedy tokens as plain decoding; for
+    llama_tiny with overlapped verify steps (windows moved on the device)."""
     base = _engine(name, None)
     att = AttentionConfig(use_pallas=True, interpret=True, unroll_layers=True,
                           verify_decode_kernel=verify_decode_kernel)

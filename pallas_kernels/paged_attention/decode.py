@@ -175,6 +175,12 @@ def combine_splits(o_parts, lse_parts):
     return jnp.sum(w[..., None] * o_parts, axis=0) / jnp.sum(w, axis=0)[..., None]
 
 
+def _group_rows(width: int, group: int) -> int:
+    """Rows one program takes: a window's `width` queries of each of the KV head's `group` query
+    heads, padded to a power of two >= 16 (the tensor cores' minimum)."""
+    return max(16, common.next_pow2(width * group))
+
+
 def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
                  sliding_window, interpret: bool, poison: bool, head_major: bool = False,
                  cu_seqlens=None, width: int = 1):
@@ -185,7 +191,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     t, hq, _ = q.shape  # (T = N for decode)
     n, mb = block_tables.shape
     g = hq // hkv
-    gp = max(16, common.next_pow2(width * g))
+    gp = _group_rows(width, g)
     cdtype = common.compute_dtype(q.dtype, k_pool.dtype)
     rows = num_layers * num_blocks * block_size * hkv
     ns = params.num_splits
@@ -242,10 +248,8 @@ VERIFY_MAX_TILE = 64 * 128
 
 def verify_supports(q, k_pool, width: int) -> bool:
     """Whether `paged_verify_attention` takes verify windows of `width` tokens for q [T, Hq, D]
-    over pools [L, NB, bs, Hkv, D]: the window's rows of a GQA group (width x G, padded to a
-    power of two >= 16) times D fit one program's tile."""
-    g = q.shape[1] // k_pool.shape[-2]
-    return width >= 2 and max(16, common.next_pow2(width * g)) * q.shape[-1] <= VERIFY_MAX_TILE
+    over pools [L, NB, bs, Hkv, D]: one program's rows (`_group_rows`) times D fit its tile."""
+    return width >= 2 and _group_rows(width, q.shape[1] // k_pool.shape[-2]) * q.shape[-1] <= VERIFY_MAX_TILE
 
 
 @functools.partial(jax.jit, static_argnames=("width", "sm_scale", "sliding_window", "params", "interpret", "_poison"))
