@@ -94,9 +94,7 @@ def _fill_adapters(eng, n: int, rank: int, seed: int) -> list[int]:
         req = LoRARequest(f"bench{i}", i, "")
         mgr.registered[i] = req
         mgr.host[i] = HostAdapter(i, req.lora_name, "", rank, w, spec.num_experts > 0, ())
-    layers = eng.params["layers"]
-    tree, slot_of = mgr.slots_for(layers["lora"], range(1, n + 1), set())
-    eng.params = {**eng.params, "layers": {**layers, "lora": tree}}
+    eng.params, slot_of = mgr.slots_for(eng.params, range(1, n + 1), set())
     return [slot_of[i] for i in range(1, n + 1)]
 
 

@@ -43,9 +43,13 @@ def tiny(request):
     # counting kernel (interpreted)
     unroll = request.param in ("qwen3_tiny", "llama_tied_sharded")
     kernel = request.param == "llama_tied_sharded"
+    # qwen2 (q/k/v biases) runs in a LoRA engine without adapters: its A columns appended to the
+    # base weights, the bias padded (lora/manager.py) must leave the base model's outputs as they are
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4) if request.param == "qwen2_tiny" else {}
     cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(
-        unroll_layers=unroll, min_decode_rows=8 if unroll else 1, sampler_kernel=kernel, interpret=kernel))
+        unroll_layers=unroll, min_decode_rows=8 if unroll else 1, sampler_kernel=kernel, interpret=kernel), **lora)
     eng = LLMEngine(model, params, cfg)
+    assert not lora or set(eng.lora.folded.values()) == {"wqkv", "wo", "w_gate_up", "w_down"}
     assert isinstance(params["layers"]["wo"], Unstacked) == unroll  # split in place
     return eng, dict(np.load(path / "golden.npz"))
 

@@ -88,7 +88,9 @@ def _permuted_copy(src, dst):
 
 @pytest.fixture(scope="module")
 def llama_eng():
-    return _engine("llama_tiny", max_lora_rank=8)
+    eng = _engine("llama_tiny", max_lora_rank=8)
+    assert eng.lora.folded == {"qkv_a": "wqkv", "o_a": "wo", "gate_up_a": "w_gate_up", "down_a": "w_down"}
+    return eng
 
 
 def test_llama_mixed_batch_and_swaps(llama_eng, tmp_path):
@@ -132,6 +134,7 @@ def test_llama_preemption_keeps_adapters(llama_eng):
 def test_qwen3_mixed_batch_unrolled(kernel):
     # decode steps on 8 rows, 4 of them live (pallas: the fused kernel, interpreted)
     eng = _engine("qwen3_tiny", unroll=True, lora_kernel=kernel, pad_rows=True)
+    assert len(eng.lora.folded) == (0 if kernel == "pallas" else 4)  # (the fused kernel reads A itself)
     g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
     reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
             "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
@@ -149,6 +152,7 @@ def test_qwen3_moe_expert_lora():
     names = ["experts", "base", "attn", "experts"]
     _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
     assert eng.lora.has_experts(1) and not eng.lora.has_experts(2)
+    assert eng.lora.folded == {"qkv_a": "wqkv", "o_a": "wo"}  # (the experts' A stays in its own groups)
 
 
 @pytest.mark.slow  # (CI: Qwen3-MoE's expert adapters take the same grouped-GEMM path)
@@ -311,6 +315,15 @@ def test_lora_delta_kernels_and_token_slots():
     lora = LoRAInputs(lw, jnp.asarray(slot), jnp.asarray(slot), "pallas", interpret=True)
     got = add_delta(jnp.asarray(y), jnp.asarray(x), lora, "qkv_a", "qkv_b")
     np.testing.assert_allclose(np.asarray(got), y + ref, rtol=1e-5, atol=1e-5)
+    # A folded into the base weight: y carries every slot's shrink after its own columns; the
+    # decode rows past `live` (padding) get no delta
+    y_ext = jnp.asarray(np.concatenate([y, np.einsum("ti,sri->tsr", x, a).reshape(t, -1)], axis=1))
+    for kernel in ("masked", "gather", "auto"):
+        for live in (0, 5):
+            lora = LoRAInputs({"qkv_b": jnp.asarray(bd)}, jnp.asarray(slot), jnp.asarray(slot), kernel, live=live)
+            got = np.asarray(add_delta(y_ext, jnp.asarray(x), lora, "qkv_a", "qkv_b"))
+            want = y + np.where(np.arange(t)[:, None] < (live or t), ref, 0)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     big = np.repeat(x, 10, axis=0)  # 70 tokens
     lora = LoRAInputs(lw, jnp.asarray(np.repeat(slot, 10)), jnp.asarray(np.repeat(slot, 10)), "pallas")
     got = add_delta(jnp.asarray(np.repeat(y, 10, axis=0)), jnp.asarray(big), lora, "qkv_a", "qkv_b")

@@ -117,9 +117,12 @@ class LLMEngine:
     With `AttentionConfig.unroll_layers` (the GPU default) the engine splits the layer-stacked
     arrays of `params` into per-layer arrays IN PLACE (`layers.stack.split_layers`); the split
     tree still works everywhere a stacked one does (`model.forward`, other engines).
+    `owns_params` (`from_config`): nobody else uses `params`, and the engine may rewrite them in
+    place (enable_lora appends the adapters' A matrices to the base weights, freeing each layer's
+    old array as it goes; otherwise it copies, and the caller's arrays stay in memory too).
     """
 
-    def __init__(self, model, params, config: EngineConfig | None = None):
+    def __init__(self, model, params, config: EngineConfig | None = None, *, owns_params: bool = False):
         t0 = time.perf_counter()
         gc.unfreeze()  # (an earlier engine froze the heap, below: what was dropped since is garbage again)
         config = config or EngineConfig()
@@ -149,7 +152,7 @@ class LLMEngine:
         if c.enable_lora:
             from metrale_jax.lora.manager import attach_lora
 
-            self.lora = attach_lora(self)
+            self.lora = attach_lora(self, owns_params)
         self.sharder = None  # tensor parallelism (metrale_jax/parallel.py)
         # several processes (jax.distributed): process 0 schedules, the others follow (engine/lockstep.py)
         self.lockstep = Lockstep() if jax.process_count() > 1 else None
@@ -214,7 +217,7 @@ class LLMEngine:
         phases["compile"] = self.compiler.compile_all(self.params, self.state)
         if self.lora is not None:
             t = time.perf_counter()
-            self.lora.compile(self.params["layers"]["lora"])
+            self.lora.compile(self.params)
             phases["compile"] += time.perf_counter() - t
         if c.warm_up:
             self.state = self.compiler.warm_up(self.params, self.state)
@@ -275,7 +278,7 @@ class LLMEngine:
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split,
                                    sharder=sharder, mtp=spec is not None and spec.method == "mtp")
-        return cls(model, params, config)
+        return cls(model, params, config, owns_params=True)
 
     @property
     def extra_kv_layers(self) -> int:

@@ -17,6 +17,10 @@ L layers, H hidden, Q = Hq*D, KV = Hkv*D, I the dense MLP width, Ie the experts'
         x_gate_up_a [L, V, H, 2R]  x_gate_up_b [L, V, 2R, 2Ie] (block diagonal)
         x_down_a [L, V, Ie, R]  x_down_b [L, V, R, H]
 
+Where the base weight is a plain array the engine keeps no `*_a` leaf: every slot's A is folded
+into the base weight as columns `out + slot*kR ...` (`[in, out + S*kR]`, A transposed; the
+q|k|v bias padded with zeros to match), and the base GEMM computes the shrink (`ops.py`).
+
 The fused projections' B are block diagonal so that each projection's expand is one GEMM
 (the zero blocks cost (k - 1) x the B bytes of q/k/v and gate/up, about 2% of Llama-3-8B's
 weights at 8 rank-16 slots, against one GEMM launch instead of k per layer and projection).

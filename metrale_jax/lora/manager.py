@@ -11,11 +11,13 @@ or evict the least recently used one that no running sequence needs.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.errors import LoRAAdapterNotFoundError, LoRAError
@@ -26,25 +28,83 @@ from metrale_jax.lora.request import LoRARequest
 log = logging.getLogger(__name__)
 
 
-def _write(slots, slot, new):
-    """slots: the lora tree (leaves [L, S*G(+1), ...] or `Unstacked` of [S*G(+1), ...]); new: the
-    same keys, [L, G, ...]; slot: i32[] -> slots with slot's G rows of every leaf replaced."""
+# A leaves the engine folds into the base weight of the same input (and that weight's bias, padded
+# with zeros): the base GEMM then also computes every slot's shrink x·A_s (`ops.add_delta`).
+_FOLDABLE = {"qkv_a": ("wqkv", "bqkv"), "o_a": ("wo", None), "gate_up_a": ("w_gate_up", None),
+             "down_a": ("w_down", None)}
 
-    def one(leaf, n):
-        g = n.shape[1]
+
+def _write(tree, slot, new, fold):
+    """tree: {"lora": the slot leaves ([L, S*G(+1), ...] or `Unstacked` of [S*G(+1), ...]),
+    "base": the folded base weights ([L, in, out + S*kR] or `Unstacked` of [in, out + S*kR])};
+    new: one adapter, [L, G, ...] per leaf; slot: i32[]; fold: ((A leaf, base name, out), ...)
+    -> tree with slot's rows of every slot leaf and its columns of every folded weight replaced."""
+
+    def per_layer(leaf, fn):
         if isinstance(leaf, Unstacked):
-            return Unstacked(jax.lax.dynamic_update_slice_in_dim(p, n[i].astype(p.dtype), slot * g, axis=0)
-                             for i, p in enumerate(leaf.parts))
-        return jax.lax.dynamic_update_slice_in_dim(leaf, n.astype(leaf.dtype), slot * g, axis=1)
+            return Unstacked(fn(p, i) for i, p in enumerate(leaf.parts))
+        return fn(leaf, slice(None))
 
-    return {k: one(slots[k], new[k]) for k in slots}
+    def rows(leaf, n):  # n [L, G, ...] at rows slot*G of the slot axis
+        g = n.shape[1]
+        return per_layer(leaf, lambda p, i: jax.lax.dynamic_update_slice_in_dim(
+            p, n[i].astype(p.dtype), slot * g, axis=1 if isinstance(i, slice) else 0))
+
+    def cols(leaf, a, out):  # a [L, 1, kR, in] as columns out + slot*kR ... of [in, out_ext]
+        at = jnp.swapaxes(a[:, 0], -1, -2)  # [L, in, kR]
+        return per_layer(leaf, lambda p, i: jax.lax.dynamic_update_slice_in_dim(
+            p, at[i].astype(p.dtype), out + slot * at.shape[-1], axis=p.ndim - 1))
+
+    base = dict(tree["base"])
+    for a, name, out in fold:
+        base[name] = cols(base[name], new[a], out)
+    return {"lora": {k: rows(v, new[k]) for k, v in tree["lora"].items()}, "base": base}
+
+
+def fold_targets(layers: dict, spec: LoRASpec, kernel: str) -> dict[str, str]:
+    """{A leaf: base weight name} of the projections whose A the engine folds into the base
+    weight: those whose weight is a plain array ([L, in, out] or per-layer [in, out]; FP8 and
+    4-bit weights keep a separate shrink), unless the fused "pallas" LoRA kernel is chosen (it
+    reads A itself)."""
+    if kernel == "pallas":
+        return {}
+    shapes = spec.leaf_shapes()
+
+    def plain(w) -> bool:
+        parts = w.parts if isinstance(w, Unstacked) else (w,)
+        return all(isinstance(p, jax.Array | np.ndarray) for p in parts)
+
+    return {a: name for a, (name, _) in _FOLDABLE.items() if a in shapes and name in layers and plain(layers[name])}
+
+
+def _fold_in(layers: dict, name: str, extra: int, owned: bool) -> None:
+    """layers[name] with `extra` zero columns appended, layer by layer. owned: the engine owns the
+    arrays (`LLMEngine.from_config`): the leaf is rewritten in place, so each layer's old array is
+    freed once its successor exists; else the caller's arrays are left as they were (and stay
+    in memory while the caller holds them)."""
+    def pad(p):
+        return jnp.concatenate([p, jnp.zeros(p.shape[:-1] + (extra,), p.dtype)], axis=-1)
+
+    leaf = layers[name]
+    if not isinstance(leaf, Unstacked):
+        layers[name] = pad(leaf)
+        return
+    parts = list(leaf.parts)
+    if owned:
+        leaf.parts = ()
+    else:
+        leaf = layers[name] = Unstacked(())
+    for i in range(len(parts)):
+        parts[i] = pad(parts[i])
+    leaf.parts = tuple(parts)
 
 
 class LoRAManager:
     """Host cache, device slots and the slot writer of one engine."""
 
-    def __init__(self, spec: LoRASpec, dtype, max_cpu_loras: int):
+    def __init__(self, spec: LoRASpec, dtype, max_cpu_loras: int, folded: dict[str, str] | None = None):
         self.spec = spec
+        self.folded = folded or {}  # A leaf -> the base weight it is folded into (`fold_targets`)
         self.dtype = np.dtype(dtype)
         self.max_cpu_loras = max_cpu_loras
         self.registered: dict[int, LoRARequest] = {}  # lora_int_id -> request (add_lora / first use)
@@ -58,18 +118,28 @@ class LoRAManager:
 
     # ---- start-up --------------------------------------------------------------------------------
     def init_slots(self) -> dict[str, np.ndarray]:
-        """The empty slots (host numpy) to put under params["layers"]["lora"]."""
-        return self.spec.zeros(self.dtype)
+        """The empty slots (host numpy) to put under params["layers"]["lora"] (folded A leaves
+        live in the base weights instead)."""
+        return {k: v for k, v in self.spec.zeros(self.dtype).items() if k not in self.folded}
 
-    def compile(self, slots) -> None:
-        """Compile the slot writer for the device slot tree `slots` (at start-up)."""
+    def _tree(self, params) -> dict:
+        """What the slot writer rewrites: the slot leaves and the folded base weights."""
+        layers = params["layers"]
+        return {"lora": layers["lora"], "base": {name: layers[name] for name in self.folded.values()}}
 
+    def _with_tree(self, params, tree) -> dict:
+        return {**params, "layers": {**params["layers"], "lora": tree["lora"], **tree["base"]}}
+
+    def compile(self, params) -> None:
+        """Compile the slot writer for the engine's `params` (at start-up)."""
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
+        shapes = self.spec.leaf_shapes()
+        fold = tuple((a, name, shapes[a.replace("_a", "_b")][-1]) for a, name in self.folded.items())
         new = {k: jax.ShapeDtypeStruct(s, self.dtype) for k, s in self.spec.leaf_shapes(1).items()}
-        self.writer = jax.jit(_write, donate_argnums=(0,)).lower(
-            jax.tree.map(abstract, slots), jax.ShapeDtypeStruct((), np.int32), new).compile()
+        self.writer = jax.jit(functools.partial(_write, fold=fold), donate_argnums=(0,)).lower(
+            jax.tree.map(abstract, self._tree(params)), jax.ShapeDtypeStruct((), np.int32), new).compile()
 
     # ---- adapters on the host --------------------------------------------------------------------
     def resolve(self, req: LoRARequest) -> HostAdapter:
@@ -116,9 +186,10 @@ class LoRAManager:
         return known is not None
 
     # ---- adapters in the device slots ------------------------------------------------------------
-    def slots_for(self, slots_tree, ids: Iterable[int], pinned: set[int]) -> tuple[dict, dict[int, int]]:
-        """Make every adapter of `ids` resident. pinned: adapters that may not be evicted (those of
-        running sequences). Returns (the new slot tree, {lora_int_id: slot})."""
+    def slots_for(self, params, ids: Iterable[int], pinned: set[int]) -> tuple[dict, dict[int, int]]:
+        """Make every adapter of `ids` resident in the engine's `params`. pinned: adapters that may
+        not be evicted (those of running sequences). Returns (the new params, {lora_int_id: slot})."""
+        tree = None
         want = [i for i in dict.fromkeys(ids) if i]
         for i in want:
             if i in self.slot_of:
@@ -141,10 +212,10 @@ class LoRAManager:
                 if req is None:
                     raise LoRAAdapterNotFoundError(f"LoRA adapter {i} was removed")
                 ad = self.resolve(req)
-            slots_tree = self.writer(slots_tree, np.int32(slot), ad.weights)
+            tree = self.writer(self._tree(params) if tree is None else tree, np.int32(slot), ad.weights)
             self.num_slot_loads += 1
             self.slot_of[i] = slot
-        return slots_tree, {i: self.slot_of[i] for i in want}
+        return (params if tree is None else self._with_tree(params, tree)), {i: self.slot_of[i] for i in want}
 
     def assign_slots(self, engine, sched, rows: list, chunks: list) -> None:
         """Before a step: put its adapters into device slots (writing `engine.params`' slots as
@@ -154,10 +225,7 @@ class LoRAManager:
         if not any(ids):
             return
         pinned = {s.lora_int_id for s in engine.scheduler.running}
-        layers = engine.params["layers"]
-        tree, slot_of = self.slots_for(layers["lora"], ids, pinned)
-        if tree is not layers["lora"]:
-            engine.params = {**engine.params, "layers": {**layers, "lora": tree}}
+        engine.params, slot_of = self.slots_for(engine.params, ids, pinned)
         for item, i in zip(list(rows) + list(chunks), ids):
             if i:
                 item.lora_slot = slot_of[i]
@@ -168,10 +236,11 @@ class LoRAManager:
         return lora_int_id in self.expert_ids
 
 
-def attach_lora(engine) -> LoRAManager:
-    """An engine's LoRA manager (enable_lora), with empty slots added under
-    `engine.params["layers"]["lora"]` (in a new top-level dict: the caller's tree is left alone;
-    per-layer arrays when the engine walks the layers in Python)."""
+def attach_lora(engine, owns_params: bool = False) -> LoRAManager:
+    """An engine's LoRA manager (enable_lora): empty slots added under
+    `engine.params["layers"]["lora"]` (per-layer arrays when the engine walks the layers in
+    Python) and the foldable A leaves' columns appended to their base weights (`fold_targets`), in
+    a new tree: the caller's stays as it was unless the engine owns it (`owns_params`)."""
     from metrale_jax.layers.stack import device_put_layers
     from metrale_jax.lora.adapter import LORA_FAMILIES
 
@@ -181,13 +250,22 @@ def attach_lora(engine) -> LoRAManager:
         raise LoRAError(f"enable_lora: LoRA is served for the {', '.join(LORA_FAMILIES)} families, not {fam!r}")
     spec = LoRASpec.for_model(engine.model, c.max_loras, c.max_lora_rank, experts=c.lora_experts)
     dtype = np.dtype(engine.params["embed"].dtype)
-    mgr = LoRAManager(spec, dtype, c.max_cpu_loras)
+    layers = engine.params["layers"] if owns_params else dict(engine.params["layers"])
+    mgr = LoRAManager(spec, dtype, c.max_cpu_loras, fold_targets(layers, spec, c.attention.lora_kernel))
     mgr.in_use = lambda: {r.lora_int_id for r in engine.requests.values()}
     zeros = {"layers": mgr.init_slots()}
-    slots = (device_put_layers(zeros) if c.attention.unroll_layers else jax.device_put(zeros))["layers"]
-    engine.params = {**engine.params, "layers": {**engine.params["layers"], "lora": slots}}
-    log.info("LoRA: %d slots of rank %d (%.1f MB), %d adapters in host memory", c.max_loras, c.max_lora_rank,
-             c.max_loras * spec.slot_bytes(dtype.itemsize) / 1e6, c.max_cpu_loras)
+    layers["lora"] = (device_put_layers(zeros) if c.attention.unroll_layers else jax.device_put(zeros))["layers"]
+    shapes = spec.leaf_shapes()
+    for a, name in mgr.folded.items():
+        extra = spec.max_loras * shapes[a][-2]  # S * kR columns
+        _fold_in(layers, name, extra, owns_params)
+        bias = _FOLDABLE[a][1]
+        if bias in layers:
+            _fold_in(layers, bias, extra, owns_params)
+    engine.params = {**engine.params, "layers": layers}
+    log.info("LoRA: %d slots of rank %d (%.1f MB; A of %s in the base weights), %d adapters in host memory",
+             c.max_loras, c.max_lora_rank, c.max_loras * spec.slot_bytes(dtype.itemsize) / 1e6,
+             ", ".join(mgr.folded.values()) or "none", c.max_cpu_loras)
     return mgr
 
 

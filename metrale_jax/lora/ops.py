@@ -23,6 +23,13 @@ the adapter bytes each reads are min(T, S) slots' worth, and the bucket's T is s
   the H200 (session 17) it is far slower with adapters (batch 1 1.94x, batch 64 7.1x the base
   step, against 1.20x / 1.26x for "auto"), so not the default.
 
+Folded shrink (the default where the base weight is a plain array, `manager.fold_targets`): the
+engine appends every slot's A to the base weight as extra output columns, `[in, out + S*kR]`,
+so the base GEMM computes the shrink of every slot too (S * kR * in more weight bytes, ~2% of
+Llama-3-8B's at 8 rank-16 slots) and only the expand (`lora_expand`, "masked" or "gather" as
+above) is a launch of its own: one kernel per projection instead of two, and the normed input
+is not read a second time. FP8 / 4-bit base weights and the "pallas" kernel keep A apart.
+
 MoE experts (`expert_lora`): vLLM's "virtual experts": the (token, expert) pairs of tokens whose
 `moe_row_adapter` >= 0 are grouped by `slot * E + expert`, the others by the all-zero group
 V - 1, and shrink / expand run as two grouped GEMMs (`layers.moe.grouped_matmul`: tokamax on the
@@ -66,6 +73,14 @@ def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
+def _kernel(kernel: str, tokens: int, slots: int) -> str:
+    if kernel == "auto":
+        return "gather" if tokens < slots else "masked"
+    if kernel not in ("masked", "gather", "pallas"):
+        raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked', 'gather' or 'pallas'")
+    return kernel
+
+
 def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel: str = "auto",
                out_dtype=jnp.float32) -> jax.Array:
     """Each token's x·A·B under its adapter slot, for one (possibly fused) projection.
@@ -75,38 +90,59 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
     shrink result is rounded to x's dtype before the expand, as PEFT's lora_B(lora_A(x)) is.
     """
     s = a.shape[0]
-    if kernel == "auto":
-        kernel = "gather" if x.shape[0] < s else "masked"
-    if kernel in ("masked", "pallas"):  # ("pallas" past its MAX_T tokens: see add_delta)
+    if _kernel(kernel, x.shape[0], s) == "gather":  # each token's own A only
+        own = a[jnp.clip(slot, 0, s - 1)].astype(x.dtype)  # [T, kR, in]
+        h = jnp.einsum("ti,tri->tr", x, own, preferred_element_type=jnp.float32)  # [T, kR]
+    else:  # ("pallas" past its MAX_T tokens: see add_delta) every slot's A at once
         h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
+    return lora_expand(h.astype(x.dtype), slot, b, kernel, out_dtype)
+
+
+def lora_expand(h: jax.Array, slot: jax.Array, b: jax.Array, kernel: str = "auto", out_dtype=jnp.float32) -> jax.Array:
+    """The expand of shrink results h: [T, S, kR] (every slot's, as a folded or "masked" shrink
+    gives them) or [T, kR] (each token's own slot's), b [S, kR, out] -> out_dtype[T, out]: each
+    token's h under its slot times that slot's B (zero for slot < 0)."""
+    s = b.shape[0]
+    if h.ndim == 3 and _kernel(kernel, h.shape[0], s) == "gather":  # keep the token's own slot
+        h = jnp.take_along_axis(h, jnp.clip(slot, 0, s - 1)[:, None, None], axis=1)[:, 0]
+    if h.ndim == 3:  # masked: zero the slots a token does not use, one GEMM over all slots' B
         hit = slot[:, None, None] == jnp.arange(s, dtype=slot.dtype)[None, :, None]
-        h = jnp.where(hit, h, 0.0).astype(x.dtype)
-        return jnp.einsum("tsr,sro->to", h, b.astype(x.dtype), preferred_element_type=out_dtype)
-    if kernel == "gather":
-        safe = jnp.clip(slot, 0, s - 1)
-        h = jnp.einsum("ti,tri->tr", x, a[safe].astype(x.dtype), preferred_element_type=jnp.float32)  # [T, kR]
-        h = jnp.where((slot >= 0)[:, None], h, 0.0).astype(x.dtype)
-        return jnp.einsum("tr,tro->to", h, b[safe].astype(x.dtype), preferred_element_type=out_dtype)
-    raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked', 'gather' or 'pallas'")
+        h = jnp.where(hit, h, jnp.zeros((), h.dtype))
+        return jnp.einsum("tsr,sro->to", h, b.astype(h.dtype), preferred_element_type=out_dtype)
+    h = jnp.where((slot >= 0)[:, None], h, jnp.zeros((), h.dtype))
+    return jnp.einsum("tr,tro->to", h, b[jnp.clip(slot, 0, s - 1)].astype(h.dtype), preferred_element_type=out_dtype)
 
 
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
-    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA."""
+    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA.
+
+    Folded projections (`a` absent from `lora.w`: the engine appended every slot's A to the base
+    weight, `manager.fold_targets`): y is then [..., out + S*kR], the base GEMM's output followed
+    by every slot's shrink x·A_s (x itself is unused), and the result is [..., out].
+    """
     if lora is None:
         return y
     t = math.prod(y.shape[:-1])
-    if lora.kernel == "pallas" and t <= lora_kernel.MAX_T:  # one fused kernel: shrink, mask, expand, add
-        out = lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], lora.w[b],
+    bw = lora.w[b]  # [S, kR, out]
+    live = lora.live if 0 < lora.live < t else t  # decode rows padded by the step: deltas of the live rows only
+    if a not in lora.w:
+        s, kr, n = bw.shape
+        # (one GEMM output read by two fusions: the barrier keeps XLA from copying the dot into each)
+        y2 = jax.lax.optimization_barrier(y.reshape(t, -1))
+        h = y2[:live, n:].reshape(live, s, kr)
+        y = y2[:, :n].reshape(y.shape[:-1] + (n,))
+        d = lora_expand(h, lora.slot[:live], bw, lora.kernel, out_dtype=y.dtype)
+    elif lora.kernel == "pallas" and t <= lora_kernel.MAX_T:  # one fused kernel: shrink, mask, expand, add
+        out = lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], bw,
                                    interpret=lora.interpret)
         return out.reshape(y.shape)
+    else:
+        d = lora_delta(x.reshape(t, -1)[:live], lora.slot[:live], lora.w[a], bw, lora.kernel, out_dtype=y.dtype)
     # the expand in y's dtype, added to y as is: on the H200 XLA fuses the add with the residual
     # add and the next norm (batch-64 Llama-3-8B step with 8 adapters 1.241x the base, from 1.257x
     # with an f32 delta and its own add; session 18)
-    x2 = x.reshape(t, -1)
-    if 0 < lora.live < t:  # decode rows padded by the step: the deltas of the live rows only
-        d = lora_delta(x2[:lora.live], lora.slot[:lora.live], lora.w[a], lora.w[b], lora.kernel, out_dtype=y.dtype)
-        return y + jnp.pad(d, ((0, t - lora.live), (0, 0))).reshape(y.shape)
-    d = lora_delta(x2, lora.slot, lora.w[a], lora.w[b], lora.kernel, out_dtype=y.dtype)
+    if live < t:
+        d = jnp.pad(d, ((0, t - live), (0, 0)))
     return y + d.reshape(y.shape)
 
 
