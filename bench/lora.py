@@ -63,8 +63,14 @@ def _time_decode(eng, batch: int, context: int, steps: int, slots: list[int],
         state, out, _ = eng.compiler.run(inputs.bucket, eng.params, state, dev)
     jax.block_until_ready(out.token_ids)
     pipelined = (time.perf_counter() - t0) / steps
-    if profile is not None:  # the device kernels of these steps, by name (engine.bench.profile_calls)
+    if profile is not None:  # the device kernels of these steps, by name (engine.bench.profile_calls),
+        import gzip  # and the forward executable's optimized HLO (what each fusion name computes)
+
         from metrale_jax.engine.bench import profile_calls
+
+        profile.mkdir(parents=True, exist_ok=True)
+        with gzip.open(profile / "forward_hlo.txt.gz", "wt") as f:
+            f.write(eng.compiler.executable_of(inputs.bucket).as_text())
 
         box = [state]
 
@@ -122,7 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-loras", default=None, help="slots, comma-separated values each timed (default: "
                    "--num-adapters); batch 1 uses one adapter either way")
-    p.add_argument("--profile", metavar="DIR", default=None, help="profile the base and adapter steps")
+    p.add_argument("--profile", metavar="DIR", default=None, help="profile the base and adapter steps (kernel "
+                   "times by name, and the optimized HLO of each forward executable)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernels", default="auto,masked,gather")
