@@ -127,8 +127,7 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     live = lora.live if 0 < lora.live < t else t  # decode rows padded by the step: deltas of the live rows only
     if a not in lora.w:
         s, kr, n = bw.shape
-        # (one GEMM output read by two fusions: the barrier keeps XLA from copying the dot into each)
-        y2 = jax.lax.optimization_barrier(y.reshape(t, -1))
+        y2 = y.reshape(t, -1)
         h = y2[:live, n:].reshape(live, s, kr)
         y = y2[:, :n].reshape(y.shape[:-1] + (n,))
         d = lora_expand(h, lora.slot[:live], bw, lora.kernel, out_dtype=y.dtype)
