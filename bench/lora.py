@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     for kern, slots_n in [(k, int(n)) for k in kernels for n in (args.max_loras or str(args.num_adapters)).split(",")]:
         lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=slots_n, max_lora_rank=args.rank,
                                    max_cpu_loras=max(slots_n, args.num_adapters),
-                                   attention=dataclasses.replace(attn0, lora_kernel=kern))
+                                   attention=dataclasses.replace(default_kernels(on_gpu, lora=True), lora_kernel=kern,
+                                                                 **json.loads(args.attention)))
         eng = LLMEngine(model, params, lcfg)
         slots = _fill_adapters(eng, min(slots_n, args.num_adapters), args.rank, args.seed)
         for b in batches:

@@ -50,14 +50,18 @@ def hopper() -> bool:
     return d.platform != "gpu" or cc is None or str(cc).split(".")[0] == "9"
 
 
-def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = None) -> AttentionConfig:
+def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = None,
+                    lora: bool = False) -> AttentionConfig:
     """The kernel choices when none are given: on the GPU the Pallas kernels (attention, scans,
     FP8 decode linears), the Python layer loop and, for MoE models, tokamax's grouped GEMM when it
     imports (tried only then: the import takes seconds); on the CPU the XLA reference. The Mosaic
     GPU kernels only where the GPU has wgmma (`wgmma`, None = `hopper()`): other GPUs take the
     Triton prefill kernel and the W8A16 linears at every decode size. On the GPU, decode steps of
     fewer than 8 rows run the model on 8 (where the step finds that it pays: `min_decode_rows`),
-    and the sampler skips what no row of the step needs (`sampler_skip`)."""
+    and the sampler skips what no row of the step needs (`sampler_skip`). With LoRA (`lora`) on
+    the GPU, XLA's rematerialization pass is off (`xla_remat`): it recomputed the base GEMMs whose
+    output also feeds the folded shrinks (H200, Llama-3-8B, 8 slots: batch-1 steps 1.62x the
+    base with it, 1.13x without; session 22)."""
     from metrale_jax.layers.moe import tokamax_available
 
     mosaic = on_gpu and (hopper() if wgmma is None else wgmma)
@@ -66,7 +70,7 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = N
     return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
                            tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
                            fp8_w8a8=mosaic, mosaic_prefill=mosaic, sampler_branches=not on_gpu,
-                           sampler_skip=on_gpu, min_decode_rows=8 if on_gpu else 1)
+                           sampler_skip=on_gpu, min_decode_rows=8 if on_gpu else 1, xla_remat=not (on_gpu and lora))
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,7 @@ class EngineConfig:
             decode_buckets=dec, mixed_decode_buckets=mix, prefill_buckets=pre,
             max_penalty_rows=seqs if self.max_penalty_rows is None else self.max_penalty_rows,
             max_ssm_slots=seqs if self.max_ssm_slots is None else self.max_ssm_slots, max_ssm_snapshots=snaps,
-            attention=self.attention or default_kernels(on_gpu, uses_moe), preemption_mode=mode,
+            attention=self.attention or default_kernels(on_gpu, uses_moe, lora=self.enable_lora), preemption_mode=mode,
             warm_up=on_gpu if self.warm_up is None else self.warm_up,
             max_cpu_loras=cpu_loras,
             # one compile thread on the CPU: in jax 0.11.2 two XLA:CPU compiles at once can crash the process

@@ -61,7 +61,8 @@ class AttentionConfig:
     # XLA's rematerialization pass on the step executables. It counts the donated KV / SSM pools
     # against the device memory (a Llama-3-8B step "uses" 233 GiB of a 89 GiB limit on the H200),
     # so it always runs and recomputes fusions (norms twice, `*_remat` GEMM fusions) to save
-    # memory that it cannot save; off = `xla_disable_hlo_passes=rematerialization`.
+    # memory that it cannot save; off = `xla_disable_hlo_passes=rematerialization`. Off in the
+    # GPU default of LoRA engines (`engine.config.default_kernels`), where it recomputed GEMMs.
     xla_remat: bool = True
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a

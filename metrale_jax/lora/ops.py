@@ -109,8 +109,10 @@ def lora_expand(h: jax.Array, slot: jax.Array, b: jax.Array, kernel: str = "auto
         hit = slot[:, None, None] == jnp.arange(s, dtype=slot.dtype)[None, :, None]
         h = jnp.where(hit, h, jnp.zeros((), h.dtype))
         return jnp.einsum("tsr,sro->to", h, b.astype(h.dtype), preferred_element_type=out_dtype)
-    h = jnp.where((slot >= 0)[:, None], h, jnp.zeros((), h.dtype))
-    return jnp.einsum("tr,tro->to", h, b[jnp.clip(slot, 0, s - 1)].astype(h.dtype), preferred_element_type=out_dtype)
+    # (the rows without an adapter zeroed in the result, where XLA fuses the select into the add
+    # that consumes it: on h it took a kernel of its own per projection, H200 session 22)
+    d = jnp.einsum("tr,tro->to", h, b[jnp.clip(slot, 0, s - 1)].astype(h.dtype), preferred_element_type=out_dtype)
+    return jnp.where((slot >= 0)[:, None], d, jnp.zeros((), d.dtype))
 
 
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
