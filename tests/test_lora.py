@@ -484,3 +484,26 @@ def test_expert_slots_can_be_left_out():
                                                                                               "v_proj")
     with pytest.raises(LoRATargetError, match="lora_experts=False"):
         load_peft_adapter(LORA / "qwen3_moe_tiny" / "experts", lean, np.float32)
+
+
+def test_fold_in_copies_or_rewrites_in_place():
+    """The A columns appended to a base weight: into a new leaf when the caller's params must stay
+    as they were, in place (each layer's old array dropped as its successor exists) when the
+    engine owns them (`LLMEngine.from_config`)."""
+    import jax.numpy as jnp
+
+    from metrale_jax.layers.stack import Unstacked
+    from metrale_jax.lora.manager import _fold_in
+
+    parts = [jnp.full((3, 2), i + 1.0) for i in range(2)]
+    caller = {"w": Unstacked(parts), "s": jnp.ones((2, 3, 2))}
+    layers = dict(caller)
+    for name in ("w", "s"):
+        _fold_in(layers, name, 4, owned=False)
+    assert [p.shape for p in caller["w"].parts] == [(3, 2)] * 2 and caller["s"].shape == (2, 3, 2)
+    assert [p.shape for p in layers["w"].parts] == [(3, 6)] * 2 and layers["s"].shape == (2, 3, 6)
+    np.testing.assert_array_equal(np.asarray(layers["w"].parts[1]), [[2, 2, 0, 0, 0, 0]] * 3)
+    owned = {"w": Unstacked(parts)}
+    leaf = owned["w"]
+    _fold_in(owned, "w", 4, owned=True)
+    assert owned["w"] is leaf and [p.shape for p in leaf.parts] == [(3, 6)] * 2
