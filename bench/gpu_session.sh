@@ -26,6 +26,8 @@
 # Session 21: `spec lora` (two spec variants) 324 s cold; `tests` 338 s warm (cut at 330 s, 99%);
 # `tests` (GPU_TEST_FILES=tests/test_paged_attention.py: 45 s) + `acceptance` (Qwen3-Next with MTP)
 # 290 s cold; `spec` (one / two variants) 59 / 79 s warm; `acceptance` (Llama) + `lora --profile` 336 s cold.
+# Session 22: `lora` (batches 1,64, one slot count) ~110-150 s, with --profile ~165 s; `lora tests`
+# (GPU_TEST_FILES=tests/test_lora.py: 70 s) 228 s; `acceptance lora` (Llama) 288 s; a start refused once.
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
