@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     batches = sorted({int(b) for b in args.batches.split(",")})
     kernels = [k for k in args.kernels.split(",") if k]
     attn0 = dataclasses.replace(default_kernels(on_gpu), **json.loads(args.attention))
+    attn_lora = dataclasses.replace(default_kernels(on_gpu, lora=True), **json.loads(args.attention))  # (no XLA remat)
     model, params = random_model(shape_config(args.shape, args.num_layers), dtype=dtype, seed=args.seed,
                                  repeat_layers=True, split_layers=attn0.unroll_layers)
     bs = 16
@@ -173,8 +174,7 @@ def main(argv=None) -> int:
     for kern, slots_n in [(k, int(n)) for k in kernels for n in (args.max_loras or str(args.num_adapters)).split(",")]:
         lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=slots_n, max_lora_rank=args.rank,
                                    max_cpu_loras=max(slots_n, args.num_adapters),
-                                   attention=dataclasses.replace(default_kernels(on_gpu, lora=True), lora_kernel=kern,
-                                                                 **json.loads(args.attention)))
+                                   attention=dataclasses.replace(attn_lora, lora_kernel=kern))
         eng = LLMEngine(model, params, lcfg)
         slots = _fill_adapters(eng, min(slots_n, args.num_adapters), args.rank, args.seed)
         for b in batches:
