@@ -16,6 +16,7 @@ the trip count, and a step that waits on the host cannot be queued behind the pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,18 +100,19 @@ def test_mosaic_prefill_lowers_for_h200():
 
 
 def test_opt_in_kernels_lower_for_h200():
-    """The kernels not on by default yet (the fused LoRA delta, the searches' counting kernel)
-    lower to Triton for an H200, alone at their sizes and inside the steps of a bf16 Llama."""
-    from pallas_kernels.linear.lora import lora_add
+    """The LoRA expand-add kernel and the kernel not on by default yet (the searches' counting
+    kernel) lower to Triton for an H200, alone at their sizes and inside the steps of a bf16 Llama."""
+    from pallas_kernels.linear.lora import lora_expand_add
     from pallas_kernels.sampling import sums_ge
 
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     with jax.sharding.use_abstract_mesh(_h200_mesh()):
         for t in (1, 64):
-            args = (sds((t, 6144), bf), sds((t, 4096), bf), sds((t,), jnp.int32), sds((8, 48, 4096), bf),
-                    sds((8, 48, 6144), bf))
-            assert "lora_add" in jax.jit(lora_add).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            y = sds((t, 6144 + 8 * 48), bf)
+            f = jax.jit(functools.partial(lora_expand_add, n_out=6144, h_offset=6144, parts=(4096, 1024, 1024)))
+            text = f.trace(y, y, sds((t,), jnp.int32), sds((8, 48, 6144), bf)).lower(lowering_platforms=("cuda",))
+            assert "lora_expand_add" in text.as_text()
         for r in (1, 320):
             x = sds((r, 128256), jnp.float32)
             text = jax.jit(sums_ge).trace(x, sds((r, 15), jnp.float32), x).lower(lowering_platforms=("cuda",)).as_text()

@@ -134,7 +134,7 @@ def test_llama_preemption_keeps_adapters(llama_eng):
 def test_qwen3_mixed_batch_unrolled(kernel):
     # decode steps on 8 rows, 4 of them live (pallas: the fused kernel, interpreted)
     eng = _engine("qwen3_tiny", unroll=True, lora_kernel=kernel, pad_rows=True)
-    assert len(eng.lora.folded) == (0 if kernel == "pallas" else 4)  # (the fused kernel reads A itself)
+    assert len(eng.lora.folded) == 4
     g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
     reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
             "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
@@ -307,26 +307,33 @@ def test_lora_delta_kernels_and_token_slots():
     for kernel in ("masked", "gather", "auto"):
         got = lora_delta(jnp.asarray(x), jnp.asarray(slot), jnp.asarray(a), jnp.asarray(bd), kernel)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
-    # the fused Pallas kernel (interpreted) adds the delta to y in one call; past 64 tokens: "masked"
+    # the Pallas expand-add kernel (interpreted): the shrink apart (FP8 / 4-bit bases) or folded,
+    # with and without the residual; past 64 tokens: "masked"
     from metrale_jax.lora.ops import LoRAInputs, add_delta
 
     y = rng.standard_normal((t, sum(outs)), np.float32)
+    res = rng.standard_normal((t, sum(outs)), np.float32)
     lw = {"qkv_a": jnp.asarray(a), "qkv_b": jnp.asarray(bd)}
     lora = LoRAInputs(lw, jnp.asarray(slot), jnp.asarray(slot), "pallas", interpret=True)
-    got = add_delta(jnp.asarray(y), jnp.asarray(x), lora, "qkv_a", "qkv_b")
+    got = add_delta(jnp.asarray(y), jnp.asarray(x), lora, "qkv_a", "qkv_b", outs)
     np.testing.assert_allclose(np.asarray(got), y + ref, rtol=1e-5, atol=1e-5)
+    got = add_delta(jnp.asarray(y), jnp.asarray(x), lora, "qkv_a", "qkv_b", outs, residual=jnp.asarray(res))
+    np.testing.assert_allclose(np.asarray(got), res + y + ref, rtol=1e-5, atol=1e-5)
     # A folded into the base weight: y carries every slot's shrink after its own columns; the
     # decode rows past `live` (padding) get no delta
     y_ext = jnp.asarray(np.concatenate([y, np.einsum("ti,sri->tsr", x, a).reshape(t, -1)], axis=1))
-    for kernel in ("masked", "gather", "auto"):
+    for kernel, pallas in (("masked", False), ("gather", False), ("auto", False), ("auto", True), ("pallas", False)):
         for live in (0, 5):
-            lora = LoRAInputs({"qkv_b": jnp.asarray(bd)}, jnp.asarray(slot), jnp.asarray(slot), kernel, live=live)
-            got = np.asarray(add_delta(y_ext, jnp.asarray(x), lora, "qkv_a", "qkv_b"))
+            lora = LoRAInputs({"qkv_b": jnp.asarray(bd)}, jnp.asarray(slot), jnp.asarray(slot), kernel,
+                              interpret=True, live=live, pallas=pallas)
             want = y + np.where(np.arange(t)[:, None] < (live or t), ref, 0)
+            got = np.asarray(add_delta(y_ext, jnp.asarray(x), lora, "qkv_a", "qkv_b", outs))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            got = np.asarray(add_delta(y_ext, jnp.asarray(x), lora, "qkv_a", "qkv_b", outs, jnp.asarray(res)))
+            np.testing.assert_allclose(got, res + want, rtol=1e-5, atol=1e-5)
     big = np.repeat(x, 10, axis=0)  # 70 tokens
     lora = LoRAInputs(lw, jnp.asarray(np.repeat(slot, 10)), jnp.asarray(np.repeat(slot, 10)), "pallas")
-    got = add_delta(jnp.asarray(np.repeat(y, 10, axis=0)), jnp.asarray(big), lora, "qkv_a", "qkv_b")
+    got = add_delta(jnp.asarray(np.repeat(y, 10, axis=0)), jnp.asarray(big), lora, "qkv_a", "qkv_b", outs)
     np.testing.assert_allclose(np.asarray(got), np.repeat(y + ref, 10, axis=0), rtol=1e-5, atol=1e-5)
     # prefill tokens take their stream's slot; pad tokens -1
     pmd = BatchedAttnMetadata(*(np.zeros(8, np.int32),) * 4, block_tables=np.zeros((3, 1), np.int32),

@@ -79,11 +79,10 @@ class AttentionConfig:
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
     # LoRA deltas (engines built with enable_lora): "masked" (shrink against all slots, mask,
-    # expand: two GEMMs), "gather" (each token's own A/B), "auto" (gather when a step has fewer
-    # tokens than slots) or "pallas" (steps of <= 64 tokens: one fused kernel per projection,
-    # pallas_kernels/linear/lora.py, 1.9x / 7x the base step on the H200 with adapters, session 17;
-    # masked above); see
-    # metrale_jax/lora/ops.py
+    # expand: two GEMMs), "gather" (each token's own A/B), "pallas" (steps of <= 64 tokens: the
+    # expand, its add and the residual add as one kernel, pallas_kernels/linear/lora.py; masked
+    # above) or "auto" (pallas where use_pallas, else gather when a step has fewer tokens than
+    # slots, else masked); see metrale_jax/lora/ops.py
     lora_kernel: str = "auto"
     # Decode steps of fewer rows run the model on this many, the extra rows padding (as a bucket
     # pads), where every linear is a plain XLA dot and no layer routes to experts (`step.py`

@@ -61,13 +61,10 @@ def _write(tree, slot, new, fold):
     return {"lora": {k: rows(v, new[k]) for k, v in tree["lora"].items()}, "base": base}
 
 
-def fold_targets(layers: dict, spec: LoRASpec, kernel: str) -> dict[str, str]:
+def fold_targets(layers: dict, spec: LoRASpec) -> dict[str, str]:
     """{A leaf: base weight name} of the projections whose A the engine folds into the base
     weight: those whose weight is a plain array ([L, in, out] or per-layer [in, out]; FP8 and
-    4-bit weights keep a separate shrink), unless the fused "pallas" LoRA kernel is chosen (it
-    reads A itself)."""
-    if kernel == "pallas":
-        return {}
+    4-bit weights keep a separate shrink)."""
     shapes = spec.leaf_shapes()
 
     def plain(w) -> bool:
@@ -251,7 +248,7 @@ def attach_lora(engine, owns_params: bool = False) -> LoRAManager:
     spec = LoRASpec.for_model(engine.model, c.max_loras, c.max_lora_rank, experts=c.lora_experts)
     dtype = np.dtype(engine.params["embed"].dtype)
     layers = engine.params["layers"] if owns_params else dict(engine.params["layers"])
-    mgr = LoRAManager(spec, dtype, c.max_cpu_loras, fold_targets(layers, spec, c.attention.lora_kernel))
+    mgr = LoRAManager(spec, dtype, c.max_cpu_loras, fold_targets(layers, spec))
     mgr.in_use = lambda: {r.lora_int_id for r in engine.requests.values()}
     zeros = {"layers": mgr.init_slots()}
     layers["lora"] = (device_put_layers(zeros) if c.attention.unroll_layers else jax.device_put(zeros))["layers"]

@@ -4,10 +4,11 @@ Every token of a step carries its adapter slot (`token_slots`): decode rows read
 `AttnMetadata.seq_slot`, prefill tokens their stream's `BatchedAttnMetadata.seq_slot` (found
 from `cu_seqlens`); pad tokens and rows of the base model are -1.
 
-Dense projections (`lora_delta`), two static kernels (`AttentionConfig.lora_kernel`; "auto",
-the default, takes "gather" when the step has fewer tokens than slots and "masked" otherwise:
-the adapter bytes each reads are min(T, S) slots' worth, and the bucket's T is static):
-* "masked" (default): shrink against every slot at once, `x [T, in] @ A [S*kR, in]^T`, zero the
+Dense projections (`add_delta`), three static kernels (`AttentionConfig.lora_kernel`; "auto",
+the default, takes "pallas" for steps of at most 64 tokens on the GPU, else "gather" when the
+step has fewer tokens than slots and "masked" otherwise: the adapter bytes each reads are
+min(T, S) slots' worth, and the bucket's T is static):
+* "masked": shrink against every slot at once, `x [T, in] @ A [S*kR, in]^T`, zero the
   slots a token does not use, expand `[T, S*kR] @ B [S*kR, out]` (B block diagonal over the k
   parts of a fused projection, so q|k|v and gate|up take one expand each). Two plain GEMMs:
   weight bytes read once per step (S * R * (in + out)), FLOPs T * S * R * (in + out), which is
@@ -15,20 +16,21 @@ the adapter bytes each reads are min(T, S) slots' worth, and the bucket's T is s
   prefill at S <= 8. Rows < 0 match no slot and get exactly zero.
 * "gather": gather each token's own A and B (`A[slot[t]]`) and contract per token: T * R *
   (in + out) FLOPs but T copies of the adapter bytes; better for very many slots and few tokens.
-  (A Pallas / `ragged_dot` kernel grouped by slot, as Punica's SGMV, is the next step for
-  prefill at large S: not written yet.)
-* "pallas": steps of at most 64 tokens run each projection's delta and its add to y as one fused
-  kernel (`pallas_kernels/linear/lora.py`: XLA's paths take four to six launches per projection,
-  most of a batch-1 LoRA step's extra time on the H200); larger steps take "masked". Measured on
-  the H200 (session 17) it is far slower with adapters (batch 1 1.94x, batch 64 7.1x the base
-  step, against 1.20x / 1.26x for "auto"), so not the default.
+* "pallas": steps of at most 64 tokens run each projection's expand, its add to y and (o / down)
+  the residual add as one kernel (`pallas_kernels/linear/lora.py`: XLA ran a batch-1 step's
+  expands as reductions of their own or as loop fusions of the residual adds on a few SMs);
+  larger steps take "masked". "auto" takes it where the step's other kernels are Pallas
+  (`AttentionConfig.use_pallas`: the GPU default).
+  (A Pallas / `ragged_dot` kernel grouped by slot, as Punica's SGMV, for prefill at large S:
+  not written.)
 
 Folded shrink (the default where the base weight is a plain array, `manager.fold_targets`): the
 engine appends every slot's A to the base weight as extra output columns, `[in, out + S*kR]`,
 so the base GEMM computes the shrink of every slot too (S * kR * in more weight bytes, ~2% of
 Llama-3-8B's at 8 rank-16 slots) and only the expand (`lora_expand`, "masked" or "gather" as
 above) is a launch of its own: one kernel per projection instead of two, and the normed input
-is not read a second time. FP8 / 4-bit base weights and the "pallas" kernel keep A apart.
+is not read a second time. FP8 / 4-bit base weights keep A apart (the shrink is then a GEMM of
+its own, "masked" or "gather").
 
 MoE experts (`expert_lora`): vLLM's "virtual experts": the (token, expert) pairs of tokens whose
 `moe_row_adapter` >= 0 are grouped by `slot * E + expert`, the others by the all-zero group
@@ -45,7 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
-from pallas_kernels.linear import lora as lora_kernel
+from pallas_kernels.linear.lora import MAX_T as KERNEL_MAX_T
+from pallas_kernels.linear.lora import lora_expand_add
 
 
 class LoRAInputs(NamedTuple):
@@ -57,6 +60,7 @@ class LoRAInputs(NamedTuple):
     kernel: str = "auto"
     interpret: bool = False  # the "pallas" kernel in interpret mode (CPU)
     live: int = 0  # > 0: only the first `live` tokens may carry a delta (`AttnMetadata.live_rows`)
+    pallas: bool = False  # "auto" may take the "pallas" kernel (the step's other kernels are Pallas)
 
 
 def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field: str = "seq_slot") -> jax.Array:
@@ -74,11 +78,12 @@ def token_slots(dmd: AttnMetadata | None, pmd: BatchedAttnMetadata | None, field
 
 
 def _kernel(kernel: str, tokens: int, slots: int) -> str:
+    """The XLA path for a step of `tokens` tokens ("pallas" past its 64 tokens: "masked")."""
     if kernel == "auto":
         return "gather" if tokens < slots else "masked"
     if kernel not in ("masked", "gather", "pallas"):
         raise ValueError(f"lora_kernel={kernel!r} must be 'auto', 'masked', 'gather' or 'pallas'")
-    return kernel
+    return "masked" if kernel == "pallas" else kernel
 
 
 def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel: str = "auto",
@@ -93,7 +98,7 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
     if _kernel(kernel, x.shape[0], s) == "gather":  # each token's own A only
         own = a[jnp.clip(slot, 0, s - 1)].astype(x.dtype)  # [T, kR, in]
         h = jnp.einsum("ti,tri->tr", x, own, preferred_element_type=jnp.float32)  # [T, kR]
-    else:  # ("pallas" past its MAX_T tokens: see add_delta) every slot's A at once
+    else:  # every slot's A at once
         h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
     return lora_expand(h.astype(x.dtype), slot, b, kernel, out_dtype)
 
@@ -115,28 +120,37 @@ def lora_expand(h: jax.Array, slot: jax.Array, b: jax.Array, kernel: str = "auto
     return jnp.where((slot >= 0)[:, None], d, jnp.zeros((), d.dtype))
 
 
-def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str) -> jax.Array:
-    """y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); y unchanged without LoRA.
+def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str, parts: tuple[int, ...] = (),
+              residual: jax.Array | None = None) -> jax.Array:
+    """(residual +) y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); no delta without LoRA.
 
     Folded projections (`a` absent from `lora.w`: the engine appended every slot's A to the base
     weight, `manager.fold_targets`): y is then [..., out + S*kR], the base GEMM's output followed
     by every slot's shrink x·A_s (x itself is unused), and the result is [..., out].
+    parts: the widths of a fused projection's parts (q|k|v, gate|up), read by the "pallas" kernel
+    (its B is block diagonal over them); residual: the residual stream this output is added to.
     """
     if lora is None:
-        return y
+        return y if residual is None else residual + y
     t = math.prod(y.shape[:-1])
     bw = lora.w[b]  # [S, kR, out]
+    n = bw.shape[-1]
     live = lora.live if 0 < lora.live < t else t  # decode rows padded by the step: deltas of the live rows only
-    if a not in lora.w:
-        s, kr, n = bw.shape
-        y2 = y.reshape(t, -1)
+    folded = a not in lora.w
+    y2 = y.reshape(t, -1)
+    if t <= KERNEL_MAX_T and (lora.kernel == "pallas" or lora.kernel == "auto" and lora.pallas):
+        # one kernel: expand, add, residual add (h: the folded GEMM's extra columns, or the shrink)
+        h = y2 if folded else jnp.einsum("ti,sri->tsr", x.reshape(t, -1), lora.w[a].astype(x.dtype),
+                                         preferred_element_type=jnp.float32).astype(x.dtype).reshape(t, -1)
+        res = None if residual is None else residual.reshape(t, n)
+        out = lora_expand_add(y2, h, lora.slot, bw, res, n_out=n, h_offset=n if folded else 0, parts=parts,
+                              live=live if live < t else 0, interpret=lora.interpret)
+        return out.reshape(y.shape[:-1] + (n,))
+    if folded:
+        s, kr = bw.shape[:2]
         h = y2[:live, n:].reshape(live, s, kr)
         y = y2[:, :n].reshape(y.shape[:-1] + (n,))
         d = lora_expand(h, lora.slot[:live], bw, lora.kernel, out_dtype=y.dtype)
-    elif lora.kernel == "pallas" and t <= lora_kernel.MAX_T:  # one fused kernel: shrink, mask, expand, add
-        out = lora_kernel.lora_add(y.reshape(t, -1), x.reshape(t, -1), lora.slot, lora.w[a], bw,
-                                   interpret=lora.interpret)
-        return out.reshape(y.shape)
     else:
         d = lora_delta(x.reshape(t, -1)[:live], lora.slot[:live], lora.w[a], bw, lora.kernel, out_dtype=y.dtype)
     # the expand in y's dtype, added to y as is: on the H200 XLA fuses the add with the residual
@@ -144,7 +158,8 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     # with an f32 delta and its own add; session 18)
     if live < t:
         d = jnp.pad(d, ((0, t - live), (0, 0)))
-    return y + d.reshape(y.shape)
+    y = y + d.reshape(y.shape)
+    return y if residual is None else residual + y
 
 
 class ExpertGroups(NamedTuple):

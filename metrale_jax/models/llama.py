@@ -106,7 +106,8 @@ def _qkv_proj(cfg: ModelConfig, lp: dict, x: jax.Array, lora: LoRAInputs | None 
     (plus each token's LoRA delta on q, k and v when `lora` is given)."""
     qkv = rms_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp["wqkv"], lp.get("bqkv"))
     if lora is not None:
-        qkv = add_delta(qkv, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lora, "qkv_a", "qkv_b")
+        qkv = add_delta(qkv, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lora, "qkv_a", "qkv_b",
+                        (cfg.q_size, cfg.kv_size, cfg.kv_size))
     # The barrier keeps q|k|v one GEMM: without it XLA on the GPU fuses the three slices' users
     # into three copies of the dot (H200, Llama-3-8B decode: 52.7 us per layer instead of 17.5).
     return jax.lax.optimization_barrier(qkv)
@@ -136,9 +137,11 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
         gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
         if lora is None:
             return x + linear(silu_mul(gate_up), lp["w_down"])
-        gate_up = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b")
+        inter = cfg.intermediate_size
+        gate_up = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b",
+                            (inter, inter))
         act = silu_mul(gate_up)
-        return x + add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b")
+        return add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b", residual=x)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape
     h = h.reshape(-1, shape[-1])
@@ -200,7 +203,8 @@ def forward_paged(
 
     def layer(carry, lp):
         x, kv, i = carry
-        lora = LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret, live) if lora_on else None
+        lora = (LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret, live, attn.use_pallas)
+                if lora_on else None)
         if fused_rope:
             kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, lora), cos_sin, cfg.num_heads,
                                       attn.interpret)
@@ -209,7 +213,7 @@ def forward_paged(
             kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         o = o.reshape(o.shape[0], -1)
-        x = x + add_delta(linear(o, lp["wo"]), o, lora, "o_a", "o_b")
+        x = add_delta(linear(o, lp["wo"]), o, lora, "o_a", "o_b", residual=x)
         return (_mlp_block(cfg, lp, x, attn.tokamax_moe, lora), kv, i + 1), None
 
     x, kv, _ = scan_layers(layer, (x, state.kv, np.int32(0)), params["layers"], attn.unroll_layers)

@@ -1,18 +1,25 @@
-"""Fused per-token LoRA for decode-sized steps: y + x·A[slot]·B[slot] in one kernel.
+"""LoRA expand and add for decode-sized steps, one kernel per projection:
 
-    y [T, out], x [T, in], slot i32[T] (-1: no adapter), a [S, kR, in], b [S, kR, out] -> [T, out]
+    out[t] = residual[t] + y[t, :N] + h[t, off + s*kR : off + (s+1)*kR] · B[s]     (s = slot[t] >= 0)
+    out[t] = residual[t] + y[t, :N]                                                 (slot[t] < 0)
 
-XLA runs a LoRA delta as four to six kernels (gather or shrink, mask, expand, add: with seven
-projections and 32 layers, ~0.6 ms of a 4.9 ms Llama-3-8B batch-1 step on the H200, session 16,
-almost all of it launches). This kernel does one projection's delta and the add in one launch.
-Each program owns `block_n` output columns of every token; for each slot present in the batch
-(`lax.cond` on the slot ids: absent slots cost nothing) it shrinks all T rows against A[s]
-(kR x in, a few hundred KB, from L2 after the first program), keeps the rows of that slot, and
-expands them against its columns of B[s]. The shrink is recomputed per program: cheap for the T
-<= 64 it is meant for (T x in x kR multiply-adds). Rounding as `metrale_jax.lora.ops`: the shrink
-result is rounded to x's dtype before the expand (as PEFT's lora_B(lora_A(x))), accumulation in
-float32, the sum with y rounded to y's dtype. Lowered through Triton, as `skinny.py`; runs in
-interpret mode on the CPU.
+y [T, >= N] holds the base projection in its first N columns; h [T, >= off + S*kR] every slot's
+shrink result x·A_s (with A folded into the base weight, `metrale_jax.lora.manager.fold_targets`,
+h is y itself and off = N: the one GEMM gave both); B [S, kR, N]; the residual (optional) is the
+residual stream the projection's output is added to (o / down), so that add is this kernel too.
+
+Why a kernel: XLA runs a decode step's expand as a reduction of its own, or fuses it into the
+residual add as a loop fusion that computes each output column's k-long dot in one thread (so a
+4,096-column add runs on a few SMs: 5.2 us instead of 1.8 on the H200, session 22's profile of a
+batch-1 Llama-3-8B step, where the LoRA step was 1.12x the base one, mostly these launches).
+Here each program owns `block_n` columns of one token: it gathers its token's kR shrink values
+and the matching [kR, block_n] tile of its slot's B (from L2 after the first token of a slot),
+and writes residual + y + delta, summed in float32 and rounded once to y's dtype.
+
+A fused projection of k parts (q|k|v, gate|up: `parts` = the parts' widths) has a block-diagonal
+B (`metrale_jax/lora/adapter.py`): each column reads only its own part's R = kR / k rows, so the
+zero blocks are never read. Lowered through Triton, as `skinny.py`; runs in interpret mode on
+the CPU.
 """
 
 from __future__ import annotations
@@ -24,76 +31,72 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.linear.params import m_bucket
-
-MAX_T = 64
+MAX_T = 64  # larger steps: the XLA path (`metrale_jax.lora.ops`), whose GEMMs read each B once
 
 
-def _lora_kernel(slot_ref, x_ref, a_ref, b_ref, y_ref, o_ref, *, t, tp, num_slots, kr, krp, k_in, n_out,
-                 block_n, block_k):
-    # slot_ref i32[T]; x_ref [T, in]; a_ref [S, kR, in]; b_ref [S, kR, out]; y_ref / o_ref [T, out]
-    rows = jnp.arange(tp, dtype=jnp.int32)  # i32[Tp]
-    row_ok = rows < t
-    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN]
-    col_ok = cols < n_out
-    rr = jnp.arange(krp, dtype=jnp.int32)  # i32[kRp]
-    r_ok = rr < kr
-    slot = plgpu_triton.load(slot_ref.at[rows], mask=row_ok, other=-1)  # i32[Tp]
-    num_k = -(-k_in // block_k)
-
-    def one_slot(s, acc):  # acc f32[Tp, BN]
-        hit = slot == s  # bool[Tp]
-
-        def delta(acc):
-            def k_step(i, h):  # h f32[Tp, kRp]
-                kc = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-                k_ok = kc < k_in
-                xt = plgpu_triton.load(x_ref.at[rows[:, None], kc[None, :]], mask=row_ok[:, None] & k_ok[None, :],
-                                       other=0.0)  # [Tp, BK]
-                sa = jnp.full((krp, block_k), s, jnp.int32)
-                at = plgpu_triton.load(a_ref.at[sa, rr[:, None], kc[None, :]], mask=r_ok[:, None] & k_ok[None, :],
-                                       other=0.0)  # [kRp, BK]
-                return h + plgpu_triton.dot(xt, at.astype(xt.dtype), trans_b=True).astype(jnp.float32)
-
-            h = jax.lax.fori_loop(0, num_k, k_step, jnp.zeros((tp, krp), jnp.float32))
-            h = jnp.where(hit[:, None], h, 0.0).astype(x_ref.dtype)  # the rows of this slot, rounded as PEFT
-            sb = jnp.full((krp, block_n), s, jnp.int32)
-            bt = plgpu_triton.load(b_ref.at[sb, rr[:, None], cols[None, :]], mask=r_ok[:, None] & col_ok[None, :],
-                                   other=0.0)  # [kRp, BN]
-            return acc + plgpu_triton.dot(h, bt.astype(h.dtype)).astype(jnp.float32)
-
-        # (a sum, not jnp.any: Triton lowers integer sums for sure; an OR reduction is less certain)
-        return jax.lax.cond(jnp.sum(hit.astype(jnp.int32)) > 0, delta, lambda acc: acc, acc)
-
-    acc = jax.lax.fori_loop(0, num_slots, one_slot, jnp.zeros((tp, block_n), jnp.float32))
-    mask = row_ok[:, None] & col_ok[None, :]
-    y = plgpu_triton.load(y_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0).astype(jnp.float32)
-    plgpu_triton.store(o_ref.at[rows[:, None], cols[None, :]], (y + acc).astype(o_ref.dtype), mask=mask)
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "interpret"))
-def lora_add(y, x, slot, a, b, *, block_n: int = 128, block_k: int = 256, interpret: bool = False):
-    """y [T, out] plus each token's x [T, in] · a[slot] · b[slot] (a [S, kR, in], b [S, kR, out];
-    slot i32[T], < 0 or >= S: no delta) -> [T, out] in y's dtype. T in 1..64."""
-    t, k_in = x.shape
-    s, kr, n_out = b.shape
+def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_off, bounds, block_n, live):
+    # slot_ref i32[T]; y_ref [T, >= N]; h_ref [T, >= h_off + S*kR]; b_ref [S, kR, N];
+    # refs: (residual [T, N],) out [T, N]
+    o_ref = refs[-1]
+    t = pl.program_id(0)
+    cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN]
+    ok = cols < n_out
+    tt = jnp.full((block_n,), t, jnp.int32)
+    acc = plgpu_triton.load(y_ref.at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)  # f32[BN]
+    if len(refs) == 2:
+        acc = acc + plgpu_triton.load(refs[0].at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
+    s = slot_ref[t] if live == 0 else jnp.where(t < live, slot_ref[t], -1)
+    sc = jnp.maximum(s, 0)
+    part = sum(((cols >= b).astype(jnp.int32) for b in bounds), jnp.zeros_like(cols))  # i32[BN] part of each column
+    rr = jnp.arange(_pow2(rank), dtype=jnp.int32)[:, None]  # i32[Rp, 1]
+    row = part[None, :] * rank + rr  # i32[Rp, BN] the rows of B (and of h) each column reads
+    m = (rr < rank) & ok[None, :] & (s >= 0)
+    tr = jnp.full(row.shape, t, jnp.int32)
+    h = plgpu_triton.load(h_ref.at[tr, h_off + sc * kr + row], mask=m, other=0.0)  # [Rp, BN]
+    b = plgpu_triton.load(b_ref.at[jnp.full(row.shape, sc, jnp.int32), row, jnp.broadcast_to(cols, row.shape)],
+                          mask=m, other=0.0)  # [Rp, BN]
+    acc = acc + jnp.sum(h.astype(jnp.float32) * b.astype(jnp.float32), axis=0)
+    plgpu_triton.store(o_ref.at[tt, cols], acc.astype(o_ref.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("n_out", "h_offset", "parts", "live", "block_n", "interpret"))
+def lora_expand_add(y, h, slot, b, residual=None, *, n_out: int, h_offset: int = 0, parts: tuple[int, ...] = (),
+                    live: int = 0, block_n: int = 256, interpret: bool = False):
+    """residual + y[:, :n_out] + each token's shrink h under its slot times that slot's B (module
+    docstring) -> [T, n_out] in y's dtype.
+
+    y [T, >= n_out]; h [T, >= h_offset + S*kR] (may be y itself); slot i32[T] (< 0: no delta;
+    must be < S); b [S, kR, n_out], block diagonal over `parts` (the widths of a fused
+    projection's parts, summing to n_out; () = one part); residual [T, n_out] or None; live > 0:
+    tokens from `live` on (a decode step's padded rows) get no delta. T in 1..64.
+    """
+    t = y.shape[0]
+    s, kr, n = b.shape
+    parts = parts or (n,)
     if not 1 <= t <= MAX_T:
-        raise ValueError(f"lora_add: {t} tokens; the kernel takes 1..{MAX_T} (larger steps: the XLA path)")
-    if y.shape != (t, n_out) or slot.shape != (t,) or a.shape != (s, kr, k_in):
-        raise ValueError(f"lora_add: shapes disagree: y {y.shape}, x {x.shape}, slot {slot.shape}, a {a.shape}, "
-                         f"b {b.shape}")
-    block_k = min(block_k, m_bucket(k_in))
-    block_n = min(block_n, m_bucket(n_out))
-    kernel = functools.partial(_lora_kernel, t=t, tp=m_bucket(t), num_slots=s, kr=kr,
-                               krp=m_bucket(kr), k_in=k_in, n_out=n_out,
-                               block_n=block_n, block_k=block_k)
+        raise ValueError(f"lora_expand_add: {t} tokens; the kernel takes 1..{MAX_T} (larger steps: the XLA path)")
+    if (n != n_out or sum(parts) != n or kr % len(parts) or y.shape[1] < n or h.shape[0] != t
+            or h.shape[1] < h_offset + s * kr or slot.shape != (t,)
+            or (residual is not None and residual.shape != (t, n))):
+        raise ValueError(f"lora_expand_add: shapes disagree: y {y.shape}, h {h.shape} (offset {h_offset}), slot "
+                         f"{slot.shape}, b {b.shape}, parts {parts}, residual "
+                         f"{None if residual is None else residual.shape}, {n_out=}")
+    bounds = tuple(sum(parts[:i]) for i in range(1, len(parts)))
+    block_n = min(block_n, _pow2(n))
+    kernel = functools.partial(_expand_add_kernel, n_out=n, kr=kr, rank=kr // len(parts), h_off=h_offset,
+                               bounds=bounds, block_n=block_n, live=live)
+    args = (slot.astype(jnp.int32), y, h, b) + (() if residual is None else (residual,))
     return pl.pallas_call(
         kernel,
-        grid=(-(-n_out // block_n),),
-        in_specs=[pl.no_block_spec] * 5,
+        grid=(t, pl.cdiv(n, block_n)),
+        in_specs=[pl.no_block_spec] * len(args),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
+        out_shape=jax.ShapeDtypeStruct((t, n), y.dtype),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="lora_add",
-    )(slot.astype(jnp.int32), x, a, b, y)
+        name="lora_expand_add",
+    )(*args)
