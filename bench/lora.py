@@ -104,15 +104,21 @@ def _fill_adapters(eng, n: int, rank: int, seed: int) -> list[int]:
     return [slot_of[i] for i in range(1, n + 1)]
 
 
-def _drop(eng) -> None:
-    """Free an engine's KV / SSM pools now: the next engine sizes its pool from the memory left
-    (the default config), and on the H200 (session 15) one made after `del` of the last saw a
-    negative pool."""
+def _drop(eng, keep) -> None:
+    """Free an engine's KV / SSM pools and the weights it made (a LoRA engine's widened copies)
+    now, all but the arrays of `keep` (the shared base params): the next engine sizes its pool
+    from the memory left (the default config), and on the H200 (session 15) one made after `del`
+    of the last saw a negative pool."""
     import gc
 
     import jax
 
-    for a in jax.tree.leaves(eng.state):
+    def buf(a):
+        return a.unsafe_buffer_pointer() if isinstance(a, jax.Array) and not a.is_deleted() else None
+
+    shared = {buf(a) for a in jax.tree.leaves(keep)}
+    own = [a for a in jax.tree.leaves(eng.params) if isinstance(a, jax.Array) and buf(a) not in shared]
+    for a in jax.tree.leaves(eng.state) + own:
         a.delete()
     del eng
     gc.collect()
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
     base = LLMEngine(model, params, cfg)
     prof = (lambda name: Path(args.profile) / name) if args.profile else (lambda name: None)
     base_t = {b: _time_decode(base, b, args.context, args.steps, [-1] * b, prof(f"base_b{b}")) for b in batches}
-    _drop(base)
+    _drop(base, params)
     for kern, slots_n in [(k, int(n)) for k in kernels for n in (args.max_loras or str(args.num_adapters)).split(",")]:
         lcfg = dataclasses.replace(cfg, enable_lora=True, max_loras=slots_n, max_lora_rank=args.rank,
                                    max_cpu_loras=max(slots_n, args.num_adapters),
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
                   f"ms ({case['ratio_none']:.3f}x), {case['adapters_in_batch']} adapters {case['lora_mixed_ms']:.3f} "
                   f"ms ({case['ratio_mixed']:.3f}x); steps waited for one by one: base {bt_sync * 1e3:.3f} ms, "
                   f"adapters {mixed_sync * 1e3:.3f} ms ({mixed_sync / bt_sync:.3f}x)", flush=True)
-        _drop(eng)
+        _drop(eng, params)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

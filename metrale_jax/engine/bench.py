@@ -533,6 +533,12 @@ def _timeline_lines(events, procs, steps: int) -> list[str]:
                    f"{sum(sel) / steps:.1f} us")
     for g, a, b in sorted(gaps, reverse=True)[:8]:
         out.append(f"  gap {g:.1f} us after {a[:60]} before {b[:60]}")
+    pairs: dict[tuple[str, str], list[float]] = {}  # where the short gaps are: kernel pairs by total gap
+    for g, a, b in gaps:
+        if g < 5:
+            pairs.setdefault((a[:50], b[:50]), []).append(g)
+    for (a, b), gs in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        out.append(f"  short gaps {sum(gs) / steps:6.1f} us ({len(gs) / steps:5.1f} per step) after {a} before {b}")
     host: dict[str, float] = {}
     for e in events:
         if e.get("ph") == "X" and "GPU" not in procs.get(e.get("pid"), "") and "dur" in e:
