@@ -147,6 +147,11 @@ def _random_w4(rng, n, k, g, kind):
     # gemv: M = 1 on the CUDA cores
     ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=64, gemv=True)),
     ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=32, gemv=True)),
+    # gemv + group_partial: per-group sums of code * x, zero and scale per group (no conversions)
+    ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True)),  # 2 steps a group
+    ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, gemv=True, group_partial=True)),  # 4 groups a step
+    ("int4", 1, 24, 192, 192, W4Params(block_n=32, block_k=64, gemv=True, group_partial=True)),  # one group (channel)
+    ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True)),
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
@@ -183,6 +188,9 @@ def test_w4_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="group_partial"):  # NVFP4's groups of 16
         skinny_matmul_w4(x, packed, jnp.ones((8, 4), ml_dtypes.float8_e4m3fn), jnp.ones(8), k=64, group_size=16,
                          kind="fp4", params=W4Params(block_k=64, group_partial=True))
+    with pytest.raises(ValueError, match="group_partial with gemv"):  # 48 does not divide 64 nor is a multiple
+        skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=48, kind="int4",
+                         params=W4Params(block_k=64, gemv=True, group_partial=True))
     with pytest.raises(ValueError, match="scale_tile"):  # groups of 48: not a power of two
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=48, kind="int4",
                          params=W4Params(block_k=64, scale_tile=True))
@@ -193,6 +201,8 @@ def test_w4_kernel_rejects_bad_input():
 @pytest.mark.parametrize("kind,g,params", [
     ("int4", 128, W4Params()), ("int4", 128, W4Params(group_partial=True)), ("int4", 128, W4Params(scale_tile=True)),
     ("fp4", 16, W4Params()), ("fp4", 16, W4Params(scale_tile=True)), ("fp4", 16, W4Params(gemv=True)),
+    ("int4", 128, W4Params(block_k=512, gemv=True, group_partial=True)),
+    ("fp4", 16, W4Params(block_k=512, gemv=True, group_partial=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -211,15 +221,19 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,m,n,k,g", [("int4", 1, 4096, 4096, 128), ("int4", 64, 1024, 4096, 128),
-                                          ("fp4", 8, 6144, 4096, 16), ("int4", 3, 200, 1000, 128)])
-def test_w4_kernel_gpu(kind, m, n, k, g):
+@pytest.mark.parametrize("kind,m,n,k,g,params", [
+    ("int4", 1, 4096, 4096, 128, None), ("int4", 64, 1024, 4096, 128, None), ("fp4", 8, 6144, 4096, 16, None),
+    ("int4", 3, 200, 1000, 128, None),
+    ("int4", 1, 6144, 4096, 128, W4Params(32, 512, 4, 4, gemv=True, group_partial=True)),
+    ("fp4", 1, 6144, 4096, 16, W4Params(32, 512, 4, 4, gemv=True, group_partial=True)),
+])
+def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference
 
     rng = np.random.default_rng(0)
     packed, scales, aux = (jnp.asarray(a) for a in _random_w4(rng, n, k, g, kind))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    y = skinny_matmul_w4(x, packed, scales, aux, k=k, group_size=g, kind=kind).astype(jnp.float32)
+    y = skinny_matmul_w4(x, packed, scales, aux, k=k, group_size=g, kind=kind, params=params).astype(jnp.float32)
     want = skinny_matmul_w4_reference(x, packed, scales, aux, k=k, group_size=g, kind=kind)
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
 

@@ -51,7 +51,11 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 1024, 4, 4, gemv=True), W4Params(32, 512, 4, 4, gemv=True), W4Params(16, 2048, 4, 3, gemv=True),
          # scale / zero tiles broadcast in registers instead of one gathered scale per byte
          W4Params(32, 512, 4, 4, scale_tile=True), W4Params(64, 256, 4, 3, scale_tile=True),
-         W4Params(16, 1024, 4, 4, gemv=True, scale_tile=True)]
+         W4Params(16, 1024, 4, 4, gemv=True, scale_tile=True),
+         # M = 1, per-group partial sums without conversions (session 23; int4 and NVFP4)
+         W4Params(16, 1024, 4, 4, True, True), W4Params(32, 512, 4, 4, True, True),
+         W4Params(64, 512, 8, 3, True, True), W4Params(64, 1024, 8, 3, True, True),
+         W4Params(128, 256, 8, 3, True, True), W4Params(32, 2048, 8, 2, True, True)]
 MIN_ROTATION_BYTES = 256e6
 
 
@@ -129,7 +133,7 @@ def main(argv=None):
     MS = tuple(int(m) for m in args.ms.split(","))
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
-        SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2], 1e4
+        SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2] + SWEEP[-1:], 1e4
         kernel = functools.partial(skinny_matmul_w4, interpret=True)
     t_start = time.perf_counter()
     out = pathlib.Path(args.out)
@@ -166,7 +170,7 @@ def main(argv=None):
                     t, y = _time(functools.partial(_dequant_dot, k=k, group_size=group, kind=kind), x, ws)
                     cells.append(("xla_dequant_dot", None, t, y))
                     for p in SWEEP:
-                        if p.group_partial and kind == "fp4" or p.gemv and m > 1:
+                        if p.group_partial and not p.gemv and kind == "fp4" or p.gemv and m > 1:
                             continue
                         try:
                             t, y = _time(functools.partial(kernel, k=k, group_size=group, kind=kind, params=p), x, ws)

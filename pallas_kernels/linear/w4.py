@@ -28,7 +28,13 @@ Variants, static in `W4Params`, for the H200 sweep to choose between (the defaul
 `scale_tile` loads each step's scales as a [block_n, block_k / G] tile
 broadcast in registers instead of a per-byte gather; `group_partial` (int4) dots x with the raw
 codes per group and applies zero and scale to the f32 partial; `gemv` (M = 1) multiplies and
-reduces on the CUDA cores instead of a dot padded to 16 rows. `w4_params_for` reads the sweep's
+reduces on the CUDA cores instead of a dot padded to 16 rows. `gemv` with `group_partial` (int4
+and NVFP4, session 23, not yet measured on the GPU): per group, the sum of code * x in f32, then
+zero * sum(x) subtracted and the group's scale applied to the partial, so per weight only the
+nibble extraction, a float built from the code's bits (no int -> float conversion, which runs at
+a quarter of the FMA rate) and one FMA; the other variants dequantize each weight (subtract,
+convert, scale, round) before the dot or the product, which bounds them by the ALUs, not the
+memory (session 15: 14 us at best for 12.6 MB of q/k/v codes, 0.9 TB/s). `w4_params_for` reads the sweep's
 table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
 """
 
@@ -131,6 +137,10 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
     """Why `params` cannot run this call (None: they can)."""
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
+    pow2_divides = not block_k % group_size and not group_size & (group_size - 1)
+    if params.group_partial and gemv and group_size % block_k and not pow2_divides:
+        return (f"group_partial with gemv needs {group_size=} to be a multiple of block_k ({block_k}), or a power of "
+                "two dividing it")
     if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
         return (f"group_partial needs block_k ({block_k}) and {group_size=} to divide one another, and groups of "
                 ">= 32 (one dot pair each)")
@@ -146,13 +156,18 @@ def _load_scale(ref, mask):
 
 
 def _e2m1(c):
-    """i32 codes 0..15 -> f32 e2m1 values."""
-    mag = c & 7
-    e = mag >> 1
-    half = (mag & 1).astype(jnp.float32) * 0.5
-    pow2 = jnp.left_shift(1, jnp.maximum(e - 1, 0)).astype(jnp.float32)
-    v = jnp.where(e == 0, half, (1.0 + half) * pow2)
-    return jnp.where((c & 8) != 0, -v, v)
+    """i32 codes 0..15 -> f32 e2m1 values (0, .5, 1, 1.5, 2, 3, 4, 6 and a sign bit), built as f32
+    bits with integer ops (an int -> float conversion runs at a quarter of the FMA rate on the
+    H100 / H200): e > 0 is 2^(e-1) * (1 + m/2), e = 0 is m * 0.5."""
+    e, m = (c >> 1) & 3, c & 1
+    bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)) | ((c & 8) << 28)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _codes_f32(c):
+    """i32 codes 0..15 -> the same values in f32, without a conversion instruction: the bits of
+    2^23 + c, minus 2^23 (exact)."""
+    return jax.lax.bitcast_convert_type(c | 0x4B000000, jnp.float32) - 8388608.0
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
@@ -208,6 +223,38 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
         acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
         return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
 
+    if gemv and group_partial:  # m == 1: per group, sum code * x on the CUDA cores, then zero and scale
+        nsg = max(1, block_k // group)  # groups per step (1: the step lies inside one group)
+
+        def body_gemv_groups(i, acc):
+            j = i * half + jnp.arange(half, dtype=jnp.int32)  # i32[BK/2] byte columns
+            b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=n_ok[:, None] & (j < kb)[None, :],
+                                  other=0, eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, BK/2]
+            lo, hi = b & 15, b >> 4
+            zj = jnp.zeros_like(j)
+            xe = plgpu_triton.load(x_ref.at[zj, 2 * j], mask=2 * j < k, other=0.0).astype(jnp.float32)  # f32[BK/2]
+            xo = plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
+            dec = _e2m1 if fp4 else _codes_f32
+            prod = dec(lo) * xe[None, :] + dec(hi) * xo[None, :]  # f32[BN, BK/2]
+            if nsg > 1:
+                part = jnp.sum(prod.reshape(block_n, nsg, group // 2), axis=2)  # f32[BN, nsg]
+            else:
+                part = jnp.sum(prod, axis=1)[:, None]
+            gidx = (i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32)  # i32[nsg]
+            g_mask = n_ok[:, None] & (gidx < ng)[None, :]
+            sc = _load_scale(s_ref.at[ncols[:, None], gidx[None, :]], g_mask)  # f32[BN, nsg]
+            if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
+                xs = xe + xo
+                xs = jnp.sum(xs.reshape(nsg, group // 2), axis=1) if nsg > 1 else jnp.sum(xs)[None]  # f32[nsg]
+                z = plgpu_triton.load(aux_ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0)
+                part = part - z.astype(jnp.int32).astype(jnp.float32) * xs[None, :]
+            return acc + jnp.sum(part * sc, axis=1)
+
+        acc = jax.lax.fori_loop(0, num_steps, body_gemv_groups, jnp.zeros((block_n,), jnp.float32))
+        if fp4:
+            acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
+        plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
+        return
     if gemv:  # m == 1: f32 multiply-and-reduce, acc f32[BN]
         def body_gemv(i, acc):
             j, w_lo, w_hi = weights(i)
@@ -301,7 +348,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     gemv = params.gemv and m == 1
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
-        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial and not gemv, gemv=gemv,
+        num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile)
     return pl.pallas_call(
         kernel,
