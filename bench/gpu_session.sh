@@ -28,6 +28,10 @@
 # 290 s cold; `spec` (one / two variants) 59 / 79 s warm; `acceptance` (Llama) + `lora --profile` 336 s cold.
 # Session 22: `lora` (batches 1,64, one slot count) ~110-150 s, with --profile ~165 s; `lora tests`
 # (GPU_TEST_FILES=tests/test_lora.py: 70 s) 228 s; `acceptance lora` (Llama) 288 s; a start refused once.
+# Session 23: `tests lora` (test_lora.py, 3 LoRA kernels: OOM at the third before the bench freed its
+# weights) 257 s cold; `lora` (2 kernels, batches 1,16,64, --profile) + two scratch b1 runs 333 s;
+# `acceptance` (Llama, 162 s) + `w4` (W4_ARGS="--shapes qkv,gate_up --kinds int4 --ms 1", W4_KINDS=" ")
+# 235 s cold; two refused starts cost ~90 s of budget each.
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
