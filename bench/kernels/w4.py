@@ -6,6 +6,9 @@ scales per 16, a per-row global scale), it times on weights rotating through dis
 >= 256 MB (over 4x the H200's 60 MB L2, so HBM is timed):
 * `skinny_matmul_w4` (pallas_kernels/linear/w4.py) over a small sweep of `W4Params`;
 * the prefill path: XLA dequantize-then-dot on the same packed weights;
+* `xla_native_4bit`: the same weights as XLA's int4 / float4_e2m1fn arrays, dequantized by
+  element-wise ops on the dot's operand (whether XLA fuses that into its GEMM at decode sizes
+  decides whether a Pallas kernel is needed at all; added in session 23, not yet run on the GPU);
 * XLA's bf16 dot with W [N, K] (what a bf16 checkpoint runs), the baseline;
 next to a torch `copy_` of 2 GiB (read + write bytes) measured in the same run (the ceiling).
 Reported: packed weight bytes / time (the issue's bar: >= 3.4 TB/s at M = 1, goal 3.8), all
@@ -96,6 +99,36 @@ def _dequant_dot(x, packed, scales, aux, *, k, group_size, kind):
     return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
+def _xla_native(ws, kind, k, group):
+    """The copies as XLA's own 4-bit types ("xla_native": int4 codes - 8 with zeros - 8, or
+    float4_e2m1fn values), [N, K] with scales [N, K/G] (and zeros / row scales): what a weight-only
+    path through XLA's fused dot would store (XLA packs 4-bit arrays two to a byte on the GPU)."""
+    out = []
+    for packed, scales, aux in ws:
+        codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1)[:, :k]
+        if kind == "int4":
+            w = (codes.astype(jnp.int8) - 8).astype(jnp.int4)
+            out.append((w, scales, (aux.astype(jnp.int8) - 8)))
+        else:
+            w = dequantize_w4_reference(packed, jnp.ones_like(scales, jnp.float32), jnp.ones_like(aux), k=k,
+                                        group_size=group, kind=kind).astype(jnp.float4_e2m1fn)
+            out.append((w, scales, aux))
+    jax.block_until_ready(out)
+    return out
+
+
+def _xla_native_dot(x, w, scales, aux, *, kind, group_size):
+    """XLA's dot over the dequantized 4-bit weight, the dequantization written as element-wise ops
+    on the dot's operand (XLA may fuse it into its GEMM, or materialize the bf16 weight)."""
+    n, k = w.shape
+    wg = w.astype(jnp.bfloat16).reshape(n, k // group_size, group_size)
+    if kind == "int4":
+        wg = wg - aux.astype(jnp.bfloat16)[..., None]
+    wg = (wg * scales.astype(jnp.bfloat16)[..., None]).reshape(n, k)
+    y = jax.lax.dot_general(x, wg, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * aux[None, :] if kind == "fp4" else y).astype(jnp.bfloat16)
+
+
 def _time(fn, x, ws, groups=5, target_s=0.02):
     """Seconds per weight copy: one jitted executable runs fn over every copy."""
     run = jax.jit(lambda x, ws: [fn(x, *w) for w in ws])
@@ -157,6 +190,7 @@ def main(argv=None):
             for kind, group in KINDS.items():
                 copies = max(2, math.ceil(MIN_ROTATION_BYTES / (n * k // 2)))
                 ws = _weights(jax.random.fold_in(key, n + k), n, k, kind, group, copies)
+                ws_native = _xla_native(ws, kind, k, group) if k % group == 0 else None
                 packed_bytes = n * ((k + 1) // 2)
                 all_bytes = sum(a.nbytes for a in ws[0])
                 for m in MS:
@@ -169,6 +203,9 @@ def main(argv=None):
                     cells = [("xla_bf16", None, t_bf16, None)]
                     t, y = _time(functools.partial(_dequant_dot, k=k, group_size=group, kind=kind), x, ws)
                     cells.append(("xla_dequant_dot", None, t, y))
+                    if ws_native is not None:
+                        t, y = _time(functools.partial(_xla_native_dot, kind=kind, group_size=group), x, ws_native)
+                        cells.append(("xla_native_4bit", None, t, y))
                     for p in SWEEP:
                         if p.group_partial and not p.gemv and kind == "fp4" or p.gemv and m > 1:
                             continue
@@ -194,8 +231,8 @@ def main(argv=None):
     except _BudgetReached:
         print("budget reached", flush=True)
     save()
-    md = ["| shape | kind | M | best pallas_w4 (us) | packed TB/s | xla dequant+dot (us) | bf16 (us) | x bf16 |",
-          "|---|---|---|---|---|---|---|---|"]
+    md = ["| shape | kind | M | best pallas_w4 (us) | packed TB/s | xla dequant+dot (us) | xla native 4-bit (us) "
+          "| bf16 (us) | x bf16 |", "|---|---|---|---|---|---|---|---|---|"]
     for name in SHAPES:
         for kind in KINDS:
             for m in MS:
@@ -203,9 +240,10 @@ def main(argv=None):
                 best = min((r for r in cell if r["impl"] == "pallas_w4"), key=lambda r: r["time_us"], default=None)
                 dq = next((r for r in cell if r["impl"] == "xla_dequant_dot"), None)
                 bf = next((r for r in cell if r["impl"] == "xla_bf16"), None)
+                nat = next((f"{r['time_us']:.1f}" for r in cell if r["impl"] == "xla_native_4bit"), "-")
                 if best and dq and bf:
                     md.append(f"| {name} | {kind} | {m} | {best['time_us']:.1f} | {best['packed_tb_s']:.2f} | "
-                              f"{dq['time_us']:.1f} | {bf['time_us']:.1f} | {best['speedup_vs_bf16']:.2f} |")
+                              f"{dq['time_us']:.1f} | {nat} | {bf['time_us']:.1f} | {best['speedup_vs_bf16']:.2f} |")
     tuned = {}  # best kernel params per (kind, N, K, M): copy to pallas_kernels/linear/tuned_w4.json
     for r in rows:
         if r.get("impl") == "pallas_w4" and "time_us" in r and (r["rel_err"] or 0) < 1e-2:
