@@ -203,8 +203,9 @@ def forward_paged(
 
     def layer(carry, lp):
         x, kv, i = carry
-        lora = (LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret, live, attn.use_pallas)
-                if lora_on else None)
+        # (the Pallas expand-add under tensor parallelism would see every device's columns: XLA's there)
+        lora = (LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret, live,
+                           attn.use_pallas and attn.mesh is None) if lora_on else None)
         if fused_rope:
             kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, lora), cos_sin, cfg.num_heads,
                                       attn.interpret)
