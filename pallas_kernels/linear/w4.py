@@ -29,12 +29,13 @@ Variants, static in `W4Params`, for the H200 sweep to choose between (the defaul
 broadcast in registers instead of a per-byte gather; `group_partial` (int4) dots x with the raw
 codes per group and applies zero and scale to the f32 partial; `gemv` (M = 1) multiplies and
 reduces on the CUDA cores instead of a dot padded to 16 rows. `gemv` with `group_partial` (int4
-and NVFP4, session 23, not yet measured on the GPU): per group, the sum of code * x in f32, then
-zero * sum(x) subtracted and the group's scale applied to the partial, so per weight only the
-nibble extraction, a float built from the code's bits (no int -> float conversion, which runs at
-a quarter of the FMA rate) and one FMA; the other variants dequantize each weight (subtract,
-convert, scale, round) before the dot or the product, which bounds them by the ALUs, not the
-memory (session 15: 14 us at best for 12.6 MB of q/k/v codes, 0.9 TB/s). `w4_params_for` reads the sweep's
+and NVFP4, session 23): per group, the sum of code * x in f32, then zero * sum(x) subtracted and
+the group's scale applied to the partial, so per weight only the nibble extraction, a float built
+from the code's bits (no int -> float conversion instruction, a quarter of the FMA rate) and one
+FMA; the other variants dequantize each weight (subtract, convert, scale, round) first. On the
+H200 it is the best M = 1 variant for int4 (q/k/v 12.5 us against 17.5 us for the next, gate|up
+42.4 against 45.0 us: 1.0-1.4 TB/s of codes, so the ALU work was not the main bound; NVFP4 not
+swept yet). `w4_params_for` reads the sweep's
 table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
 """
 
@@ -73,6 +74,8 @@ class W4Params:
     # zero * sum(x) and multiply the f32 partial by the group's per-column scale (needs block_k and
     # the group size to divide one another, and groups of >= 32: int4 only in practice, NVFP4's 16
     # would give dots of 8 columns, below Triton's 16; more accurate, fewer per-element ops, more dots).
+    # With gemv (M = 1): the same per group on the CUDA cores, int4 and NVFP4 (G a multiple of
+    # block_k, or a power of two dividing it).
     group_partial: bool = False
     # M = 1 only: multiply-and-reduce on the CUDA cores (f32) instead of a dot that pads x to 16
     # rows (the FP8 kernel's fastest M = 1 variant on the H200); other M use the dot.
