@@ -152,6 +152,8 @@ def _random_w4(rng, n, k, g, kind):
     ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, gemv=True, group_partial=True)),  # 4 groups a step
     ("int4", 1, 24, 192, 192, W4Params(block_n=32, block_k=64, gemv=True, group_partial=True)),  # one group (channel)
     ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True)),
+    ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True, unroll=True)),
+    ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=64, scale_tile=True, unroll=True)),
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
@@ -203,6 +205,7 @@ def test_w4_kernel_rejects_bad_input():
     ("fp4", 16, W4Params()), ("fp4", 16, W4Params(scale_tile=True)), ("fp4", 16, W4Params(gemv=True)),
     ("int4", 128, W4Params(block_k=512, gemv=True, group_partial=True)),
     ("fp4", 16, W4Params(block_k=512, gemv=True, group_partial=True)),
+    ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, unroll=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,

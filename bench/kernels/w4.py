@@ -58,7 +58,12 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          # M = 1, per-group partial sums without conversions (session 23; int4 and NVFP4)
          W4Params(16, 1024, 4, 4, True, True), W4Params(32, 512, 4, 4, True, True),
          W4Params(64, 512, 8, 3, True, True), W4Params(64, 1024, 8, 3, True, True),
-         W4Params(128, 256, 8, 3, True, True), W4Params(32, 2048, 8, 2, True, True)]
+         W4Params(128, 256, 8, 3, True, True), W4Params(32, 2048, 8, 2, True, True),
+         # the same with the K loop unrolled (every weight load of a program visible at once)
+         W4Params(16, 1024, 4, 1, True, True, unroll=True), W4Params(32, 512, 4, 1, True, True, unroll=True),
+         W4Params(16, 512, 4, 1, True, True, unroll=True), W4Params(32, 1024, 8, 1, True, True, unroll=True),
+         W4Params(16, 1024, 4, 1, gemv=True, scale_tile=True, unroll=True),
+         W4Params(32, 512, 4, 1, scale_tile=True, unroll=True)]
 MIN_ROTATION_BYTES = 256e6
 
 

@@ -84,6 +84,10 @@ class W4Params:
     # tile and broadcast it in registers (needs G a power of two dividing block_k), instead of
     # gathering one scale per weight pair (any G; many more load instructions).
     scale_tile: bool = False
+    # Unroll the K loop (all of a program's weight loads visible at once, so they can be in flight
+    # together; a loop whose loads feed no dot may not be software-pipelined by Triton, which
+    # would leave one tile in flight per program: session 23's guess, to be swept).
+    unroll: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -173,8 +177,18 @@ def _codes_f32(c):
     return jax.lax.bitcast_convert_type(c | 0x4B000000, jnp.float32) - 8388608.0
 
 
+def _loop(num_steps: int, body, acc, unroll: bool):
+    """fori_loop(0, num_steps, body, acc), or the steps written out one after another (Pallas'
+    Triton lowering takes no `unroll` argument)."""
+    if not unroll:
+        return jax.lax.fori_loop(0, num_steps, body, acc)
+    for i in range(num_steps):
+        acc = body(jnp.int32(i), acc)
+    return acc
+
+
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile):
+               gemv, scale_tile, unroll):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -253,7 +267,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 part = part - z.astype(jnp.int32).astype(jnp.float32) * xs[None, :]
             return acc + jnp.sum(part * sc, axis=1)
 
-        acc = jax.lax.fori_loop(0, num_steps, body_gemv_groups, jnp.zeros((block_n,), jnp.float32))
+        acc = _loop(num_steps, body_gemv_groups, jnp.zeros((block_n,), jnp.float32), unroll)
         if fp4:
             acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
         plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
@@ -266,7 +280,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             xo = plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
             return acc + jnp.sum(w_lo * xe[None, :] + w_hi * xo[None, :], axis=1)
 
-        acc = jax.lax.fori_loop(0, num_steps, body_gemv, jnp.zeros((block_n,), jnp.float32))
+        acc = _loop(num_steps, body_gemv, jnp.zeros((block_n,), jnp.float32), unroll)
         if fp4:
             acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
         plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
@@ -301,8 +315,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             acc = acc + part * s[None, :]
         return acc
 
-    acc = jax.lax.fori_loop(0, num_steps, body_group_partial if group_partial else body,
-                            jnp.zeros((mp, block_n), jnp.float32))  # f32[Mp, BN]
+    acc = _loop(num_steps, body_group_partial if group_partial else body, jnp.zeros((mp, block_n), jnp.float32),
+                unroll)  # f32[Mp, BN]
     if fp4:
         acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)[None, :]
     plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
@@ -352,7 +366,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
-        scale_tile=params.scale_tile)
+        scale_tile=params.scale_tile, unroll=params.unroll)
     return pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n),),
