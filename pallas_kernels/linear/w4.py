@@ -35,7 +35,8 @@ from the code's bits (no int -> float conversion instruction, a quarter of the F
 FMA; the other variants dequantize each weight (subtract, convert, scale, round) first. On the
 H200 it is the best M = 1 variant for int4 (q/k/v 12.5 us against 17.5 us for the next, gate|up
 42.4 against 45.0 us: 1.0-1.4 TB/s of codes, so the ALU work was not the main bound; NVFP4 not
-swept yet). `w4_params_for` reads the sweep's
+swept yet). `unroll` writes the K loop out, so that all of a program's weight loads can be in
+flight together (not swept yet). `w4_params_for` reads the sweep's
 table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
 """
 
