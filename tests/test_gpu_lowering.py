@@ -113,6 +113,11 @@ def test_opt_in_kernels_lower_for_h200():
             f = jax.jit(functools.partial(lora_expand_add, n_out=6144, h_offset=6144, parts=(4096, 1024, 1024)))
             text = f.trace(y, y, sds((t,), jnp.int32), sds((8, 48, 6144), bf)).lower(lowering_platforms=("cuda",))
             assert "lora_expand_add" in text.as_text()
+            y = sds((t, 2 * 14336 + 8 * 32), bf)  # gate|up with its SwiGLU activation
+            f = jax.jit(functools.partial(lora_expand_add, n_out=28672, h_offset=28672, parts=(14336, 14336),
+                                          silu_mul=True))
+            text = f.trace(y, y, sds((t,), jnp.int32), sds((8, 32, 28672), bf)).lower(lowering_platforms=("cuda",))
+            assert "lora_expand_add" in text.as_text()
         for r in (1, 320):
             x = sds((r, 128256), jnp.float32)
             text = jax.jit(sums_ge).trace(x, sds((r, 15), jnp.float32), x).lower(lowering_platforms=("cuda",)).as_text()

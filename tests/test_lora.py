@@ -331,6 +331,22 @@ def test_lora_delta_kernels_and_token_slots():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             got = np.asarray(add_delta(y_ext, jnp.asarray(x), lora, "qkv_a", "qkv_b", outs, jnp.asarray(res)))
             np.testing.assert_allclose(got, res + want, rtol=1e-5, atol=1e-5)
+    # a gate|up projection returning its SwiGLU activation (the kernel: in the same launch)
+    gu = np.zeros((s, 2 * r, 12), np.float32)
+    gu[:, :r, :6], gu[:, r:, 6:] = bs[0], rng.standard_normal((s, r, 6), np.float32)
+    g_ref = np.zeros((t, 12), np.float32)
+    for i, k in enumerate(slot):
+        if k >= 0:
+            g_ref[i] = np.concatenate([(a[k, j * r:(j + 1) * r] @ x[i]) @ gu[k, j * r:(j + 1) * r, j * 6:(j + 1) * 6]
+                                       for j in range(2)])
+    y12 = rng.standard_normal((t, 12), np.float32)
+    pre = y12 + g_ref
+    want = pre[:, :6] / (1 + np.exp(-pre[:, :6])) * pre[:, 6:]
+    y12_ext = jnp.asarray(np.concatenate([y12, np.einsum("ti,sri->tsr", x, a).reshape(t, -1)], axis=1))
+    for kernel in ("masked", "gather", "pallas"):
+        lora = LoRAInputs({"gate_up_b": jnp.asarray(gu)}, jnp.asarray(slot), jnp.asarray(slot), kernel, interpret=True)
+        got = np.asarray(add_delta(y12_ext, jnp.asarray(x), lora, "gate_up_a", "gate_up_b", (6, 6), silu_mul=True))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     big = np.repeat(x, 10, axis=0)  # 70 tokens
     lora = LoRAInputs(lw, jnp.asarray(np.repeat(slot, 10)), jnp.asarray(np.repeat(slot, 10)), "pallas")
     got = add_delta(jnp.asarray(np.repeat(y, 10, axis=0)), jnp.asarray(big), lora, "qkv_a", "qkv_b", outs)

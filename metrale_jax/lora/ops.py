@@ -17,8 +17,9 @@ min(T, S) slots' worth, and the bucket's T is static):
 * "gather": gather each token's own A and B (`A[slot[t]]`) and contract per token: T * R *
   (in + out) FLOPs but T copies of the adapter bytes; better for very many slots and few tokens.
 * "pallas": steps of at most 64 tokens run each projection's expand, its add to y and (o / down)
-  the residual add as one kernel (`pallas_kernels/linear/lora.py`: XLA ran a batch-1 step's
-  expands as reductions of their own or as loop fusions of the residual adds on a few SMs);
+  the residual add or (gate|up) the SwiGLU activation as one kernel (`pallas_kernels/linear/lora.py`:
+  XLA ran a batch-1 step's expands as reductions of their own or as loop fusions of the residual
+  adds on a few SMs);
   larger steps take "masked". "auto" takes it where the step's other kernels are Pallas
   (`AttentionConfig.use_pallas`: the GPU default).
   (A Pallas / `ragged_dot` kernel grouped by slot, as Punica's SGMV, for prefill at large S:
@@ -46,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.layers.mlp import silu_mul as swiglu
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 from pallas_kernels.linear.lora import MAX_T as KERNEL_MAX_T
 from pallas_kernels.linear.lora import lora_expand_add
@@ -126,17 +128,20 @@ def lora_expand(h: jax.Array, slot: jax.Array, b: jax.Array, kernel: str = "auto
 
 
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str, parts: tuple[int, ...] = (),
-              residual: jax.Array | None = None) -> jax.Array:
+              residual: jax.Array | None = None, silu_mul: bool = False) -> jax.Array:
     """(residual +) y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); no delta without LoRA.
 
     Folded projections (`a` absent from `lora.w`: the engine appended every slot's A to the base
     weight, `manager.fold_targets`): y is then [..., out + S*kR], the base GEMM's output followed
     by every slot's shrink x·A_s (x itself is unused), and the result is [..., out].
     parts: the widths of a fused projection's parts (q|k|v, gate|up), read by the "pallas" kernel
-    (its B is block diagonal over them); residual: the residual stream this output is added to.
+    (its B is block diagonal over them); residual: the residual stream this output is added to;
+    silu_mul: a gate|up projection whose SwiGLU activation `layers.mlp.silu_mul` of the sum is
+    returned ([..., out / 2]; the "pallas" kernel computes it in the same launch).
     """
     if lora is None:
-        return y if residual is None else residual + y
+        y = y if residual is None else residual + y
+        return swiglu(y) if silu_mul else y
     t = math.prod(y.shape[:-1])
     bw = lora.w[b]  # [S, kR, out]
     n = bw.shape[-1]
@@ -150,8 +155,8 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
                                          preferred_element_type=jnp.float32).astype(x.dtype).reshape(t, -1)
         res = None if residual is None else residual.reshape(t, n)
         out = lora_expand_add(y2, h, lora.slot, bw, res, n_out=n, h_offset=n if folded else 0, parts=parts,
-                              live=live if live < t else 0, interpret=lora.interpret)
-        return out.reshape(y.shape[:-1] + (n,))
+                              live=live if live < t else 0, silu_mul=silu_mul, interpret=lora.interpret)
+        return out.reshape(y.shape[:-1] + out.shape[-1:])
     if folded:
         s, kr = bw.shape[:2]
         h = y2[:live, n:].reshape(live, s, kr)
@@ -165,7 +170,8 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     if live < t:
         d = jnp.pad(d, ((0, t - live), (0, 0)))
     y = y + d.reshape(y.shape)
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    return swiglu(y) if silu_mul else y
 
 
 class ExpertGroups(NamedTuple):

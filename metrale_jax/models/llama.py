@@ -138,9 +138,8 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
         if lora is None:
             return x + linear(silu_mul(gate_up), lp["w_down"])
         inter = cfg.intermediate_size
-        gate_up = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b",
-                            (inter, inter))
-        act = silu_mul(gate_up)
+        act = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b",
+                        (inter, inter), silu_mul=True)
         return add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b", residual=x)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape

@@ -6,7 +6,8 @@
 y [T, >= N] holds the base projection in its first N columns; h [T, >= off + S*kR] every slot's
 shrink result x·A_s (with A folded into the base weight, `metrale_jax.lora.manager.fold_targets`,
 h is y itself and off = N: the one GEMM gave both); B [S, kR, N]; the residual (optional) is the
-residual stream the projection's output is added to (o / down), so that add is this kernel too.
+residual stream the projection's output is added to (o / down), so that add is this kernel too;
+for gate|up the kernel can return the SwiGLU activation silu(gate) * up instead (`silu_mul`).
 
 Why a kernel: XLA runs a decode step's expand as a reduction of its own, or fuses it into the
 residual add as a loop fusion that computes each output column's k-long dot in one thread (so a
@@ -38,41 +39,55 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_off, bounds, block_n, live):
+def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_off, bounds, block_n, live,
+                       silu_mul):
     # slot_ref i32[T]; y_ref [T, >= N]; h_ref [T, >= h_off + S*kR]; b_ref [S, kR, N];
-    # refs: (residual [T, N],) out [T, N]
+    # refs: (residual [T, N],) out [T, N] (silu_mul: [T, N/2])
     o_ref = refs[-1]
     t = pl.program_id(0)
-    cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN]
-    ok = cols < n_out
-    tt = jnp.full((block_n,), t, jnp.int32)
-    acc = plgpu_triton.load(y_ref.at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)  # f32[BN]
-    if len(refs) == 2:
-        acc = acc + plgpu_triton.load(refs[0].at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
     s = slot_ref[t] if live == 0 else jnp.where(t < live, slot_ref[t], -1)
     sc = jnp.maximum(s, 0)
-    part = sum(((cols >= b).astype(jnp.int32) for b in bounds), jnp.zeros_like(cols))  # i32[BN] part of each column
     rr = jnp.arange(_pow2(rank), dtype=jnp.int32)[:, None]  # i32[Rp, 1]
-    row = part[None, :] * rank + rr  # i32[Rp, BN] the rows of B (and of h) each column reads
-    m = (rr < rank) & ok[None, :] & (s >= 0)
-    tr = jnp.full(row.shape, t, jnp.int32)
-    h = plgpu_triton.load(h_ref.at[tr, h_off + sc * kr + row], mask=m, other=0.0)  # [Rp, BN]
-    b = plgpu_triton.load(b_ref.at[jnp.full(row.shape, sc, jnp.int32), row, jnp.broadcast_to(cols, row.shape)],
-                          mask=m, other=0.0)  # [Rp, BN]
-    acc = acc + jnp.sum(h.astype(jnp.float32) * b.astype(jnp.float32), axis=0)
-    plgpu_triton.store(o_ref.at[tt, cols], acc.astype(o_ref.dtype), mask=ok)
+    tt = jnp.full((block_n,), t, jnp.int32)
+
+    def columns(cols):  # f32[BN]: (residual +) y + delta of output columns `cols`
+        ok = cols < n_out
+        acc = plgpu_triton.load(y_ref.at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
+        if len(refs) == 2:
+            acc = acc + plgpu_triton.load(refs[0].at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
+        part = sum(((cols >= b).astype(jnp.int32) for b in bounds), jnp.zeros_like(cols))  # i32[BN] each column's part
+        row = part[None, :] * rank + rr  # i32[Rp, BN] the rows of B (and of h) each column reads
+        m = (rr < rank) & ok[None, :] & (s >= 0)
+        tr = jnp.full(row.shape, t, jnp.int32)
+        h = plgpu_triton.load(h_ref.at[tr, h_off + sc * kr + row], mask=m, other=0.0)  # [Rp, BN]
+        b = plgpu_triton.load(b_ref.at[jnp.full(row.shape, sc, jnp.int32), row, jnp.broadcast_to(cols, row.shape)],
+                              mask=m, other=0.0)  # [Rp, BN]
+        return acc + jnp.sum(h.astype(jnp.float32) * b.astype(jnp.float32), axis=0)
+
+    cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN]
+    dt = o_ref.dtype
+    if silu_mul:  # gate column c and up column N/2 + c, rounded as `layers.mlp.silu_mul` rounds them
+        half = n_out // 2
+        g = columns(cols).astype(dt).astype(jnp.float32)
+        u = columns(cols + half).astype(dt).astype(jnp.float32)
+        out = (g / (1.0 + jnp.exp(-g))).astype(dt).astype(jnp.float32) * u
+        plgpu_triton.store(o_ref.at[tt, cols], out.astype(dt), mask=cols < half)
+    else:
+        plgpu_triton.store(o_ref.at[tt, cols], columns(cols).astype(dt), mask=cols < n_out)
 
 
-@functools.partial(jax.jit, static_argnames=("n_out", "h_offset", "parts", "live", "block_n", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n_out", "h_offset", "parts", "live", "silu_mul", "block_n", "interpret"))
 def lora_expand_add(y, h, slot, b, residual=None, *, n_out: int, h_offset: int = 0, parts: tuple[int, ...] = (),
-                    live: int = 0, block_n: int = 256, interpret: bool = False):
+                    live: int = 0, silu_mul: bool = False, block_n: int = 256, interpret: bool = False):
     """residual + y[:, :n_out] + each token's shrink h under its slot times that slot's B (module
     docstring) -> [T, n_out] in y's dtype.
 
     y [T, >= n_out]; h [T, >= h_offset + S*kR] (may be y itself); slot i32[T] (< 0: no delta;
     must be < S); b [S, kR, n_out], block diagonal over `parts` (the widths of a fused
     projection's parts, summing to n_out; () = one part); residual [T, n_out] or None; live > 0:
-    tokens from `live` on (a decode step's padded rows) get no delta. T in 1..64.
+    tokens from `live` on (a decode step's padded rows) get no delta; silu_mul: a gate|up
+    projection (two equal parts, no residual) whose output is silu(gate) * up, [T, n_out / 2] (as
+    `layers.mlp.silu_mul` of the sum: the SwiGLU activation in the same launch). T in 1..64.
     """
     t = y.shape[0]
     s, kr, n = b.shape
@@ -81,21 +96,23 @@ def lora_expand_add(y, h, slot, b, residual=None, *, n_out: int, h_offset: int =
         raise ValueError(f"lora_expand_add: {t} tokens; the kernel takes 1..{MAX_T} (larger steps: the XLA path)")
     if (n != n_out or sum(parts) != n or kr % len(parts) or y.shape[1] < n or h.shape[0] != t
             or h.shape[1] < h_offset + s * kr or slot.shape != (t,)
-            or (residual is not None and residual.shape != (t, n))):
+            or (residual is not None and residual.shape != (t, n))
+            or (silu_mul and (len(parts) != 2 or parts[0] != parts[1] or residual is not None))):
         raise ValueError(f"lora_expand_add: shapes disagree: y {y.shape}, h {h.shape} (offset {h_offset}), slot "
                          f"{slot.shape}, b {b.shape}, parts {parts}, residual "
-                         f"{None if residual is None else residual.shape}, {n_out=}")
+                         f"{None if residual is None else residual.shape}, {n_out=}, {silu_mul=}")
     bounds = tuple(sum(parts[:i]) for i in range(1, len(parts)))
-    block_n = min(block_n, _pow2(n))
+    width = n // 2 if silu_mul else n  # output columns
+    block_n = min(block_n, _pow2(width))
     kernel = functools.partial(_expand_add_kernel, n_out=n, kr=kr, rank=kr // len(parts), h_off=h_offset,
-                               bounds=bounds, block_n=block_n, live=live)
+                               bounds=bounds, block_n=block_n, live=live, silu_mul=silu_mul)
     args = (slot.astype(jnp.int32), y, h, b) + (() if residual is None else (residual,))
     return pl.pallas_call(
         kernel,
-        grid=(t, pl.cdiv(n, block_n)),
+        grid=(t, pl.cdiv(width, block_n)),
         in_specs=[pl.no_block_spec] * len(args),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((t, n), y.dtype),
+        out_shape=jax.ShapeDtypeStruct((t, width), y.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="lora_expand_add",
