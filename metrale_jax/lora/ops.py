@@ -17,11 +17,11 @@ min(T, S) slots' worth, and the bucket's T is static):
 * "gather": gather each token's own A and B (`A[slot[t]]`) and contract per token: T * R *
   (in + out) FLOPs but T copies of the adapter bytes; better for very many slots and few tokens.
 * "pallas": steps of at most 64 tokens run each projection's expand, its add to y and (o / down)
-  the residual add or (gate|up) the SwiGLU activation as one kernel (`pallas_kernels/linear/lora.py`:
-  XLA ran a batch-1 step's expands as reductions of their own or as loop fusions of the residual
-  adds on a few SMs);
-  larger steps take "masked". "auto" takes it where the step's other kernels are Pallas
-  (`AttentionConfig.use_pallas`: the GPU default).
+  the residual add or (gate|up) the SwiGLU activation as one kernel
+  (`pallas_kernels/linear/lora.py`: XLA ran a batch-1 step's expands as reductions of their own
+  or as loop fusions of the residual adds on a few SMs); larger steps take "masked". "auto"
+  takes it where the step's other kernels are Pallas (`AttentionConfig.use_pallas`: the GPU
+  default) and there is no tensor-parallel mesh.
   (A Pallas / `ragged_dot` kernel grouped by slot, as Punica's SGMV, for prefill at large S:
   not written.)
 
@@ -52,9 +52,9 @@ from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 from pallas_kernels.linear.lora import MAX_T as KERNEL_MAX_T
 from pallas_kernels.linear.lora import lora_expand_add
 
-# "auto" takes the Pallas kernel for steps of at most this many tokens (H200, Llama-3-8B, 8 slots:
-# batch 1, i.e. 8 rows with the padding, 1.110x the base step against 1.172x masked; batch 64
-# 1.236x against 1.158x masked, session 23)
+# "auto" takes the Pallas kernel for steps of at most this many tokens (H200, Llama-3-8B, 8 slots,
+# session 23: batch 1, i.e. 8 rows with the padding, 1.110-1.119x the base step against
+# 1.172-1.182x masked; batch 16 1.159x against 1.167x; batch 64 1.236x against 1.158x)
 AUTO_PALLAS_MAX_T = 16
 
 
@@ -150,7 +150,7 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     y2 = y.reshape(t, -1)
     auto_t = AUTO_PALLAS_MAX_T if lora.kernel == "auto" and lora.pallas else 0
     if t <= (KERNEL_MAX_T if lora.kernel == "pallas" else auto_t):
-        # one kernel: expand, add, residual add (h: the folded GEMM's extra columns, or the shrink)
+        # one kernel: expand, add, residual add or activation (h: the folded GEMM's extra columns, or the shrink)
         h = y2 if folded else jnp.einsum("ti,sri->tsr", x.reshape(t, -1), lora.w[a].astype(x.dtype),
                                          preferred_element_type=jnp.float32).astype(x.dtype).reshape(t, -1)
         res = None if residual is None else residual.reshape(t, n)
