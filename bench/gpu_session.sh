@@ -234,7 +234,7 @@ if [[ $parts == *acceptance* ]]; then  # every family, default EngineConfig, LLM
 fi
 if [[ $parts == *lora* ]]; then  # issue 18: decode step with 8 rank-16 adapters (all 7 projections) vs base
   timeout ${LORA_LIMIT:-400} python3 bench/lora.py --shape llama3-8b --batches 1,64 --num-adapters 8 --rank 16 \
-    --kernels ${LORA_KERNELS:-auto,pallas} ${LORA_ARGS:-} --out "$OUT/lora_llama3_8b.json" 2>&1 | tee "$OUT/lora.log" \
+    --kernels ${LORA_KERNELS:-auto,masked} ${LORA_ARGS:-} --out "$OUT/lora_llama3_8b.json" 2>&1 | tee "$OUT/lora.log" \
     | grep -v "^ *[0-9.]* us" | tail -12
 fi
 if [[ $parts == *structured* ]]; then  # issue 20: JSON-schema rows' cost per decode step at batch 64 (llguidance wheel in .whl)
