@@ -110,11 +110,11 @@ def test_opt_in_kernels_lower_for_h200():
     with jax.sharding.use_abstract_mesh(_h200_mesh()):
         for t in (1, 64):
             y = sds((t, 6144 + 8 * 48), bf)
-            f = jax.jit(functools.partial(lora_expand_add, n_out=6144, h_offset=6144, parts=(4096, 1024, 1024)))
+            f = jax.jit(functools.partial(lora_expand_add, h_offset=6144, parts=(4096, 1024, 1024)))
             text = f.trace(y, y, sds((t,), jnp.int32), sds((8, 48, 6144), bf)).lower(lowering_platforms=("cuda",))
             assert "lora_expand_add" in text.as_text()
             y = sds((t, 2 * 14336 + 8 * 32), bf)  # gate|up with its SwiGLU activation
-            f = jax.jit(functools.partial(lora_expand_add, n_out=28672, h_offset=28672, parts=(14336, 14336),
+            f = jax.jit(functools.partial(lora_expand_add, h_offset=28672, parts=(14336, 14336),
                                           silu_mul=True))
             text = f.trace(y, y, sds((t,), jnp.int32), sds((8, 32, 28672), bf)).lower(lowering_platforms=("cuda",))
             assert "lora_expand_add" in text.as_text()

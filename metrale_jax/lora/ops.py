@@ -105,9 +105,14 @@ def lora_delta(x: jax.Array, slot: jax.Array, a: jax.Array, b: jax.Array, kernel
     if _kernel(kernel, x.shape[0], s) == "gather":  # each token's own A only
         own = a[jnp.clip(slot, 0, s - 1)].astype(x.dtype)  # [T, kR, in]
         h = jnp.einsum("ti,tri->tr", x, own, preferred_element_type=jnp.float32)  # [T, kR]
-    else:  # every slot's A at once
-        h = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S, kR]
+    else:
+        h = _shrink_all(x, a)
     return lora_expand(h.astype(x.dtype), slot, b, kernel, out_dtype)
+
+
+def _shrink_all(x: jax.Array, a: jax.Array) -> jax.Array:
+    """x [T, in] against every slot's A [S, kR, in] -> f32[T, S, kR]."""
+    return jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def lora_expand(h: jax.Array, slot: jax.Array, b: jax.Array, kernel: str = "auto", out_dtype=jnp.float32) -> jax.Array:
@@ -151,10 +156,9 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     auto_t = AUTO_PALLAS_MAX_T if lora.kernel == "auto" and lora.pallas else 0
     if t <= (KERNEL_MAX_T if lora.kernel == "pallas" else auto_t):
         # one kernel: expand, add, residual add or activation (h: the folded GEMM's extra columns, or the shrink)
-        h = y2 if folded else jnp.einsum("ti,sri->tsr", x.reshape(t, -1), lora.w[a].astype(x.dtype),
-                                         preferred_element_type=jnp.float32).astype(x.dtype).reshape(t, -1)
+        h = y2 if folded else _shrink_all(x.reshape(t, -1), lora.w[a]).astype(x.dtype).reshape(t, -1)
         res = None if residual is None else residual.reshape(t, n)
-        out = lora_expand_add(y2, h, lora.slot, bw, res, n_out=n, h_offset=n if folded else 0, parts=parts,
+        out = lora_expand_add(y2, h, lora.slot, bw, res, h_offset=n if folded else 0, parts=parts,
                               live=live if live < t else 0, silu_mul=silu_mul, interpret=lora.interpret)
         return out.reshape(y.shape[:-1] + out.shape[-1:])
     if folded:

@@ -76,17 +76,17 @@ def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_
         plgpu_triton.store(o_ref.at[tt, cols], columns(cols).astype(dt), mask=cols < n_out)
 
 
-@functools.partial(jax.jit, static_argnames=("n_out", "h_offset", "parts", "live", "silu_mul", "block_n", "interpret"))
-def lora_expand_add(y, h, slot, b, residual=None, *, n_out: int, h_offset: int = 0, parts: tuple[int, ...] = (),
+@functools.partial(jax.jit, static_argnames=("h_offset", "parts", "live", "silu_mul", "block_n", "interpret"))
+def lora_expand_add(y, h, slot, b, residual=None, *, h_offset: int = 0, parts: tuple[int, ...] = (),
                     live: int = 0, silu_mul: bool = False, block_n: int = 256, interpret: bool = False):
-    """residual + y[:, :n_out] + each token's shrink h under its slot times that slot's B (module
-    docstring) -> [T, n_out] in y's dtype.
+    """residual + y[:, :N] + each token's shrink h under its slot times that slot's B (module
+    docstring) -> [T, N] in y's dtype.
 
-    y [T, >= n_out]; h [T, >= h_offset + S*kR] (may be y itself); slot i32[T] (< 0: no delta;
-    must be < S); b [S, kR, n_out], block diagonal over `parts` (the widths of a fused
-    projection's parts, summing to n_out; () = one part); residual [T, n_out] or None; live > 0:
+    y [T, >= N]; h [T, >= h_offset + S*kR] (may be y itself); slot i32[T] (< 0: no delta;
+    must be < S); b [S, kR, N], block diagonal over `parts` (the widths of a fused projection's
+    parts, summing to N; () = one part); residual [T, N] or None; live > 0:
     tokens from `live` on (a decode step's padded rows) get no delta; silu_mul: a gate|up
-    projection (two equal parts, no residual) whose output is silu(gate) * up, [T, n_out / 2] (as
+    projection (two equal parts, no residual) whose output is silu(gate) * up, [T, N / 2] (as
     `layers.mlp.silu_mul` of the sum: the SwiGLU activation in the same launch). T in 1..64.
     """
     t = y.shape[0]
@@ -94,13 +94,13 @@ def lora_expand_add(y, h, slot, b, residual=None, *, n_out: int, h_offset: int =
     parts = parts or (n,)
     if not 1 <= t <= MAX_T:
         raise ValueError(f"lora_expand_add: {t} tokens; the kernel takes 1..{MAX_T} (larger steps: the XLA path)")
-    if (n != n_out or sum(parts) != n or kr % len(parts) or y.shape[1] < n or h.shape[0] != t
+    if (sum(parts) != n or kr % len(parts) or y.shape[1] < n or h.shape[0] != t
             or h.shape[1] < h_offset + s * kr or slot.shape != (t,)
             or (residual is not None and residual.shape != (t, n))
             or (silu_mul and (len(parts) != 2 or parts[0] != parts[1] or residual is not None))):
         raise ValueError(f"lora_expand_add: shapes disagree: y {y.shape}, h {h.shape} (offset {h_offset}), slot "
                          f"{slot.shape}, b {b.shape}, parts {parts}, residual "
-                         f"{None if residual is None else residual.shape}, {n_out=}, {silu_mul=}")
+                         f"{None if residual is None else residual.shape}, {silu_mul=}")
     bounds = tuple(sum(parts[:i]) for i in range(1, len(parts)))
     width = n // 2 if silu_mul else n  # output columns
     block_n = min(block_n, _pow2(width))

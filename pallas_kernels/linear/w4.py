@@ -202,12 +202,20 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
     n_ok = ncols < n  # bool[BN]
     row_ok = rows < m  # bool[Mp]
 
-    def weights(i):  # step i -> (byte columns j i32[BK/2], f32 dequantized even / odd weights [BN, BK/2])
+    def codes(i):  # step i -> (byte columns j i32[BK/2], even / odd column codes i32[BN, BK/2])
         j = i * half + jnp.arange(half, dtype=jnp.int32)
+        b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=n_ok[:, None] & (j < kb)[None, :],
+                              other=0, eviction_policy="evict_first").astype(jnp.int32)
+        return j, b & 15, b >> 4
+
+    def x_row(j):  # M = 1: x's even / odd columns of byte columns j, f32[BK/2] each
+        zj = jnp.zeros_like(j)
+        xe = plgpu_triton.load(x_ref.at[zj, 2 * j], mask=2 * j < k, other=0.0).astype(jnp.float32)
+        return xe, plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
+
+    def weights(i):  # step i -> (byte columns j i32[BK/2], f32 dequantized even / odd weights [BN, BK/2])
+        j, lo, hi = codes(i)
         t_mask = n_ok[:, None] & (j < kb)[None, :]
-        b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=t_mask, other=0,
-                              eviction_policy="evict_first").astype(jnp.int32)
-        lo, hi = b & 15, b >> 4
         if scale_tile:  # [BN, BK/G] tiles, each value repeated over its group's G/2 bytes in registers
             nsg = block_k // group
             gidx = i * nsg + jnp.arange(nsg, dtype=jnp.int32)  # i32[BK/G]
@@ -241,17 +249,12 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
         acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
         return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
 
-    if gemv and group_partial:  # m == 1: per group, sum code * x on the CUDA cores, then zero and scale
-        nsg = max(1, block_k // group)  # groups per step (1: the step lies inside one group)
+    if gemv:  # m == 1: on the CUDA cores, acc f32[BN]
+        nsg = max(1, block_k // group)  # group_partial: groups per step (1: the step lies inside one group)
 
-        def body_gemv_groups(i, acc):
-            j = i * half + jnp.arange(half, dtype=jnp.int32)  # i32[BK/2] byte columns
-            b = plgpu_triton.load(p_ref.at[ncols[:, None], j[None, :]], mask=n_ok[:, None] & (j < kb)[None, :],
-                                  other=0, eviction_policy="evict_first").astype(jnp.int32)  # i32[BN, BK/2]
-            lo, hi = b & 15, b >> 4
-            zj = jnp.zeros_like(j)
-            xe = plgpu_triton.load(x_ref.at[zj, 2 * j], mask=2 * j < k, other=0.0).astype(jnp.float32)  # f32[BK/2]
-            xo = plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
+        def body_gemv_groups(i, acc):  # per group, sum code * x, then zero and scale
+            j, lo, hi = codes(i)
+            xe, xo = x_row(j)
             dec = _e2m1 if fp4 else _codes_f32
             prod = dec(lo) * xe[None, :] + dec(hi) * xo[None, :]  # f32[BN, BK/2]
             if nsg > 1:
@@ -268,20 +271,13 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 part = part - z.astype(jnp.int32).astype(jnp.float32) * xs[None, :]
             return acc + jnp.sum(part * sc, axis=1)
 
-        acc = _loop(num_steps, body_gemv_groups, jnp.zeros((block_n,), jnp.float32), unroll)
-        if fp4:
-            acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
-        plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
-        return
-    if gemv:  # m == 1: f32 multiply-and-reduce, acc f32[BN]
-        def body_gemv(i, acc):
+        def body_gemv(i, acc):  # multiply-and-reduce the dequantized weights
             j, w_lo, w_hi = weights(i)
-            zj = jnp.zeros_like(j)
-            xe = plgpu_triton.load(x_ref.at[zj, 2 * j], mask=2 * j < k, other=0.0).astype(jnp.float32)  # f32[BK/2]
-            xo = plgpu_triton.load(x_ref.at[zj, 2 * j + 1], mask=2 * j + 1 < k, other=0.0).astype(jnp.float32)
+            xe, xo = x_row(j)
             return acc + jnp.sum(w_lo * xe[None, :] + w_hi * xo[None, :], axis=1)
 
-        acc = _loop(num_steps, body_gemv, jnp.zeros((block_n,), jnp.float32), unroll)
+        acc = _loop(num_steps, body_gemv_groups if group_partial else body_gemv, jnp.zeros((block_n,), jnp.float32),
+                    unroll)
         if fp4:
             acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
         plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
