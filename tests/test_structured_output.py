@@ -5,6 +5,7 @@ client (`response_format`). Every JSON output must parse and validate (`jsonsche
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -141,6 +142,27 @@ def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
             m = compiler.matcher(g)
             ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
             assert (m.consume_tokens(ids) and m.is_accepting()) == ok, (grammar, text)
+
+
+def test_matchers_of_one_grammar_are_independent(compiler, smollm2_tokenizer):  # noqa: F811
+    """Matchers are copies of one template per grammar (sharing its lexer cache): one sequence's
+    tokens, errors included, never show in another's masks or state."""
+    import llguidance
+
+    g = compiler.compile(StructuredOutputsParams(json=SCHEMA))
+    enc = functools.partial(smollm2_tokenizer.encode, add_special_tokens=False)
+    a = compiler.matcher(g)
+    assert a.consume_tokens(enc('{"name": "Bo')) and not a.is_error()
+    bad = compiler.matcher(g)
+    assert not bad.consume_tokens(enc("[1, 2]")) and bad.is_error()
+    b = compiler.matcher(g)
+    ref = llguidance.LLMatcher(compiler.llg_tokenizer, g, log_level=0)  # not a copy
+    assert not b.is_error()
+    np.testing.assert_array_equal(compiler.fill([(b, 0)], 1), compiler.fill([(ref, 0)], 1))
+    assert not np.array_equal(compiler.fill([(a, 0)], 1), compiler.fill([(b, 0)], 1))
+    doc = enc('{"name": "Bo')
+    assert b.consume_tokens(doc) and ref.consume_tokens(doc)
+    np.testing.assert_array_equal(compiler.fill([(a, 0)], 1), compiler.fill([(b, 0)], 1))
 
 
 def test_server_protocol_mapping():

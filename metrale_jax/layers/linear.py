@@ -92,11 +92,21 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
     w: [K, N], an `Fp8Linear` whose valid output columns are N, or a 4-bit `W4Linear` [N, K].
     row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
     """
+    y = matmul_f32(x, w)
+    if row_scale is not None:
+        y = y * row_scale
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def matmul_f32(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ w (as `linear` takes it) -> the float32 product f32[..., N]."""
     if isinstance(w, W4Linear):
         from metrale_jax.layers.linear_w4 import w4_matmul
 
-        y = w4_matmul(x, w)  # f32[..., N]
-    elif isinstance(w, Fp8Linear):
+        return w4_matmul(x, w)  # f32[..., N]
+    if isinstance(w, Fp8Linear):
         m = math.prod(x.shape[:-1])
         kernel = _fp8_kernel(w, x.dtype, m)
         if kernel is not None:
@@ -106,13 +116,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
             y = jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
         if len(w.segments) > 1 or w.segments[0] != (0, y.shape[-1]):
             y = jnp.concatenate([y[..., s:s + n] for s, n in w.segments], axis=-1)
-    else:
-        y = jnp.einsum("...k,kn->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    if row_scale is not None:
-        y = y * row_scale
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
+        return y
+    return jnp.einsum("...k,kn->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def _fp8_kernel(w: Fp8Linear, dtype, m: int):

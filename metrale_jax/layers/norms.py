@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.layers.linear import linear
+from metrale_jax.layers.linear import linear, matmul_f32
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, zero_centered: bool = False) -> jax.Array:
@@ -27,3 +27,13 @@ def rms_norm_linear(x: jax.Array, w: jax.Array, eps: float, proj, b: jax.Array |
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # f32[..., 1]
     return linear((xf * w.astype(jnp.float32)).astype(x.dtype), proj, b, row_scale=r)
+
+
+def rms_norm_matmul(x: jax.Array, w: jax.Array, eps: float, proj) -> tuple[jax.Array, jax.Array]:
+    """`rms_norm_linear` (no bias) before its row scale and rounding: -> (the product
+    f32[..., N], r f32[..., 1]); (y * r).astype(x.dtype) is `rms_norm_linear`'s result. For a
+    consumer that is a kernel of ours (`lora.ops.add_delta`): given the rounded result, XLA would
+    write it with a launch of its own instead of fusing the scale into the consumer."""
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return matmul_f32((xf * w.astype(jnp.float32)).astype(x.dtype), proj), r

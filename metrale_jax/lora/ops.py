@@ -132,8 +132,16 @@ def lora_expand(h: jax.Array, slot: jax.Array, b: jax.Array, kernel: str = "auto
     return jnp.where((slot >= 0)[:, None], d, jnp.zeros((), d.dtype))
 
 
+def _kernel_step(t: int, lora: LoRAInputs) -> bool:
+    """Whether a step of t tokens takes the expand-add kernel (`lora.kernel`: "pallas", or "auto"
+    on the GPU up to AUTO_PALLAS_MAX_T)."""
+    return t <= (KERNEL_MAX_T if lora.kernel == "pallas" else
+                 AUTO_PALLAS_MAX_T if lora.kernel == "auto" and lora.pallas else 0)
+
+
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str, parts: tuple[int, ...] = (),
-              residual: jax.Array | None = None, silu_mul: bool = False) -> jax.Array:
+              residual: jax.Array | None = None, silu_mul: bool = False,
+              row_scale: jax.Array | None = None) -> jax.Array:
     """(residual +) y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); no delta without LoRA.
 
     Folded projections (`a` absent from `lora.w`: the engine appended every slot's A to the base
@@ -142,24 +150,30 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     parts: the widths of a fused projection's parts (q|k|v, gate|up), read by the "pallas" kernel
     (its B is block diagonal over them); residual: the residual stream this output is added to;
     silu_mul: a gate|up projection whose SwiGLU activation `layers.mlp.silu_mul` of the sum is
-    returned ([..., out / 2]; the "pallas" kernel computes it in the same launch).
+    returned ([..., out / 2]; the "pallas" kernel computes it in the same launch); row_scale
+    f32[..., 1]: y is the f32 product before its row scale (`layers.norms.rms_norm_matmul`),
+    standing for (y * row_scale) rounded to x's dtype (the kernel applies it as it reads y).
     """
+    t = math.prod(y.shape[:-1])
+    kernel_step = lora is not None and _kernel_step(t, lora)
+    if row_scale is not None and not (kernel_step and a not in lora.w):  # (the kernel scales folded products)
+        y, row_scale = (y * row_scale).astype(x.dtype), None
     if lora is None:
         y = y if residual is None else residual + y
         return swiglu(y) if silu_mul else y
-    t = math.prod(y.shape[:-1])
     bw = lora.w[b]  # [S, kR, out]
     n = bw.shape[-1]
     live = lora.live if 0 < lora.live < t else t  # decode rows padded by the step: deltas of the live rows only
     folded = a not in lora.w
     y2 = y.reshape(t, -1)
-    auto_t = AUTO_PALLAS_MAX_T if lora.kernel == "auto" and lora.pallas else 0
-    if t <= (KERNEL_MAX_T if lora.kernel == "pallas" else auto_t):
+    if kernel_step:
         # one kernel: expand, add, residual add or activation (h: the folded GEMM's extra columns, or the shrink)
         h = y2 if folded else _shrink_all(x.reshape(t, -1), lora.w[a]).astype(x.dtype).reshape(t, -1)
         res = None if residual is None else residual.reshape(t, n)
-        out = lora_expand_add(y2, h, lora.slot, bw, res, h_offset=n if folded else 0, parts=parts,
-                              live=live if live < t else 0, silu_mul=silu_mul, interpret=lora.interpret)
+        rs = None if row_scale is None else row_scale.reshape(t)
+        out = lora_expand_add(y2, h, lora.slot, bw, res, rs, h_offset=n if folded else 0, parts=parts,
+                              live=live if live < t else 0, silu_mul=silu_mul, out_dtype=x.dtype,
+                              interpret=lora.interpret)
         return out.reshape(y.shape[:-1] + out.shape[-1:])
     if folded:
         s, kr = bw.shape[:2]

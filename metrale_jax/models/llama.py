@@ -33,7 +33,7 @@ from metrale_jax.layers.attention import (
 )
 from metrale_jax.layers.mlp import linear, silu_mul
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
-from metrale_jax.layers.norms import rms_norm, rms_norm_linear
+from metrale_jax.layers.norms import rms_norm, rms_norm_linear, rms_norm_matmul
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
 from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
@@ -134,12 +134,14 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
     """Post-attention norm, then the dense SwiGLU MLP, or the sparse MoE when the layer has a router
     (with each token's LoRA deltas when `lora` is given: see `metrale_jax.lora`)."""
     if "router" not in lp:
-        gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
         if lora is None:
+            gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
             return x + linear(silu_mul(gate_up), lp["w_down"])
         inter = cfg.intermediate_size
+        # the product before the norm's row scale: the expand-add kernel scales it as it reads it
+        gate_up, r = rms_norm_matmul(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
         act = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b",
-                        (inter, inter), silu_mul=True)
+                        (inter, inter), silu_mul=True, row_scale=r)
         return add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b", residual=x)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape

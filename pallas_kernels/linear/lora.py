@@ -8,6 +8,9 @@ shrink result x·A_s (with A folded into the base weight, `metrale_jax.lora.mana
 h is y itself and off = N: the one GEMM gave both); B [S, kR, N]; the residual (optional) is the
 residual stream the projection's output is added to (o / down), so that add is this kernel too;
 for gate|up the kernel can return the SwiGLU activation silu(gate) * up instead (`silu_mul`).
+With `row_scale` r, y (and h) are a float32 product before its row scale (an RMSNorm's 1/rms,
+`metrale_jax.layers.norms.rms_norm_matmul`): y * r and h * r, rounded to the output dtype, stand
+for y and h, so XLA need not write the scaled, rounded product with a launch of its own.
 
 Why a kernel: XLA runs a decode step's expand as a reduction of its own, or fuses it into the
 residual add as a loop fusion that computes each output column's k-long dot in one thread (so a
@@ -40,11 +43,16 @@ def _pow2(x: int) -> int:
 
 
 def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_off, bounds, block_n, live,
-                       silu_mul):
+                       silu_mul, scaled, res):
     # slot_ref i32[T]; y_ref [T, >= N]; h_ref [T, >= h_off + S*kR]; b_ref [S, kR, N];
-    # refs: (residual [T, N],) out [T, N] (silu_mul: [T, N/2])
+    # refs: (row_scale f32[T],) (residual [T, N],) out [T, N] (silu_mul: [T, N/2])
     o_ref = refs[-1]
+    dt = o_ref.dtype
     t = pl.program_id(0)
+    r = refs[0][t] if scaled else None
+
+    def scale(v):  # a product column as the rounded, row-scaled projection gives it
+        return v.astype(jnp.float32) if r is None else (v.astype(jnp.float32) * r).astype(dt).astype(jnp.float32)
     s = slot_ref[t] if live == 0 else jnp.where(t < live, slot_ref[t], -1)
     sc = jnp.maximum(s, 0)
     rr = jnp.arange(_pow2(rank), dtype=jnp.int32)[:, None]  # i32[Rp, 1]
@@ -52,9 +60,9 @@ def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_
 
     def columns(cols):  # f32[BN]: (residual +) y + delta of output columns `cols`
         ok = cols < n_out
-        acc = plgpu_triton.load(y_ref.at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
-        if len(refs) == 2:
-            acc = acc + plgpu_triton.load(refs[0].at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
+        acc = scale(plgpu_triton.load(y_ref.at[tt, cols], mask=ok, other=0.0))
+        if res:
+            acc = acc + plgpu_triton.load(refs[-2].at[tt, cols], mask=ok, other=0.0).astype(jnp.float32)
         part = sum(((cols >= b).astype(jnp.int32) for b in bounds), jnp.zeros_like(cols))  # i32[BN] each column's part
         row = part[None, :] * rank + rr  # i32[Rp, BN] the rows of B (and of h) each column reads
         m = (rr < rank) & ok[None, :] & (s >= 0)
@@ -62,10 +70,9 @@ def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_
         h = plgpu_triton.load(h_ref.at[tr, h_off + sc * kr + row], mask=m, other=0.0)  # [Rp, BN]
         b = plgpu_triton.load(b_ref.at[jnp.full(row.shape, sc, jnp.int32), row, jnp.broadcast_to(cols, row.shape)],
                               mask=m, other=0.0)  # [Rp, BN]
-        return acc + jnp.sum(h.astype(jnp.float32) * b.astype(jnp.float32), axis=0)
+        return acc + jnp.sum(scale(h) * b.astype(jnp.float32), axis=0)
 
     cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)  # i32[BN]
-    dt = o_ref.dtype
     if silu_mul:  # gate column c and up column N/2 + c, rounded as `layers.mlp.silu_mul` rounds them
         half = n_out // 2
         g = columns(cols).astype(dt).astype(jnp.float32)
@@ -76,18 +83,21 @@ def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_
         plgpu_triton.store(o_ref.at[tt, cols], columns(cols).astype(dt), mask=cols < n_out)
 
 
-@functools.partial(jax.jit, static_argnames=("h_offset", "parts", "live", "silu_mul", "block_n", "interpret"))
-def lora_expand_add(y, h, slot, b, residual=None, *, h_offset: int = 0, parts: tuple[int, ...] = (),
-                    live: int = 0, silu_mul: bool = False, block_n: int = 256, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("h_offset", "parts", "live", "silu_mul", "out_dtype", "block_n",
+                                             "interpret"))
+def lora_expand_add(y, h, slot, b, residual=None, row_scale=None, *, h_offset: int = 0, parts: tuple[int, ...] = (),
+                    live: int = 0, silu_mul: bool = False, out_dtype=None, block_n: int = 256,
+                    interpret: bool = False):
     """residual + y[:, :N] + each token's shrink h under its slot times that slot's B (module
-    docstring) -> [T, N] in y's dtype.
+    docstring) -> [T, N] in `out_dtype` (default: y's dtype).
 
     y [T, >= N]; h [T, >= h_offset + S*kR] (may be y itself); slot i32[T] (< 0: no delta;
     must be < S); b [S, kR, N], block diagonal over `parts` (the widths of a fused projection's
     parts, summing to N; () = one part); residual [T, N] or None; live > 0:
     tokens from `live` on (a decode step's padded rows) get no delta; silu_mul: a gate|up
     projection (two equal parts, no residual) whose output is silu(gate) * up, [T, N / 2] (as
-    `layers.mlp.silu_mul` of the sum: the SwiGLU activation in the same launch). T in 1..64.
+    `layers.mlp.silu_mul` of the sum: the SwiGLU activation in the same launch); row_scale
+    f32[T] or None: y and h are a product before its row scale (module docstring). T in 1..64.
     """
     t = y.shape[0]
     s, kr, n = b.shape
@@ -97,6 +107,7 @@ def lora_expand_add(y, h, slot, b, residual=None, *, h_offset: int = 0, parts: t
     if (sum(parts) != n or kr % len(parts) or y.shape[1] < n or h.shape[0] != t
             or h.shape[1] < h_offset + s * kr or slot.shape != (t,)
             or (residual is not None and residual.shape != (t, n))
+            or (row_scale is not None and row_scale.size != t)
             or (silu_mul and (len(parts) != 2 or parts[0] != parts[1] or residual is not None))):
         raise ValueError(f"lora_expand_add: shapes disagree: y {y.shape}, h {h.shape} (offset {h_offset}), slot "
                          f"{slot.shape}, b {b.shape}, parts {parts}, residual "
@@ -105,14 +116,17 @@ def lora_expand_add(y, h, slot, b, residual=None, *, h_offset: int = 0, parts: t
     width = n // 2 if silu_mul else n  # output columns
     block_n = min(block_n, _pow2(width))
     kernel = functools.partial(_expand_add_kernel, n_out=n, kr=kr, rank=kr // len(parts), h_off=h_offset,
-                               bounds=bounds, block_n=block_n, live=live, silu_mul=silu_mul)
-    args = (slot.astype(jnp.int32), y, h, b) + (() if residual is None else (residual,))
+                               bounds=bounds, block_n=block_n, live=live, silu_mul=silu_mul,
+                               scaled=row_scale is not None, res=residual is not None)
+    args = (slot.astype(jnp.int32), y, h, b)
+    args += () if row_scale is None else (row_scale.reshape(t).astype(jnp.float32),)
+    args += () if residual is None else (residual,)
     return pl.pallas_call(
         kernel,
         grid=(t, pl.cdiv(width, block_n)),
         in_specs=[pl.no_block_spec] * len(args),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((t, width), y.dtype),
+        out_shape=jax.ShapeDtypeStruct((t, width), out_dtype or y.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="lora_expand_add",
