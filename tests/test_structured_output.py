@@ -145,8 +145,8 @@ def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
 
 
 def test_matchers_of_one_grammar_are_independent(compiler, smollm2_tokenizer):  # noqa: F811
-    """Matchers are copies of one template per grammar (sharing its lexer cache): one sequence's
-    tokens, errors included, never show in another's masks or state."""
+    """One sequence's tokens, errors included, never show in another matcher's masks or state
+    (matchers of one grammar may share caches)."""
     import llguidance
 
     g = compiler.compile(StructuredOutputsParams(json=SCHEMA))
