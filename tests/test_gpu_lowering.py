@@ -116,7 +116,7 @@ def test_opt_in_kernels_lower_for_h200():
             # gate|up with its SwiGLU activation, from the f32 product and the norm's row scale
             y = sds((t, 2 * 14336 + 8 * 32), jnp.float32)
             f = jax.jit(functools.partial(lora_expand_add, h_offset=28672, parts=(14336, 14336),
-                                          silu_mul=True, out_dtype=bf))
+                                          silu_mul=True, norm=(1e-5, 4096), out_dtype=bf))
             text = f.trace(y, y, sds((t,), jnp.int32), sds((8, 32, 28672), bf), None,
                            sds((t,), jnp.float32)).lower(lowering_platforms=("cuda",))
             assert "lora_expand_add" in text.as_text()

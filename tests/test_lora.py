@@ -347,10 +347,14 @@ def test_lora_delta_kernels_and_token_slots():
         lora = LoRAInputs({"gate_up_b": jnp.asarray(gu)}, jnp.asarray(slot), jnp.asarray(slot), kernel, interpret=True)
         got = np.asarray(add_delta(y12_ext, jnp.asarray(x), lora, "gate_up_a", "gate_up_b", (6, 6), silu_mul=True))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-        # the product before an RMSNorm's row scale (`rms_norm_matmul`): y and the shrink columns times r
-        r = jnp.asarray(rng.uniform(0.5, 2.0, (t, 1)).astype(np.float32))
+        # the product before an RMSNorm's row scale (`rms_norm_matmul`): y and the shrink columns times
+        # r = rsqrt(sum_sq / size + eps)
+        from metrale_jax.layers.norms import RowNorm
+
+        ss = rng.uniform(2.0, 30.0, (t, 1)).astype(np.float32)
+        r = 1 / np.sqrt(ss / 10 + 1e-3)
         got = np.asarray(add_delta(y12_ext / r, jnp.asarray(x), lora, "gate_up_a", "gate_up_b", (6, 6),
-                                   silu_mul=True, row_scale=r))
+                                   silu_mul=True, row_norm=RowNorm(jnp.asarray(ss), 1e-3, 10)))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     big = np.repeat(x, 10, axis=0)  # 70 tokens
     lora = LoRAInputs(lw, jnp.asarray(np.repeat(slot, 10)), jnp.asarray(np.repeat(slot, 10)), "pallas")

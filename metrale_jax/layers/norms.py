@@ -1,5 +1,7 @@
 """RMSNorm variants, computed in float32 and cast back to the input dtype."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -29,11 +31,24 @@ def rms_norm_linear(x: jax.Array, w: jax.Array, eps: float, proj, b: jax.Array |
     return linear((xf * w.astype(jnp.float32)).astype(x.dtype), proj, b, row_scale=r)
 
 
-def rms_norm_matmul(x: jax.Array, w: jax.Array, eps: float, proj) -> tuple[jax.Array, jax.Array]:
-    """`rms_norm_linear` (no bias) before its row scale and rounding: -> (the product
-    f32[..., N], r f32[..., 1]); (y * r).astype(x.dtype) is `rms_norm_linear`'s result. For a
-    consumer that is a kernel of ours (`lora.ops.add_delta`): given the rounded result, XLA would
-    write it with a launch of its own instead of fusing the scale into the consumer."""
+class RowNorm(NamedTuple):
+    """An RMSNorm's row scale in pieces: r = rsqrt(sum_sq / size + eps)."""
+
+    sum_sq: jax.Array  # f32[..., 1]  each row's sum of squares
+    eps: float
+    size: int  # the normalized width
+
+    def scale(self) -> jax.Array:
+        """r f32[..., 1] (as `rms_norm_linear` computes it)."""
+        return jax.lax.rsqrt(self.sum_sq / self.size + self.eps)
+
+
+def rms_norm_matmul(x: jax.Array, w: jax.Array, eps: float, proj) -> tuple[jax.Array, RowNorm]:
+    """`rms_norm_linear` (no bias) before its row scale and rounding: -> (the product y
+    f32[..., N], the row scale's pieces); (y * norm.scale()).astype(x.dtype) is `rms_norm_linear`'s
+    result. For a consumer that is a kernel of ours (`lora.ops.add_delta`), which scales as it
+    reads: given the rounded result, XLA writes it with a launch of its own, and given r, computes
+    it with one more (the sum of squares is the norm's reduction output itself)."""
     xf = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return matmul_f32((xf * w.astype(jnp.float32)).astype(x.dtype), proj), r
+    ss = jnp.sum(xf * xf, axis=-1, keepdims=True)
+    return matmul_f32((xf * w.astype(jnp.float32)).astype(x.dtype), proj), RowNorm(ss, eps, x.shape[-1])

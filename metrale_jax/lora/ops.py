@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.layers.mlp import silu_mul as swiglu
+from metrale_jax.layers.norms import RowNorm
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 from pallas_kernels.linear.lora import MAX_T as KERNEL_MAX_T
 from pallas_kernels.linear.lora import lora_expand_add
@@ -141,7 +142,7 @@ def _kernel_step(t: int, lora: LoRAInputs) -> bool:
 
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str, parts: tuple[int, ...] = (),
               residual: jax.Array | None = None, silu_mul: bool = False,
-              row_scale: jax.Array | None = None) -> jax.Array:
+              row_norm: RowNorm | None = None) -> jax.Array:
     """(residual +) y + the LoRA delta of input x (leaves `a`, `b` of `lora.w`); no delta without LoRA.
 
     Folded projections (`a` absent from `lora.w`: the engine appended every slot's A to the base
@@ -150,14 +151,14 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     parts: the widths of a fused projection's parts (q|k|v, gate|up), read by the "pallas" kernel
     (its B is block diagonal over them); residual: the residual stream this output is added to;
     silu_mul: a gate|up projection whose SwiGLU activation `layers.mlp.silu_mul` of the sum is
-    returned ([..., out / 2]; the "pallas" kernel computes it in the same launch); row_scale
-    f32[..., 1]: y is the f32 product before its row scale (`layers.norms.rms_norm_matmul`),
-    standing for (y * row_scale) rounded to x's dtype (the kernel applies it as it reads y).
+    returned ([..., out / 2]; the "pallas" kernel computes it in the same launch); row_norm: y
+    is the f32 product before an RMSNorm's row scale (`layers.norms.rms_norm_matmul`), standing
+    for (y * row_norm.scale()) rounded to x's dtype (the kernel applies it as it reads y).
     """
     t = math.prod(y.shape[:-1])
     kernel_step = lora is not None and _kernel_step(t, lora)
-    if row_scale is not None and not (kernel_step and a not in lora.w):  # (the kernel scales folded products)
-        y, row_scale = (y * row_scale).astype(x.dtype), None
+    if row_norm is not None and not (kernel_step and a not in lora.w):  # (the kernel scales folded products)
+        y, row_norm = (y * row_norm.scale()).astype(x.dtype), None
     if lora is None:
         y = y if residual is None else residual + y
         return swiglu(y) if silu_mul else y
@@ -170,9 +171,9 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
         # one kernel: expand, add, residual add or activation (h: the folded GEMM's extra columns, or the shrink)
         h = y2 if folded else _shrink_all(x.reshape(t, -1), lora.w[a]).astype(x.dtype).reshape(t, -1)
         res = None if residual is None else residual.reshape(t, n)
-        rs = None if row_scale is None else row_scale.reshape(t)
-        out = lora_expand_add(y2, h, lora.slot, bw, res, rs, h_offset=n if folded else 0, parts=parts,
-                              live=live if live < t else 0, silu_mul=silu_mul, out_dtype=x.dtype,
+        ss, norm = (None, ()) if row_norm is None else (row_norm.sum_sq.reshape(t), row_norm[1:])
+        out = lora_expand_add(y2, h, lora.slot, bw, res, ss, h_offset=n if folded else 0, parts=parts,
+                              live=live if live < t else 0, silu_mul=silu_mul, norm=norm, out_dtype=x.dtype,
                               interpret=lora.interpret)
         return out.reshape(y.shape[:-1] + out.shape[-1:])
     if folded:

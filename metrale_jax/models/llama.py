@@ -141,7 +141,7 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
         # the product before the norm's row scale: the expand-add kernel scales it as it reads it
         gate_up, r = rms_norm_matmul(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
         act = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b",
-                        (inter, inter), silu_mul=True, row_scale=r)
+                        (inter, inter), silu_mul=True, row_norm=r)
         return add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b", residual=x)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape

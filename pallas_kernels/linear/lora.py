@@ -8,9 +8,10 @@ shrink result x·A_s (with A folded into the base weight, `metrale_jax.lora.mana
 h is y itself and off = N: the one GEMM gave both); B [S, kR, N]; the residual (optional) is the
 residual stream the projection's output is added to (o / down), so that add is this kernel too;
 for gate|up the kernel can return the SwiGLU activation silu(gate) * up instead (`silu_mul`).
-With `row_scale` r, y (and h) are a float32 product before its row scale (an RMSNorm's 1/rms,
-`metrale_jax.layers.norms.rms_norm_matmul`): y * r and h * r, rounded to the output dtype, stand
-for y and h, so XLA need not write the scaled, rounded product with a launch of its own.
+With `row_sum_sq`, y (and h) are a float32 product before an RMSNorm's row scale
+r = rsqrt(row_sum_sq / size + eps) (`metrale_jax.layers.norms.rms_norm_matmul`): y * r and h * r,
+rounded to the output dtype, stand for y and h, so XLA need not write the scaled, rounded product
+(nor r) with launches of their own.
 
 Why a kernel: XLA runs a decode step's expand as a reduction of its own, or fuses it into the
 residual add as a loop fusion that computes each output column's k-long dot in one thread (so a
@@ -43,13 +44,13 @@ def _pow2(x: int) -> int:
 
 
 def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_off, bounds, block_n, live,
-                       silu_mul, scaled, res):
+                       silu_mul, norm, res):
     # slot_ref i32[T]; y_ref [T, >= N]; h_ref [T, >= h_off + S*kR]; b_ref [S, kR, N];
-    # refs: (row_scale f32[T],) (residual [T, N],) out [T, N] (silu_mul: [T, N/2])
+    # refs: (row_sum_sq f32[T],) (residual [T, N],) out [T, N] (silu_mul: [T, N/2])
     o_ref = refs[-1]
     dt = o_ref.dtype
     t = pl.program_id(0)
-    r = refs[0][t] if scaled else None
+    r = jax.lax.rsqrt(refs[0][t] / norm[1] + norm[0]) if norm else None
 
     def scale(v):  # a product column as the rounded, row-scaled projection gives it
         return v.astype(jnp.float32) if r is None else (v.astype(jnp.float32) * r).astype(dt).astype(jnp.float32)
@@ -83,11 +84,11 @@ def _expand_add_kernel(slot_ref, y_ref, h_ref, b_ref, *refs, n_out, kr, rank, h_
         plgpu_triton.store(o_ref.at[tt, cols], columns(cols).astype(dt), mask=cols < n_out)
 
 
-@functools.partial(jax.jit, static_argnames=("h_offset", "parts", "live", "silu_mul", "out_dtype", "block_n",
-                                             "interpret"))
-def lora_expand_add(y, h, slot, b, residual=None, row_scale=None, *, h_offset: int = 0, parts: tuple[int, ...] = (),
-                    live: int = 0, silu_mul: bool = False, out_dtype=None, block_n: int = 256,
-                    interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("h_offset", "parts", "live", "silu_mul", "norm", "out_dtype",
+                                             "block_n", "interpret"))
+def lora_expand_add(y, h, slot, b, residual=None, row_sum_sq=None, *, h_offset: int = 0, parts: tuple[int, ...] = (),
+                    live: int = 0, silu_mul: bool = False, norm: tuple[float, int] = (), out_dtype=None,
+                    block_n: int = 256, interpret: bool = False):
     """residual + y[:, :N] + each token's shrink h under its slot times that slot's B (module
     docstring) -> [T, N] in `out_dtype` (default: y's dtype).
 
@@ -96,8 +97,9 @@ def lora_expand_add(y, h, slot, b, residual=None, row_scale=None, *, h_offset: i
     parts, summing to N; () = one part); residual [T, N] or None; live > 0:
     tokens from `live` on (a decode step's padded rows) get no delta; silu_mul: a gate|up
     projection (two equal parts, no residual) whose output is silu(gate) * up, [T, N / 2] (as
-    `layers.mlp.silu_mul` of the sum: the SwiGLU activation in the same launch); row_scale
-    f32[T] or None: y and h are a product before its row scale (module docstring). T in 1..64.
+    `layers.mlp.silu_mul` of the sum: the SwiGLU activation in the same launch); row_sum_sq
+    f32[T] or None, with norm = (eps, size): y and h are a product before the RMSNorm's row scale
+    (module docstring). T in 1..64.
     """
     t = y.shape[0]
     s, kr, n = b.shape
@@ -107,7 +109,7 @@ def lora_expand_add(y, h, slot, b, residual=None, row_scale=None, *, h_offset: i
     if (sum(parts) != n or kr % len(parts) or y.shape[1] < n or h.shape[0] != t
             or h.shape[1] < h_offset + s * kr or slot.shape != (t,)
             or (residual is not None and residual.shape != (t, n))
-            or (row_scale is not None and row_scale.size != t)
+            or (row_sum_sq is not None and (row_sum_sq.size != t or len(norm) != 2))
             or (silu_mul and (len(parts) != 2 or parts[0] != parts[1] or residual is not None))):
         raise ValueError(f"lora_expand_add: shapes disagree: y {y.shape}, h {h.shape} (offset {h_offset}), slot "
                          f"{slot.shape}, b {b.shape}, parts {parts}, residual "
@@ -117,9 +119,9 @@ def lora_expand_add(y, h, slot, b, residual=None, row_scale=None, *, h_offset: i
     block_n = min(block_n, _pow2(width))
     kernel = functools.partial(_expand_add_kernel, n_out=n, kr=kr, rank=kr // len(parts), h_off=h_offset,
                                bounds=bounds, block_n=block_n, live=live, silu_mul=silu_mul,
-                               scaled=row_scale is not None, res=residual is not None)
+                               norm=norm if row_sum_sq is not None else (), res=residual is not None)
     args = (slot.astype(jnp.int32), y, h, b)
-    args += () if row_scale is None else (row_scale.reshape(t).astype(jnp.float32),)
+    args += () if row_sum_sq is None else (row_sum_sq.reshape(t).astype(jnp.float32),)
     args += () if residual is None else (residual,)
     return pl.pallas_call(
         kernel,
