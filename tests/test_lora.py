@@ -41,10 +41,11 @@ CFG = EngineConfig(
 
 def _engine(name: str, unroll: bool = False, lora_kernel: str = "auto", pad_rows: bool = False, **kw) -> LLMEngine:
     """pad_rows: decode steps on 8 rows (the buckets' 4 padded), as the GPU runs a few rows
-    (`min_decode_rows`; the deltas on the live rows only); the fused kernel is interpreted."""
+    (`min_decode_rows`; the deltas on the live rows only); lora_kernel "pallas": every Pallas
+    kernel (attention, RoPE + K/V write, expand-add) interpreted, as the GPU path runs them."""
     model, params = load_model(FIXTURES / name, dtype="float32", show_progress=False)
     fused = lora_kernel == "pallas"
-    attn = AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel, interpret=fused,
+    attn = AttentionConfig(unroll_layers=unroll, lora_kernel=lora_kernel, use_pallas=fused, interpret=fused,
                            min_decode_rows=8 if pad_rows else 1)
     cfg = dataclasses.replace(CFG, attention=attn, **kw)
     return LLMEngine(model, params, cfg)
@@ -130,14 +131,16 @@ def test_llama_preemption_keeps_adapters(llama_eng):
         eng.scheduler = saved
 
 
-@pytest.mark.parametrize("kernel", ["gather", "pallas"])  # ("auto" takes "masked" at these buckets)
-def test_qwen3_mixed_batch_unrolled(kernel):
-    # decode steps on 8 rows, 4 of them live (pallas: the fused kernel, interpreted)
-    eng = _engine("qwen3_tiny", unroll=True, lora_kernel=kernel, pad_rows=True)
+@pytest.mark.parametrize("name,kernel", [("qwen3_tiny", "gather"), ("qwen3_tiny", "pallas"), ("llama_tiny", "pallas")])
+def test_mixed_batch_unrolled(name, kernel):
+    """Decode steps on 8 rows, 4 of them live ("auto" takes "masked" at these buckets). pallas:
+    the expand-add kernel and the other Pallas kernels, interpreted; on Llama (no q/k norm) the
+    q|k|v delta is added inside `rope_and_write_kv`."""
+    eng = _engine(name, unroll=True, lora_kernel=kernel, pad_rows=True)
     assert len(eng.lora.folded) == 4
-    g = dict(np.load(LORA / "qwen3_tiny" / "golden.npz"))
-    reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / "qwen3_tiny" / "a")),
-            "b": LoRARequest("b", 9, str(LORA / "qwen3_tiny" / "b"))}
+    g = dict(np.load(LORA / name / "golden.npz"))
+    reqs = {"base": None, "a": LoRARequest("a", 7, str(LORA / name / "a")),
+            "b": LoRARequest("b", 9, str(LORA / name / "b"))}
     names = ["a", "base", "b", "a"]
     with CompileCounter() as cc:  # slot writes into per-layer (Unstacked) arrays compile nothing either
         _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
