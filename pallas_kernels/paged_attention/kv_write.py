@@ -155,16 +155,17 @@ def _rope_kv_write_kernel(layer_ref, k_scale_ref, v_scale_ref, slots_ref, cs_ref
             x = plgpu_triton.load(qkv_ref.at[jnp.full(col.shape, t, jnp.int32), col], mask=m, other=0.0)
             if not lora_rank:
                 return x.astype(jnp.float32)
-            # part `part` of the block-diagonal B: rows part * R .. part * R + R - 1; the shrink
-            # values are the folded GEMM's extra columns, n + slot * 3R + part * R + r
-            acc = x.astype(jnp.float32)
-            mb = m & (s >= 0)
-            for r in range(lora_rank):
-                row = part * lora_rank + r
-                hv = qkv_ref[t, n + sc * 3 * lora_rank + row].astype(jnp.float32)
-                bv = plgpu_triton.load(b_ref.at[jnp.full(col.shape, sc, jnp.int32), jnp.full(col.shape, row, jnp.int32),
-                                                col], mask=mb, other=0.0)
-                acc = acc + jnp.where(s >= 0, hv, 0.0) * bv.astype(jnp.float32)
+            # part `part` of the block-diagonal B: rows part * R + r; the shrink values are the
+            # folded GEMM's extra columns n + slot * 3R + part * R + r; one [RP, HP, C] tile each
+            rp = common.next_pow2(lora_rank)
+            shape = (rp,) + col.shape
+            row = part * lora_rank + jnp.broadcast_to(jnp.arange(rp, dtype=jnp.int32)[:, None, None], shape)
+            mb = (row < (part + 1) * lora_rank) & m[None] & (s >= 0)
+            hv = plgpu_triton.load(qkv_ref.at[jnp.full(shape, t, jnp.int32), n + sc * 3 * lora_rank + row], mask=mb,
+                                   other=0.0)
+            bv = plgpu_triton.load(b_ref.at[jnp.full(shape, sc, jnp.int32), row, jnp.broadcast_to(col[None], shape)],
+                                   mask=mb, other=0.0)
+            acc = x.astype(jnp.float32) + jnp.sum(hv.astype(jnp.float32) * bv.astype(jnp.float32), axis=0)
             return acc.astype(qkv_ref.dtype).astype(jnp.float32)  # rounded as the separate expand-add rounds
 
         def copy(c, m, rotate=False):  # c: i32[1, C] head columns; rotate: c are rotary pairs (c, c + R)
