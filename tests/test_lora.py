@@ -134,8 +134,8 @@ def test_llama_preemption_keeps_adapters(llama_eng):
 @pytest.mark.parametrize("name,kernel", [("qwen3_tiny", "gather"), ("qwen3_tiny", "pallas"), ("llama_tiny", "pallas")])
 def test_mixed_batch_unrolled(name, kernel):
     """Decode steps on 8 rows, 4 of them live ("auto" takes "masked" at these buckets). pallas:
-    the expand-add kernel and the other Pallas kernels, interpreted; on Llama (no q/k norm) the
-    q|k|v delta is added inside `rope_and_write_kv`."""
+    the expand-add kernel and the other Pallas kernels, interpreted (on Llama, with no q/k norm,
+    the fused RoPE + K/V write kernel reads the q|k|v kernel's output)."""
     eng = _engine(name, unroll=True, lora_kernel=kernel, pad_rows=True)
     assert len(eng.lora.folded) == 4
     g = dict(np.load(LORA / name / "golden.npz"))

@@ -80,20 +80,17 @@ def write_kv(cache: KVCache, layer: Array, slots: Array, k: Array, v: Array, *, 
 
 
 def rope_and_write_kv(cache: KVCache, layer: Array, slots: Array, qkv: Array, cos_sin: Array, num_q_heads: int,
-                      interpret: bool = False, lora: tuple | None = None) -> tuple[KVCache, Array]:
+                      interpret: bool = False) -> tuple[KVCache, Array]:
     """RoPE on the q and k parts of a fused projection and the K/V write, in one Pallas kernel
     (`pallas_kernels/paged_attention/kv_write.py`; the GPU decode path of the Llama family).
 
     qkv: [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads)   cos_sin: f32[T, rotary_dim] (cos | sin,
     `layers.rope.rope_cos_sin`)   slots: i32[T] (-1 = padding). Returns (cache, q [T, Hq, D] rotated).
-    lora: (slot, B, live) (`lora.ops.kernel_operands`): qkv is the GEMM with every slot's A folded
-    in, and each token's q/k/v delta is added in the same kernel.
     """
     from pallas_kernels.paged_attention import rope_and_write_kv as kernel
 
     q, new_k, new_v = kernel(qkv, cos_sin, cache.k, cache.v, layer, slots, num_q_heads=num_q_heads,
-                             **_scales(cache, layer), lora=None if lora is None else lora[:2],
-                             lora_live=0 if lora is None else lora[2], interpret=interpret)
+                             **_scales(cache, layer), interpret=interpret)
     return dataclasses.replace(cache, k=new_k, v=new_v), q
 
 

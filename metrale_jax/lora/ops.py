@@ -140,15 +140,6 @@ def _kernel_step(t: int, lora: LoRAInputs) -> bool:
                  AUTO_PALLAS_MAX_T if lora.kernel == "auto" and lora.pallas else 0)
 
 
-def kernel_operands(lora: LoRAInputs | None, t: int, a: str, b: str) -> tuple | None:
-    """(slot i32[T], B [S, kR, out], live) when a step of t tokens takes the expand-add kernel and
-    projection (a, b) has its A folded into the base weight: a kernel of ours consuming that GEMM's
-    output can then add the delta itself (`rope_and_write_kv` for q|k|v). Else None."""
-    if lora is None or not _kernel_step(t, lora) or a in lora.w:
-        return None
-    return lora.slot, lora.w[b], lora.live if 0 < lora.live < t else 0
-
-
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: str, parts: tuple[int, ...] = (),
               residual: jax.Array | None = None, silu_mul: bool = False,
               row_norm: RowNorm | None = None) -> jax.Array:

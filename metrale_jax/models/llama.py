@@ -37,7 +37,7 @@ from metrale_jax.layers.norms import rms_norm, rms_norm_linear, rms_norm_matmul
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
 from metrale_jax.layers.stack import scan_layers
 from metrale_jax.loading.weights import WeightReader
-from metrale_jax.lora.ops import LoRAInputs, add_delta, kernel_operands, token_slots
+from metrale_jax.lora.ops import LoRAInputs, add_delta, token_slots
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -207,10 +207,9 @@ def forward_paged(
         # (the Pallas expand-add under tensor parallelism would see every device's columns: XLA's there)
         lora = (LoRAInputs(lp["lora"], lora_slot, moe_slot, attn.lora_kernel, attn.interpret, live,
                            attn.use_pallas and attn.mesh is None) if lora_on else None)
-        if fused_rope:  # (the q/k/v LoRA delta in the same kernel when the expand-add kernel would add it)
-            ops = kernel_operands(lora, x.shape[0], "qkv_a", "qkv_b")
-            kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, None if ops else lora), cos_sin,
-                                      cfg.num_heads, attn.interpret, ops)
+        if fused_rope:
+            kv, q = rope_and_write_kv(kv, i, slots, _qkv_proj(cfg, lp, x, lora), cos_sin, cfg.num_heads,
+                                      attn.interpret)
         else:
             q, k, v = _qkv(cfg, lp, x, positions, lora)
             kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)

@@ -112,25 +112,13 @@ def paged_kv_write(k_pool, v_pool, layer, slots, k, v, *, k_scale=None, v_scale=
     return kp.reshape(k_pool.shape), vp.reshape(v_pool.shape)
 
 
-LORA_HEAD_GROUPS = 8
-
-
-def _rope_kv_write_kernel(layer_ref, k_scale_ref, v_scale_ref, slots_ref, cs_ref, qkv_ref, _k_in, _v_in, *refs,
-                          num_q_heads: int, num_kv_heads: int, head_dim: int, rot_half: int, slots_per_layer: int,
-                          quantize: bool, lora_rank: int, lora_live: int, groups: int):
-    """Program (t, g): token t, the g-th of `groups` slices of each part's heads. qkv
-    [T, >= (Hq + 2 Hkv) * D]; cs f32[T, 2 * rot_half] (cos | sin); refs: (lora_slot i32[T],
-    lora_b [S, 3R, N],) q out [T, Hq * D], pools [L * NB * bs, Hkv * D] (aliased to the
-    outputs). lora_rank R > 0: the LoRA delta of qkv's columns is added first."""
-    q_ref, k_pool_ref, v_pool_ref = refs[-3:]
+def _rope_kv_write_kernel(layer_ref, k_scale_ref, v_scale_ref, slots_ref, cs_ref, qkv_ref, _k_in, _v_in, q_ref,
+                          k_pool_ref, v_pool_ref, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          rot_half: int, slots_per_layer: int, quantize: bool):
+    """One token per program. qkv [T, (Hq + 2 Hkv) * D]; cs f32[T, 2 * rot_half] (cos | sin);
+    q out [T, Hq * D]; pools [L * NB * bs, Hkv * D] (aliased to the outputs)."""
     t = pl.program_id(0)
-    g = pl.program_id(1)
     d = head_dim
-    n = (num_q_heads + 2 * num_kv_heads) * d
-    if lora_rank:
-        lslot_ref, b_ref = refs[:2]
-        s = lslot_ref[t] if lora_live == 0 else jnp.where(t < lora_live, lslot_ref[t], -1)
-        sc = jnp.maximum(s, 0)
     slot = slots_ref[t]
     row = _pool_rows(layer_ref, slot, True, slots_per_layer, k_pool_ref.shape[0])
     rp = common.next_pow2(rot_half)
@@ -142,38 +130,22 @@ def _rope_kv_write_kernel(layer_ref, k_scale_ref, v_scale_ref, slots_ref, cs_ref
     pc = jnp.arange(common.next_pow2(max(pass_w, 1)), dtype=jnp.int32)
     pc_ok = pc < pass_w
 
-    def heads(first: int, count: int, dst, dst_row, scale_ref, rope: bool, part: int):
-        # dst[dst_row, h * D + c] = qkv[t, (first + h) * D + c] (rotated) for this program's heads h < count
-        per = -(-count // groups)
-        hp = common.next_pow2(per)
-        j = jnp.arange(hp, dtype=jnp.int32)[:, None]  # i32[HP, 1]
-        h = g * per + j
-        live = (j < per) & (h < count) & (dst_row < dst.shape[0])
-
-        def load(c, m):  # f32[HP, C]: qkv's columns (first + h) * D + c, plus the token's LoRA delta
-            col = (first + h) * d + c
-            x = plgpu_triton.load(qkv_ref.at[jnp.full(col.shape, t, jnp.int32), col], mask=m, other=0.0)
-            if not lora_rank:
-                return x.astype(jnp.float32)
-            # part `part` of the block-diagonal B: rows part * R + r; the shrink values are the
-            # folded GEMM's extra columns n + slot * 3R + part * R + r; one [RP, HP, C] tile each
-            rp = common.next_pow2(lora_rank)
-            shape = (rp,) + col.shape
-            row = part * lora_rank + jnp.broadcast_to(jnp.arange(rp, dtype=jnp.int32)[:, None, None], shape)
-            mb = (row < (part + 1) * lora_rank) & m[None] & (s >= 0)
-            hv = plgpu_triton.load(qkv_ref.at[jnp.full(shape, t, jnp.int32), n + sc * 3 * lora_rank + row], mask=mb,
-                                   other=0.0)
-            bv = plgpu_triton.load(b_ref.at[jnp.full(shape, sc, jnp.int32), row, jnp.broadcast_to(col[None], shape)],
-                                   mask=mb, other=0.0)
-            acc = x.astype(jnp.float32) + jnp.sum(hv.astype(jnp.float32) * bv.astype(jnp.float32), axis=0)
-            return acc.astype(qkv_ref.dtype).astype(jnp.float32)  # rounded as the separate expand-add rounds
+    def heads(first: int, count: int, dst, dst_row, scale_ref, rope: bool):
+        # dst[dst_row, h * D + c] = qkv[t, (first + h) * D + c] (rotated) for heads h < count
+        hp = common.next_pow2(count)
+        h = jnp.arange(hp, dtype=jnp.int32)[:, None]  # i32[HP, 1]
+        live = (h < count) & (dst_row < dst.shape[0])
 
         def copy(c, m, rotate=False):  # c: i32[1, C] head columns; rotate: c are rotary pairs (c, c + R)
+            srow = jnp.full((hp, c.shape[1]), t, jnp.int32)
             drow = jnp.full((hp, c.shape[1]), dst_row, jnp.int32)
             if not rotate:
-                _store_rows(dst, drow, h * d + c, load(c, m).astype(qkv_ref.dtype), m, scale_ref)
+                x = plgpu_triton.load(qkv_ref.at[srow, (first + h) * d + c], mask=m, other=0.0)
+                _store_rows(dst, drow, h * d + c, x, m, scale_ref)
                 return
-            x1, x2 = load(c, m), load(rot_half + c, m)
+            x1 = plgpu_triton.load(qkv_ref.at[srow, (first + h) * d + c], mask=m, other=0.0).astype(jnp.float32)
+            x2 = plgpu_triton.load(qkv_ref.at[srow, (first + h) * d + rot_half + c], mask=m,
+                                   other=0.0).astype(jnp.float32)
             _store_rows(dst, drow, h * d + c, x1 * cos[None, :] - x2 * sin[None, :], m, scale_ref)
             _store_rows(dst, drow, h * d + rot_half + c, x2 * cos[None, :] + x1 * sin[None, :], m, scale_ref)
 
@@ -186,23 +158,19 @@ def _rope_kv_write_kernel(layer_ref, k_scale_ref, v_scale_ref, slots_ref, cs_ref
             copy(c, live & (c < d))
 
     hq, hkv = num_q_heads, num_kv_heads
-    heads(0, hq, q_ref, t, None, True, 0)
-    heads(hq, hkv, k_pool_ref, row, k_scale_ref if quantize else None, True, 1)
-    heads(hq + hkv, hkv, v_pool_ref, row, v_scale_ref if quantize else None, False, 2)
+    heads(0, hq, q_ref, t, None, True)
+    heads(hq, hkv, k_pool_ref, row, k_scale_ref if quantize else None, True)
+    heads(hq + hkv, hkv, v_pool_ref, row, v_scale_ref if quantize else None, False)
 
 
-@functools.partial(jax.jit, static_argnames=("num_q_heads", "lora_live", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "interpret"))
 def rope_and_write_kv(qkv, cos_sin, k_pool, v_pool, layer, slots, *, num_q_heads: int, k_scale=None, v_scale=None,
-                      lora=None, lora_live: int = 0, interpret: bool = False):
+                      interpret: bool = False):
     """RoPE on the q and k parts of a fused projection, and the new K/V written into the pools:
-    one launch where XLA's rope fusions, slices and the write took four at a decode step; with
-    `lora`, each token's LoRA delta on q, k and v is added first (the expand-add kernel of
-    `pallas_kernels/linear/lora.py`, one launch fewer per layer).
+    one launch where XLA's rope fusions, slices and the write took four at a decode step.
 
     Args:
-      qkv: [T, (Hq + 2 Hkv) * D]: per token the q heads, then k heads, then v heads; with `lora`,
-        [T, >= (Hq + 2 Hkv) * D + S * 3R]: the GEMM with every slot's A folded in, whose extra
-        columns are each slot's shrink (q, k, v parts of R each).
+      qkv: [T, (Hq + 2 Hkv) * D]: per token the q heads, then k heads, then v heads.
       cos_sin: f32[T, 2 * R]: cos then sin of each token's rotary angles (R = rotary_dim / 2);
         Hugging Face's rotate-half form on the first 2R columns of each head, the rest copied.
       k_pool, v_pool: [L, num_blocks, block_size, Hkv, D] (bf16 / f32 / float8_e4m3fn).
@@ -210,8 +178,6 @@ def rope_and_write_kv(qkv, cos_sin, k_pool, v_pool, layer, slots, *, num_q_heads
       slots: i32[T]: flat slot of each token; -1 (or out of range) = write nothing.
       num_q_heads: Hq (static).
       k_scale, v_scale: f32 scalars dividing the values written to an fp8 pool.
-      lora: (slot i32[T] (< 0: no adapter), B [S, 3R, (Hq + 2 Hkv) * D] block diagonal over q, k,
-        v) or None; lora_live > 0: tokens from `lora_live` on (a step's padded rows) get no delta.
 
     Returns:
       (q [T, Hq, D] in qkv's dtype with RoPE applied, k_pool, v_pool).
@@ -219,31 +185,20 @@ def rope_and_write_kv(qkv, cos_sin, k_pool, v_pool, layer, slots, *, num_q_heads
     num_layers, num_blocks, block_size, hkv, d = k_pool.shape
     t = qkv.shape[0]
     rot_half = cos_sin.shape[1] // 2
-    if (v_pool.shape != k_pool.shape or qkv.shape[1] < (num_q_heads + 2 * hkv) * d or slots.shape != (t,)
-            or (lora is None and qkv.shape[1] != (num_q_heads + 2 * hkv) * d)
+    if (v_pool.shape != k_pool.shape or qkv.shape != (t, (num_q_heads + 2 * hkv) * d) or slots.shape != (t,)
             or cos_sin.shape[0] != t or 2 * rot_half > d or cos_sin.shape[1] % 2):
         raise ValueError(f"shapes: qkv {qkv.shape} with Hq {num_q_heads}, pools {k_pool.shape}/{v_pool.shape}, "
                          f"slots {slots.shape}, cos_sin {cos_sin.shape}")
     ks, vs, quantize = _scales(k_pool, k_scale, v_scale)
     w = hkv * d
     rows = num_layers * num_blocks * block_size
-    n = (num_q_heads + 2 * hkv) * d
-    rank = 0 if lora is None else lora[1].shape[1] // 3
-    if lora is not None and (lora[0].shape != (t,) or lora[1].shape[1:] != (3 * rank, n)
-                             or qkv.shape[1] < n + lora[1].shape[0] * 3 * rank):
-        raise ValueError(f"LoRA shapes: slot {lora[0].shape}, B {lora[1].shape}, qkv {qkv.shape} (N = {n})")
-    extra = () if lora is None else (lora[0].astype(jnp.int32), lora[1])
-    # with LoRA a token's B tiles are read by `groups` programs (a slice of the heads each), not
-    # one: one program per token took 12.5 us per layer on the H200 (2.3 without LoRA)
-    groups = 1 if lora is None else min(LORA_HEAD_GROUPS, num_q_heads)
     kernel = functools.partial(_rope_kv_write_kernel, num_q_heads=num_q_heads, num_kv_heads=hkv, head_dim=d,
-                               rot_half=rot_half, slots_per_layer=num_blocks * block_size, quantize=quantize,
-                               lora_rank=rank, lora_live=lora_live, groups=groups)
+                               rot_half=rot_half, slots_per_layer=num_blocks * block_size, quantize=quantize)
     whole = pl.no_block_spec
     q, kp, vp = pl.pallas_call(
         kernel,
-        grid=(t, groups),
-        in_specs=[whole] * (8 + len(extra)),
+        grid=(t,),
+        in_specs=[whole] * 8,
         out_specs=[whole] * 3,
         out_shape=[jax.ShapeDtypeStruct((t, num_q_heads * d), qkv.dtype),
                    jax.ShapeDtypeStruct((rows, w), k_pool.dtype), jax.ShapeDtypeStruct((rows, w), v_pool.dtype)],
@@ -252,5 +207,5 @@ def rope_and_write_kv(qkv, cos_sin, k_pool, v_pool, layer, slots, *, num_q_heads
         interpret=interpret,
         name="rope_and_write_kv",
     )(jnp.asarray(layer, jnp.int32).reshape(1), ks, vs, slots.astype(jnp.int32), cos_sin.astype(jnp.float32), qkv,
-      k_pool.reshape(rows, w), v_pool.reshape(rows, w), *extra)
+      k_pool.reshape(rows, w), v_pool.reshape(rows, w))
     return q.reshape(t, num_q_heads, d), kp.reshape(k_pool.shape), vp.reshape(v_pool.shape)
