@@ -68,7 +68,7 @@ def ids_of(text: str) -> list[int]:
     return FakeTokenizer().encode(text)
 
 
-def test_completion_stream_and_not_agree(http):
+def test_completion_stream_and_not_agree(http, fake):
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 11, "temperature": 0}
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -78,7 +78,14 @@ def test_completion_stream_and_not_agree(http):
     assert j["choices"][0]["text"] == want and j["choices"][0]["finish_reason"] == "length"
     assert j["usage"] == {"prompt_tokens": 11, "completion_tokens": 11, "total_tokens": 22}
 
-    ev = stream_post(http, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    # steps of 20 ms, so that a loaded machine's server still sends each token as it comes (at 1
+    # ms, chunks coalesced under a full test run on 2 cores: 4 instead of >= 5, session 23)
+    eng = fake[1]
+    saved, eng.step_delay_s = eng.step_delay_s, 0.02
+    try:
+        ev = stream_post(http, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    finally:
+        eng.step_delay_s = saved
     assert ev[-1] == "[DONE]"
     assert ev[-2]["choices"] == [] and ev[-2]["usage"] == j["usage"]
     chunks = ev[:-2]
