@@ -55,7 +55,8 @@ from pallas_kernels.linear.lora import lora_expand_add
 
 # "auto" takes the Pallas kernel for steps of at most this many tokens (H200, Llama-3-8B, 8 slots,
 # session 23: batch 1, i.e. 8 rows with the padding, 1.110-1.119x the base step against
-# 1.172-1.182x masked; batch 16 1.159x against 1.167x; batch 64 1.236x against 1.158x)
+# 1.172-1.182x masked; batch 16 1.159x against 1.167x; batch 64 1.236x against 1.158x; session
+# 24, the gate|up kernel reading the f32 product: batch 1 1.094-1.097x)
 AUTO_PALLAS_MAX_T = 16
 
 
