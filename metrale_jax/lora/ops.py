@@ -172,7 +172,7 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
         # one kernel: expand, add, residual add or activation (h: the folded GEMM's extra columns, or the shrink)
         h = y2 if folded else _shrink_all(x.reshape(t, -1), lora.w[a]).astype(x.dtype).reshape(t, -1)
         res = None if residual is None else residual.reshape(t, n)
-        ss, norm = (None, ()) if row_norm is None else (row_norm.sum_sq.reshape(t), row_norm[1:])
+        ss, norm = (None, ()) if row_norm is None else (row_norm.sum_sq.reshape(t), (row_norm.eps, row_norm.size))
         out = lora_expand_add(y2, h, lora.slot, bw, res, ss, h_offset=n if folded else 0, parts=parts,
                               live=live if live < t else 0, silu_mul=silu_mul, norm=norm, out_dtype=x.dtype,
                               interpret=lora.interpret)

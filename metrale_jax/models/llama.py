@@ -139,9 +139,9 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
             return x + linear(silu_mul(gate_up), lp["w_down"])
         inter = cfg.intermediate_size
         # the product before the norm's row scale: the expand-add kernel scales it as it reads it
-        gate_up, r = rms_norm_matmul(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
+        gate_up, norm = rms_norm_matmul(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
         act = add_delta(gate_up, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lora, "gate_up_a", "gate_up_b",
-                        (inter, inter), silu_mul=True, row_norm=r)
+                        (inter, inter), silu_mul=True, row_norm=norm)
         return add_delta(linear(act, lp["w_down"]), act, lora, "down_a", "down_b", residual=x)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     shape = h.shape

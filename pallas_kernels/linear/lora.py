@@ -19,7 +19,7 @@ residual add as a loop fusion that computes each output column's k-long dot in o
 batch-1 Llama-3-8B step, where the LoRA step was 1.12x the base one, mostly these launches).
 Here each program owns `block_n` columns of one token: it gathers its token's kR shrink values
 and the matching [kR, block_n] tile of its slot's B (from L2 after the first token of a slot),
-and writes residual + y + delta, summed in float32 and rounded once to y's dtype.
+and writes residual + y + delta, summed in float32 and rounded once to the output dtype.
 
 A fused projection of k parts (q|k|v, gate|up: `parts` = the parts' widths) has a block-diagonal
 B (`metrale_jax/lora/adapter.py`): each column reads only its own part's R = kR / k rows, so the
