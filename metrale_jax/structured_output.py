@@ -169,6 +169,7 @@ class GrammarCompiler:
         valid = np.zeros(self.width * 32, np.uint8)
         valid[: min(n_tok, self.vocab_size)] = 1
         self.valid_row = np.packbits(valid, bitorder="little").view(np.int32)  # i32[W]
+        self._valid_from = min(n_tok, self.vocab_size) // 32  # the first word of valid_row not all ones
         self._executor = llg.LLExecutor()
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._cache_size = cache_size
@@ -210,17 +211,19 @@ class GrammarCompiler:
         the grammar: `valid_drafts`), rows r + 1..r + k hold the masks after d1..dj, the matcher
         left as it was. Every other row is -1 (all allowed)."""
         out = np.full((num_rows, self._llg_width), -1, np.int32)
-        drafts = [(m, r, list(d)) for m, r, *rest in rows for d in [rest[0] if rest else []]]
+        plain = [(m, r) for m, r, *d in rows if not (d and len(d[0]))]
+        drafted = [(m, r, list(d[0])) for m, r, *d in rows if d and len(d[0])]
         llg = _llguidance().numpy
-        if any(d for _, _, d in drafts):  # (llguidance's draft fill takes rows with drafts only)
-            llg.fill_next_token_bitmask_par_with_draft_tokens(self._executor, [x for x in drafts if x[2]], out)
-        if not all(d for _, _, d in drafts):
-            llg.fill_next_token_bitmask_par(self._executor, [(m, r) for m, r, d in drafts if not d], out)
+        if drafted:  # (llguidance's draft fill takes rows with drafts only)
+            llg.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+        if plain:
+            llg.fill_next_token_bitmask_par(self._executor, plain, out)
         if self._llg_width != self.width:
             out = np.ascontiguousarray(out[:, : self.width]) if self._llg_width > self.width else np.pad(
                 out, ((0, 0), (0, self.width - self._llg_width)), constant_values=-1)
-        idx = [r + j for _, r, d in drafts for j in range(len(d) + 1)]
-        out[idx] &= self.valid_row
+        idx = [r for _, r in plain] + [r + j for _, r, d in drafted for j in range(len(d) + 1)]
+        lo = self._valid_from
+        out[idx, lo:] &= self.valid_row[lo:]  # (the words before `lo` are all valid ids)
         return out
 
     def consume(self, pairs: list[tuple[Any, int]]) -> list[bool]:
