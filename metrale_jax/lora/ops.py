@@ -158,7 +158,8 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     """
     t = math.prod(y.shape[:-1])
     kernel_step = lora is not None and _kernel_step(t, lora)
-    if row_norm is not None and not (kernel_step and a not in lora.w):  # (the kernel scales folded products)
+    folded = lora is not None and a not in lora.w
+    if row_norm is not None and not (kernel_step and folded):  # (the kernel scales folded products)
         y, row_norm = (y * row_norm.scale()).astype(x.dtype), None
     if lora is None:
         y = y if residual is None else residual + y
@@ -166,7 +167,6 @@ def add_delta(y: jax.Array, x: jax.Array, lora: LoRAInputs | None, a: str, b: st
     bw = lora.w[b]  # [S, kR, out]
     n = bw.shape[-1]
     live = lora.live if 0 < lora.live < t else t  # decode rows padded by the step: deltas of the live rows only
-    folded = a not in lora.w
     y2 = y.reshape(t, -1)
     if kernel_step:
         # one kernel: expand, add, residual add or activation (h: the folded GEMM's extra columns, or the shrink)
