@@ -154,6 +154,12 @@ def _random_w4(rng, n, k, g, kind):
     ("fp4", 1, 24, 80, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True)),
     ("int4", 1, 40, 201, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True, unroll=True)),
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=64, scale_tile=True, unroll=True)),
+    # half2: u32 words, half2 sums of codes as f16 subnormals (K % 8 == 0), group sizes around block_k
+    ("int4", 1, 40, 200, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True, half2=True)),
+    ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, gemv=True, group_partial=True, half2=True)),
+    ("int4", 1, 70, 192, 192, W4Params(block_n=32, block_k=64, gemv=True, group_partial=True, half2=True)),
+    ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      unroll=True)),  # float16 activations
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
@@ -206,6 +212,7 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=512, gemv=True, group_partial=True)),
     ("fp4", 16, W4Params(block_k=512, gemv=True, group_partial=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, unroll=True)),
+    ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -229,13 +236,17 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
     ("int4", 3, 200, 1000, 128, None),
     ("int4", 1, 6144, 4096, 128, W4Params(32, 512, 4, 4, gemv=True, group_partial=True)),
     ("fp4", 1, 6144, 4096, 16, W4Params(32, 512, 4, 4, gemv=True, group_partial=True)),
+    ("int4", 1, 6144, 4096, 128, W4Params(16, 1024, 4, 4, gemv=True, group_partial=True, half2=True)),
+    ("int4", 1, 1000, 1000, 64, W4Params(16, 128, 4, 4, gemv=True, group_partial=True, half2=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference
 
     rng = np.random.default_rng(0)
     packed, scales, aux = (jnp.asarray(a) for a in _random_w4(rng, n, k, g, kind))
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = rng.standard_normal((m, k))
+    x[:, 7] = 3000.0  # an outlier (the half2 variant scales x into f16 by max |x|)
+    x = jnp.asarray(x, jnp.bfloat16)
     y = skinny_matmul_w4(x, packed, scales, aux, k=k, group_size=g, kind=kind, params=params).astype(jnp.float32)
     want = skinny_matmul_w4_reference(x, packed, scales, aux, k=k, group_size=g, kind=kind)
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2

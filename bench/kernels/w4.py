@@ -63,7 +63,14 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 1024, 4, 1, True, True, unroll=True), W4Params(32, 512, 4, 1, True, True, unroll=True),
          W4Params(16, 512, 4, 1, True, True, unroll=True), W4Params(32, 1024, 8, 1, True, True, unroll=True),
          W4Params(16, 1024, 4, 1, gemv=True, scale_tile=True, unroll=True),
-         W4Params(32, 512, 4, 1, scale_tile=True, unroll=True)]
+         W4Params(32, 512, 4, 1, scale_tile=True, unroll=True),
+         # M = 1, int4: u32 words, 8 codes summed per inline-PTX call in half2 (session 25)
+         W4Params(16, 1024, 4, 4, True, True, half2=True), W4Params(32, 512, 4, 4, True, True, half2=True),
+         W4Params(16, 2048, 4, 3, True, True, half2=True), W4Params(32, 1024, 8, 3, True, True, half2=True),
+         W4Params(64, 512, 8, 3, True, True, half2=True), W4Params(16, 512, 4, 4, True, True, half2=True),
+         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True),
+         W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True),
+         W4Params(16, 4096, 4, 1, True, True, half2=True), W4Params(8 * 2, 1024, 2, 4, True, True, half2=True)]
 MIN_ROTATION_BYTES = 256e6
 
 
@@ -164,11 +171,14 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {','.join(SHAPES)}")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"some of {','.join(KINDS)}")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values")
+    ap.add_argument("--only", default="", help="sweep only params with these flags set (e.g. 'gemv' or 'half2')")
     args = ap.parse_args(argv)
     # (session 15's 170 s reached only q/k/v: pick the cells; the table merges into tuned_w4.json)
     SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
     KINDS = {k: KINDS[k] for k in args.kinds.split(",")}
     MS = tuple(int(m) for m in args.ms.split(","))
+    for flag in filter(None, args.only.split(",")):
+        SWEEP = [p for p in SWEEP if getattr(p, flag)]
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
         SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2] + SWEEP[-1:], 1e4

@@ -89,6 +89,13 @@ class W4Params:
     # together; a loop whose loads feed no dot may not be software-pipelined by Triton, which
     # would leave one tile in flight per program: session 23's guess, to be swept).
     unroll: bool = False
+    # M = 1, int4, with gemv and group_partial (session 25): the packed bytes read as u32 words (8
+    # codes), each word's 8 products summed by one inline-PTX call with packed half2 FMAs (codes
+    # masked straight into f16 subnormals: no conversion, no magic-number subtraction), x scaled
+    # into f16 by a power of two per program. ~4 instructions per byte against ~10 (module
+    # docstring). Needs K % 8 == 0 and groups of >= 8 columns; not in interpret mode's arithmetic
+    # (there a jnp twin of the same sums runs).
+    half2: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -128,8 +135,8 @@ def w4_params_for(kind: str, m: int, n: int, k: int, group_size: int | None = No
     if pick is None:
         return W4Params()
     p = W4Params(**table[prefix + str(pick)])
-    p = dataclasses.replace(p, gemv=False) if p.gemv and m > 1 else p
-    return p if group_size is None or _params_fit(p, m, k, group_size) is None else W4Params()
+    p = dataclasses.replace(p, gemv=False, half2=False) if p.gemv and m > 1 else p
+    return p if group_size is None or _params_fit(p, m, k, group_size, kind) is None else W4Params()
 
 
 def _parse_key(key: str) -> tuple[str, int, int, int]:
@@ -141,7 +148,7 @@ def _block_k(params: W4Params, k: int) -> int:
     return min(params.block_k, max(32, 1 << max(0, (k - 1).bit_length())))
 
 
-def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None:
+def _params_fit(params: W4Params, m: int, k: int, group_size: int, kind: str = "int4") -> str | None:
     """Why `params` cannot run this call (None: they can)."""
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
@@ -152,6 +159,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
     if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
         return (f"group_partial needs block_k ({block_k}) and {group_size=} to divide one another, and groups of "
                 ">= 32 (one dot pair each)")
+    if params.half2 and gemv and not (params.group_partial and kind == "int4" and k % 8 == 0 and group_size % 8 == 0):
+        return f"half2 needs group_partial, int4, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
         return f"scale_tile needs {group_size=} a power of two dividing block_k ({block_k})"
     return None
@@ -188,8 +197,48 @@ def _loop(num_steps: int, body, acc, unroll: bool):
     return acc
 
 
+# One u32 word of codes (byte i: column 2i in the low nibble, 2i + 1 in the high one) and the word's 8
+# x values as f16 ($2..$9, odd columns pre-divided by 16) -> f32 $0 = sum_c code_c * x_c * 2^-24. The
+# codes are masked into the halves of four f16x2 registers as they lie, so each half is the code as an
+# f16 subnormal (code * 2^-24; a high nibble 16 * code * 2^-24, hence its x / 16): no conversion, no
+# offset to subtract. Each register pairs two columns (0 with 5, 1 with 4, 2 with 7, 3 with 6), the x
+# pairs are packed to match, then one multiply and three FMAs in half2 (products and 4-term sums
+# rounded to f16, relative 2^-11; subnormals kept: no .ftz) and the two halves added.
+_DOT8_PTX = """{
+.reg .b32 v<4>, p<4>, w8, a;
+.reg .f16 l, h;
+mov.b32 p0, {$2, $7};
+mov.b32 p1, {$3, $6};
+mov.b32 p2, {$4, $9};
+mov.b32 p3, {$5, $8};
+and.b32 v0, $1, 0x00F0000F;
+and.b32 v1, $1, 0x000F00F0;
+shr.u32 w8, $1, 8;
+and.b32 v2, w8, 0x00F0000F;
+and.b32 v3, w8, 0x000F00F0;
+mul.rn.f16x2 a, v0, p0;
+fma.rn.f16x2 a, v1, p1, a;
+fma.rn.f16x2 a, v2, p2, a;
+fma.rn.f16x2 a, v3, p3, a;
+mov.b32 {l, h}, a;
+add.rn.f16 l, l, h;
+cvt.f32.f16 $0, l;
+}"""
+
+
+def _dot8(w, hs, interpret: bool):
+    """u32 words w[BN, W] and 8 f16 x arrays hs[c][BN, W] -> f32[BN, W]: sum_c code_c * hs[c] * 2^-24
+    (* 16 for odd c), by `_DOT8_PTX` on the GPU; in interpret mode the same sum in f32."""
+    if interpret:
+        return sum(((w >> (4 * c)) & 15).astype(jnp.float32) * h.astype(jnp.float32) * (2.0 ** (-20 if c % 2 else -24))
+                   for c, h in enumerate(hs))
+    return plgpu_triton.elementwise_inline_asm(
+        _DOT8_PTX, args=[w, *hs], constraints="=f,r" + ",h" * 8, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
+
+
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll):
+               gemv, scale_tile, unroll, half2, interpret):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -252,24 +301,60 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
     if gemv:  # m == 1: on the CUDA cores, acc f32[BN]
         nsg = max(1, block_k // group)  # group_partial: groups per step (1: the step lies inside one group)
 
+        def group_sums(prod, xw, per):  # f32[BN, T], f32[T] (T = block_k / per) -> per-group [BN, nsg], [nsg]
+            if nsg > 1:
+                return (jnp.sum(prod.reshape(block_n, nsg, group // per), axis=2),
+                        jnp.sum(xw.reshape(nsg, group // per), axis=1))
+            return jnp.sum(prod, axis=1)[:, None], jnp.sum(xw)[None]
+
+        def zero_and_scale(i, part, xs):  # sum_k x (q - z) * s over this step's groups -> f32[BN]
+            gidx = (i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32)  # i32[nsg]
+            g_mask = n_ok[:, None] & (gidx < ng)[None, :]
+            sc = _load_scale(s_ref.at[ncols[:, None], gidx[None, :]], g_mask)  # f32[BN, nsg]
+            if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
+                z = plgpu_triton.load(aux_ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0)
+                part = part - z.astype(jnp.int32).astype(jnp.float32) * xs[None, :]
+            return jnp.sum(part * sc, axis=1)
+
+        if half2:  # p_ref u32[N, K/8]
+            nw, kw = block_k // 8, k // 8
+
+            def amax_body(i, mx):
+                cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                xv = plgpu_triton.load(x_ref.at[jnp.zeros_like(cols), cols], mask=cols < k, other=0.0)
+                return jnp.maximum(mx, jnp.max(jnp.abs(xv.astype(jnp.float32))))
+
+            # x * cs in f16 with cs = 2^(141 - e), e the biased exponent of max |x|: |x * cs| < 2^15
+            # (products <= 15 * 2^-9, half2 sums far from f16's range); inv = 2^24 / cs.
+            xmax = jax.lax.fori_loop(0, num_steps, amax_body, jnp.float32(0.0))
+            e = jnp.clip((jax.lax.bitcast_convert_type(xmax, jnp.int32) >> 23) & 255, 14, 244)
+            cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)
+            inv = jax.lax.bitcast_convert_type((e + 10) << 23, jnp.float32)
+
+            def body_half2(i, acc):
+                jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
+                w_ok = jw < kw
+                wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
+                                       other=0, eviction_policy="evict_first")  # u32[BN, W]
+                zj = jnp.zeros_like(jw)
+                xs = [plgpu_triton.load(x_ref.at[zj, 8 * jw + c], mask=w_ok, other=0.0).astype(jnp.float32)
+                      for c in range(8)]  # f32[W] each: column c of every 8
+                hs = [jnp.broadcast_to((xc * (cs * 0.0625 if c % 2 else cs)).astype(jnp.float16)[None, :],
+                                       (block_n, nw)) for c, xc in enumerate(xs)]
+                part, xg = group_sums(_dot8(wt, hs, interpret), sum(xs), 8)
+                return acc + zero_and_scale(i, part * inv, xg)
+
+            acc = _loop(num_steps, body_half2, jnp.zeros((block_n,), jnp.float32), unroll)
+            plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
+            return
+
         def body_gemv_groups(i, acc):  # per group, sum code * x, then zero and scale
             j, lo, hi = codes(i)
             xe, xo = x_row(j)
             dec = _e2m1 if fp4 else _codes_f32
             prod = dec(lo) * xe[None, :] + dec(hi) * xo[None, :]  # f32[BN, BK/2]
-            if nsg > 1:
-                part = jnp.sum(prod.reshape(block_n, nsg, group // 2), axis=2)  # f32[BN, nsg]
-            else:
-                part = jnp.sum(prod, axis=1)[:, None]
-            gidx = (i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32)  # i32[nsg]
-            g_mask = n_ok[:, None] & (gidx < ng)[None, :]
-            sc = _load_scale(s_ref.at[ncols[:, None], gidx[None, :]], g_mask)  # f32[BN, nsg]
-            if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
-                xs = xe + xo
-                xs = jnp.sum(xs.reshape(nsg, group // 2), axis=1) if nsg > 1 else jnp.sum(xs)[None]  # f32[nsg]
-                z = plgpu_triton.load(aux_ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0)
-                part = part - z.astype(jnp.int32).astype(jnp.float32) * xs[None, :]
-            return acc + jnp.sum(part * sc, axis=1)
+            part, xg = group_sums(prod, xe + xo, 2)
+            return acc + zero_and_scale(i, part, xg)
 
         def body_gemv(i, acc):  # multiply-and-reduce the dequantized weights
             j, w_lo, w_hi = weights(i)
@@ -355,7 +440,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     m = x.shape[0]
     n = packed.shape[0]
     params = params or w4_params_for(kind, m, n, k, group_size)
-    why = _params_fit(params, m, k, group_size)
+    why = _params_fit(params, m, k, group_size, kind)
     if why:
         raise ValueError(f"skinny_matmul_w4: {why}")
     block_k = _block_k(params, k)
@@ -363,7 +448,9 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
-        scale_tile=params.scale_tile, unroll=params.unroll)
+        scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, interpret=interpret)
+    if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
+        packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     return pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n),),
