@@ -96,6 +96,10 @@ class W4Params:
     # docstring). Needs K % 8 == 0 and groups of >= 8 columns; not in interpret mode's arithmetic
     # (there a jnp twin of the same sums runs).
     half2: bool = False
+    # half2: carry the next step's weight words and x in the loop (loaded before this step's math), so
+    # a program has a step's loads in flight while it computes (Triton does not software-pipeline
+    # loads that feed no dot).
+    prefetch: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -238,7 +242,7 @@ def _dot8(w, hs, interpret: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, interpret):
+               gemv, scale_tile, unroll, half2, prefetch, interpret):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -320,26 +324,37 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             nw, kw = block_k // 8, k // 8
             odd_16 = jnp.where(jnp.arange(8, dtype=jnp.int32) % 2 == 1, 0.0625, 1.0)  # f32[8]: high nibbles' x / 16
 
-            def body_half2(i, acc):
+            def load_half2(i):  # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns)
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
                 w_ok = jw < kw
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
-                                       other=0, eviction_policy="evict_first")  # u32[BN, W]
-                cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]: each word's 8 columns
-                x8 = plgpu_triton.load(x_ref.at[jnp.zeros_like(cols), cols], mask=w_ok[:, None],
-                                       other=0.0).astype(jnp.float32)  # f32[W, 8]
-                # x * cs in f16 with cs = 2^(141 - e), e the biased exponent of this step's max |x|:
-                # |x * cs| < 2^15 (products <= 15 * 2^-9, half2 sums far from f16's range); inv = 2^24 / cs.
-                e = (jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x8)), jnp.int32) >> 23) & 255
-                e = jnp.clip(e, 14, 244)
-                cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)
-                inv = jax.lax.bitcast_convert_type((e + 10) << 23, jnp.float32)
-                h8 = (x8 * (cs * odd_16)[None, :]).astype(jnp.float16)  # f16[W, 8]
-                hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
-                part, xg = group_sums(_dot8(wt, hs, interpret), jnp.sum(x8, axis=1), 8)
-                return acc + zero_and_scale(i, part * inv, xg)
+                                       other=0, eviction_policy="evict_first")
+                cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
+                x8 = plgpu_triton.load(x_ref.at[jnp.zeros_like(cols), cols], mask=w_ok[:, None], other=0.0)
+                return wt, x8.astype(jnp.float32)
 
-            acc = _loop(num_steps, body_half2, jnp.zeros((block_n,), jnp.float32), unroll)
+            def step_half2(i, acc, wt, x8):
+                # x * cs in f16, cs = 2^(141 - e) per word, e the biased exponent of the word's max |x|
+                # (in-thread: no barrier in the loop): |x * cs| < 2^15, so products <= 15 * 2^-9 and
+                # half2 sums stay far from f16's range; inv = 2^24 / cs undoes it on the f32 sum.
+                e = (jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x8), axis=1), jnp.int32) >> 23) & 255
+                e = jnp.clip(e, 14, 244)  # i32[W]
+                cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)  # f32[W]
+                inv = jax.lax.bitcast_convert_type((e + 10) << 23, jnp.float32)
+                h8 = (x8 * cs[:, None] * odd_16[None, :]).astype(jnp.float16)  # f16[W, 8]
+                hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
+                part, xg = group_sums(_dot8(wt, hs, interpret) * inv[None, :], jnp.sum(x8, axis=1), 8)
+                return acc + zero_and_scale(i, part, xg)
+
+            acc0 = jnp.zeros((block_n,), jnp.float32)
+            if prefetch:  # (loads past the last step are masked off: no memory traffic)
+                def body_prefetch(i, carry):
+                    acc, wt, x8 = carry
+                    return (step_half2(i, acc, wt, x8), *load_half2(i + 1))
+
+                acc = _loop(num_steps, body_prefetch, (acc0, *load_half2(0)), unroll)[0]
+            else:
+                acc = _loop(num_steps, lambda i, acc: step_half2(i, acc, *load_half2(i)), acc0, unroll)
             plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
             return
 
@@ -443,7 +458,8 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
-        scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, interpret=interpret)
+        scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
+        interpret=interpret)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     return pl.pallas_call(
