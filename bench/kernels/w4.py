@@ -75,10 +75,7 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
          W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
          W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
-         W4Params(32, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
-         # M > 1, int4: the words dequantized in half2 by inline PTX, 8 dots a step (session 25)
-         W4Params(32, 512, 4, 3, half2=True), W4Params(64, 512, 4, 3, half2=True), W4Params(64, 256, 4, 3, half2=True),
-         W4Params(128, 256, 8, 3, half2=True), W4Params(32, 1024, 4, 3, half2=True)]
+         W4Params(32, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=True)]
 MIN_ROTATION_BYTES = 256e6
 
 

@@ -54,7 +54,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.linear.params import m_bucket
-from pallas_kernels.linear.triton_asm import inline_asm
 
 MAX_M = 64
 
@@ -164,12 +163,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int, kind: str = "
     if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
         return (f"group_partial needs block_k ({block_k}) and {group_size=} to divide one another, and groups of "
                 ">= 32 (one dot pair each)")
-    if params.half2 and not (kind == "int4" and k % 8 == 0 and group_size % 8 == 0):
-        return f"half2 needs int4, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
-    if params.half2 and gemv and not params.group_partial:
-        return "half2 at M = 1 needs gemv with group_partial"
-    if params.half2 and not gemv and block_k < 128:
-        return f"half2 dots need block_k >= 128 ({block_k=}: 16 words a dot)"
+    if params.half2 and gemv and not (params.group_partial and kind == "int4" and k % 8 == 0 and group_size % 8 == 0):
+        return f"half2 needs group_partial, int4, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
         return f"scale_tile needs {group_size=} a power of two dividing block_k ({block_k})"
     return None
@@ -244,34 +239,6 @@ def _dot8(w, hs, interpret: bool):
     return plgpu_triton.elementwise_inline_asm(
         _DOT8_PTX, args=[w, *hs], constraints="=f,r" + ",h" * 8, pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
-
-
-# M > 1 (the dot path): one u32 word of codes, the word's group scale $9 and 1024 + zero $10 (f16) ->
-# the 8 dequantized weights (code - zero) * scale as f16 $0..$7 (column c = nibble c). Each lop3 puts
-# two codes (columns k and k + 4) in the low mantissa bits of 1024.0 (0x6400) in both halves, the
-# half2 subtract of 1024 + zero is exact and the multiply rounds once: 17 instructions per 8 weights.
-_DEQUANT8_PTX = """{
-.reg .b32 s2, z2, t, v;
-mov.b32 s2, {$9, $9};
-mov.b32 z2, {$10, $10};
-""" + "".join(f"""{'mov.b32 t, $8;' if c == 0 else f'shr.u32 t, $8, {4 * c};'}
-lop3.b32 v, t, 0x000F000F, 0x64006400, 0xEA;
-sub.rn.f16x2 v, v, z2;
-mul.rn.f16x2 v, v, s2;
-mov.b32 {{${c}, ${c + 4}}}, v;
-""" for c in range(4)) + "}"
-
-
-def _dequant8(w, scale, zero, interpret: bool):
-    """u32 words w[BN, W], per-word f16 scale and zero [BN, W] -> 8 f16[BN, W]: column c of every
-    word, (code - zero) * scale rounded to f16 (`_DEQUANT8_PTX`; the same in jnp in interpret mode)."""
-    if interpret:
-        return [(((w >> (4 * c)) & 15).astype(jnp.float32) - zero.astype(jnp.float32)).astype(jnp.float16) * scale
-                for c in range(8)]
-    return inline_asm(
-        _DEQUANT8_PTX, args=[w, scale, (zero.astype(jnp.float32) + 1024.0).astype(jnp.float16)],
-        constraints="=h," * 8 + "r,h,h", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float16)] * 8)
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
@@ -411,41 +378,6 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
         plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
         return
 
-    if half2:  # M > 1: p_ref u32[N, K/8], weights dequantized in half2 by `_DEQUANT8_PTX`, 8 dots a step
-        nw, kw = block_k // 8, k // 8
-
-        def body_half2_dot(i, acc):
-            jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
-            w_ok = jw < kw
-            t_mask = n_ok[:, None] & w_ok[None, :]
-            wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=t_mask, other=0,
-                                   eviction_policy="evict_first")  # u32[BN, W]
-            gw = jnp.minimum((8 * jw) // group, ng - 1)  # i32[W] each word's group
-            sc = _load_scale(s_ref.at[ncols[:, None], gw[None, :]], t_mask).astype(jnp.float16)  # f16[BN, W]
-            zp = plgpu_triton.load(aux_ref.at[ncols[:, None], gw[None, :]], mask=t_mask, other=0)  # u8[BN, W]
-            ws = _dequant8(wt, sc, zp, interpret)  # 8 x f16[BN, W]
-            cols = 8 * jw[None, :, None] + jnp.arange(8, dtype=jnp.int32)[None, None, :]  # i32[1, W, 8]
-            x3 = plgpu_triton.load(x_ref.at[jnp.broadcast_to(rows[:, None, None], (mp, nw, 8)),
-                                            jnp.broadcast_to(cols, (mp, nw, 8))],
-                                   mask=row_ok[:, None, None] & w_ok[None, :, None], other=0.0)
-            x3 = x3.astype(jnp.float32)  # f32[Mp, W, 8]
-            # f16 x: each row times a power of two putting this step's max |x| below 2^15 (f32 dot)
-            e = (jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x3).reshape(mp, 8 * nw), axis=1), jnp.int32) >> 23) & 255
-            e = jnp.clip(e, 15, 244)  # i32[Mp]
-            cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)  # 2^(141 - e)
-            inv = jax.lax.bitcast_convert_type((e - 14) << 23, jnp.float32)  # 1 / cs
-            xh = (x3 * cs[:, None, None]).astype(jnp.float16)
-            part = None
-            for c, xc in enumerate(jnp.split(xh, 8, axis=2)):
-                d = plgpu_triton.dot(xc.reshape(mp, nw), ws[c], trans_b=True).astype(jnp.float32)  # f32[Mp, BN]
-                part = d if part is None else part + d
-            return acc + part * inv[:, None]
-
-        acc = _loop(num_steps, body_half2_dot, jnp.zeros((mp, block_n), jnp.float32), unroll)
-        plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
-                           mask=row_ok[:, None] & n_ok[None, :])
-        return
-
     sub = min(group, block_k)  # group_partial: K columns per dot pair, within one group
 
     def body_group_partial(i, acc):
@@ -526,9 +458,9 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
-        scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2, prefetch=params.prefetch,
+        scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
         interpret=interpret)
-    if params.half2:  # the same bytes as u32 words (4 bytes, 8 codes each)
+    if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     return pl.pallas_call(
         kernel,
