@@ -160,6 +160,8 @@ def _random_w4(rng, n, k, g, kind):
     ("int4", 1, 70, 192, 192, W4Params(block_n=32, block_k=64, gemv=True, group_partial=True, half2=True)),
     ("int4", 1, 40, 200, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       prefetch=True)),  # next step's words carried in the loop
+    ("fp4", 1, 40, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True)),
+    ("fp4", 1, 24, 96, 16, W4Params(block_n=32, block_k=32, gemv=True, group_partial=True, half2=True, prefetch=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       unroll=True)),  # float16 activations
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
@@ -216,6 +218,7 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, unroll=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, prefetch=True, unroll=True)),
+    ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -242,6 +245,8 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
     ("int4", 1, 6144, 4096, 128, W4Params(16, 1024, 4, 4, gemv=True, group_partial=True, half2=True)),
     ("int4", 1, 1000, 1000, 64, W4Params(16, 128, 4, 4, gemv=True, group_partial=True, half2=True)),
     ("int4", 1, 1000, 1000, 64, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True)),
+    ("fp4", 1, 6144, 4096, 16, W4Params(16, 1024, 4, 4, gemv=True, group_partial=True, half2=True)),
+    ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

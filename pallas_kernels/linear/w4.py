@@ -150,7 +150,7 @@ def w4_params_for(kind: str, m: int, n: int, k: int, group_size: int | None = No
         return W4Params()
     p = W4Params(**table[prefix + str(pick)])
     p = dataclasses.replace(p, gemv=False, half2=False) if p.gemv and m > 1 else p
-    return p if group_size is None or _params_fit(p, m, k, group_size, kind) is None else W4Params()
+    return p if group_size is None or _params_fit(p, m, k, group_size) is None else W4Params()
 
 
 def _parse_key(key: str) -> tuple[str, int, int, int]:
@@ -162,7 +162,7 @@ def _block_k(params: W4Params, k: int) -> int:
     return min(params.block_k, max(32, 1 << max(0, (k - 1).bit_length())))
 
 
-def _params_fit(params: W4Params, m: int, k: int, group_size: int, kind: str = "int4") -> str | None:
+def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None:
     """Why `params` cannot run this call (None: they can)."""
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
@@ -173,8 +173,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int, kind: str = "
     if params.group_partial and not gemv and (block_k % group_size and group_size % block_k or group_size < 32):
         return (f"group_partial needs block_k ({block_k}) and {group_size=} to divide one another, and groups of "
                 ">= 32 (one dot pair each)")
-    if params.half2 and gemv and not (params.group_partial and kind == "int4" and k % 8 == 0 and group_size % 8 == 0):
-        return f"half2 needs group_partial, int4, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
+    if params.half2 and gemv and not (params.group_partial and k % 8 == 0 and group_size % 8 == 0):
+        return f"half2 needs group_partial, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
         return f"scale_tile needs {group_size=} a power of two dividing block_k ({block_k})"
     return None
@@ -240,14 +240,37 @@ cvt.f32.f16 $0, l;
 }"""
 
 
-def _dot8(w, hs, interpret: bool):
-    """u32 words w[BN, W] and 8 f16 x arrays hs[c][BN, W] -> f32[BN, W]: sum_c code_c * hs[c] * 2^-24
-    (* 16 for odd c), by `_DOT8_PTX` on the GPU; in interpret mode the same sum in f32."""
+# NVFP4: the same sum over e2m1 codes (sign, 2 exponent bits, 1 mantissa bit), x not divided. Per
+# register pair k (columns k and k + 4): the code's 3 magnitude bits shifted to f16 bits 9-11 and its
+# sign to bit 15 make the f16 e2m1 * 2^-14 (2^(e-1) (1 + m/2) * 2^-14; e = 0 lands on the subnormal
+# m * 2^-15), so $0 = sum_c e2m1_c * x_c * 2^-14.
+_DOT8_FP4_PTX = """{
+.reg .b32 a, b, v, p, acc;
+.reg .f16 l, h;
+""" + "".join(f"""{f'shl.b32 a, $1, {9 - 4 * c};' if c < 3 else 'shr.u32 a, $1, 3;'}
+{f'shl.b32 b, $1, {12 - 4 * c};' if c < 3 else 'mov.b32 b, $1;'}
+lop3.b32 v, a, b, 0x0E000E00, 0xE4;
+and.b32 v, v, 0x8E008E00;
+mov.b32 p, {{${2 + c}, ${6 + c}}};
+{'mul.rn.f16x2 acc, v, p;' if c == 0 else 'fma.rn.f16x2 acc, v, p, acc;'}
+""" for c in range(4)) + """mov.b32 {l, h}, acc;
+add.rn.f16 l, l, h;
+cvt.f32.f16 $0, l;
+}"""
+
+
+def _dot8(w, hs, interpret: bool, fp4: bool):
+    """u32 words w[BN, W] and 8 f16 x arrays hs[c][BN, W] -> f32[BN, W]: int4, sum_c code_c * hs[c] *
+    2^-24 (* 16 for odd c); fp4, sum_c e2m1(code_c) * hs[c] * 2^-14. By `_DOT8_PTX` / `_DOT8_FP4_PTX` on
+    the GPU; in interpret mode the same sum in f32."""
     if interpret:
+        if fp4:
+            return sum(_e2m1(((w >> (4 * c)) & 15).astype(jnp.int32)) * h.astype(jnp.float32) * 2.0 ** -14
+                       for c, h in enumerate(hs))
         return sum(((w >> (4 * c)) & 15).astype(jnp.float32) * h.astype(jnp.float32) * (2.0 ** (-20 if c % 2 else -24))
                    for c, h in enumerate(hs))
     return plgpu_triton.elementwise_inline_asm(
-        _DOT8_PTX, args=[w, *hs], constraints="=f,r" + ",h" * 8, pack=1,
+        _DOT8_FP4_PTX if fp4 else _DOT8_PTX, args=[w, *hs], constraints="=f,r" + ",h" * 8, pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
 
 
@@ -332,7 +355,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
 
         if half2:  # p_ref u32[N, K/8]
             nw, kw = block_k // 8, k // 8
-            odd_16 = jnp.where(jnp.arange(8, dtype=jnp.int32) % 2 == 1, 0.0625, 1.0)  # f32[8]: high nibbles' x / 16
+            # f32[8]: int4's high nibbles take x / 16 (their f16 is 16 * code * 2^-24)
+            odd_16 = jnp.where(jnp.arange(8, dtype=jnp.int32) % 2 == 1, 1.0 if fp4 else 0.0625, 1.0)
 
             def load_half2(i):  # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns)
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
@@ -346,14 +370,15 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             def step_half2(i, acc, wt, x8):
                 # x * cs in f16, cs = 2^(141 - e) per word, e the biased exponent of the word's max |x|
                 # (in-thread: no barrier in the loop): |x * cs| < 2^15, so products <= 15 * 2^-9 and
-                # half2 sums stay far from f16's range; inv = 2^24 / cs undoes it on the f32 sum.
+                # half2 sums stay far from f16's range (NVFP4: <= 6 * 2^-14 * 2^15 per product); inv undoes
+                # cs and the code's 2^-24 (int4) or 2^-14 (NVFP4) on the f32 sum: 2^(e - 117) or 2^(e - 127).
                 e = (jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x8), axis=1), jnp.int32) >> 23) & 255
                 e = jnp.clip(e, 14, 244)  # i32[W]
                 cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)  # f32[W]
-                inv = jax.lax.bitcast_convert_type((e + 10) << 23, jnp.float32)
+                inv = jax.lax.bitcast_convert_type((e if fp4 else e + 10) << 23, jnp.float32)
                 h8 = (x8 * cs[:, None] * odd_16[None, :]).astype(jnp.float16)  # f16[W, 8]
                 hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
-                part, xg = group_sums(_dot8(wt, hs, interpret) * inv[None, :], jnp.sum(x8, axis=1), 8)
+                part, xg = group_sums(_dot8(wt, hs, interpret, fp4) * inv[None, :], jnp.sum(x8, axis=1), 8)
                 return acc + zero_and_scale(i, part, xg)
 
             acc0 = jnp.zeros((block_n,), jnp.float32)
@@ -365,6 +390,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 acc = _loop(num_steps, body_prefetch, (acc0, *load_half2(0)), unroll)[0]
             else:
                 acc = _loop(num_steps, lambda i, acc: step_half2(i, acc, *load_half2(i)), acc0, unroll)
+            if fp4:
+                acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
             plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
             return
 
@@ -460,7 +487,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     m = x.shape[0]
     n = packed.shape[0]
     params = params or w4_params_for(kind, m, n, k, group_size)
-    why = _params_fit(params, m, k, group_size, kind)
+    why = _params_fit(params, m, k, group_size)
     if why:
         raise ValueError(f"skinny_matmul_w4: {why}")
     block_k = _block_k(params, k)
