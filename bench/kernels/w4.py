@@ -64,18 +64,13 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 512, 4, 1, True, True, unroll=True), W4Params(32, 1024, 8, 1, True, True, unroll=True),
          W4Params(16, 1024, 4, 1, gemv=True, scale_tile=True, unroll=True),
          W4Params(32, 512, 4, 1, scale_tile=True, unroll=True),
-         # M = 1, int4: u32 words, 8 codes summed per inline-PTX call in half2 (session 25)
+         # M = 1: u32 words, 8 codes summed per inline-PTX call in half2 (session 25; the int4 winners of its
+         # sweep, with and without unroll / prefetch)
          W4Params(16, 1024, 4, 4, True, True, half2=True), W4Params(16, 2048, 4, 3, True, True, half2=True),
-         W4Params(32, 2048, 4, 3, True, True, half2=True), W4Params(16, 2048, 8, 3, True, True, half2=True),
-         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True),
+         W4Params(32, 2048, 4, 3, True, True, half2=True),
          W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True),
          W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True),
-         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True),
-         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True),
-         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
-         W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
-         W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=True),
-         W4Params(32, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=True)]
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True)]
 MIN_ROTATION_BYTES = 256e6
 
 
