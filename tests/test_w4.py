@@ -161,6 +161,11 @@ def _random_w4(rng, n, k, g, kind):
     ("int4", 1, 40, 200, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       prefetch=True)),  # next step's words carried in the loop
     ("fp4", 1, 40, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True)),
+    # half2 split along K: 4 steps over 3 programs (one program's second step past K), f32 partials added
+    ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      split_k=3)),
+    ("fp4", 1, 24, 256, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True, split_k=2,
+                                     prefetch=True)),
     ("fp4", 1, 24, 96, 16, W4Params(block_n=32, block_k=32, gemv=True, group_partial=True, half2=True, prefetch=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       unroll=True)),  # float16 activations
@@ -206,6 +211,8 @@ def test_w4_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="scale_tile"):  # groups of 48: not a power of two
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=48, kind="int4",
                          params=W4Params(block_k=64, scale_tile=True))
+    with pytest.raises(ValueError, match="split_k"):
+        skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=32, kind="int4", params=W4Params(block_k=32, split_k=2))
     with pytest.raises(ValueError, match="row_scale"):
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 
@@ -219,6 +226,7 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, prefetch=True, unroll=True)),
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True)),
+    ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, split_k=2)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -247,6 +255,7 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
     ("int4", 1, 1000, 1000, 64, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True)),
     ("fp4", 1, 6144, 4096, 16, W4Params(16, 1024, 4, 4, gemv=True, group_partial=True, half2=True)),
     ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True)),
+    ("int4", 1, 4096, 14336, 128, W4Params(16, 2048, 4, 3, gemv=True, group_partial=True, half2=True, split_k=4)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

@@ -70,7 +70,12 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(32, 2048, 4, 3, True, True, half2=True),
          W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True),
          W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True),
-         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True)]
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True),
+         # the same split along K (f32 partials added by XLA)
+         W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2), W4Params(16, 1024, 4, 3, True, True, half2=True,
+                                                                                split_k=4),
+         W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=2),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2)]
 MIN_ROTATION_BYTES = 256e6
 
 

@@ -110,6 +110,10 @@ class W4Params:
     # a program has a step's loads in flight while it computes (Triton does not software-pipeline
     # loads that feed no dot).
     prefetch: bool = False
+    # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
+    # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
+    # more programs for narrow layers, whose few programs each had one step's loads in flight.
+    split_k: int = 1
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -149,7 +153,7 @@ def w4_params_for(kind: str, m: int, n: int, k: int, group_size: int | None = No
     if pick is None:
         return W4Params()
     p = W4Params(**table[prefix + str(pick)])
-    p = dataclasses.replace(p, gemv=False, half2=False) if p.gemv and m > 1 else p
+    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1) if p.gemv and m > 1 else p
     return p if group_size is None or _params_fit(p, m, k, group_size) is None else W4Params()
 
 
@@ -175,6 +179,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
                 ">= 32 (one dot pair each)")
     if params.half2 and gemv and not (params.group_partial and k % 8 == 0 and group_size % 8 == 0):
         return f"half2 needs group_partial, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
+    if params.split_k > 1 and not (params.half2 and params.gemv):
+        return f"split_k={params.split_k} needs half2 with gemv"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
         return f"scale_tile needs {group_size=} a power of two dividing block_k ({block_k})"
     return None
@@ -275,7 +281,7 @@ def _dot8(w, hs, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, interpret):
+               gemv, scale_tile, unroll, half2, prefetch, split_k, interpret):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -382,17 +388,23 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 return acc + zero_and_scale(i, part, xg)
 
             acc0 = jnp.zeros((block_n,), jnp.float32)
+            sps = -(-num_steps // split_k)  # steps per program along K (those past the last: masked off)
+            first = pl.program_id(1) * sps
             if prefetch:  # (loads past the last step are masked off: no memory traffic)
-                def body_prefetch(i, carry):
+                def body_prefetch(t, carry):
                     acc, wt, x8 = carry
-                    return (step_half2(i, acc, wt, x8), *load_half2(i + 1))
+                    return (step_half2(first + t, acc, wt, x8), *load_half2(first + t + 1))
 
-                acc = _loop(num_steps, body_prefetch, (acc0, *load_half2(0)), unroll)[0]
+                acc = _loop(sps, body_prefetch, (acc0, *load_half2(first)), unroll)[0]
             else:
-                acc = _loop(num_steps, lambda i, acc: step_half2(i, acc, *load_half2(i)), acc0, unroll)
+                acc = _loop(sps, lambda t, acc: step_half2(first + t, acc, *load_half2(first + t)), acc0, unroll)
             if fp4:
                 acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
-            plgpu_triton.store(o_ref.at[jnp.zeros_like(ncols), ncols], acc.astype(o_ref.dtype), mask=n_ok)
+            zero = jnp.zeros_like(ncols)
+            if split_k > 1:  # o_ref f32[S, 1, N]
+                plgpu_triton.store(o_ref.at[pl.program_id(1) + zero, zero, ncols], acc, mask=n_ok)
+            else:
+                plgpu_triton.store(o_ref.at[zero, ncols], acc.astype(o_ref.dtype), mask=n_ok)
             return
 
         def body_gemv_groups(i, acc):  # per group, sum code * x, then zero and scale
@@ -492,20 +504,23 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         raise ValueError(f"skinny_matmul_w4: {why}")
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
+    split_k = min(params.split_k, -(-k // block_k)) if params.half2 and gemv else 1
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
-        interpret=interpret)
+        split_k=split_k, interpret=interpret)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(-(-n // params.block_n),),
+        grid=(-(-n // params.block_n), split_k),
         in_specs=[pl.no_block_spec] * 4,
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1 else
+        jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
         interpret=interpret,
         name="skinny_matmul_w4",
     )(x, packed, scales, aux)
+    return out.sum(axis=0).astype(x.dtype) if split_k > 1 else out
