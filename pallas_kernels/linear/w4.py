@@ -36,18 +36,19 @@ FMA; the other variants dequantize each weight (subtract, convert, scale, round)
 H200 it is the best M = 1 variant for int4 (q/k/v 12.5 us against 17.5 us for the next, gate|up
 42.4 against 45.0 us: 1.0-1.4 TB/s of codes, so the ALU work was not the main bound; NVFP4 not
 swept yet). `unroll` writes the K loop out, so that all of a program's weight loads can be in
-flight together. `half2` (int4, M = 1, session 25) is what the table picks at M = 1: the bytes read
-as u32 words, each word's 8 products summed by one inline-PTX call (`_DOT8_PTX`: codes masked into
-f16 subnormals, half2 FMAs against x scaled into f16 by a power of two per word), ~4 instructions
-per byte against ~10 for `gemv` + `group_partial`, whose bound was instruction issue (~10 per byte
-at 3.4 TB/s would need the whole H200 issuing nothing else). H200, Llama-3-8B projections at M = 1:
-q/k/v 9.0 us, o 8.4-9.4, gate|up 21.7 (2.7 TB/s of codes), down 15.1-15.8 against 12.5 / - / 42.4
-/ - before (bench/results/w4_h200_2026-12-04_s25_call*.json); the small projections are now
-latency-bound (1.0-1.4 TB/s: 256-384 programs, one step's tile in flight each; `prefetch`, which
-carries the next step's tile through the loop, did not change that). The same dequantization for
-the dot path (M > 1: words to f16 weights by inline PTX, 8 dots a step) measured 2-6x slower than
-bf16 at M = 16 / 64 (`..._call4_half2_dot.json`) and was not kept. `w4_params_for` reads the
-sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
+flight together. `half2` (M = 1, int4 and NVFP4, session 25) is what the table picks at M = 1: the
+bytes read as u32 words, each word's 8 products summed by one inline-PTX call (`_DOT8_PTX`: int4
+codes masked into f16 subnormals; `_DOT8_FP4_PTX`: e2m1 codes shifted into f16; half2 FMAs against
+x scaled into f16 by a power of two per word), ~4 instructions per byte against ~10 for `gemv` +
+`group_partial`, whose bound was instruction issue. H200, Llama-3-8B projections at M = 1, int4:
+q/k/v 9.0 us, o 8.4-9.4, gate|up 21.7 (2.7 TB/s of codes), down 14.4-15.8, against 12.5 / - / 42.4
+/ - before; NVFP4 11.5 / 9.0 / 26.0 / 23.8 (bench/results/w4_h200_2026-12-04_s25_call*). The narrow
+projections are latency-bound (1.0-1.4 TB/s: 256-384 programs, one step's tile in flight each):
+`prefetch` (the next step's tile carried through the loop) did not change that; `split_k` (programs
+along K, f32 partials that XLA adds) helped down (14.4 against 17.9 us) and not o. The same
+dequantization for the dot path (M > 1: words to f16 weights by inline PTX, 8 dots a step) measured
+2-6x slower than bf16 at M = 16 / 64 (`..._call4_half2_dot.json`) and was not kept. `w4_params_for`
+reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
 """
 
 from __future__ import annotations
@@ -99,12 +100,11 @@ class W4Params:
     # together; a loop whose loads feed no dot may not be software-pipelined by Triton, which
     # would leave one tile in flight per program: session 23's guess, to be swept).
     unroll: bool = False
-    # M = 1, int4, with gemv and group_partial (session 25): the packed bytes read as u32 words (8
-    # codes), each word's 8 products summed by one inline-PTX call with packed half2 FMAs (codes
-    # masked straight into f16 subnormals: no conversion, no magic-number subtraction), x scaled
-    # into f16 by a power of two per program. ~4 instructions per byte against ~10 (module
-    # docstring). Needs K % 8 == 0 and groups of >= 8 columns; not in interpret mode's arithmetic
-    # (there a jnp twin of the same sums runs).
+    # M = 1 (with gemv and group_partial; int4 and NVFP4, session 25): the packed bytes read as u32 words
+    # (8 codes), each word's 8 products summed by one inline-PTX call with packed half2 FMAs (codes
+    # masked or shifted straight into f16: no conversion instruction), x scaled into f16 by a power of
+    # two per word. ~4 instructions per byte against ~10 (module docstring). Needs K % 8 == 0 and a
+    # group size divisible by 8; interpret mode runs a jnp twin of the PTX.
     half2: bool = False
     # half2: carry the next step's weight words and x in the loop (loaded before this step's math), so
     # a program has a step's loads in flight while it computes (Triton does not software-pipeline
