@@ -122,6 +122,8 @@ class W4Params:
                 raise ValueError(f"{f}={v} must be a power of two >= 16")
         if self.block_k < 32:
             raise ValueError(f"{self.block_k=} must be >= 32 (16 bytes a row)")
+        if self.split_k < 1:
+            raise ValueError(f"{self.split_k=} must be >= 1")
 
 
 _TUNED_PATH = pathlib.Path(__file__).with_name("tuned_w4.json")  # written by bench/kernels/w4.py (absent: defaults)
