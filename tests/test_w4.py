@@ -87,22 +87,24 @@ def test_w4_kernel_in_decode_steps():
     lay = Layout(2, num_blocks=32, block_size=4, max_blocks=8, seed=1)
     prompt = jnp.asarray(np.random.default_rng(4).integers(3, 250, 16).astype(np.int32))
     fwd = jax.jit(model.forward_paged, static_argnums=(5,))
-    for p in (params, marked):
-        state = model.init_state(32, lay.bs)
-        state, _ = fwd(p, state, prompt, None, lay.prefill([(0, 0, 9), (1, 0, 7)], 16, 2), AttentionConfig())
-        dmd = lay.decode([(0, 9), (1, 7)], 3)
-        toks = jnp.asarray([11, 12, 0], jnp.int32)
-        _, hidden = fwd(p, state, toks, dmd, None, AttentionConfig())
-        logits = np.asarray(model.compute_logits(p, hidden)[:2], np.float32)
-        if p is params:
-            want = logits
-        jaxpr = str(jax.make_jaxpr(model.forward_paged, static_argnums=(5,))(p, state, toks, dmd, None,
-                                                                            AttentionConfig()))
-        assert ("skinny_matmul_w4" in jaxpr) == (p is marked)
-    assert np.isfinite(logits).all()
-    # bf16 both ways; the kernel rounds its output to bf16 before the norm's row scale (the tiny random
-    # net amplifies that to ~2.5%); a wiring error (perm, fused parts) is O(1)
-    assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 5e-2
+    # 3 decode rows (the dot path), then 1 (M = 1: the tuned table's half2 variant, its jnp twin here)
+    for rows, toks in ([(0, 9), (1, 7)], [11, 12, 0]), ([(1, 7)], [12]):
+        for p in (params, marked):
+            state = model.init_state(32, lay.bs)
+            state, _ = fwd(p, state, prompt, None, lay.prefill([(0, 0, 9), (1, 0, 7)], 16, 2), AttentionConfig())
+            dmd = lay.decode(rows, len(toks))
+            toks = jnp.asarray(toks, jnp.int32)
+            _, hidden = fwd(p, state, toks, dmd, None, AttentionConfig())
+            logits = np.asarray(model.compute_logits(p, hidden)[:len(rows)], np.float32)
+            if p is params:
+                want = logits
+            jaxpr = str(jax.make_jaxpr(model.forward_paged, static_argnums=(5,))(p, state, toks, dmd, None,
+                                                                                AttentionConfig()))
+            assert ("skinny_matmul_w4" in jaxpr) == (p is marked)
+        assert np.isfinite(logits).all()
+        # bf16 both ways; the kernel rounds its output to bf16 before the norm's row scale (the tiny
+        # random net amplifies that to ~2.5%); a wiring error (perm, fused parts) is O(1)
+        assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 5e-2
 
 
 # ---- the kernel -------------------------------------------------------------------------------------
