@@ -363,8 +363,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
 
         if half2:  # p_ref u32[N, K/8]
             nw, kw = block_k // 8, k // 8
-            # f32[8]: int4's high nibbles take x / 16 (their f16 is 16 * code * 2^-24)
-            odd_16 = jnp.where(jnp.arange(8, dtype=jnp.int32) % 2 == 1, 1.0 if fp4 else 0.0625, 1.0)
+            # f32[1, 8]: int4's high nibbles take x / 16 (their f16 is 16 * code * 2^-24); NVFP4 none
+            odd_16 = None if fp4 else jnp.where(jnp.arange(8, dtype=jnp.int32) % 2 == 1, 0.0625, 1.0)[None, :]
 
             def load_half2(i):  # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns)
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
@@ -384,7 +384,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 e = jnp.clip(e, 14, 244)  # i32[W]
                 cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)  # f32[W]
                 inv = jax.lax.bitcast_convert_type((e if fp4 else e + 10) << 23, jnp.float32)
-                h8 = (x8 * cs[:, None] * odd_16[None, :]).astype(jnp.float16)  # f16[W, 8]
+                xs = x8 * cs[:, None]
+                h8 = (xs if fp4 else xs * odd_16).astype(jnp.float16)  # f16[W, 8]
                 hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
                 part, xg = group_sums(_dot8(wt, hs, interpret, fp4) * inv[None, :], jnp.sum(x8, axis=1), 8)
                 return acc + zero_and_scale(i, part, xg)
