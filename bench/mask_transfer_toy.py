@@ -13,7 +13,8 @@ sent three ways:
 * `pinned_host`: the mask put in pinned host memory (a host-side copy, no device stream) and moved
   to the device inside the sampling executable, when it runs.
 beside the forward alone, back to back. The host work stands in for llguidance's fill (a busy wait
-of `--host-ms`).
+of `--host-ms`). `put_and_launch_ms_*`: the host's time from the mask's put to the sample's launch
+returning (near zero unless the launch waits for the running forward).
 
     python bench/mask_transfer_toy.py [--rows 64] [--vocab 128256] [--hidden 8192] [--layers 120]
         [--host-ms 2] [--steps 40] [--out FILE.json]
@@ -70,22 +71,24 @@ def run(rows: int, vocab: int, hidden: int, layers: int, host_ms: float, steps: 
         same = jax.device_put(masks[0])
         tokens = tokens0
         jax.block_until_ready(tokens)
-        times = []
+        times, launch = [], []
         for i in range(steps):
             t0 = time.perf_counter()
             logits = forward(ws, emb, tokens)
             busy(host_ms)  # the grammar fill, while the forward runs
             m = masks[i % len(masks)]
+            t1 = time.perf_counter()
             if kind == "same":
                 tokens = sample(logits, same)
             elif kind == "device_put":
                 tokens = sample(logits, jax.device_put(m, dev_sharding))
             else:
                 tokens = sample_pinned(logits, jax.device_put(m, pinned))
+            launch.append(time.perf_counter() - t1)  # put + launch: ~0 unless it waits for the forward
             tokens.copy_to_host_async()
             np.asarray(tokens)  # the next mask needs this step's tokens
             times.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(times[steps // 4:]))
+        return 1e3 * float(np.median(times[steps // 4:])), 1e3 * float(np.median(launch[steps // 4:]))
 
     def forward_alone() -> float:
         tokens = tokens0
@@ -102,7 +105,9 @@ def run(rows: int, vocab: int, hidden: int, layers: int, host_ms: float, steps: 
         loop(kind)  # compile, warm
     res["forward_alone_ms"] = forward_alone()
     for kind in ("same", "device_put", "pinned_host", "same", "device_put", "pinned_host"):
-        res.setdefault(f"step_ms_{kind}", []).append(loop(kind))
+        step, launch = loop(kind)
+        res.setdefault(f"step_ms_{kind}", []).append(step)
+        res.setdefault(f"put_and_launch_ms_{kind}", []).append(launch)
     return res
 
 
