@@ -197,6 +197,21 @@ def _host_timeline(eng, run) -> dict:
     return out
 
 
+def _profile(eng, prompts, params, out: Path, steps: int = 24) -> None:
+    """The JAX profiler over `steps` decode steps of the batch, free then constrained: the GPU's
+    idle gaps and the host's events per step (`out/<mode>/kernels.txt`, `engine.bench.profile_calls`)."""
+    from metrale_jax.engine.bench import profile_calls
+
+    for mode in ("free", "constrained"):
+        ps = params(mode == "constrained")
+        for i, (p, sp) in enumerate(zip(prompts, ps)):
+            eng.add_request(f"profile-{mode}-{i}", eng.tokenizer.apply_chat_template(p, add_generation_prompt=True), sp)
+        for _ in range(8):  # prefill and the first decode steps
+            eng.step()
+        profile_calls(eng.step, out / mode, steps)
+        eng.run_to_completion()
+
+
 def _save_tokenizer(out: Path) -> None:
     from metrale_jax.loading.checkpoint import open_checkpoint
     from metrale_jax.loading.hub import DEFAULT_MODEL, resolve_model
@@ -231,6 +246,7 @@ def main() -> None:
     ap.add_argument("--variants", default="default", help="llguidance executors, comma-separated, each timed "
                     "(interleaved) beside free rows: 'default' (its own thread count, 80%% of the cores), 'tN' "
                     "(N threads) or 'copiesK' (matchers copied from K templates per grammar)")
+    ap.add_argument("--profile", metavar="DIR", help="also profile decode steps, free and constrained (GPU idle gaps)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -356,6 +372,8 @@ def main() -> None:
     timeline = {mode: _host_timeline(eng, lambda mode=mode: timed(mode == "constrained", args.tokens))
                 for mode in ("free", "constrained")}
     device = _device_mask_cost(eng, args)
+    if args.profile:
+        _profile(eng, prompts, lambda constrained: params(args.tokens, constrained), Path(args.profile))
     # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
     gc = eng.grammar_compiler()
     g = gc.compile(so)
