@@ -198,18 +198,81 @@ def _host_timeline(eng, run) -> dict:
 
 
 def _profile(eng, prompts, params, out: Path, steps: int = 24) -> None:
-    """The JAX profiler over `steps` decode steps of the batch, free then constrained: the GPU's
-    idle gaps and the host's events per step (`out/<mode>/kernels.txt`, `engine.bench.profile_calls`)."""
+    """The JAX profiler (no Python tracer) over `steps` decode steps of the batch, free then
+    constrained (`out/<mode>/kernels.txt`, `engine.bench.profile_calls`), with the engine's host
+    phases annotated: the GPU's idle gaps, and what the host was doing while the GPU idled."""
+    import jax
+
     from metrale_jax.engine.bench import profile_calls
 
-    for mode in ("free", "constrained"):
-        ps = params(mode == "constrained")
-        for i, (p, sp) in enumerate(zip(prompts, ps)):
-            eng.add_request(f"profile-{mode}-{i}", eng.tokenizer.apply_chat_template(p, add_generation_prompt=True), sp)
-        for _ in range(8):  # prefill and the first decode steps
-            eng.step()
-        profile_calls(eng.step, out / mode, steps)
-        eng.run_to_completion()
+    comp = eng.compiler
+    phases = {"put": (comp, "put"), "launch_forward": (comp, "run_forward"), "launch_sample": (comp, "run_sample"),
+              "launch_whole": (comp, "run"), "advance_grammars": (eng, "_advance_grammars"),
+              "mask_fill": (eng._grammars, "fill"), "consume": (eng._grammars, "consume"),
+              "finish": (eng, "_finish_step"), "schedule": (eng.scheduler, "schedule"), "step": (eng, "step")}
+    saved = {}
+    for name, (obj, attr) in phases.items():
+        fn = saved[name] = getattr(obj, attr)
+
+        def wrapped(*a, _fn=fn, _name=f"so_{name}", **k):
+            with jax.profiler.TraceAnnotation(_name):
+                return _fn(*a, **k)
+        setattr(obj, attr, wrapped)
+    try:
+        for mode in ("free", "constrained"):
+            ps = params(mode == "constrained")
+            for i, (p, sp) in enumerate(zip(prompts, ps)):
+                eng.add_request(f"profile-{mode}-{i}", eng.tokenizer.apply_chat_template(p, add_generation_prompt=True),
+                                sp)
+            for _ in range(8):  # prefill and the first decode steps
+                eng.step()
+            profile_calls(eng.step, out / mode, steps, python_tracer=False,
+                          extra=lambda ev, procs: _idle_while(ev, procs, steps))
+            eng.run_to_completion()
+    finally:
+        for name, (obj, attr) in phases.items():
+            if name == "step":
+                del eng.step  # (the instance attribute: the method shows again)
+            else:
+                setattr(obj, attr, saved[name])
+
+
+# the host events `_idle_while` looks at: the bench's annotations of engine phases, launches, reads,
+# and the waits and copies of the runtime's launch path
+_HOST_EVENTS = ("so_", "PjitFunction(", "np.asarray", "Wait for", "DevicePut", "BatchedCopy", "Handle inputs")
+
+
+def _idle_while(events, procs, steps: int, min_gap_us: float = 20.0) -> list[str]:
+    """The GPU's idle gaps of >= `min_gap_us` and, per host event name, how much of them it
+    overlapped (us per step): what the GPU waited for."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e)
+    gaps, end = [], gpu[0][1] if gpu else 0.0
+    for t0, t1 in gpu[1:]:
+        if t0 - end >= min_gap_us:
+            gaps.append((end, t0))
+        end = max(end, t1)
+    host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+            if e.get("ph") == "X" and "GPU" not in procs.get(e.get("pid"), "") and "dur" in e
+            and e["name"].startswith(_HOST_EVENTS)]
+    over: dict[str, float] = {}
+    for g0, g1 in gaps:
+        for h0, h1, name in host:
+            o = min(g1, h1) - max(g0, h0)
+            if o > 0:
+                over[name] = over.get(name, 0.0) + o / steps
+    lines = [f"GPU idle in gaps >= {min_gap_us:.0f} us: {sum(b - a for a, b in gaps) / steps:.1f} us per step "
+             f"({len(gaps) / steps:.1f} gaps); host events overlapping them, us per step:"]
+    lines += [f"  {v:9.1f}  {k[:100]}" for k, v in sorted(over.items(), key=lambda kv: -kv[1])[:25]]
+    # one step in the middle of the window, as a timeline: host events and the GPU's gaps, us from its start
+    marks = sorted((h0, h1) for h0, h1, name in host if name == "so_step")
+    if len(marks) >= 3:
+        s0, s1 = marks[len(marks) // 2][0], marks[len(marks) // 2 + 1][0]
+        rows = [(h0 - s0, h1 - h0, name) for h0, h1, name in host if s0 <= h0 < s1]
+        rows += [(g0 - s0, g1 - g0, "GPU idle") for g0, g1 in gaps if s0 <= g1 and g0 < s1]
+        lines.append(f"one step ({s1 - s0:.0f} us from one so_step start to the next), us from its start:")
+        lines += [f"  {t:8.1f} +{d:8.1f}  {name[:90]}" for t, d, name in sorted(rows)]
+    return lines
 
 
 def _save_tokenizer(out: Path) -> None:

@@ -472,16 +472,20 @@ def profile_executable(exe, run_once, state, out: Path, steps: int):
     return box[0]
 
 
-def profile_calls(run, out: Path, steps: int) -> None:
+def profile_calls(run, out: Path, steps: int, *, python_tracer: bool = True, extra=None) -> None:
     """Call `run()` `steps` times under the JAX profiler and write the device kernels' total time
-    per call by name, the GPU's idle gaps and the host's largest events (`out/kernels.txt`)."""
+    per call by name, the GPU's idle gaps and the host's largest events (`out/kernels.txt`).
+    python_tracer False: no event per Python call (the host runs at its own speed); `extra(events,
+    procs) -> lines` adds lines of its own analysis of the trace's events."""
     import gzip
 
     import jax
 
     out.mkdir(parents=True, exist_ok=True)
     trace_dir = out / "trace"
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 1 if python_tracer else 0
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=opts):
         for _ in range(steps):
             r = run()
         jax.block_until_ready(r)
@@ -503,6 +507,7 @@ def profile_calls(run, out: Path, steps: int) -> None:
     lines = [f"device kernels per step: {total:.1f} us in {sum(v[1] for _, v in rows):.0f} launches "
              f"(processes: {sorted(set(procs.values()))})"]
     lines += _timeline_lines(events, procs, steps)
+    lines += extra(events, procs) if extra is not None else []
     lines += [f"{v[0]:10.1f} us {v[1]:6.1f}x  {k[:160]}" for k, v in rows[:80]]
     (out / "kernels.txt").write_text("\n".join(lines) + "\n")
     shutil.rmtree(trace_dir, ignore_errors=True)  # tens of MB; the summary is what we keep
