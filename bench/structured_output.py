@@ -224,7 +224,10 @@ def _profile(eng, prompts, params, out: Path, steps: int = 24) -> None:
             for i, (p, sp) in enumerate(zip(prompts, ps)):
                 eng.add_request(f"profile-{mode}-{i}", eng.tokenizer.apply_chat_template(p, add_generation_prompt=True),
                                 sp)
-            for _ in range(8):  # prefill and the first decode steps
+            sch = eng.scheduler
+            while sch.waiting or any(q.num_computed < q.prompt_len for q in sch.running):
+                eng.step()  # until every row decodes (prefill: 4 prompts a step by default)
+            for _ in range(4):
                 eng.step()
             profile_calls(eng.step, out / mode, steps, python_tracer=False,
                           extra=lambda ev, procs: _idle_while(ev, procs, steps))
@@ -268,7 +271,9 @@ def _idle_while(events, procs, steps: int, min_gap_us: float = 20.0) -> list[str
     marks = sorted((h0, h1) for h0, h1, name in host if name == "so_step")
     if len(marks) >= 3:
         s0, s1 = marks[len(marks) // 2][0], marks[len(marks) // 2 + 1][0]
-        rows = [(h0 - s0, h1 - h0, name) for h0, h1, name in host if s0 <= h0 < s1]
+        rows = [(e["ts"] - s0, e["dur"], e["name"]) for e in events if e.get("ph") == "X" and "dur" in e
+                and "GPU" not in procs.get(e.get("pid"), "") and s0 <= e["ts"] < s1
+                and (e["dur"] >= 50 or e["name"].startswith(_HOST_EVENTS))]
         rows += [(g0 - s0, g1 - g0, "GPU idle") for g0, g1 in gaps if s0 <= g1 and g0 < s1]
         lines.append(f"one step ({s1 - s0:.0f} us from one so_step start to the next), us from its start:")
         lines += [f"  {t:8.1f} +{d:8.1f}  {name[:90]}" for t, d, name in sorted(rows)]
@@ -436,7 +441,7 @@ def main() -> None:
                 for mode in ("free", "constrained")}
     device = _device_mask_cost(eng, args)
     if args.profile:
-        _profile(eng, prompts, lambda constrained: params(args.tokens, constrained), Path(args.profile))
+        _profile(eng, prompts, lambda constrained: params(160, constrained), Path(args.profile))
     # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
     gc = eng.grammar_compiler()
     g = gc.compile(so)
