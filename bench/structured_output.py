@@ -197,10 +197,11 @@ def _host_timeline(eng, run) -> dict:
     return out
 
 
-def _profile(eng, prompts, params, out: Path, steps: int = 24) -> None:
-    """The JAX profiler (no Python tracer) over `steps` decode steps of the batch, free then
-    constrained (`out/<mode>/kernels.txt`, `engine.bench.profile_calls`), with the engine's host
-    phases annotated: the GPU's idle gaps, and what the host was doing while the GPU idled."""
+def _profile(eng, prompts, params, out: Path, modes: list[str], use, steps: int = 24) -> None:
+    """The JAX profiler (no Python tracer) over `steps` decode steps of the batch in each mode
+    ("free", "constrained:<variant>", `use(variant)` sets it up) (`out/<mode>/kernels.txt`,
+    `engine.bench.profile_calls`), with the engine's host phases annotated: the GPU's idle gaps,
+    and what the host was doing while the GPU idled."""
     import jax
 
     from metrale_jax.engine.bench import profile_calls
@@ -219,8 +220,10 @@ def _profile(eng, prompts, params, out: Path, steps: int = 24) -> None:
                 return _fn(*a, **k)
         setattr(obj, attr, wrapped)
     try:
-        for mode in ("free", "constrained"):
-            ps = params(mode == "constrained")
+        for mode in modes:
+            if mode != "free":
+                use(mode.split(":")[1])
+            ps = params(mode != "free")
             for i, (p, sp) in enumerate(zip(prompts, ps)):
                 eng.add_request(f"profile-{mode}-{i}", eng.tokenizer.apply_chat_template(p, add_generation_prompt=True),
                                 sp)
@@ -229,7 +232,7 @@ def _profile(eng, prompts, params, out: Path, steps: int = 24) -> None:
                 eng.step()  # until every row decodes (prefill: 4 prompts a step by default)
             for _ in range(4):
                 eng.step()
-            profile_calls(eng.step, out / mode, steps, python_tracer=False,
+            profile_calls(eng.step, out / mode.replace(":", "_"), steps, python_tracer=False,
                           extra=lambda ev, procs: _idle_while(ev, procs, steps))
             eng.run_to_completion()
     finally:
@@ -347,8 +350,12 @@ def main() -> None:
         if not done and f is eng._inflight:  # called by _dispatch for the step still in flight
             mark["t"] = time.perf_counter()
 
+    eager = [False]
+
     def dispatch_timed(sched):
         o = dispatch(sched)
+        if eager[0]:  # variant "eager": a constrained step's sampling half launched at once, not by the next step
+            o.launched()
         if mark.get("t") is not None:
             stalls.append(time.perf_counter() - mark["t"])
             mark["t"] = None
@@ -389,6 +396,7 @@ def main() -> None:
     import llguidance
 
     gcomp = eng.grammar_compiler()
+    grammar_thread = eng._grammar_thread
     fresh_matcher = gcomp.matcher
 
     def copies(k: int):
@@ -404,13 +412,17 @@ def main() -> None:
         return matcher
 
     def use(variant: str) -> None:
-        """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`)."""
-        m = re.fullmatch(r"default|t(\d+)|copies(\d+)", variant)
+        """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`) | eager
+        (the sampling half launched by the step's own dispatch) | inline (the grammar work after the
+        forward's launch on the engine's thread, not beside it on a helper thread)."""
+        m = re.fullmatch(r"default|eager|inline|t(\d+)|copies(\d+)", variant)
         if m is None:
             raise SystemExit(f"unknown variant {variant!r}")
         threads, k = m.groups()
         gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
         gcomp.matcher = copies(int(k)) if k else fresh_matcher
+        eager[0] = variant == "eager"
+        eng._grammar_thread = None if variant == "inline" else grammar_thread
 
     variants = [v for v in args.variants.split(",") if v]
     use(variants[0])
@@ -441,7 +453,8 @@ def main() -> None:
                 for mode in ("free", "constrained")}
     device = _device_mask_cost(eng, args)
     if args.profile:
-        _profile(eng, prompts, lambda constrained: params(160, constrained), Path(args.profile))
+        _profile(eng, prompts, lambda constrained: params(160, constrained), Path(args.profile), modes, use)
+        use(variants[0])
     # the host part of a constrained step, alone: mask fill for the batch (the stall's core)
     gc = eng.grammar_compiler()
     g = gc.compile(so)
