@@ -430,6 +430,8 @@ def main() -> None:
     modes = ["free"] + [f"constrained:{v}" for v in variants]
     per_step = {m: [] for m in modes}
     step_median = {m: [] for m in modes}  # the median engine-step wall of each N-token run
+    step_mean = {m: [] for m in modes}  # the mean engine-step wall past the first tokens0 steps
+    step_longest = {m: [] for m in modes}  # the 5 longest of those steps
     cpu_per_step = {m: [] for m in modes}  # process CPU time (all threads): less hit by others' load
     texts = None
     for _ in range(args.repeats):  # the modes interleaved, so that a shared machine's load hits both
@@ -439,6 +441,9 @@ def main() -> None:
                 use(mode.split(":")[1])
             t1, c1, outs = timed(constrained, args.tokens)
             step_median[mode].append(median_step_ms())
+            walls = [1e3 * (b - a) for a, b in zip(step_starts, step_starts[1:])][args.tokens0:]
+            step_mean[mode].append(statistics.fmean(walls))  # what the two-run difference sees, stalls and all
+            step_longest[mode].append(sorted(walls)[-5:])
             t0, c0, _ = timed(constrained, args.tokens0)
             per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
             cpu_per_step[mode].append((c1 - c0) / (args.tokens - args.tokens0) * 1e3)
@@ -488,6 +493,8 @@ def main() -> None:
         "step_wall_overhead_pct": {m: round(100 * (statistics.median(step_median[m])
                                                     / statistics.median(step_median["free"]) - 1), 1)
                                    for m in modes[1:]},
+        "step_wall_mean_ms": {k: [round(x, 3) for x in v] for k, v in step_mean.items()},
+        "step_wall_longest_ms": {k: [[round(x, 1) for x in r] for r in v] for k, v in step_longest.items()},
         "decode_step_ms": {k: round(v, 3) for k, v in res.items()},
         "decode_step_ms_all": {k: [round(x, 2) for x in v] for k, v in per_step.items()},
         "overhead_pct": round(100 * (res["constrained"] / res["free"] - 1), 1),

@@ -666,10 +666,10 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
 
         Structured output: the mask of a constrained row depends on the token the previous step
-        sampled for it, so `_dispatch` launches the step's forward, waits for the previous step's
-        sampled ids, feeds them to the grammars and fills the masks; the step's sampling half is
-        launched by the next call once its step's inputs are sent (`_InFlight.launch`), so the
-        host's work overlaps the forward.
+        sampled for it, so `_dispatch` launches the step's forward while a helper thread waits for
+        the previous step's sampled ids, feeds them to the grammars and fills the masks; the step's
+        sampling half is launched by the next call once its step's inputs are sent
+        (`_InFlight.launch`), so the host's work overlaps the forward.
         """
         outputs = []
         if self._inflight is not None and self._inflight.overlapped:  # a verify step in flight
