@@ -396,7 +396,6 @@ def main() -> None:
     import llguidance
 
     gcomp = eng.grammar_compiler()
-    grammar_thread = eng._grammar_thread
     fresh_matcher = gcomp.matcher
 
     def copies(k: int):
@@ -413,16 +412,14 @@ def main() -> None:
 
     def use(variant: str) -> None:
         """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`) | eager
-        (the sampling half launched by the step's own dispatch) | inline (the grammar work after the
-        forward's launch on the engine's thread, not beside it on a helper thread)."""
-        m = re.fullmatch(r"default|eager|inline|t(\d+)|copies(\d+)", variant)
+        (the sampling half launched by the step's own dispatch)."""
+        m = re.fullmatch(r"default|eager|t(\d+)|copies(\d+)", variant)
         if m is None:
             raise SystemExit(f"unknown variant {variant!r}")
         threads, k = m.groups()
         gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
         gcomp.matcher = copies(int(k)) if k else fresh_matcher
         eager[0] = variant == "eager"
-        eng._grammar_thread = None if variant == "inline" else grammar_thread
 
     variants = [v for v in args.variants.split(",") if v]
     use(variants[0])

@@ -9,7 +9,6 @@ incrementally, check stop conditions, free what finished sequences held.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import gc
 import logging
@@ -253,7 +252,6 @@ class LLMEngine:
         self._offload_pending: list = []  # prefix cache's host tier: (keys, SwapData) copied out, not on the host yet
         self._slot_leaves: tuple | None = None  # host arrays of the SSM slot leaves' shapes (host-tier writes)
         self._grammars = None  # structured output's GrammarCompiler, made by the first constrained request
-        self._grammar_thread = None  # (made with it) fills the masks while `_dispatch` launches the forward
         # the start-up heap (~0.5M objects: traces, compiled executables' records) left out of the
         # garbage collector's full passes, as vLLM's engine does: while decoding, those passes took
         # ~0.25 s every ~9 s (2-core CPU, structured-output bench, session 18), a stall per pass.
@@ -544,7 +542,6 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidStructuredOutputsError("structured output needs a tokenizer; this model has none")
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrale-grammar")
         return self._grammars
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -666,10 +663,10 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
 
         Structured output: the mask of a constrained row depends on the token the previous step
-        sampled for it, so `_dispatch` launches the step's forward while a helper thread waits for
-        the previous step's sampled ids, feeds them to the grammars and fills the masks; the step's
-        sampling half is launched by the next call once its step's inputs are sent
-        (`_InFlight.launch`), so the host's work overlaps the forward.
+        sampled for it, so `_dispatch` launches the step's forward, waits for the previous step's
+        sampled ids, feeds them to the grammars and fills the masks; the step's sampling half is
+        launched by the next call once its step's inputs are sent (`_InFlight.launch`), so the
+        host's work overlaps the forward.
         """
         outputs = []
         if self._inflight is not None and self._inflight.overlapped:  # a verify step in flight
@@ -814,23 +811,21 @@ class LLMEngine:
         masked = [(s.grammar, row) for row, s in sampled if s.grammar is not None and s.status != SeqStatus.FINISHED]
         bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
         split = bool(masked) and self.compiler.has_split(bucket) and self.lockstep is None
-        prev = self._inflight if self._inflight is not None and self._inflight.constrained else None
-
-        def grammar_work():  # -> the masks: the previous step's samples fed to the grammars first
-            if prev is not None:
-                self._advance_grammars(prev)  # waits for them
-            return self._grammars.fill(masked, bucket.num_sample_rows)
-
-        # the grammar work beside the forward's launch (the runtime releases the GIL while it
-        # launches the step's CUDA graph, ~1-2 ms on the H200 at batch 64, session 26): nothing
-        # else touches the matchers or the previous step until it is done
-        work = self._grammar_thread.submit(grammar_work) if split and self._grammar_thread is not None else None
-        if split:  # the forward first: it runs while the host fills the masks
+        if split:  # the forward first: it runs while the host fills the masks below
             self.state, logits, plp = self.compiler.run_forward(bucket, self.params, self.state, dev,
                                                                 self._next_tokens)
         defer = split and not sched.ssm_snapshots  # the sample launched by the next step (below)
         if masked:
-            bitmask = work.result() if work is not None else grammar_work()
+            if self._inflight is not None and self._inflight.constrained:
+                self._advance_grammars(self._inflight)  # waits for the previous step's samples
+            # (applying the previous step's samples on a helper thread during the fill, which
+            # llguidance runs with the GIL released, measured no better on the H200: 1.155x free
+            # against 1.145x inline over 13 runs each, session 18; the fill itself on a helper
+            # thread waits for the GIL while this one runs Python: 3.5 ms instead of 2.1, session 17;
+            # advance and fill on a helper thread beside the forward's launch: +2.9% / +18.3% (median
+            # step) in two calls against +9.6% / +11.4% inline, the launch itself slower beside it,
+            # session 26)
+            bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
         self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
         if bitmask is not None:
             bitmask = self.compiler.put(bitmask)
