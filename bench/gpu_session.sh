@@ -32,6 +32,10 @@
 # weights) 257 s cold; `lora` (2 kernels, batches 1,16,64, --profile) + two scratch b1 runs 333 s;
 # `acceptance` (Llama, 162 s) + `w4` (W4_ARGS="--shapes qkv,gate_up --kinds int4 --ms 1", W4_KINDS=" ")
 # 235 s cold; two refused starts cost ~90 s of budget each.
+# Session 26: `masktoy structured` (the `toy` part runs too: its pattern matches) + an int4
+# generate 146 s cold; `structured` with STRUCTURED_ARGS="--profile DIR --repeats 1..3" 84-95 s
+# warm or cold (the profile adds ~10 s per mode); `acceptance` (Llama, 141 s) + `structured` 221 s
+# cold; one machine taken back mid-call (~180 s of budget lost).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
