@@ -206,3 +206,93 @@ def test_incremental_detokenizer_flush_incomplete(smollm2_tokenizer):  # noqa: F
     out = "".join(det.add(i) for i in ids[:-1])  # stop mid-character
     assert out == "ok" or out == "ok "
     assert out + det.flush() == tok.decode(ids[:-1])  # the incomplete bytes come out as U+FFFD
+
+
+def _window_decode(det: IncrementalDetokenizer) -> IncrementalDetokenizer:
+    det._stream = None  # the Python window decode only
+    return det
+
+
+def _compare_stream_and_window(tok, rng: random.Random, trials: int) -> int:
+    """Random prompt and output ids (bytes split anywhere, special tokens too): the Rust stream and
+    the window decode give the same deltas, flush and text. -> trials that used the stream."""
+    used = 0
+    for trial in range(trials):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 8))]
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
+        skip = rng.random() < 0.7
+        a = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        b = _window_decode(IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip))
+        used += a._stream is not None
+        assert [a.add(i) for i in ids] == [b.add(i) for i in ids], (trial, prompt, ids)
+        assert a.flush() == b.flush() and a.text == b.text, (trial, prompt, ids)
+    return used
+
+
+def test_incremental_detokenizer_stream_matches_window_decode(smollm2_tokenizer):  # noqa: F811
+    assert _compare_stream_and_window(smollm2_tokenizer, random.Random(1), 60) > 40
+
+
+class _SentencePieceLike:
+    """A byte-fallback BPE with SentencePiece's "▁" spaces (Llama-2 / Mistral style), trained here,
+    behind the three members the detokenizer uses."""
+
+    def __init__(self):
+        from tokenizers import SentencePieceBPETokenizer
+
+        t = SentencePieceBPETokenizer()
+        rng = random.Random(2)
+        t.train_from_iterator([_random_text(rng, 60) for _ in range(300)], vocab_size=400,
+                              special_tokens=["<unk>", "</s>"], initial_alphabet=[], show_progress=False)
+        self.backend = t._tokenizer
+        self.vocab_size = self.backend.get_vocab_size()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, i):
+        return int(i) == 1
+
+    def encode(self, text):
+        return self.backend.encode(text).ids
+
+
+def test_incremental_detokenizer_stream_sentencepiece_like():
+    tok = _SentencePieceLike()
+    assert _compare_stream_and_window(tok, random.Random(3), 60) > 40
+    rng = random.Random(4)
+    ctx = tok.encode("say:")
+    assert len(ctx) <= IncrementalDetokenizer._INITIAL_OFFSET
+    for _ in range(20):  # a text's ids after the prompt: what they add to the prompt's decoded text
+        ids = tok.encode(_random_text(rng, rng.randint(1, 30)))
+        det = IncrementalDetokenizer(tok, ctx)
+        assert det._stream is not None
+        out = "".join(det.add(i) for i in ids) + det.flush()
+        assert out == tok.decode(ctx + ids)[len(tok.decode(ctx)):]
+
+
+def test_incremental_detokenizer_stream_failure_continues_with_windows(smollm2_tokenizer):  # noqa: F811
+    """The library's stream raising mid-output (its "invalid prefix" error) hands over to the window
+    decode at the same offsets: the text is the same as a window decode's all along."""
+    tok = smollm2_tokenizer
+    rng = random.Random(5)
+
+    class Failing:
+        def __init__(self, inner, after):
+            self.inner, self.left = inner, after
+
+        def step(self, backend, ids):
+            if self.left == 0:
+                raise RuntimeError("Invalid prefix encountered")
+            self.left -= 1
+            return self.inner.step(backend, ids)
+
+    for trial in range(20):
+        prompt = tok.encode(_random_text(rng, 6))
+        ids = tok.encode(_random_text(rng, 40))
+        a = IncrementalDetokenizer(tok, prompt)
+        assert a._stream is not None
+        a._stream = Failing(a._stream, rng.randint(0, len(ids) - 1))
+        b = _window_decode(IncrementalDetokenizer(tok, prompt))
+        assert [a.add(i) for i in ids] == [b.add(i) for i in ids], trial
+        assert a._stream is None and a.text == b.text == tok.decode(ids)
