@@ -21,7 +21,15 @@ samples are on the host and fed to the grammars (engine.step), so the constraine
 that stall; `stall_ms` is the host time from then to the dispatch (mask fill, transfer, launch).
 The two-run difference is noisy on the H200 (one stall in either run moves it by 10-20%), so each
 N-token run also records the median wall time between its engine steps over its middle half
-(`step_wall_median_ms`, `step_wall_overhead_pct`: medians over the repeats).
+(`step_wall_median_ms`, `step_wall_overhead_pct`: medians over the repeats), the mean past the
+first `--tokens0` steps (`step_wall_mean_ms`: what the two-run difference sees, rare long steps
+included) and the 5 longest steps.
+
+`--profile DIR`: the JAX profiler (no Python tracer) over 24 decode steps per mode, the engine's
+host phases annotated as trace events: `DIR/<mode>/kernels.txt` holds the GPU's idle gaps set
+against the host events that overlap them, and one step as a timeline. `--variants` picks
+engine variants to time beside the default (`eager`: the sampling half launched by its own
+step's dispatch; `t<N>`, `copies<K>`: llguidance executors and matchers).
 """
 
 from __future__ import annotations
