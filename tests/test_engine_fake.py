@@ -212,6 +212,37 @@ def test_seeded_sampling_is_batch_invariant(eng):
 
 
 # ---- logprobs ------------------------------------------------------------------------------------
+def test_cumulative_logprob_fetched_only_when_reported(eng, W):
+    """logprobs=0 reports the sampled tokens' cumulative logprob (batched beside a row that reports
+    none); a step where no row reports one does not fetch the logprobs at all."""
+    fetched = []
+    dispatch = eng._dispatch
+
+    def recorded(sched):
+        f = dispatch(sched)
+        fetched.append("logprobs" in f.names)
+        return f
+    eng._dispatch = recorded
+    try:
+        p = _ids(11, 4)
+        eng.add_request("lp0", {"prompt_token_ids": p}, SamplingParams(temperature=0.9, seed=5, max_tokens=9,
+                                                                     ignore_eos=True, logprobs=0))
+        eng.add_request("none", {"prompt_token_ids": _ids(7, 6)}, SamplingParams(temperature=0, max_tokens=13,
+                                                                               ignore_eos=True))
+        out = eng.run_to_completion()
+        assert out["none"].outputs[0].cumulative_logprob is None
+        c = out["lp0"].outputs[0]
+        ids, cum = list(p), 0.0
+        for t in c.token_ids:
+            cum += _log_softmax(W[fake_hash(ids, True, 64)])[t]
+            ids.append(t)
+        assert len(c.token_ids) == 9 and abs(c.cumulative_logprob - cum) < 1e-3
+        assert any(fetched) and not all(fetched)  # "none" decodes 4 steps alone: nothing to fetch then
+        assert not fetched[-1]
+    finally:
+        del eng._dispatch  # (the instance attribute: the method shows again)
+
+
 def test_logprobs_and_prompt_logprobs(eng, W):
     p = _ids(37, 9)  # chunked over several steps (prefill buckets 8/16)
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)

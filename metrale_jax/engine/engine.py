@@ -831,9 +831,10 @@ class LLMEngine:
             bitmask = self.compiler.put(bitmask)
         want_lp = bool(inputs.smd.flags[F_LOGPROBS])
         want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
-        names = ["token_ids", "logprobs"]
-        if want_lp:
-            names += ["ranks", "top_ids", "top_logprobs"]
+        names = ["token_ids"]
+        if want_lp:  # some row reports logprobs (logprobs=0 included: its cumulative logprob); else
+            # not even the sampled tokens' are read: one device-to-host copy fewer per step
+            names += ["logprobs", "ranks", "top_ids", "top_logprobs"]
         if want_plp:
             names += ["prompt_logprobs", "prompt_ranks", "prompt_top_ids", "prompt_top_logprobs"]
         f = _InFlight(sched, inputs, sampled, names, [], want_lp, want_plp, constrained=bool(masked))
@@ -969,7 +970,7 @@ class LLMEngine:
         t = int(out["token_ids"][row])
         seq.token_ids.append(t)
         self._gen_tokens += 1
-        lp = float(out["logprobs"][row])
+        lp = float(out["logprobs"][row]) if "logprobs" in out else 0.0  # (fetched when a row reports it)
         seq.cumulative_logprob += lp
         if seq.logprobs is not None and want_lp:
             seq.logprobs.append(self._lp_dict(t, lp, out["ranks"][row], out["top_ids"][row],

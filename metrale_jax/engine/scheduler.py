@@ -156,7 +156,7 @@ class Sequence:
     grammar: Any = None  # structured output: the sequence's llguidance LLMatcher (None = free text)
     grammar_error: str | None = None  # why the matcher rejected a sampled token (the row then finishes)
     logprobs: list[dict] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float = 0.0  # summed when the request reports it (params.logprobs set)
     sent_tokens: int = 0  # RequestOutputKind.DELTA: output tokens (and their logprobs) already returned
     sent_text: int = 0  # ... and characters of `text`
     finish_reason: str | None = None
