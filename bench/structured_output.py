@@ -153,16 +153,22 @@ def _device_mask_cost(eng, args) -> dict:
     return out
 
 
-def _host_timeline(eng, run) -> dict:
-    """Where the host's time goes per engine step: `run()` with the engine's host phases wrapped
-    (each call's start and end recorded) -> per phase, the median ms per step it takes and the
-    median ms from the step's start to the phase's start (steps of the middle half only)."""
+def _phases(eng) -> dict:
+    """The engine's host phases the bench times: name -> (object, method name)."""
     comp = eng.compiler
     phases = {"put": (comp, "put"), "launch_forward": (comp, "run_forward"), "launch_sample": (comp, "run_sample"),
               "launch_whole": (comp, "run"), "advance_grammars": (eng, "_advance_grammars"),
               "finish": (eng, "_finish_step"), "schedule": (eng.scheduler, "schedule")}
     if eng._grammars is not None:
-        phases["mask_fill"] = (eng._grammars, "fill")
+        phases.update(mask_fill=(eng._grammars, "fill"), consume=(eng._grammars, "consume"))
+    return phases
+
+
+def _host_timeline(eng, run) -> dict:
+    """Where the host's time goes per engine step: `run()` with the engine's host phases wrapped
+    (each call's start and end recorded) -> per phase, the median ms per step it takes and the
+    median ms from the step's start to the phase's start (steps of the middle half only)."""
+    phases = _phases(eng)
     events, saved = [], {}
     for name, (obj, attr) in phases.items():
         fn = saved[name] = getattr(obj, attr)
@@ -214,11 +220,7 @@ def _profile(eng, prompts, params, out: Path, modes: list[str], use, steps: int 
 
     from metrale_jax.engine.bench import profile_calls
 
-    comp = eng.compiler
-    phases = {"put": (comp, "put"), "launch_forward": (comp, "run_forward"), "launch_sample": (comp, "run_sample"),
-              "launch_whole": (comp, "run"), "advance_grammars": (eng, "_advance_grammars"),
-              "mask_fill": (eng._grammars, "fill"), "consume": (eng._grammars, "consume"),
-              "finish": (eng, "_finish_step"), "schedule": (eng.scheduler, "schedule"), "step": (eng, "step")}
+    phases = {**_phases(eng), "step": (eng, "step")}
     saved = {}
     for name, (obj, attr) in phases.items():
         fn = saved[name] = getattr(obj, attr)
@@ -324,7 +326,8 @@ def main() -> None:
                     "small prefill buckets (quicker start-up; the figures before session 12) instead of the defaults")
     ap.add_argument("--variants", default="default", help="llguidance executors, comma-separated, each timed "
                     "(interleaved) beside free rows: 'default' (its own thread count, 80%% of the cores), 'tN' "
-                    "(N threads) or 'copiesK' (matchers copied from K templates per grammar)")
+                    "(N threads), 'copiesK' (matchers copied from K templates per grammar) or 'eager' (a "
+                    "constrained step's sampling half launched by its own dispatch)")
     ap.add_argument("--profile", metavar="DIR", help="also profile decode steps, free and constrained (GPU idle gaps)")
     ap.add_argument("--out")
     args = ap.parse_args()
