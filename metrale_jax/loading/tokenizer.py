@@ -363,7 +363,7 @@ class IncrementalDetokenizer:
     Decoding a window (not single tokens) keeps byte-level BPE spaces and SentencePiece prefix
     spaces right. Over a `tokenizers` tokenizer the same algorithm runs in Rust
     (`tokenizers.decoders.DecodeStream`, as vLLM's fast detokenizer does: one call per token
-    instead of two window decodes, ~3x less host time per token); the windows' offsets are kept
+    instead of two window decodes: ~2.5x less host time per token); the windows' offsets are kept
     beside it, so a stream the library cannot continue (its "invalid prefix" error) goes on here.
     """
 
