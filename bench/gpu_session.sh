@@ -32,7 +32,7 @@
 # weights) 257 s cold; `lora` (2 kernels, batches 1,16,64, --profile) + two scratch b1 runs 333 s;
 # `acceptance` (Llama, 162 s) + `w4` (W4_ARGS="--shapes qkv,gate_up --kinds int4 --ms 1", W4_KINDS=" ")
 # 235 s cold; two refused starts cost ~90 s of budget each.
-# Session 26: `masktoy structured` (the `toy` part runs too: its pattern matches) + an int4
+# Session 26: `masktoy structured` (it ran the `toy` part too: a pattern match, a word now) + an int4
 # generate 146 s cold; `structured` with STRUCTURED_ARGS="--profile DIR --repeats 1..3" 84-95 s
 # warm or cold (the profile adds ~10 s per mode); `acceptance` (Llama, 141 s) + `structured` 221 s
 # cold; one machine taken back mid-call (~180 s of budget lost).
@@ -179,7 +179,7 @@ fi
 if [[ $parts == *launch* ]]; then  # the host's cost of launching a step executable (fresh vs the same input buffers)
   timeout ${LAUNCH_LIMIT:-200} python3 bench/launch_cost.py --out "$OUT/launch_cost.json" 2>&1 | tail -8
 fi
-if [[ $parts == *toy* ]]; then  # why a launch with fresh inputs waits for the previous step (a toy step)
+if [[ " $parts " == *" toy "* ]]; then  # (the word: `masktoy` contains "toy") why a launch with fresh inputs waits for the previous step (a toy step)
   timeout ${TOY_LIMIT:-120} python3 bench/launch_toy.py --out "$OUT/launch_toy.json" 2>&1 | grep -v rematerial | tail -12
 fi
 if [[ $parts == *cmdbuf* ]]; then  # which step executables XLA captures as CUDA graphs (Mosaic vs Triton prefill attention)
