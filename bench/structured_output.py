@@ -35,6 +35,7 @@ step's dispatch; `t<N>`, `copies<K>`: llguidance executors and matchers).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -164,34 +165,46 @@ def _phases(eng) -> dict:
     return phases
 
 
+@contextlib.contextmanager
+def _patched(phases: dict, wrap):
+    """Replace each phase's method by `wrap(name, method)` on its object, inside the block; after
+    it, what was there shows again (a wrapper of the bench's own, or the class's method)."""
+    before = {name: vars(obj).get(attr) for name, (obj, attr) in phases.items()}
+    for name, (obj, attr) in phases.items():
+        setattr(obj, attr, wrap(name, getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for name, (obj, attr) in phases.items():
+            if before[name] is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, before[name])
+
+
 def _host_timeline(eng, run) -> dict:
     """Where the host's time goes per engine step: `run()` with the engine's host phases wrapped
     (each call's start and end recorded) -> per phase, the median ms per step it takes and the
     median ms from the step's start to the phase's start (steps of the middle half only)."""
     phases = _phases(eng)
-    events, saved = [], {}
-    for name, (obj, attr) in phases.items():
-        fn = saved[name] = getattr(obj, attr)
+    events = []
 
-        def wrapped(*a, _fn=fn, _name=name, **k):
+    def timed(name, fn):
+        if name == "step":  # (a step's start marks the phases that follow)
+            def step_timed():
+                events.append(("step", time.perf_counter(), None))
+                return fn()
+            return step_timed
+
+        def wrapped(*a, **k):
             t = time.perf_counter()
             try:
-                return _fn(*a, **k)
+                return fn(*a, **k)
             finally:
-                events.append((_name, t, time.perf_counter()))
-        setattr(obj, attr, wrapped)
-    step = eng.step
-
-    def step_timed():
-        events.append(("step", time.perf_counter(), None))
-        return step()
-    eng.step = step_timed
-    try:
+                events.append((name, t, time.perf_counter()))
+        return wrapped
+    with _patched({**phases, "step": (eng, "step")}, timed):
         run()
-    finally:
-        for name, (obj, attr) in phases.items():
-            setattr(obj, attr, saved[name])
-        del eng.step  # (the instance attribute: the method shows again)
     steps, cur = [], None
     for ev in events:
         if ev[0] == "step":
@@ -220,16 +233,12 @@ def _profile(eng, prompts, params, out: Path, modes: list[str], use, steps: int 
 
     from metrale_jax.engine.bench import profile_calls
 
-    phases = {**_phases(eng), "step": (eng, "step")}
-    saved = {}
-    for name, (obj, attr) in phases.items():
-        fn = saved[name] = getattr(obj, attr)
-
-        def wrapped(*a, _fn=fn, _name=f"so_{name}", **k):
-            with jax.profiler.TraceAnnotation(_name):
-                return _fn(*a, **k)
-        setattr(obj, attr, wrapped)
-    try:
+    def annotated(name, fn):
+        def wrapped(*a, **k):
+            with jax.profiler.TraceAnnotation(f"so_{name}"):
+                return fn(*a, **k)
+        return wrapped
+    with _patched({**_phases(eng), "step": (eng, "step")}, annotated):
         for mode in modes:
             if mode != "free":
                 use(mode.split(":")[1])
@@ -245,12 +254,6 @@ def _profile(eng, prompts, params, out: Path, modes: list[str], use, steps: int 
             profile_calls(eng.step, out / mode.replace(":", "_"), steps, python_tracer=False,
                           extra=lambda ev, procs: _idle_while(ev, procs, steps))
             eng.run_to_completion()
-    finally:
-        for name, (obj, attr) in phases.items():
-            if name == "step":
-                del eng.step  # (the instance attribute: the method shows again)
-            else:
-                setattr(obj, attr, saved[name])
 
 
 # the host events `_idle_while` looks at: the bench's annotations of engine phases, launches, reads,
@@ -259,34 +262,29 @@ _HOST_EVENTS = ("so_", "PjitFunction(", "np.asarray", "Wait for", "DevicePut", "
 
 
 def _idle_while(events, procs, steps: int, min_gap_us: float = 20.0) -> list[str]:
-    """The GPU's idle gaps of >= `min_gap_us` and, per host event name, how much of them it
+    """The GPU's idle gaps of more than `min_gap_us` and, per host event name, how much of them it
     overlapped (us per step): what the GPU waited for."""
-    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                 if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e)
-    gaps, end = [], gpu[0][1] if gpu else 0.0
-    for t0, t1 in gpu[1:]:
-        if t0 - end >= min_gap_us:
-            gaps.append((end, t0))
-        end = max(end, t1)
-    host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-            if e.get("ph") == "X" and "GPU" not in procs.get(e.get("pid"), "") and "dur" in e
-            and e["name"].startswith(_HOST_EVENTS)]
+    from metrale_jax.engine.bench import gpu_gaps
+
+    gaps = [(g0, g1) for g0, g1, _, _ in gpu_gaps(events, procs, min_gap_us)]
+    on_host = [(e["ts"], e["dur"], e["name"]) for e in events
+               if e.get("ph") == "X" and "dur" in e and "GPU" not in procs.get(e.get("pid"), "")]
+    host = [(t, t + d, name) for t, d, name in on_host if name.startswith(_HOST_EVENTS)]
     over: dict[str, float] = {}
     for g0, g1 in gaps:
         for h0, h1, name in host:
             o = min(g1, h1) - max(g0, h0)
             if o > 0:
                 over[name] = over.get(name, 0.0) + o / steps
-    lines = [f"GPU idle in gaps >= {min_gap_us:.0f} us: {sum(b - a for a, b in gaps) / steps:.1f} us per step "
+    lines = [f"GPU idle in gaps > {min_gap_us:.0f} us: {sum(b - a for a, b in gaps) / steps:.1f} us per step "
              f"({len(gaps) / steps:.1f} gaps); host events overlapping them, us per step:"]
     lines += [f"  {v:9.1f}  {k[:100]}" for k, v in sorted(over.items(), key=lambda kv: -kv[1])[:25]]
     # one step in the middle of the window, as a timeline: host events and the GPU's gaps, us from its start
     marks = sorted((h0, h1) for h0, h1, name in host if name == "so_step")
     if len(marks) >= 3:
         s0, s1 = marks[len(marks) // 2][0], marks[len(marks) // 2 + 1][0]
-        rows = [(e["ts"] - s0, e["dur"], e["name"]) for e in events if e.get("ph") == "X" and "dur" in e
-                and "GPU" not in procs.get(e.get("pid"), "") and s0 <= e["ts"] < s1
-                and (e["dur"] >= 50 or e["name"].startswith(_HOST_EVENTS))]
+        rows = [(t - s0, d, name) for t, d, name in on_host
+                if s0 <= t < s1 and (d >= 50 or name.startswith(_HOST_EVENTS))]
         rows += [(g0 - s0, g1 - g0, "GPU idle") for g0, g1 in gaps if s0 <= g1 and g0 < s1]
         lines.append(f"one step ({s1 - s0:.0f} us from one so_step start to the next), us from its start:")
         lines += [f"  {t:8.1f} +{d:8.1f}  {name[:90]}" for t, d, name in sorted(rows)]

@@ -498,7 +498,7 @@ def profile_calls(run, out: Path, steps: int, *, python_tracer: bool = True, ext
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     tot: dict[str, list[float]] = {}
     for e in events:
-        if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e:
+        if _on_gpu_trace(e, procs):
             t = tot.setdefault(e["name"], [0.0, 0])
             t[0] += e["dur"] / steps
             t[1] += 1 / steps
@@ -514,20 +514,34 @@ def profile_calls(run, out: Path, steps: int, *, python_tracer: bool = True, ext
     log.info("profile %s:\n%s", out, "\n".join(lines[:50]))
 
 
+def _on_gpu_trace(e: dict, procs: dict) -> bool:
+    """A complete event (kernel, copy) of a GPU's process in a perfetto trace."""
+    return e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e
+
+
+def gpu_gaps(events, procs, min_gap_us: float = 0.0) -> list[tuple[float, float, str, str]]:
+    """The GPUs' idle intervals (all streams merged) of more than `min_gap_us` in a perfetto
+    trace's events: (start us, end us, the kernel before, the kernel after)."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if _on_gpu_trace(e, procs))
+    if not gpu:
+        return []
+    gaps, end, prev = [], gpu[0][1], gpu[0][2]
+    for t0, t1, name in gpu[1:]:
+        if t0 - end > min_gap_us:
+            gaps.append((end, t0, prev, name))
+        if t1 > end:
+            end, prev = t1, name
+    return gaps
+
+
 def _timeline_lines(events, procs, steps: int) -> list[str]:
     """Where a step's wall time goes besides kernels: the GPU's idle gaps between consecutive
     kernels (all streams merged), bucketed by length, with the kernels around the largest ones,
     and the host-side events that take the most time per step."""
-    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                 if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), "") and "dur" in e)
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if _on_gpu_trace(e, procs))
     if len(gpu) < 2:
         return []
-    gaps, end, prev = [], gpu[0][1], gpu[0][2]
-    for t0, t1, name in gpu[1:]:
-        if t0 > end:
-            gaps.append((t0 - end, prev, name))
-        if t1 > end:
-            end, prev = t1, name
+    gaps = [(t1 - t0, a, b) for t0, t1, a, b in gpu_gaps(events, procs)]
     span = (gpu[-1][1] - gpu[0][0]) / steps
     buckets = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 1e12)]
     out = [f"GPU span per step {span:.1f} us (first kernel start to last kernel end over {steps} steps); "
