@@ -1,0 +1,116 @@
+"""int4 tensor-core GEMM (`pallas_kernels/linear/w4_mgpu.py`) at decode batch sizes (GPU machine).
+
+Llama-3-8B projections, M in {8, 16, 32, 64}, int4 group 128 (float16 scales, uint8 zeros), on
+weights rotating through >= 256 MB of copies (HBM, not L2), beside: XLA's bf16 dot on a bf16 W
+(what a bf16 checkpoint runs: the issue's bar is 4-bit >= 1.0x bf16 at batch 64), the Triton
+4-bit kernel with its tuned table (`skinny_matmul_w4`, the engine's path before this kernel) and
+a torch `copy_` (the roofline). Each kernel's output on copy 0 is checked against a float32 dot
+on the dequantized weight. Results: DIR/w4_mgpu.json and w4_mgpu.md.
+
+    PYTHONPATH=. python3 bench/kernels/w4_mgpu.py --out DIR [--ms 16,64] [--shapes qkv,o]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from w4 import MIN_ROTATION_BYTES, SHAPES, _memcpy, _time, _weights  # noqa: E402
+
+from pallas_kernels.linear import skinny_matmul_w4, skinny_matmul_w4_reference  # noqa: E402
+from pallas_kernels.linear.w4_mgpu import (  # noqa: E402
+    W4MgpuParams,
+    skinny_matmul_w4_mgpu,
+    w4_mgpu_params_for,
+    w4_mgpu_scales,
+)
+
+GROUP = 128
+
+
+def _variants(n, k):
+    auto = w4_mgpu_params_for(n, k)
+    out = {"auto": auto}
+    for d in (4, 8):
+        for s in sorted({1, 2, 4, auto.split_k}):
+            out[f"d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s)
+    out["auto_smem"] = W4MgpuParams(max_concurrent_steps=auto.max_concurrent_steps, split_k=auto.split_k, a_smem=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="8,16,32,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args(argv)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    memcpy = _memcpy()
+    rows, table = [], []
+    key = jax.random.key(0)
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        packed_bytes = n * k // 2
+        copies = max(2, int(MIN_ROTATION_BYTES // packed_bytes) + 1)
+        ws = _weights(key, n, k, "int4", GROUP, copies)
+        ks = [(p, w4_mgpu_scales(s, z, GROUP, k)) for p, s, z in ws]
+        bf_copies = max(2, int(MIN_ROTATION_BYTES // (2 * n * k)) + 1)
+        wb = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (n, k), jnp.bfloat16) * 0.02,)
+              for i in range(bf_copies)]
+        jax.block_until_ready(ks)
+        for m in map(int, args.ms.split(",")):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            ref = np.asarray(skinny_matmul_w4_reference(x, *ws[0], k=k, group_size=GROUP, kind="int4"))
+            res = {"shape": name, "k": k, "n": n, "m": m}
+            t, _ = _time(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, wb)
+            res["bf16_us"] = t * 1e6
+            t, y = _time(lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=GROUP, kind="int4"),
+                         x, ws)
+            res["triton_w4_us"] = t * 1e6
+            res["triton_w4_err"] = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
+            for vname, params in _variants(n, k).items():
+                try:
+                    t, y = _time(lambda x, p, s, params=params: skinny_matmul_w4_mgpu(
+                        x, p, s, group_size=GROUP, params=params), x, ks)
+                except Exception as e:  # noqa: BLE001 (a variant that does not compile is reported)
+                    res[f"mgpu_{vname}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(name, m, vname, res[f"mgpu_{vname}_error"], flush=True)
+                    continue
+                res[f"mgpu_{vname}_us"] = t * 1e6
+                res[f"mgpu_{vname}_err"] = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
+            best = min((v for kk, v in res.items() if kk.startswith("mgpu_") and kk.endswith("_us")), default=None)
+            res["mgpu_best_us"] = best
+            res["packed_TBps_best"] = packed_bytes / (best * 1e-6) / 1e12 if best else None
+            rows.append(res)
+            line = (f"| {name} | {m} | {res['bf16_us']:.1f} | {res['triton_w4_us']:.1f} | "
+                    f"{res.get('mgpu_auto_us', float('nan')):.1f} | {best or float('nan'):.1f} | "
+                    f"{res['bf16_us'] / best if best else float('nan'):.2f}x | "
+                    f"{res['packed_TBps_best'] or float('nan'):.2f} | {res.get('mgpu_auto_err', float('nan')):.1e} |")
+            table.append(line)
+            print(line, {kk: round(v, 1) for kk, v in res.items() if kk.endswith("_us")}, flush=True)
+    meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "platform": platform.platform(),
+            "memcpy_TBps": memcpy / 1e12, "group_size": GROUP}
+    (out_dir / "w4_mgpu.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    head = ("| shape | M | bf16 XLA (us) | Triton w4 (us) | mgpu auto (us) | mgpu best (us) | best vs bf16 | "
+            "packed TB/s | auto rel err |\n|---|---|---|---|---|---|---|---|---|\n")
+    (out_dir / "w4_mgpu.md").write_text(f"{meta}\n\n{head}" + "\n".join(table) + "\n")
+    print(head + "\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

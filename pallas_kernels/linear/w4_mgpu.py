@@ -1,0 +1,191 @@
+"""Mosaic GPU (Hopper: TMA + wgmma) GEMM for int4 weights at decode batch sizes: y = x @ W^T.
+
+The Triton 4-bit kernel (`w4.py`) streams weights at M = 1 on the CUDA cores; its dot path for
+M = 8..64 measured 1.5-2.9x slower than bf16 (session 15), so a batch-64 step with 4-bit weights
+was slower than bf16. This kernel puts the weights on the tensor cores, "swap AB" (as
+TensorRT-LLM's and vLLM's skinny GEMMs do): the product is computed transposed,
+y^T [N, M] = W [N, K] @ x^T, so the weight tile is wgmma's A operand, 64 rows a CTA, dequantized
+in registers, and x (M rows padded to a multiple of 8, zero-filled by TMA past M) is the small B
+operand; no tensor-core work is spent on padding x to 64 rows.
+
+* W arrives as `layers.linear.W4Linear` packs it (u8[N, K/2], byte j of row n: code 2j low nibble,
+  2j+1 high), viewed as XLA's uint4[N, K] (XLA packs 4-bit arrays two to a byte, the first element
+  in the low nibble on the GPU: the same bytes). TMA streams [64, block_k] code tiles
+  `max_concurrent_steps` deep; each is upcast in registers to f32, turned into
+  code * scale + (-zero * scale) (one FMA; the affine form of (code - zero) * scale), rounded to
+  x's dtype (bf16 or f16, as a 16-bit checkpoint's weights are), and multiplied by wgmma with A
+  from registers (`a_smem=True` stores it to shared memory first, which Mosaic GPU's interpret
+  mode needs: the CPU tests run that variant).
+* Scales come as `w4_mgpu_scales`: f32[2, G, N] (scale and -zero * scale, transposed so a CTA's 64
+  rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`). block_k must
+  divide the group size, so each step has one scale per row.
+* grid (N / 64, split_k); each CTA writes its f32[64, Mpad] accumulator to y^T by TMA (rows past N
+  clipped); split_k > 1 writes f32 partials that XLA adds. The caller gets f32[M, N] (XLA
+  transposes the small result; `matmul_f32` wants f32).
+
+int4 only (NVFP4's groups of 16 are narrower than a step). K must be a multiple of block_k and N
+of 8 (TMA); the group size a multiple of block_k (or the whole K: per-channel scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+MAX_M = 64
+_ROWS = 64  # wgmma M: weight rows per CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class W4MgpuParams:
+    """Static tuning of `skinny_matmul_w4_mgpu`.
+
+    block_k: K columns per pipeline step (a multiple of 64 dividing the group size);
+    max_concurrent_steps: TMA loads in flight per CTA; split_k: CTAs along K per 64 rows (> 1: f32
+    partials added by XLA); a_smem: the dequantized tile goes to shared memory before the wgmma
+    (interpret mode needs it; on the GPU the register operand saves the round trip).
+    """
+
+    block_k: int = 128
+    max_concurrent_steps: int = 4
+    split_k: int = 1
+    a_smem: bool = False
+
+    def __post_init__(self):
+        if self.block_k % 64 or self.block_k < 64:
+            raise ValueError(f"{self.block_k=} must be a multiple of 64")
+        if self.max_concurrent_steps < 1 or self.split_k < 1:
+            raise ValueError(f"{self.max_concurrent_steps=} and {self.split_k=} must be >= 1")
+
+
+_SMS = 132  # H200 streaming multiprocessors
+
+
+def w4_mgpu_params_for(n: int, k: int, *, interpret: bool = False) -> W4MgpuParams:
+    """A K split when 64-row tiles leave most SMs idle (q/k/v, o, down of Llama-3-8B: 64-96 CTAs)."""
+    ctas = -(-n // _ROWS)
+    split = 1
+    while ctas * split * 2 <= 2 * _SMS and k // (128 * split * 2) >= 4:
+        split *= 2
+    return W4MgpuParams(split_k=split, a_smem=interpret)
+
+
+def w4_mgpu_scales(scales, zeros, group_size: int, k: int):
+    """scales [..., N, G] (any float), zeros u8[..., N, G] -> f32[..., 2, G, N]: scale and
+    -zero * scale, the kernel's per-group affine map of a code, transposed."""
+    s = scales.astype(jnp.float32)
+    b = -zeros.astype(jnp.float32) * s
+    return jnp.swapaxes(jnp.stack([s, b], axis=-3), -1, -2)
+
+
+def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuParams | None = None) -> str | None:
+    """None if the kernel takes these shapes, else why not."""
+    bk = (params or W4MgpuParams()).block_k
+    g = k if group_size in (-1, k) else group_size
+    if not 1 <= m <= MAX_M:
+        return f"{m=} must be in 1..{MAX_M}"
+    if k % bk or n % 8:
+        return f"K={k} must be a multiple of block_k={bk} and N={n} of 8"
+    if g % bk:
+        return f"group size {group_size} must be a multiple of block_k={bk}"
+    return None
+
+
+def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams, steps_per_split, group_steps,
+          dtype):
+    """w_gmem uint4[N, K], x_gmem [M, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad]."""
+    bk = params.block_k
+    ni = lax.axis_index("n")
+    si = lax.axis_index("s")
+    k_step0 = si * steps_per_split
+
+    def acc_scope(acc_ref):
+        def step(idx, w_smem, x_smem, ks_smem):
+            row = plgpu.Layout.WGMMA.reduce(1)
+            s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, 0], (), layout=row), (_ROWS, bk), [0])
+            b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, 0], (), layout=row), (_ROWS, bk), [0])
+            codes = w_smem[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, BK]
+            a = (codes * s + b).astype(dtype)
+            xt = x_smem.transpose((1, 0))  # [BK, Mpad]
+            if params.a_smem:
+                (a_smem,) = scratch
+                plgpu.wgmma_wait(0)  # the previous step's wgmma has read a_smem
+                a_smem[...] = a
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, a_smem, xt)
+            else:
+                plgpu.wgmma(acc_ref, a, xt)
+                plgpu.wgmma_wait(0)
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(steps_per_split,),
+            in_specs=[
+                plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk), delay_release=int(params.a_smem)),
+                plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk), delay_release=int(params.a_smem)),
+                plgpu.BlockSpec((2, 1, _ROWS), lambda kk: (0, (k_step0 + kk) // group_steps, ni)),
+            ],
+            max_concurrent_steps=params.max_concurrent_steps,
+        )(w_gmem, x_gmem, ks_gmem)
+        return acc_ref[...]
+
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, mpad)))  # f32[64, Mpad]
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, mpad), jnp.float32))
+    def _(o_smem):
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "params", "interpret"))
+def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4MgpuParams | None = None,
+                          interpret: bool = False):
+    """x bf16|f16[M, K] @ W^T -> f32[M, N] for int4 W: packed u8[N, K/2] (`W4Linear`'s layout),
+    kscales f32[2, G, N] (`w4_mgpu_scales`). Shapes: `w4_mgpu_supports`."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.shape != (n, k // 2) or packed.dtype != jnp.uint8:
+        raise ValueError(f"skinny_matmul_w4_mgpu: packed must be u8[N, K/2] = [{n}, {k // 2}]; got "
+                         f"{packed.dtype}{list(packed.shape)}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"skinny_matmul_w4_mgpu: x must be bfloat16 or float16; got {x.dtype}")
+    params = params or w4_mgpu_params_for(n, k, interpret=interpret)
+    why = w4_mgpu_supports(m, n, k, group_size, params)
+    if why:
+        raise ValueError(f"skinny_matmul_w4_mgpu: {why}")
+    g = k if group_size in (-1, k) else group_size
+    if kscales.shape != (2, k // g, n):
+        raise ValueError(f"skinny_matmul_w4_mgpu: kscales shape {kscales.shape} must be {(2, k // g, n)}")
+    bk = params.block_k
+    mpad = -(-m // 8) * 8
+    num_steps = k // bk
+    split_k = min(params.split_k, num_steps)
+    steps_per_split = -(-num_steps // split_k)
+    split_k = -(-num_steps // steps_per_split)
+    params = dataclasses.replace(params, split_k=split_k)
+    out_shape = (split_k, n, mpad) if split_k > 1 else (n, mpad)
+    codes = lax.bitcast_convert_type(packed, jnp.uint4).reshape(n, k)  # the same bytes (module docstring)
+    f = plgpu.kernel(
+        functools.partial(_body, mpad=mpad, params=params, steps_per_split=steps_per_split, group_steps=g // bk,
+                          dtype=x.dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(-(-n // _ROWS), split_k),
+        grid_names=("n", "s"),
+        scratch_types=[plgpu.SMEM((_ROWS, bk), x.dtype)] if params.a_smem else [],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="skinny_matmul_w4_mgpu",
+    )
+    out = f(codes, x, kscales.astype(jnp.float32))
+    if split_k > 1:
+        out = jnp.sum(out, axis=0)
+    return out[:, :m].T  # f32[M, N]
