@@ -272,6 +272,116 @@ def test_w4_kernel_gpu(kind, m, n, k, g, params):
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
 
 
+# ---- the int4 tensor-core kernel (Mosaic GPU, 2-64 rows on Hopper) -------------------------------------
+def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
+    from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales
+
+    packed, scales, zeros = _random_w4(rng, n, k, k if g == -1 else g, "int4")
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    ks = w4_mgpu_scales(jnp.asarray(scales), jnp.asarray(zeros), g, k)
+    return x, packed, scales, zeros, ks
+
+
+@pytest.mark.parametrize("m,n,k,g,split,dt", [
+    (1, 72, 256, 128, 1, jnp.bfloat16),  # N not a multiple of the 64-row tile
+    (5, 136, 512, 128, 2, jnp.bfloat16),  # K split in 2 (f32 partials)
+    (17, 64, 384, -1, 1, jnp.float16),  # per-channel scales (one group), f16 x (GPTQ / AWQ)
+    (64, 128, 512, 256, 4, jnp.bfloat16),  # 64 rows, groups of 2 steps, split 4
+])
+def test_w4_mgpu_interpret(m, n, k, g, split, dt):
+    """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
+    no register operand; the GPU test below runs that one) against the numpy oracle."""
+    from pallas_kernels.linear.w4_mgpu import W4MgpuParams, skinny_matmul_w4_mgpu
+
+    rng = np.random.default_rng(m * 100 + n + k)
+    x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, dt)
+    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g,
+                              params=W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True), interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, zeros, k, k if g == -1 else g,
+                                                                          "int4").T
+    err = np.abs(np.asarray(y, np.float64) - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() < 1e-2, err  # the weights rounded to x's dtype, f32 accumulation and output
+
+
+def test_w4_mgpu_rejects_bad_input():
+    from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_supports
+
+    rng = np.random.default_rng(0)
+    x, packed, _, _, ks = _mgpu_case(rng, 4, 64, 256, 128)
+    assert w4_mgpu_supports(4, 64, 256, 128) is None
+    assert "block_k" in w4_mgpu_supports(4, 64, 192, 64)  # groups of 64 narrower than a step
+    assert "K=320" in w4_mgpu_supports(4, 64, 320, -1)
+    assert "N=60" in w4_mgpu_supports(4, 60, 256, 128)
+    with pytest.raises(ValueError, match="m=65"):
+        skinny_matmul_w4_mgpu(jnp.zeros((65, 256), jnp.bfloat16), jnp.asarray(packed), ks, group_size=128)
+    with pytest.raises(ValueError, match="kscales shape"):
+        skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks[:, :1], group_size=128)
+    with pytest.raises(ValueError, match="packed must be"):
+        skinny_matmul_w4_mgpu(x, jnp.asarray(packed)[:, :64], ks, group_size=128)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        skinny_matmul_w4_mgpu(x.astype(jnp.float32), jnp.asarray(packed), ks, group_size=128)
+
+
+def test_w4_mgpu_routing():
+    """`use_fp8_kernel(..., w8a8=True)` (Hopper) gives int4 linears the tensor-core kernel's scales:
+    2-64 rows run it, one row the streaming kernel, prefill XLA; NVFP4 and shapes it cannot tile
+    keep the streaming kernel. Each path against the numpy oracle (interpret mode)."""
+    from metrale_jax.layers.linear import linear
+
+    rng = np.random.default_rng(3)
+    n, k, g = 128, 256, 128
+    packed, scales, zeros = _random_w4(rng, n, k, g, "int4")
+    perm = rng.permutation(k).astype(np.int32)  # act-order: x's columns gathered first
+    w = W4Linear(jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), None, jnp.asarray(perm), k=k,
+                 group_size=g)
+    oracle = np.zeros((n, k))
+    oracle[:, perm] = _oracle_weight(packed, scales, zeros, k, g, "int4")
+    marked = use_fp8_kernel({"w": w}, interpret=True, w8a8=True)["w"]
+    assert marked.kernel_scales.shape == (2, k // g, n)
+    assert use_fp8_kernel({"w": w}, interpret=True, w8a8=False)["w"].kernel_scales is None
+    for m, kernel in ((3, "skinny_matmul_w4_mgpu"), (1, "skinny_matmul_w4"), (80, None)):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        jaxpr = str(jax.make_jaxpr(linear)(x, marked))
+        assert ("skinny_matmul_w4_mgpu" in jaxpr) == (kernel == "skinny_matmul_w4_mgpu")
+        assert ("skinny_matmul_w4" in jaxpr) == (kernel is not None)
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
+        got = np.asarray(linear(x, marked).astype(jnp.float32), np.float64)
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-2, m
+    fp4 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 16, "fp4")[:2]), None,
+                   jnp.ones(n, jnp.float32), None, k=k, group_size=16, kind="fp4")
+    assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"].kernel_scales is None
+
+
+def test_w4_mgpu_lowers_for_h200():
+    """The register-operand kernel (what the GPU runs) through Mosaic GPU's lowering on the CPU:
+    layout inference, the int4 upcast, TMA tile checks."""
+    from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
+
+    sds = jax.ShapeDtypeStruct
+    for m, k, n in ((2, 4096, 6144), (64, 14336, 4096)):
+        params = w4_mgpu_params_for(m, n, k)
+        assert not params.a_smem
+        traced = skinny_matmul_w4_mgpu.trace(sds((m, k), jnp.bfloat16), sds((n, k // 2), jnp.uint8),
+                                             sds((2, k // 128, n), jnp.float32), group_size=128, params=params)
+        assert "skinny_matmul_w4_mgpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,g", [(2, 6144, 4096, 128), (64, 4096, 14336, 128), (33, 200, 1024, -1),
+                                     (16, 28672, 4096, 128)])
+def test_w4_mgpu_gpu(m, n, k, g):
+    from pallas_kernels.linear import skinny_matmul_w4_reference
+    from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu
+
+    rng = np.random.default_rng(1)
+    x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g)
+    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g)
+    want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), k=k,
+                                      group_size=k if g == -1 else g, kind="int4")
+    assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
+
+
 # ---- formats: config and tensor errors ---------------------------------------------------------------
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit"),

@@ -41,8 +41,8 @@ from pallas_kernels.linear.w4_mgpu import (  # noqa: E402
 GROUP = 128
 
 
-def _variants(n, k):
-    auto = w4_mgpu_params_for(n, k)
+def _variants(m, n, k):
+    auto = w4_mgpu_params_for(m, n, k)
     out = {"auto": auto}
     for d in (4, 8):
         for s in sorted({1, 2, 4, auto.split_k}):
@@ -82,7 +82,7 @@ def main(argv=None):
                          x, ws)
             res["triton_w4_us"] = t * 1e6
             res["triton_w4_err"] = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
-            for vname, params in _variants(n, k).items():
+            for vname, params in _variants(m, n, k).items():
                 try:
                     t, y = _time(lambda x, p, s, params=params: skinny_matmul_w4_mgpu(
                         x, p, s, group_size=GROUP, params=params), x, ks)

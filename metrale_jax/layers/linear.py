@@ -68,6 +68,9 @@ class W4Linear:
     zeros: jax.Array | None  # u8[..., N, ceil(K / G)] (int4), None (fp4)
     row_scale: jax.Array | None  # f32[..., N] (fp4: the per-part global scale), None (int4)
     perm: jax.Array | None  # i32[..., K]: the input column of weight column k (GPTQ act-order), None = identity
+    # f32[..., 2, ceil(K / G), N]: scales and -zeros * scales transposed, for the tensor-core kernel
+    # of 2-64 rows (`pallas_kernels/linear/w4_mgpu.py`; int4 on Hopper, set by `use_fp8_kernel`), else None
+    kernel_scales: jax.Array | None = None
     k: int = dataclasses.field(metadata=dict(static=True), default=0)  # input features
     group_size: int = dataclasses.field(metadata=dict(static=True), default=128)
     kind: str = dataclasses.field(metadata=dict(static=True), default="int4")  # "int4" | "fp4"
@@ -140,11 +143,17 @@ def has_quantized_linears(params) -> bool:
 
 def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
-    the Pallas kernels (a new tree sharing the arrays); `w8a8`: the FP8 ones of 9-64 rows through
-    the W8A8 kernel (Hopper; `_fp8_kernel`)."""
+    the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
+    FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones of 2-64 rows
+    through the int4 GEMM (`linear_w4.w4_matmul`; it gets its transposed scales here)."""
     def mark(w):
         if isinstance(w, Fp8Linear):
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
-        return dataclasses.replace(w, use_kernel=True, interpret=interpret) if isinstance(w, W4Linear) else w
+        if isinstance(w, W4Linear):
+            from metrale_jax.layers.linear_w4 import w4_kernel_scales
+
+            ks = w4_kernel_scales(w) if w8a8 else None
+            return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks)
+        return w
 
     return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))

@@ -1,9 +1,12 @@
 """x @ W for a packed 4-bit `W4Linear` (GPTQ, AWQ, compressed-tensors W4A16, NVFP4).
 
 Decode-sized bf16 or f16 inputs (1..`W4_KERNEL_MAX_M` rows) of weights marked `use_kernel` (the engine's
-GPU default, `linear.use_fp8_kernel`) go through the weight-streaming Pallas kernel
-(`pallas_kernels/linear/w4.py`), which reads the packed bytes once and dequantizes in registers;
-everything else (prefill, the CPU) dequantizes the whole weight in XLA and runs one GEMM.
+GPU default, `linear.use_fp8_kernel`) go through a Pallas kernel that reads the packed bytes once
+and dequantizes in registers: int4 weights of 2-64 rows on Hopper the tensor-core GEMM
+(`pallas_kernels/linear/w4_mgpu.py`, 1.1-1.5x bf16's dot at 64 rows on the H200, against 0.3-0.4x
+for the streaming kernel's dot), one row and the rest the weight-streaming kernel
+(`pallas_kernels/linear/w4.py`); everything else (prefill, the CPU) dequantizes the whole weight
+in XLA and runs one GEMM.
 GPTQ act-order weights keep their groups contiguous in the packed order (`perm`): the kernel path
 gathers x's columns into that order, the XLA path puts the dequantized weight's columns back.
 """
@@ -15,7 +18,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-W4_KERNEL_MAX_M = 64  # the kernel's row limit; to be lowered if the H200 sweep says the GEMM wins earlier
+W4_KERNEL_MAX_M = 64  # the kernels' row limit
+
+
+def w4_kernel_scales(w):
+    """The int4 tensor-core kernel's f32[..., 2, G, N] scales for `w`, or None where that kernel
+    does not take it (NVFP4, or shapes it cannot tile: `w4_mgpu_supports`)."""
+    from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales, w4_mgpu_supports
+
+    if w.kind != "int4" or w4_mgpu_supports(2, w.packed.shape[-2], w.k, w.group_size) is not None:
+        return None
+    return jax.jit(w4_mgpu_scales, static_argnums=(2, 3))(w.scales, w.zeros, w.group_size, w.k)
 
 
 def dequantize_w4(w, dtype) -> jax.Array:
@@ -32,9 +45,15 @@ def w4_matmul(x: jax.Array, w) -> jax.Array:
     m = math.prod(x.shape[:-1])
     if w.use_kernel and w.packed.ndim == 2 and 1 <= m <= W4_KERNEL_MAX_M and x.dtype in (jnp.bfloat16, jnp.float16):
         from pallas_kernels.linear import skinny_matmul_w4
+        from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
         if w.perm is not None:  # x's columns in the packed order (m rows: cheap)
             x = jnp.take(x, w.perm, axis=-1)
+        if w.kernel_scales is not None and m >= 2:  # the tensor cores (one row: the streaming kernel)
+            params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, interpret=w.interpret)
+            y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, group_size=w.group_size,
+                                      params=params, interpret=w.interpret)
+            return y.reshape(x.shape[:-1] + (-1,))
         aux = w.row_scale if w.kind == "fp4" else w.zeros
         y = skinny_matmul_w4(x.reshape(m, x.shape[-1]), w.packed, w.scales, aux, k=w.k, group_size=w.group_size,
                              kind=w.kind, interpret=w.interpret)

@@ -67,12 +67,22 @@ class W4MgpuParams:
 _SMS = 132  # H200 streaming multiprocessors
 
 
-def w4_mgpu_params_for(n: int, k: int, *, interpret: bool = False) -> W4MgpuParams:
-    """A K split when 64-row tiles leave most SMs idle (q/k/v, o, down of Llama-3-8B: 64-96 CTAs)."""
+def w4_mgpu_params_for(m: int, n: int, k: int, *, interpret: bool = False) -> W4MgpuParams:
+    """Tiles from the H200 sweep of the Llama-3-8B projections (session 27,
+    `bench/results/w4_mgpu_h200_2026-12-04_s27.md`): K split 4 ways up to 16 rows (every shape
+    gained: q/k/v 12.9 against 21.1 us unsplit, gate|up 42.9 against 48.3), beyond that the fewest
+    splits that give ~one CTA per SM (gate|up's 448 CTAs unsplit 61.1 us against 72.4 split 4;
+    q/k/v and o 2-way, down 4-way); 4 steps in flight (8 lost at 64 rows: gate|up 91 us); at least
+    4 K steps per split."""
     ctas = -(-n // _ROWS)
+    steps = k // 128
     split = 1
-    while ctas * split * 2 <= 2 * _SMS and k // (128 * split * 2) >= 4:
-        split *= 2
+    if m <= 16:
+        while split < 4 and steps // (split * 2) >= 4:
+            split *= 2
+    else:
+        while ctas * split < 0.9 * _SMS and steps // (split * 2) >= 4:
+            split *= 2
     return W4MgpuParams(split_k=split, a_smem=interpret)
 
 
@@ -158,7 +168,7 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
                          f"{packed.dtype}{list(packed.shape)}")
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"skinny_matmul_w4_mgpu: x must be bfloat16 or float16; got {x.dtype}")
-    params = params or w4_mgpu_params_for(n, k, interpret=interpret)
+    params = params or w4_mgpu_params_for(m, n, k, interpret=interpret)
     why = w4_mgpu_supports(m, n, k, group_size, params)
     if why:
         raise ValueError(f"skinny_matmul_w4_mgpu: {why}")
