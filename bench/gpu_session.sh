@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [fp8moe] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [gen4] [fp8moe] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -199,6 +199,14 @@ fi
 if [[ $parts == *tcint4* ]]; then  # issue 19: the int4 tensor-core GEMM (w4_mgpu.py) at M 8-64 beside bf16
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TCINT4_LIMIT:-240} python3 bench/kernels/w4_mgpu.py --out "$OUT/w4_mgpu" \
     ${TCINT4_ARGS:-} 2>&1 | grep -v "^W1\|Delay kernel" | tail -30
+fi
+if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf16 beside 4-bit, batches 1 and 64
+  for q in ${GEN4_KINDS:-bf16 int4}; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats ${GEN4_REPEATS:-1} \
+      --batches ${GEN4_BATCHES:-1,64} $qa --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1
+    grep -v "rematerialization" "$OUT/generate_llama3_8b_$q.log" | tail -6
+  done
 fi
 if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)
   # (W4_ARGS, e.g. "--shapes o,gate_up,down --kinds int4 --ms 1,64": session 15's 170 s swept q/k/v only;
