@@ -348,6 +348,15 @@ def test_w4_mgpu_routing():
         want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
         got = np.asarray(linear(x, marked).astype(jnp.float32), np.float64)
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2, m
+    # the engine's unrolled layers (`split_layers`: per-layer arrays) get per-layer kernel scales
+    from metrale_jax.layers.stack import Unstacked, split_layers
+    from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales
+
+    two = jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), w)
+    params = split_layers({"layers": {"w": two}})
+    ks = use_fp8_kernel(params, interpret=True, w8a8=True)["layers"]["w"].kernel_scales
+    assert isinstance(ks, Unstacked) and len(ks) == 2
+    np.testing.assert_array_equal(ks.parts[1], w4_mgpu_scales(two.scales[1], two.zeros[1], g, k))
     fp4 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 16, "fp4")[:2]), None,
                    jnp.ones(n, jnp.float32), None, k=k, group_size=16, kind="fp4")
     assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"].kernel_scales is None
@@ -359,7 +368,7 @@ def test_w4_mgpu_lowers_for_h200():
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     sds = jax.ShapeDtypeStruct
-    for m, k, n in ((2, 4096, 6144), (64, 14336, 4096)):
+    for m, k, n in ((2, 4096, 6144), (64, 14336, 4096), (33, 4096, 4096)):  # (33: x padded to 40 rows for TMA)
         params = w4_mgpu_params_for(m, n, k)
         assert not params.a_smem
         traced = skinny_matmul_w4_mgpu.trace(sds((m, k), jnp.bfloat16), sds((n, k // 2), jnp.uint8),

@@ -24,11 +24,17 @@ W4_KERNEL_MAX_M = 64  # the kernels' row limit
 def w4_kernel_scales(w):
     """The int4 tensor-core kernel's f32[..., 2, G, N] scales for `w`, or None where that kernel
     does not take it (NVFP4, or shapes it cannot tile: `w4_mgpu_supports`)."""
+    from metrale_jax.layers.stack import Unstacked
     from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales, w4_mgpu_supports
 
-    if w.kind != "int4" or w4_mgpu_supports(2, w.packed.shape[-2], w.k, w.group_size) is not None:
+    per_layer = isinstance(w.packed, Unstacked)  # (the engine's unrolled layers, `split_layers`)
+    n = (w.packed.parts[0] if per_layer else w.packed).shape[-2]
+    if w.kind != "int4" or w4_mgpu_supports(2, n, w.k, w.group_size) is not None:
         return None
-    return jax.jit(w4_mgpu_scales, static_argnums=(2, 3))(w.scales, w.zeros, w.group_size, w.k)
+    f = jax.jit(w4_mgpu_scales, static_argnums=(2, 3))
+    if per_layer:
+        return Unstacked([f(s, z, w.group_size, w.k) for s, z in zip(w.scales.parts, w.zeros.parts)])
+    return f(w.scales, w.zeros, w.group_size, w.k)
 
 
 def dequantize_w4(w, dtype) -> jax.Array:

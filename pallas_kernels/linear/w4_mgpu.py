@@ -5,7 +5,8 @@ M = 8..64 measured 1.5-2.9x slower than bf16 (session 15), so a batch-64 step wi
 was slower than bf16. This kernel puts the weights on the tensor cores, "swap AB" (as
 TensorRT-LLM's and vLLM's skinny GEMMs do): the product is computed transposed,
 y^T [N, M] = W [N, K] @ x^T, so the weight tile is wgmma's A operand, 64 rows a CTA, dequantized
-in registers, and x (M rows padded to a multiple of 8, zero-filled by TMA past M) is the small B
+in registers, and x (M rows padded to a multiple of 8: by TMA's zero fill up to 8 rows, by XLA
+beyond, where TMA wants whole tiles) is the small B
 operand; no tensor-core work is spent on padding x to 64 rows.
 
 * W arrives as `layers.linear.W4Linear` packs it (u8[N, K/2], byte j of row n: code 2j low nibble,
@@ -195,6 +196,8 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="skinny_matmul_w4_mgpu",
     )
+    if m > 8 and m % 8:  # TMA: a dimension beyond its tile (8 rows) must be a multiple of it
+        x = jnp.pad(x, ((0, mpad - m), (0, 0)))
     out = f(codes, x, kscales.astype(jnp.float32))
     if split_k > 1:
         out = jnp.sum(out, axis=0)
