@@ -203,6 +203,7 @@ fi
 if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf16 beside 4-bit, batches 1 and 64
   for q in ${GEN4_KINDS:-bf16 int4}; do
     qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    [[ -n ${GEN4_PROFILE:-} ]] && qa="$qa --profile $OUT/profile_gen_$q"  # kernels of the device steps
     timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats ${GEN4_REPEATS:-1} \
       --batches ${GEN4_BATCHES:-1,64} $qa --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1
     grep -v "rematerialization" "$OUT/generate_llama3_8b_$q.log" | tail -6

@@ -7,6 +7,7 @@ shares nothing with metrale_jax/quant/w4.py); the kernel tests unpack nibbles wi
 written here.
 """
 
+import dataclasses
 import json
 import shutil
 
@@ -282,13 +283,14 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     return x, packed, scales, zeros, ks
 
 
-@pytest.mark.parametrize("m,n,k,g,split,dt", [
-    (1, 72, 256, 128, 1, jnp.bfloat16),  # N not a multiple of the 64-row tile
-    (5, 136, 512, 128, 2, jnp.bfloat16),  # K split in 2 (f32 partials)
-    (17, 64, 384, -1, 1, jnp.float16),  # per-channel scales (one group), f16 x (GPTQ / AWQ)
-    (64, 128, 512, 256, 4, jnp.bfloat16),  # 64 rows, groups of 2 steps, split 4
+@pytest.mark.parametrize("m,n,k,g,split,dt,signed", [
+    (1, 72, 256, 128, 1, jnp.bfloat16, True),  # N not a multiple of the 64-row tile
+    (5, 136, 512, 128, 2, jnp.bfloat16, True),  # K split in 2 (f32 partials)
+    (17, 64, 384, -1, 1, jnp.float16, True),  # per-channel scales (one group), f16 x (GPTQ / AWQ)
+    (64, 128, 512, 256, 4, jnp.bfloat16, True),  # 64 rows, groups of 2 steps, split 4
+    (9, 64, 256, 128, 1, jnp.bfloat16, False),  # the integer-conversion upcast
 ])
-def test_w4_mgpu_interpret(m, n, k, g, split, dt):
+def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
     no register operand; the GPU test below runs that one) against the numpy oracle."""
     from pallas_kernels.linear.w4_mgpu import W4MgpuParams, skinny_matmul_w4_mgpu
@@ -296,7 +298,8 @@ def test_w4_mgpu_interpret(m, n, k, g, split, dt):
     rng = np.random.default_rng(m * 100 + n + k)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, dt)
     y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g,
-                              params=W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True), interpret=True)
+                              params=W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True,
+                                                  signed_upcast=signed), interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.float32
     want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, zeros, k, k if g == -1 else g,
                                                                           "int4").T
@@ -377,15 +380,17 @@ def test_w4_mgpu_lowers_for_h200():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,g", [(2, 6144, 4096, 128), (64, 4096, 14336, 128), (33, 200, 1024, -1),
-                                     (16, 28672, 4096, 128)])
-def test_w4_mgpu_gpu(m, n, k, g):
+@pytest.mark.parametrize("m,n,k,g,signed", [(2, 6144, 4096, 128, True), (64, 4096, 14336, 128, True),
+                                            (33, 200, 1024, -1, True), (16, 28672, 4096, 128, True),
+                                            (64, 4096, 14336, 128, False)])
+def test_w4_mgpu_gpu(m, n, k, g, signed):
     from pallas_kernels.linear import skinny_matmul_w4_reference
-    from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu
+    from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     rng = np.random.default_rng(1)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g)
-    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g)
+    params = dataclasses.replace(w4_mgpu_params_for(m, n, k), signed_upcast=signed)
+    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params)
     want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), k=k,
                                       group_size=k if g == -1 else g, kind="int4")
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2

@@ -17,6 +17,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -47,7 +48,8 @@ def _variants(m, n, k):
     for d in (4, 8):
         for s in sorted({1, 2, 4, auto.split_k}):
             out[f"d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s)
-    out["auto_smem"] = W4MgpuParams(max_concurrent_steps=auto.max_concurrent_steps, split_k=auto.split_k, a_smem=True)
+    out["auto_smem"] = dataclasses.replace(auto, a_smem=True)
+    out["auto_int_upcast"] = dataclasses.replace(auto, signed_upcast=False)
     return out
 
 

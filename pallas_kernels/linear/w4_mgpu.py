@@ -12,12 +12,13 @@ operand; no tensor-core work is spent on padding x to 64 rows.
 * W arrives as `layers.linear.W4Linear` packs it (u8[N, K/2], byte j of row n: code 2j low nibble,
   2j+1 high), viewed as XLA's uint4[N, K] (XLA packs 4-bit arrays two to a byte, the first element
   in the low nibble on the GPU: the same bytes). TMA streams [64, block_k] code tiles
-  `max_concurrent_steps` deep; each is upcast in registers to f32, turned into
-  code * scale + (-zero * scale) (one FMA; the affine form of (code - zero) * scale), rounded to
+  `max_concurrent_steps` deep; each is upcast in registers (code - 8, see `signed_upcast`) to
+  f32, turned into (code - 8) * scale + (8 - zero) * scale (one FMA; the affine form of
+  (code - zero) * scale), rounded to
   x's dtype (bf16 or f16, as a 16-bit checkpoint's weights are), and multiplied by wgmma with A
   from registers (`a_smem=True` stores it to shared memory first, which Mosaic GPU's interpret
   mode needs: the CPU tests run that variant).
-* Scales come as `w4_mgpu_scales`: f32[2, G, N] (scale and -zero * scale, transposed so a CTA's 64
+* Scales come as `w4_mgpu_scales`: f32[2, G, N] (scale and (8 - zero) * scale, transposed so a CTA's 64
   rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`). block_k must
   divide the group size, so each step has one scale per row.
 * grid (N / 64, split_k); each CTA writes its f32[64, Mpad] accumulator to y^T by TMA (rows past N
@@ -50,13 +51,17 @@ class W4MgpuParams:
     block_k: K columns per pipeline step (a multiple of 64 dividing the group size);
     max_concurrent_steps: TMA loads in flight per CTA; split_k: CTAs along K per 64 rows (> 1: f32
     partials added by XLA); a_smem: the dequantized tile goes to shared memory before the wgmma
-    (interpret mode needs it; on the GPU the register operand saves the round trip).
+    (interpret mode needs it; on the GPU the register operand saves the round trip);
+    signed_upcast: codes read as int4 with the top bit flipped (code - 8), converted to bf16 by
+    Mosaic GPU's int4 upcast (CUTLASS's bit trick: a few instructions per pair), instead of
+    integer extension and an int -> float conversion per code.
     """
 
     block_k: int = 128
     max_concurrent_steps: int = 4
     split_k: int = 1
     a_smem: bool = False
+    signed_upcast: bool = True
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -89,9 +94,9 @@ def w4_mgpu_params_for(m: int, n: int, k: int, *, interpret: bool = False) -> W4
 
 def w4_mgpu_scales(scales, zeros, group_size: int, k: int):
     """scales [..., N, G] (any float), zeros u8[..., N, G] -> f32[..., 2, G, N]: scale and
-    -zero * scale, the kernel's per-group affine map of a code, transposed."""
+    (8 - zero) * scale, the kernel's per-group affine map of (code - 8), transposed."""
     s = scales.astype(jnp.float32)
-    b = -zeros.astype(jnp.float32) * s
+    b = (8.0 - zeros.astype(jnp.float32)) * s
     return jnp.swapaxes(jnp.stack([s, b], axis=-3), -1, -2)
 
 
@@ -121,7 +126,10 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             row = plgpu.Layout.WGMMA.reduce(1)
             s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, 0], (), layout=row), (_ROWS, bk), [0])
             b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, 0], (), layout=row), (_ROWS, bk), [0])
-            codes = w_smem[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, BK]
+            if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
+                codes = (w_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32)
+            else:
+                codes = w_smem[...].astype(jnp.int32).astype(jnp.float32) - 8.0  # f32[64, BK]
             a = (codes * s + b).astype(dtype)
             xt = x_smem.transpose((1, 0))  # [BK, Mpad]
             if params.a_smem:
@@ -184,7 +192,8 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     split_k = -(-num_steps // steps_per_split)
     params = dataclasses.replace(params, split_k=split_k)
     out_shape = (split_k, n, mpad) if split_k > 1 else (n, mpad)
-    codes = lax.bitcast_convert_type(packed, jnp.uint4).reshape(n, k)  # the same bytes (module docstring)
+    # the same bytes as 4-bit codes (module docstring; int4 for the signed upcast)
+    codes = lax.bitcast_convert_type(packed, jnp.int4 if params.signed_upcast else jnp.uint4).reshape(n, k)
     f = plgpu.kernel(
         functools.partial(_body, mpad=mpad, params=params, steps_per_split=steps_per_split, group_steps=g // bk,
                           dtype=x.dtype),
