@@ -61,7 +61,7 @@ class W4MgpuParams:
     max_concurrent_steps: int = 4
     split_k: int = 1
     a_smem: bool = False
-    signed_upcast: bool = True
+    signed_upcast: bool = False
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
