@@ -68,7 +68,7 @@ class W4Linear:
     zeros: jax.Array | None  # u8[..., N, ceil(K / G)] (int4), None (fp4)
     row_scale: jax.Array | None  # f32[..., N] (fp4: the per-part global scale), None (int4)
     perm: jax.Array | None  # i32[..., K]: the input column of weight column k (GPTQ act-order), None = identity
-    # f32[..., 2, ceil(K / G), N]: scales and (8 - zeros) * scales transposed, for the tensor-core kernel
+    # f32[..., 2, ceil(K / G), N]: scales and -zeros * scales transposed, for the tensor-core kernel
     # of 2-64 rows (`pallas_kernels/linear/w4_mgpu.py`; int4 on Hopper, set by `use_fp8_kernel`), else None
     kernel_scales: jax.Array | None = None
     k: int = dataclasses.field(metadata=dict(static=True), default=0)  # input features

@@ -6,19 +6,18 @@ was slower than bf16. This kernel puts the weights on the tensor cores, "swap AB
 TensorRT-LLM's and vLLM's skinny GEMMs do): the product is computed transposed,
 y^T [N, M] = W [N, K] @ x^T, so the weight tile is wgmma's A operand, 64 rows a CTA, dequantized
 in registers, and x (M rows padded to a multiple of 8: by TMA's zero fill up to 8 rows, by XLA
-beyond, where TMA wants whole tiles) is the small B
-operand; no tensor-core work is spent on padding x to 64 rows.
+beyond, where TMA wants whole tiles) is the small B operand; no tensor-core work is spent on
+padding x to 64 rows.
 
 * W arrives as `layers.linear.W4Linear` packs it (u8[N, K/2], byte j of row n: code 2j low nibble,
   2j+1 high), viewed as XLA's uint4[N, K] (XLA packs 4-bit arrays two to a byte, the first element
   in the low nibble on the GPU: the same bytes). TMA streams [64, block_k] code tiles
-  `max_concurrent_steps` deep; each is upcast in registers (code - 8, see `signed_upcast`) to
-  f32, turned into (code - 8) * scale + (8 - zero) * scale (one FMA; the affine form of
-  (code - zero) * scale), rounded to
+  `max_concurrent_steps` deep; each is upcast in registers to f32, turned into
+  code * scale + (-zero * scale) (one FMA; the affine form of (code - zero) * scale), rounded to
   x's dtype (bf16 or f16, as a 16-bit checkpoint's weights are), and multiplied by wgmma with A
   from registers (`a_smem=True` stores it to shared memory first, which Mosaic GPU's interpret
   mode needs: the CPU tests run that variant).
-* Scales come as `w4_mgpu_scales`: f32[2, G, N] (scale and (8 - zero) * scale, transposed so a CTA's 64
+* Scales come as `w4_mgpu_scales`: f32[2, G, N] (scale and -zero * scale, transposed so a CTA's 64
   rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`). block_k must
   divide the group size, so each step has one scale per row.
 * grid (N / 64, split_k); each CTA writes its f32[64, Mpad] accumulator to y^T by TMA (rows past N
@@ -27,6 +26,16 @@ operand; no tensor-core work is spent on padding x to 64 rows.
 
 int4 only (NVFP4's groups of 16 are narrower than a step). K must be a multiple of block_k and N
 of 8 (TMA); the group size a multiple of block_k (or the whole K: per-channel scales).
+
+H200 (session 27, `bench/kernels/w4_mgpu.py`, `bench/results/w4_mgpu_h200_2026-12-04_s27_*`),
+Llama-3-8B projections at 64 rows against XLA's bf16 dot in the same run: q/k/v 20.1 / 21.4 us,
+o 14.3 / 15.3, gate|up 61.2 / 68.0, down 29.7 / 44.4 (the Triton kernel's dot: 48-229 us); at 16
+rows 1.25-1.44x bf16. A second machine measured 10-20% slower for this kernel (bf16 the same).
+That is 0.6-1.4 TB/s of packed weights: the bound is the chain each CTA's single warpgroup runs
+per step (dequantize 64 x 128 codes, wgmma, wait), not HBM; 8 steps in flight (more shared
+memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. Not tried yet:
+2-3 steps in flight, two compute warpgroups per CTA, the wgmma of one step overlapping the next
+step's dequantization. `signed_upcast` measured slower (gate|up 79.5 against 70.1 us).
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ class W4MgpuParams:
     partials added by XLA); a_smem: the dequantized tile goes to shared memory before the wgmma
     (interpret mode needs it; on the GPU the register operand saves the round trip);
     signed_upcast: codes read as int4 with the top bit flipped (code - 8), converted to bf16 by
-    Mosaic GPU's int4 upcast (CUTLASS's bit trick: a few instructions per pair), instead of
-    integer extension and an int -> float conversion per code.
+    Mosaic GPU's int4 upcast (CUTLASS's bit trick) and on to f32, instead of integer extension
+    and an int -> float conversion per code (the default: the upcast measured slower, above).
     """
 
     block_k: int = 128
@@ -94,9 +103,9 @@ def w4_mgpu_params_for(m: int, n: int, k: int, *, interpret: bool = False) -> W4
 
 def w4_mgpu_scales(scales, zeros, group_size: int, k: int):
     """scales [..., N, G] (any float), zeros u8[..., N, G] -> f32[..., 2, G, N]: scale and
-    (8 - zero) * scale, the kernel's per-group affine map of (code - 8), transposed."""
+    -zero * scale, the kernel's per-group affine map of a code, transposed."""
     s = scales.astype(jnp.float32)
-    b = (8.0 - zeros.astype(jnp.float32)) * s
+    b = -zeros.astype(jnp.float32) * s
     return jnp.swapaxes(jnp.stack([s, b], axis=-3), -1, -2)
 
 
@@ -127,9 +136,9 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, 0], (), layout=row), (_ROWS, bk), [0])
             b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, 0], (), layout=row), (_ROWS, bk), [0])
             if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
-                codes = (w_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32)
+                codes = (w_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
             else:
-                codes = w_smem[...].astype(jnp.int32).astype(jnp.float32) - 8.0  # f32[64, BK]
+                codes = w_smem[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, BK]
             a = (codes * s + b).astype(dtype)
             xt = x_smem.transpose((1, 0))  # [BK, Mpad]
             if params.a_smem:
