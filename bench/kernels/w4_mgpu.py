@@ -45,11 +45,11 @@ GROUP = 128
 def _variants(m, n, k):
     auto = w4_mgpu_params_for(m, n, k)
     out = {"auto": auto}
-    for d in (4, 8):
+    for d in (2, 3, 4, 8):  # (2-3: less shared memory per CTA, more CTAs per SM; not yet run)
         for s in sorted({1, 2, 4, auto.split_k}):
             out[f"d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s)
     out["auto_smem"] = dataclasses.replace(auto, a_smem=True)
-    out["auto_int_upcast"] = dataclasses.replace(auto, signed_upcast=False)
+    out["auto_signed_upcast"] = dataclasses.replace(auto, signed_upcast=True)
     return out
 
 
