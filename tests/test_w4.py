@@ -288,7 +288,8 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     (5, 136, 512, 128, 2, jnp.bfloat16, True),  # K split in 2 (f32 partials)
     (17, 64, 384, -1, 1, jnp.float16, True),  # per-channel scales (one group), f16 x (GPTQ / AWQ)
     (64, 128, 512, 256, 4, jnp.bfloat16, True),  # 64 rows, groups of 2 steps, split 4
-    (9, 64, 256, 128, 1, jnp.bfloat16, False),  # the integer-conversion upcast
+    (9, 64, 256, 128, 1, jnp.bfloat16, False),  # the signed upcast off
+    (8, 64, 256, 64, 1, jnp.bfloat16, True),  # groups of 64: two slices per step (`chunks`)
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
@@ -297,9 +298,9 @@ def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
 
     rng = np.random.default_rng(m * 100 + n + k)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, dt)
-    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g,
-                              params=W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True,
-                                                  signed_upcast=signed), interpret=True)
+    params = W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True, signed_upcast=signed,
+                          chunks=2 if g == 64 else 1)
+    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.float32
     want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, zeros, k, k if g == -1 else g,
                                                                           "int4").T
@@ -308,12 +309,16 @@ def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
 
 
 def test_w4_mgpu_rejects_bad_input():
-    from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_supports
+    from pallas_kernels.linear.w4_mgpu import W4MgpuParams, skinny_matmul_w4_mgpu, w4_mgpu_supports
 
     rng = np.random.default_rng(0)
     x, packed, _, _, ks = _mgpu_case(rng, 4, 64, 256, 128)
     assert w4_mgpu_supports(4, 64, 256, 128) is None
-    assert "block_k" in w4_mgpu_supports(4, 64, 192, 64)  # groups of 64 narrower than a step
+    assert "block_k" in w4_mgpu_supports(4, 64, 256, 64)  # groups of 64 narrower than a step, one slice
+    assert w4_mgpu_supports(4, 64, 256, 64, W4MgpuParams(chunks=2)) is None  # a slice per group
+    assert "block_k" in w4_mgpu_supports(4, 64, 256, 32, W4MgpuParams(chunks=2))  # groups of 32: not taken
+    with pytest.raises(ValueError, match="chunks"):
+        W4MgpuParams(chunks=4)  # 32-column slices
     assert "K=320" in w4_mgpu_supports(4, 64, 320, -1)
     assert "N=60" in w4_mgpu_supports(4, 60, 256, 128)
     with pytest.raises(ValueError, match="m=65"):
@@ -371,25 +376,26 @@ def test_w4_mgpu_lowers_for_h200():
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     sds = jax.ShapeDtypeStruct
-    for m, k, n in ((2, 4096, 6144), (64, 14336, 4096), (33, 4096, 4096)):  # (33: x padded to 40 rows for TMA)
-        params = w4_mgpu_params_for(m, n, k)
-        assert not params.a_smem
+    # (33 rows: x padded to 40 for TMA; groups of 64: two slices a step)
+    for m, k, n, g in ((2, 4096, 6144, 128), (64, 14336, 4096, 128), (33, 4096, 4096, 128), (16, 4096, 4096, 64)):
+        params = w4_mgpu_params_for(m, n, k, g)
+        assert not params.a_smem and params.chunks == 128 // min(g, 128)
         traced = skinny_matmul_w4_mgpu.trace(sds((m, k), jnp.bfloat16), sds((n, k // 2), jnp.uint8),
-                                             sds((2, k // 128, n), jnp.float32), group_size=128, params=params)
+                                             sds((2, k // g, n), jnp.float32), group_size=g, params=params)
         assert "skinny_matmul_w4_mgpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,g,signed", [(2, 6144, 4096, 128, True), (64, 4096, 14336, 128, True),
                                             (33, 200, 1024, -1, True), (16, 28672, 4096, 128, True),
-                                            (64, 4096, 14336, 128, False)])
+                                            (64, 4096, 14336, 128, False), (24, 2048, 4096, 64, False)])
 def test_w4_mgpu_gpu(m, n, k, g, signed):
     from pallas_kernels.linear import skinny_matmul_w4_reference
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     rng = np.random.default_rng(1)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g)
-    params = dataclasses.replace(w4_mgpu_params_for(m, n, k), signed_upcast=signed)
+    params = dataclasses.replace(w4_mgpu_params_for(m, n, k, g), signed_upcast=signed)
     y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params)
     want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), k=k,
                                       group_size=k if g == -1 else g, kind="int4")

@@ -50,6 +50,7 @@ def _variants(m, n, k):
             out[f"d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s)
     out["auto_smem"] = dataclasses.replace(auto, a_smem=True)
     out["auto_signed_upcast"] = dataclasses.replace(auto, signed_upcast=True)
+    out["auto_chunks2"] = dataclasses.replace(auto, chunks=2)  # (not yet run)
     return out
 
 

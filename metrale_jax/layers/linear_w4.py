@@ -25,11 +25,11 @@ def w4_kernel_scales(w):
     """The int4 tensor-core kernel's f32[..., 2, G, N] scales for `w`, or None where that kernel
     does not take it (NVFP4, or shapes it cannot tile: `w4_mgpu_supports`)."""
     from metrale_jax.layers.stack import Unstacked
-    from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales, w4_mgpu_supports
+    from pallas_kernels.linear.w4_mgpu import w4_mgpu_params_for, w4_mgpu_scales, w4_mgpu_supports
 
     per_layer = isinstance(w.packed, Unstacked)  # (the engine's unrolled layers, `split_layers`)
     n = (w.packed.parts[0] if per_layer else w.packed).shape[-2]
-    if w.kind != "int4" or w4_mgpu_supports(2, n, w.k, w.group_size) is not None:
+    if w.kind != "int4" or w4_mgpu_supports(2, n, w.k, w.group_size, w4_mgpu_params_for(2, n, w.k, w.group_size)):
         return None
     f = jax.jit(w4_mgpu_scales, static_argnums=(2, 3))
     if per_layer:
@@ -56,7 +56,7 @@ def w4_matmul(x: jax.Array, w) -> jax.Array:
         if w.perm is not None:  # x's columns in the packed order (m rows: cheap)
             x = jnp.take(x, w.perm, axis=-1)
         if w.kernel_scales is not None and m >= 2:  # the tensor cores (one row: the streaming kernel)
-            params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, interpret=w.interpret)
+            params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, w.group_size, interpret=w.interpret)
             y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, group_size=w.group_size,
                                       params=params, interpret=w.interpret)
             return y.reshape(x.shape[:-1] + (-1,))

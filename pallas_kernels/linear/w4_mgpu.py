@@ -63,7 +63,11 @@ class W4MgpuParams:
     (interpret mode needs it; on the GPU the register operand saves the round trip);
     signed_upcast: codes read as int4 with the top bit flipped (code - 8), converted to bf16 by
     Mosaic GPU's int4 upcast (CUTLASS's bit trick) and on to f32, instead of integer extension
-    and an int -> float conversion per code (the default: the upcast measured slower, above).
+    and an int -> float conversion per code (the default: the upcast measured slower, above);
+    chunks: the step's tile is dequantized and multiplied in this many column slices, each
+    slice's wgmma issued before the next slice is converted (the tensor cores on one slice while
+    the ALUs work on the next; one wait per step); groups narrower than block_k need at least
+    block_k / group slices (one scale per row and slice).
     """
 
     block_k: int = 128
@@ -71,24 +75,30 @@ class W4MgpuParams:
     split_k: int = 1
     a_smem: bool = False
     signed_upcast: bool = False
+    chunks: int = 1
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
             raise ValueError(f"{self.block_k=} must be a multiple of 64")
         if self.max_concurrent_steps < 1 or self.split_k < 1:
             raise ValueError(f"{self.max_concurrent_steps=} and {self.split_k=} must be >= 1")
+        # (32-column slices of the int4 tile failed Mosaic GPU's lowering: no bank-conflict-free
+        # transfer plan for 16-byte rows)
+        if self.chunks < 1 or self.block_k % self.chunks or (self.block_k // self.chunks) % 64:
+            raise ValueError(f"{self.chunks=} must split block_k={self.block_k} into multiples of 64 columns")
 
 
 _SMS = 132  # H200 streaming multiprocessors
 
 
-def w4_mgpu_params_for(m: int, n: int, k: int, *, interpret: bool = False) -> W4MgpuParams:
+def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpret: bool = False) -> W4MgpuParams:
     """Tiles from the H200 sweep of the Llama-3-8B projections (session 27,
-    `bench/results/w4_mgpu_h200_2026-12-04_s27.md`): K split 4 ways up to 16 rows (every shape
+    `bench/results/w4_mgpu_h200_2026-12-04_s27_call2.md`): K split 4 ways up to 16 rows (every shape
     gained: q/k/v 12.9 against 21.1 us unsplit, gate|up 42.9 against 48.3), beyond that the fewest
     splits that give ~one CTA per SM (gate|up's 448 CTAs unsplit 61.1 us against 72.4 split 4;
     q/k/v and o 2-way, down 4-way); 4 steps in flight (8 lost at 64 rows: gate|up 91 us); at least
-    4 K steps per split."""
+    4 K steps per split. Groups of 64 (some GPTQ checkpoints): one slice per group (`chunks`; not
+    measured on the GPU)."""
     ctas = -(-n // _ROWS)
     steps = k // 128
     split = 1
@@ -98,7 +108,9 @@ def w4_mgpu_params_for(m: int, n: int, k: int, *, interpret: bool = False) -> W4
     else:
         while ctas * split < 0.9 * _SMS and steps // (split * 2) >= 4:
             split *= 2
-    return W4MgpuParams(split_k=split, a_smem=interpret)
+    g = k if group_size in (-1, k) else group_size
+    chunks = 2 if g == 64 else 1
+    return W4MgpuParams(split_k=split, a_smem=interpret, chunks=chunks)
 
 
 def w4_mgpu_scales(scales, zeros, group_size: int, k: int):
@@ -117,13 +129,13 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
         return f"{m=} must be in 1..{MAX_M}"
     if k % bk or n % 8:
         return f"K={k} must be a multiple of block_k={bk} and N={n} of 8"
-    if g % bk:
-        return f"group size {group_size} must be a multiple of block_k={bk}"
+    chunk = bk // (params or W4MgpuParams()).chunks
+    if g % bk and (bk % g or g % chunk):
+        return f"group size {group_size} must be a multiple of block_k={bk} or of its slices ({chunk} columns)"
     return None
 
 
-def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams, steps_per_split, group_steps,
-          dtype):
+def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams, steps_per_split, group, dtype):
     """w_gmem uint4[N, K], x_gmem [M, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad]."""
     bk = params.block_k
     ni = lax.axis_index("n")
@@ -133,31 +145,39 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
     def acc_scope(acc_ref):
         def step(idx, w_smem, x_smem, ks_smem):
             row = plgpu.Layout.WGMMA.reduce(1)
-            s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, 0], (), layout=row), (_ROWS, bk), [0])
-            b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, 0], (), layout=row), (_ROWS, bk), [0])
-            if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
-                codes = (w_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
-            else:
-                codes = w_smem[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, BK]
-            a = (codes * s + b).astype(dtype)
-            xt = x_smem.transpose((1, 0))  # [BK, Mpad]
+            wc = bk // params.chunks
             if params.a_smem:
                 (a_smem,) = scratch
                 plgpu.wgmma_wait(0)  # the previous step's wgmma has read a_smem
-                a_smem[...] = a
+            for c in range(params.chunks):
+                cols = pl.ds(c * wc, wc)
+                gi = (c * wc) // group if bk > group else 0  # the slice's group in this step's scale rows
+                s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, gi], (), layout=row), (_ROWS, wc), [0])
+                b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, gi], (), layout=row), (_ROWS, wc), [0])
+                if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
+                    codes = (w_smem.at[:, cols][...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
+                else:
+                    codes = w_smem.at[:, cols][...].astype(jnp.int32).astype(jnp.float32)  # f32[64, WC]
+                a = (codes * s + b).astype(dtype)
+                if params.a_smem:
+                    a_smem.at[:, cols][...] = a
+                else:
+                    plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))  # x^T [WC, Mpad]
+            if params.a_smem:
                 plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, a_smem, xt)
+                plgpu.wgmma(acc_ref, a_smem, x_smem.transpose((1, 0)))
             else:
-                plgpu.wgmma(acc_ref, a, xt)
                 plgpu.wgmma_wait(0)
 
+        per_step = max(1, bk // group)  # scale rows a step reads
         plgpu.emit_pipeline(
             step,
             grid=(steps_per_split,),
             in_specs=[
                 plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk), delay_release=int(params.a_smem)),
                 plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk), delay_release=int(params.a_smem)),
-                plgpu.BlockSpec((2, 1, _ROWS), lambda kk: (0, (k_step0 + kk) // group_steps, ni)),
+                plgpu.BlockSpec((2, per_step, _ROWS),
+                                lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
             ],
             max_concurrent_steps=params.max_concurrent_steps,
         )(w_gmem, x_gmem, ks_gmem)
@@ -186,7 +206,7 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
                          f"{packed.dtype}{list(packed.shape)}")
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"skinny_matmul_w4_mgpu: x must be bfloat16 or float16; got {x.dtype}")
-    params = params or w4_mgpu_params_for(m, n, k, interpret=interpret)
+    params = params or w4_mgpu_params_for(m, n, k, group_size, interpret=interpret)
     why = w4_mgpu_supports(m, n, k, group_size, params)
     if why:
         raise ValueError(f"skinny_matmul_w4_mgpu: {why}")
@@ -204,8 +224,7 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     # the same bytes as 4-bit codes (module docstring; int4 for the signed upcast)
     codes = lax.bitcast_convert_type(packed, jnp.int4 if params.signed_upcast else jnp.uint4).reshape(n, k)
     f = plgpu.kernel(
-        functools.partial(_body, mpad=mpad, params=params, steps_per_split=steps_per_split, group_steps=g // bk,
-                          dtype=x.dtype),
+        functools.partial(_body, mpad=mpad, params=params, steps_per_split=steps_per_split, group=g, dtype=x.dtype),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(-(-n // _ROWS), split_k),
         grid_names=("n", "s"),
