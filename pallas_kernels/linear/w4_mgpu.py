@@ -151,18 +151,19 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
                 plgpu.wgmma_wait(0)  # the previous step's wgmma has read a_smem
             for c in range(params.chunks):
                 cols = pl.ds(c * wc, wc)
+                w_c, x_c = (w_smem, x_smem) if params.chunks == 1 else (w_smem.at[:, cols], x_smem.at[:, cols])
                 gi = (c * wc) // group if bk > group else 0  # the slice's group in this step's scale rows
                 s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, gi], (), layout=row), (_ROWS, wc), [0])
                 b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, gi], (), layout=row), (_ROWS, wc), [0])
                 if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
-                    codes = (w_smem.at[:, cols][...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
+                    codes = (w_c[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
                 else:
-                    codes = w_smem.at[:, cols][...].astype(jnp.int32).astype(jnp.float32)  # f32[64, WC]
+                    codes = w_c[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, WC]
                 a = (codes * s + b).astype(dtype)
                 if params.a_smem:
-                    a_smem.at[:, cols][...] = a
+                    (a_smem if params.chunks == 1 else a_smem.at[:, cols])[...] = a
                 else:
-                    plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].transpose((1, 0)))  # x^T [WC, Mpad]
+                    plgpu.wgmma(acc_ref, a, x_c.transpose((1, 0)))  # x^T [WC, Mpad]
             if params.a_smem:
                 plgpu.commit_smem()
                 plgpu.wgmma(acc_ref, a_smem, x_smem.transpose((1, 0)))
