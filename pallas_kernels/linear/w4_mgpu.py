@@ -18,14 +18,16 @@ padding x to 64 rows.
   from registers (`a_smem=True` stores it to shared memory first, which Mosaic GPU's interpret
   mode needs: the CPU tests run that variant).
 * Scales come as `w4_mgpu_scales`: f32[2, G, N] (scale and -zero * scale, transposed so a CTA's 64
-  rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`). block_k must
-  divide the group size, so each step has one scale per row.
+  rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`: 1/8 of the
+  packed weights' bytes more). Each step, or each of its column slices (`chunks`, for groups of
+  64), has one scale per row.
 * grid (N / 64, split_k); each CTA writes its f32[64, Mpad] accumulator to y^T by TMA (rows past N
   clipped); split_k > 1 writes f32 partials that XLA adds. The caller gets f32[M, N] (XLA
   transposes the small result; `matmul_f32` wants f32).
 
-int4 only (NVFP4's groups of 16 are narrower than a step). K must be a multiple of block_k and N
-of 8 (TMA); the group size a multiple of block_k (or the whole K: per-channel scales).
+int4 only (NVFP4's groups of 16 are narrower than a slice). K must be a multiple of block_k and N
+of 8 (TMA); the group size a multiple of block_k, the whole K (per-channel scales), or 64 with
+two slices a step.
 
 H200 (session 27, `bench/kernels/w4_mgpu.py`, `bench/results/w4_mgpu_h200_2026-12-04_s27_*`),
 Llama-3-8B projections at 64 rows against XLA's bf16 dot in the same run: q/k/v 20.1 / 21.4 us,
@@ -33,9 +35,10 @@ o 14.3 / 15.3, gate|up 61.2 / 68.0, down 29.7 / 44.4 (the Triton kernel's dot: 4
 rows 1.25-1.44x bf16. A second machine measured 10-20% slower for this kernel (bf16 the same).
 That is 0.6-1.4 TB/s of packed weights: the bound is the chain each CTA's single warpgroup runs
 per step (dequantize 64 x 128 codes, wgmma, wait), not HBM; 8 steps in flight (more shared
-memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. Not tried yet:
-2-3 steps in flight, two compute warpgroups per CTA, the wgmma of one step overlapping the next
-step's dequantization. `signed_upcast` measured slower (gate|up 79.5 against 70.1 us).
+memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. Not run yet
+(in the bench): 2-3 steps in flight, `chunks` (one slice's wgmma beside the next slice's
+dequantization); not written: two compute warpgroups per CTA. `signed_upcast` measured slower
+(gate|up 79.5 against 70.1 us).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ _ROWS = 64  # wgmma M: weight rows per CTA
 class W4MgpuParams:
     """Static tuning of `skinny_matmul_w4_mgpu`.
 
-    block_k: K columns per pipeline step (a multiple of 64 dividing the group size);
+    block_k: K columns per pipeline step (a multiple of 64);
     max_concurrent_steps: TMA loads in flight per CTA; split_k: CTAs along K per 64 rows (> 1: f32
     partials added by XLA); a_smem: the dequantized tile goes to shared memory before the wgmma
     (interpret mode needs it; on the GPU the register operand saves the round trip);
@@ -136,7 +139,7 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
 
 
 def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams, steps_per_split, group, dtype):
-    """w_gmem uint4[N, K], x_gmem [M, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad]."""
+    """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad]."""
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
