@@ -290,6 +290,7 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     (64, 128, 512, 256, 4, jnp.bfloat16, True),  # 64 rows, groups of 2 steps, split 4
     (9, 64, 256, 128, 1, jnp.bfloat16, False),  # the signed upcast off
     (8, 64, 256, 64, 1, jnp.bfloat16, True),  # groups of 64: two slices per step (`chunks`)
+    (12, 72, 512, 128, 1, jnp.bfloat16, None),  # `overlap`: a step's wgmma waited for by the next step
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
@@ -298,8 +299,8 @@ def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
 
     rng = np.random.default_rng(m * 100 + n + k)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, dt)
-    params = W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True, signed_upcast=signed,
-                          chunks=2 if g == 64 else 1)
+    params = W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True, signed_upcast=bool(signed),
+                          chunks=2 if g == 64 else 1, overlap=signed is None)
     y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.float32
     want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, zeros, k, k if g == -1 else g,
@@ -377,9 +378,12 @@ def test_w4_mgpu_lowers_for_h200():
 
     sds = jax.ShapeDtypeStruct
     # (33 rows: x padded to 40 for TMA; groups of 64: two slices a step)
-    for m, k, n, g in ((2, 4096, 6144, 128), (64, 14336, 4096, 128), (33, 4096, 4096, 128), (16, 4096, 4096, 64)):
+    for m, k, n, g in ((2, 4096, 6144, 128), (64, 14336, 4096, 128), (33, 4096, 4096, 128), (16, 4096, 4096, 64),
+                       (64, 4096, 4096, 128)):
         params = w4_mgpu_params_for(m, n, k, g)
         assert not params.a_smem and params.chunks == 128 // min(g, 128)
+        if n == k == 4096 and m == 64:  # the bench's overlap variants
+            params = dataclasses.replace(params, overlap=True, chunks=2)
         traced = skinny_matmul_w4_mgpu.trace(sds((m, k), jnp.bfloat16), sds((n, k // 2), jnp.uint8),
                                              sds((2, k // g, n), jnp.float32), group_size=g, params=params)
         assert "skinny_matmul_w4_mgpu" in traced.lower(lowering_platforms=("cuda",)).as_text()

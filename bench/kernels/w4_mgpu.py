@@ -51,6 +51,8 @@ def _variants(m, n, k):
     out["auto_smem"] = dataclasses.replace(auto, a_smem=True)
     out["auto_signed_upcast"] = dataclasses.replace(auto, signed_upcast=True)
     out["auto_chunks2"] = dataclasses.replace(auto, chunks=2)  # (not yet run)
+    out["auto_overlap"] = dataclasses.replace(auto, overlap=True)  # (not yet run)
+    out["auto_overlap_chunks2"] = dataclasses.replace(auto, overlap=True, chunks=2)  # (not yet run)
     return out
 
 

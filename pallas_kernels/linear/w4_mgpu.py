@@ -37,7 +37,8 @@ That is 0.6-1.4 TB/s of packed weights: the bound is the chain each CTA's single
 per step (dequantize 64 x 128 codes, wgmma, wait), not HBM; 8 steps in flight (more shared
 memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. Not run yet
 (in the bench): 2-3 steps in flight, `chunks` (one slice's wgmma beside the next slice's
-dequantization); not written: two compute warpgroups per CTA. `signed_upcast` measured slower
+dequantization), `overlap` (one step's wgmma beside the next step's); not written: two compute
+warpgroups per CTA. `signed_upcast` measured slower
 (gate|up 79.5 against 70.1 us).
 """
 
@@ -70,7 +71,9 @@ class W4MgpuParams:
     chunks: the step's tile is dequantized and multiplied in this many column slices, each
     slice's wgmma issued before the next slice is converted (the tensor cores on one slice while
     the ALUs work on the next; one wait per step); groups narrower than block_k need at least
-    block_k / group slices (one scale per row and slice).
+    block_k / group slices (one scale per row and slice); overlap: the step's wgmma is left
+    running and waited for after the next step's tile is converted (the x tile released a step
+    later; the register operand's hazard is ptxas' to serialize).
     """
 
     block_k: int = 128
@@ -79,6 +82,7 @@ class W4MgpuParams:
     a_smem: bool = False
     signed_upcast: bool = False
     chunks: int = 1
+    overlap: bool = False
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -151,6 +155,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             wc = bk // params.chunks
             if params.a_smem:
                 (a_smem,) = scratch
+            if params.a_smem and not params.overlap:
                 plgpu.wgmma_wait(0)  # the previous step's wgmma has read a_smem
             for c in range(params.chunks):
                 cols = pl.ds(c * wc, wc)
@@ -163,6 +168,8 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
                 else:
                     codes = w_c[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, WC]
                 a = (codes * s + b).astype(dtype)
+                if params.overlap and c == 0:  # the previous step's wgmma ran beside this conversion
+                    plgpu.wgmma_wait(0)
                 if params.a_smem:
                     (a_smem if params.chunks == 1 else a_smem.at[:, cols])[...] = a
                 else:
@@ -170,7 +177,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             if params.a_smem:
                 plgpu.commit_smem()
                 plgpu.wgmma(acc_ref, a_smem, x_smem.transpose((1, 0)))
-            else:
+            elif not params.overlap:
                 plgpu.wgmma_wait(0)
 
         per_step = max(1, bk // group)  # scale rows a step reads
@@ -178,13 +185,16 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             step,
             grid=(steps_per_split,),
             in_specs=[
+                # (an asynchronous wgmma reads its x tile, and a_smem's W tile, during the next step)
                 plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk), delay_release=int(params.a_smem)),
-                plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk), delay_release=int(params.a_smem)),
+                plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk),
+                                delay_release=int(params.a_smem or params.overlap)),
                 plgpu.BlockSpec((2, per_step, _ROWS),
                                 lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
             ],
             max_concurrent_steps=params.max_concurrent_steps,
         )(w_gmem, x_gmem, ks_gmem)
+        plgpu.wgmma_wait(0)  # (the last step's wgmma, when it was left running)
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, mpad)))  # f32[64, Mpad]
