@@ -384,7 +384,8 @@ def test_w4_mgpu_lowers_for_h200():
         assert not params.a_smem and params.chunks == 128 // min(g, 128)
         if n == k == 4096 and m == 64:  # the bench's overlap variants
             params = dataclasses.replace(params, overlap=True, chunks=2)
-        traced = skinny_matmul_w4_mgpu.trace(sds((m, k), jnp.bfloat16), sds((n, k // 2), jnp.uint8),
+        dt = jnp.float16 if g == 64 else jnp.bfloat16  # (GPTQ / AWQ checkpoints are float16)
+        traced = skinny_matmul_w4_mgpu.trace(sds((m, k), dt), sds((n, k // 2), jnp.uint8),
                                              sds((2, k // g, n), jnp.float32), group_size=g, params=params)
         assert "skinny_matmul_w4_mgpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -398,7 +399,7 @@ def test_w4_mgpu_gpu(m, n, k, g, signed):
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     rng = np.random.default_rng(1)
-    x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g)
+    x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, jnp.float16 if g == 64 else jnp.bfloat16)
     params = dataclasses.replace(w4_mgpu_params_for(m, n, k, g), signed_upcast=signed)
     y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params)
     want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), k=k,
