@@ -29,7 +29,10 @@ def w4_kernel_scales(w):
 
     per_layer = isinstance(w.packed, Unstacked)  # (the engine's unrolled layers, `split_layers`)
     n = (w.packed.parts[0] if per_layer else w.packed).shape[-2]
-    if w.kind != "int4" or w4_mgpu_supports(2, n, w.k, w.group_size, w4_mgpu_params_for(2, n, w.k, w.group_size)):
+    params = w4_mgpu_params_for(2, n, w.k, w.group_size)
+    # (groups of 64, two slices a step, stay on the streaming kernel until the GPU test of that
+    # path has run: written in session 27 after its last GPU call)
+    if w.kind != "int4" or params.chunks > 1 or w4_mgpu_supports(2, n, w.k, w.group_size, params):
         return None
     f = jax.jit(w4_mgpu_scales, static_argnums=(2, 3))
     if per_layer:

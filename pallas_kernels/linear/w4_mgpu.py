@@ -105,7 +105,7 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
     splits that give ~one CTA per SM (gate|up's 448 CTAs unsplit 61.1 us against 72.4 split 4;
     q/k/v and o 2-way, down 4-way); 4 steps in flight (8 lost at 64 rows: gate|up 91 us); at least
     4 K steps per split. Groups of 64 (some GPTQ checkpoints): one slice per group (`chunks`; not
-    measured on the GPU)."""
+    yet run on the GPU, so the engine keeps those on the streaming kernel: `linear_w4`)."""
     ctas = -(-n // _ROWS)
     steps = k // 128
     split = 1
