@@ -283,24 +283,23 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     return x, packed, scales, zeros, ks
 
 
-@pytest.mark.parametrize("m,n,k,g,split,dt,signed", [
-    (1, 72, 256, 128, 1, jnp.bfloat16, True),  # N not a multiple of the 64-row tile
-    (5, 136, 512, 128, 2, jnp.bfloat16, True),  # K split in 2 (f32 partials)
-    (17, 64, 384, -1, 1, jnp.float16, True),  # per-channel scales (one group), f16 x (GPTQ / AWQ)
-    (64, 128, 512, 256, 4, jnp.bfloat16, True),  # 64 rows, groups of 2 steps, split 4
-    (9, 64, 256, 128, 1, jnp.bfloat16, False),  # the signed upcast off
-    (8, 64, 256, 64, 1, jnp.bfloat16, True),  # groups of 64: two slices per step (`chunks`)
-    (12, 72, 512, 128, 1, jnp.bfloat16, None),  # `overlap`: a step's wgmma waited for by the next step
+@pytest.mark.parametrize("m,n,k,g,split,dt,variant", [
+    (1, 72, 256, 128, 1, jnp.bfloat16, {}),  # N not a multiple of the 64-row tile
+    (5, 136, 512, 128, 2, jnp.bfloat16, {}),  # K split in 2 (f32 partials)
+    (17, 64, 384, -1, 1, jnp.float16, {}),  # per-channel scales (one group), f16 x (GPTQ / AWQ)
+    (64, 128, 512, 256, 4, jnp.bfloat16, {}),  # 64 rows, groups of 2 steps, split 4
+    (9, 64, 256, 128, 1, jnp.bfloat16, {"signed_upcast": True}),  # codes read as int4 with the top bit flipped
+    (8, 64, 256, 64, 1, jnp.bfloat16, {"chunks": 2}),  # groups of 64: two slices per step
+    (12, 72, 512, 128, 1, jnp.bfloat16, {"overlap": True}),  # a step's wgmma waited for by the next step
 ])
-def test_w4_mgpu_interpret(m, n, k, g, split, dt, signed):
+def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
     no register operand; the GPU test below runs that one) against the numpy oracle."""
     from pallas_kernels.linear.w4_mgpu import W4MgpuParams, skinny_matmul_w4_mgpu
 
     rng = np.random.default_rng(m * 100 + n + k)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, dt)
-    params = W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True, signed_upcast=bool(signed),
-                          chunks=2 if g == 64 else 1, overlap=signed is None)
+    params = W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True, **variant)
     y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.float32
     want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, zeros, k, k if g == -1 else g,
