@@ -291,6 +291,7 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     (9, 64, 256, 128, 1, jnp.bfloat16, {"signed_upcast": True}),  # codes read as int4 with the top bit flipped
     (8, 64, 256, 64, 1, jnp.bfloat16, {"chunks": 2}),  # groups of 64: two slices per step
     (12, 72, 512, 128, 1, jnp.bfloat16, {"overlap": True}),  # a step's wgmma waited for by the next step
+    (16, 200, 512, 128, 2, jnp.bfloat16, {"compute_wgs": 2}),  # two compute warpgroups, a TMA one
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
@@ -319,6 +320,9 @@ def test_w4_mgpu_rejects_bad_input():
     assert "block_k" in w4_mgpu_supports(4, 64, 256, 32, W4MgpuParams(chunks=2))  # groups of 32: not taken
     with pytest.raises(ValueError, match="chunks"):
         W4MgpuParams(chunks=4)  # 32-column slices
+    with pytest.raises(ValueError, match="compute_wgs"):
+        W4MgpuParams(compute_wgs=2, overlap=True)
+    assert "warpgroups" in w4_mgpu_supports(4, 64, 256, 64, W4MgpuParams(compute_wgs=2))
     assert "K=320" in w4_mgpu_supports(4, 64, 320, -1)
     assert "N=60" in w4_mgpu_supports(4, 60, 256, 128)
     with pytest.raises(ValueError, match="m=65"):
@@ -383,8 +387,10 @@ def test_w4_mgpu_lowers_for_h200():
                        (64, 4096, 4096, 128)):
         params = w4_mgpu_params_for(m, n, k, g)
         assert not params.a_smem and params.chunks == 128 // min(g, 128)
-        if n == k == 4096 and m == 64:  # the bench's overlap variants
+        if n == k == 4096 and m == 64:  # the bench's variants
             params = dataclasses.replace(params, overlap=True, chunks=2)
+        if m == 2:
+            params = dataclasses.replace(params, compute_wgs=2)
         dt = jnp.float16 if g == 64 else jnp.bfloat16  # (GPTQ / AWQ checkpoints are float16)
         traced = skinny_matmul_w4_mgpu.trace(sds((m, k), dt), sds((n, k // 2), jnp.uint8),
                                              sds((2, k // g, n), jnp.float32), group_size=g, params=params)
@@ -392,16 +398,20 @@ def test_w4_mgpu_lowers_for_h200():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,g,signed", [(2, 6144, 4096, 128, True), (64, 4096, 14336, 128, True),
-                                            (33, 200, 1024, -1, True), (16, 28672, 4096, 128, True),
-                                            (64, 4096, 14336, 128, False), (24, 2048, 4096, 64, False)])
-def test_w4_mgpu_gpu(m, n, k, g, signed):
+@pytest.mark.parametrize("m,n,k,g,variant", [
+    (2, 6144, 4096, 128, {}), (64, 4096, 14336, 128, {}), (33, 200, 1024, -1, {}), (16, 28672, 4096, 128, {}),
+    (64, 4096, 14336, 128, {"signed_upcast": True}),
+    (24, 2048, 4096, 64, {}),  # groups of 64 (two slices a step), float16 x
+    (64, 4096, 4096, 128, {"overlap": True, "chunks": 2}), (40, 6144, 4096, 128, {"compute_wgs": 2}),
+])
+def test_w4_mgpu_gpu(m, n, k, g, variant):
+    """The register-operand kernel and its variants on the GPU against the float32 reference."""
     from pallas_kernels.linear import skinny_matmul_w4_reference
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     rng = np.random.default_rng(1)
     x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, jnp.float16 if g == 64 else jnp.bfloat16)
-    params = dataclasses.replace(w4_mgpu_params_for(m, n, k, g), signed_upcast=signed)
+    params = dataclasses.replace(w4_mgpu_params_for(m, n, k, g), **variant)
     y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params)
     want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), k=k,
                                       group_size=k if g == -1 else g, kind="int4")

@@ -53,6 +53,8 @@ def _variants(m, n, k):
     out["auto_chunks2"] = dataclasses.replace(auto, chunks=2)  # (not yet run)
     out["auto_overlap"] = dataclasses.replace(auto, overlap=True)  # (not yet run)
     out["auto_overlap_chunks2"] = dataclasses.replace(auto, overlap=True, chunks=2)  # (not yet run)
+    for s in (1, 2, 4):  # two compute warpgroups, 128 rows a CTA (not yet run)
+        out[f"wgs2_s{s}"] = W4MgpuParams(split_k=s, compute_wgs=2)
     return out
 
 

@@ -37,8 +37,8 @@ That is 0.6-1.4 TB/s of packed weights: the bound is the chain each CTA's single
 per step (dequantize 64 x 128 codes, wgmma, wait), not HBM; 8 steps in flight (more shared
 memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. Not run yet
 (in the bench): 2-3 steps in flight, `chunks` (one slice's wgmma beside the next slice's
-dequantization), `overlap` (one step's wgmma beside the next step's); not written: two compute
-warpgroups per CTA. `signed_upcast` measured slower
+dequantization), `overlap` (one step's wgmma beside the next step's), `compute_wgs=2` (two
+compute warpgroups and a TMA warpgroup per CTA). `signed_upcast` measured slower
 (gate|up 79.5 against 70.1 us).
 """
 
@@ -73,7 +73,9 @@ class W4MgpuParams:
     the ALUs work on the next; one wait per step); groups narrower than block_k need at least
     block_k / group slices (one scale per row and slice); overlap: the step's wgmma is left
     running and waited for after the next step's tile is converted (the x tile released a step
-    later; the register operand's hazard is ptxas' to serialize).
+    later; the register operand's hazard is ptxas' to serialize); compute_wgs 2: 128 weight rows
+    a CTA, two compute warpgroups beside a TMA warpgroup (`_body_ws`; one slice a step, no
+    overlap, groups a multiple of block_k).
     """
 
     block_k: int = 128
@@ -83,6 +85,7 @@ class W4MgpuParams:
     signed_upcast: bool = False
     chunks: int = 1
     overlap: bool = False
+    compute_wgs: int = 1
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -93,6 +96,8 @@ class W4MgpuParams:
         # transfer plan for 16-byte rows)
         if self.chunks < 1 or self.block_k % self.chunks or (self.block_k // self.chunks) % 64:
             raise ValueError(f"{self.chunks=} must split block_k={self.block_k} into multiples of 64 columns")
+        if self.compute_wgs not in (1, 2) or (self.compute_wgs == 2 and (self.chunks > 1 or self.overlap)):
+            raise ValueError(f"{self.compute_wgs=} must be 1, or 2 without chunks or overlap")
 
 
 _SMS = 132  # H200 streaming multiprocessors
@@ -136,7 +141,10 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
         return f"{m=} must be in 1..{MAX_M}"
     if k % bk or n % 8:
         return f"K={k} must be a multiple of block_k={bk} and N={n} of 8"
-    chunk = bk // (params or W4MgpuParams()).chunks
+    p = params or W4MgpuParams()
+    chunk = bk // p.chunks
+    if p.compute_wgs == 2 and g % bk:
+        return f"group size {group_size} must be a multiple of block_k={bk} with two compute warpgroups"
     if g % bk and (bk % g or g % chunk):
         return f"group size {group_size} must be a multiple of block_k={bk} or of its slices ({chunk} columns)"
     return None
@@ -208,6 +216,61 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4MgpuParams, steps_per_split,
+             group, dtype):
+    """`compute_wgs=2`: the CTA covers 128 weight rows, two compute warpgroups 64 each (one's
+    conversion beside the other's wgmma), a third warpgroup issues the TMA loads (JAX's
+    `hopper_mixed_type_matmul_mgpu` pattern); x's tile is loaded once for both. One slice a step,
+    o_smem f32[2, 64, Mpad]; `a_smem` scratch bf16[2, 64, BK]."""
+    bk = params.block_k
+    ni = lax.axis_index("n")
+    si = lax.axis_index("s")
+    wg = lax.axis_index("wg")
+    k_step0 = si * steps_per_split
+    rows = 2 * _ROWS
+
+    def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((_ROWS, mpad), jnp.float32))
+        def _(acc_ref):
+            eval_pipeline(acc_ref)
+            o_smem.at[wg][...] = acc_ref[...]
+            plgpu.commit_smem()
+            dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[pl.ds(ni * rows + wg * _ROWS, _ROWS)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def mma_body(idx, w_smem, x_smem, ks_smem, acc_ref):
+        row = plgpu.Layout.WGMMA.reduce(1)
+        mine = pl.ds(wg * _ROWS, _ROWS)
+        s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, 0, mine], (), layout=row), (_ROWS, bk), [0])
+        b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, 0, mine], (), layout=row), (_ROWS, bk), [0])
+        codes = w_smem.at[mine][...].astype(jnp.int32).astype(jnp.float32)
+        a = (codes * s + b).astype(dtype)
+        if params.a_smem:
+            (a_smem,) = scratch
+            a_smem.at[wg][...] = a
+            plgpu.commit_smem()
+            a = a_smem.at[wg]
+        plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+    plgpu.emit_pipeline_warp_specialized(
+        mma_body,
+        grid=(steps_per_split,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((rows, bk), lambda kk: (ni, k_step0 + kk)),
+            plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk)),
+            plgpu.BlockSpec((2, 1, rows), lambda kk: (0, (k_step0 + kk) // (group // bk), ni)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=params.max_concurrent_steps,
+        compute_context=compute_context,
+    )(w_gmem, x_gmem, ks_gmem)
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "params", "interpret"))
 def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4MgpuParams | None = None,
                           interpret: bool = False):
@@ -237,12 +300,16 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     out_shape = (split_k, n, mpad) if split_k > 1 else (n, mpad)
     # the same bytes as 4-bit codes (module docstring; int4 for the signed upcast)
     codes = lax.bitcast_convert_type(packed, jnp.int4 if params.signed_upcast else jnp.uint4).reshape(n, k)
+    ws = params.compute_wgs == 2
+    a_scratch = [plgpu.SMEM((2, _ROWS, bk) if ws else (_ROWS, bk), x.dtype)] if params.a_smem else []
     f = plgpu.kernel(
-        functools.partial(_body, mpad=mpad, params=params, steps_per_split=steps_per_split, group=g, dtype=x.dtype),
+        functools.partial(_body_ws if ws else _body, mpad=mpad, params=params, steps_per_split=steps_per_split,
+                          group=g, dtype=x.dtype),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(-(-n // _ROWS), split_k),
+        grid=(-(-n // (_ROWS * params.compute_wgs)), split_k),
         grid_names=("n", "s"),
-        scratch_types=[plgpu.SMEM((_ROWS, bk), x.dtype)] if params.a_smem else [],
+        scratch_types=([plgpu.SMEM((2, _ROWS, mpad), jnp.float32)] if ws else []) + a_scratch,
+        **(dict(num_threads=3, thread_name="wg") if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="skinny_matmul_w4_mgpu",
