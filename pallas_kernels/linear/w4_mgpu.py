@@ -21,9 +21,9 @@ padding x to 64 rows.
   rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`: 1/8 of the
   packed weights' bytes more). Each step, or each of its column slices (`chunks`, for groups of
   64), has one scale per row.
-* grid (N / 64, split_k); each CTA writes its f32[64, Mpad] accumulator to y^T by TMA (rows past N
-  clipped); split_k > 1 writes f32 partials that XLA adds. The caller gets f32[M, N] (XLA
-  transposes the small result; `matmul_f32` wants f32).
+* grid (N / 64, split_k) (N / 128 with `compute_wgs=2`); each CTA writes its f32[64, Mpad]
+  accumulator(s) to y^T by TMA (rows past N clipped); split_k > 1 writes f32 partials that XLA
+  adds. The caller gets f32[M, N] (XLA transposes the small result; `matmul_f32` wants f32).
 
 int4 only (NVFP4's groups of 16 are narrower than a slice). K must be a multiple of block_k and N
 of 8 (TMA); the group size a multiple of block_k, the whole K (per-channel scales), or 64 with
