@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [gen4] [fp8moe] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [int4pre] [gen4] [fp8moe] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -199,6 +199,10 @@ fi
 if [[ $parts == *tcint4* ]]; then  # issue 19: the int4 tensor-core GEMM (w4_mgpu.py) at M 8-64 beside bf16
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TCINT4_LIMIT:-240} python3 bench/kernels/w4_mgpu.py --out "$OUT/w4_mgpu" \
     ${TCINT4_ARGS:-} 2>&1 | grep -v "^W1\|Delay kernel" | tail -30
+fi
+if [[ $parts == *int4pre* ]]; then  # issue 19: int4 prefill linears, fused dequant+dot vs materialized vs bf16
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${INT4PRE_LIMIT:-200} python3 bench/kernels/w4_prefill.py \
+    --out "$OUT/w4_prefill" ${INT4PRE_ARGS:-} 2>&1 | grep -v "^W1\|Delay kernel" | tail -15
 fi
 if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf16 beside 4-bit, batches 1 and 64
   for q in ${GEN4_KINDS:-bf16 int4}; do
