@@ -279,7 +279,7 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
 
     packed, scales, zeros = _random_w4(rng, n, k, k if g == -1 else g, "int4")
     x = jnp.asarray(rng.standard_normal((m, k)), dt)
-    ks = w4_mgpu_scales(jnp.asarray(scales), jnp.asarray(zeros), g, k)
+    ks = w4_mgpu_scales(jnp.asarray(scales), jnp.asarray(zeros))
     return x, packed, scales, zeros, ks
 
 
@@ -368,7 +368,7 @@ def test_w4_mgpu_routing():
     params = split_layers({"layers": {"w": two}})
     ks = use_fp8_kernel(params, interpret=True, w8a8=True)["layers"]["w"].kernel_scales
     assert isinstance(ks, Unstacked) and len(ks) == 2
-    np.testing.assert_array_equal(ks.parts[1], w4_mgpu_scales(two.scales[1], two.zeros[1], g, k))
+    np.testing.assert_array_equal(ks.parts[1], w4_mgpu_scales(two.scales[1], two.zeros[1]))
     g64 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 64, "int4")), None, None, k=k, group_size=64)
     assert use_fp8_kernel({"w": g64}, interpret=True, w8a8=True)["w"].kernel_scales is None  # (not yet run on a GPU)
     fp4 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 16, "fp4")[:2]), None,

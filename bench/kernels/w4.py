@@ -146,6 +146,19 @@ def _xla_native_dot(x, w, scales, aux, *, kind, group_size):
     return (y * aux[None, :] if kind == "fp4" else y).astype(jnp.bfloat16)
 
 
+def shape_args(doc: str, argv, ms: str) -> tuple[argparse.Namespace, pathlib.Path]:
+    """--out DIR (made), --ms, --shapes: the arguments of the 4-bit benches beside this one
+    (w4_mgpu.py, w4_prefill.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default=ms)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args(argv)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return args, out_dir
+
+
 def _time(fn, x, ws, groups=5, target_s=0.02):
     """Seconds per weight copy: one jitted executable runs fn over every copy."""
     run = jax.jit(lambda x, ws: [fn(x, *w) for w in ws])

@@ -16,7 +16,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -29,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from w4 import MIN_ROTATION_BYTES, SHAPES, _memcpy, _time, _weights  # noqa: E402
+from w4 import MIN_ROTATION_BYTES, SHAPES, _memcpy, _time, _weights, shape_args  # noqa: E402
 
 from pallas_kernels.linear import skinny_matmul_w4, skinny_matmul_w4_reference  # noqa: E402
 from pallas_kernels.linear.w4_mgpu import (  # noqa: E402
@@ -59,13 +58,7 @@ def _variants(m, n, k):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="8,16,32,64")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    args = ap.parse_args(argv)
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    args, out_dir = shape_args(__doc__, argv, "8,16,32,64")
     memcpy = _memcpy()
     rows, table = [], []
     key = jax.random.key(0)
@@ -74,7 +67,7 @@ def main(argv=None):
         packed_bytes = n * k // 2
         copies = max(2, int(MIN_ROTATION_BYTES // packed_bytes) + 1)
         ws = _weights(key, n, k, "int4", GROUP, copies)
-        ks = [(p, w4_mgpu_scales(s, z, GROUP, k)) for p, s, z in ws]
+        ks = [(p, w4_mgpu_scales(s, z)) for p, s, z in ws]
         bf_copies = max(2, int(MIN_ROTATION_BYTES // (2 * n * k)) + 1)
         wb = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (n, k), jnp.bfloat16) * 0.02,)
               for i in range(bf_copies)]

@@ -7,7 +7,7 @@ more than 64 rows) dequantizes the packed weight in XLA and runs one dot; XLA ma
 dequantization into the GEMM's operand and redo it for every output tile. This times, per
 Llama-3-8B projection and M in {256, 1024, 4096}:
 * `bf16`: XLA's dot on a bf16 W (what a bf16 checkpoint runs);
-* `fused`: the engine's path as written (dequantize_w4_reference then einsum, one jit);
+* `fused`: the engine's path as written (`w4._dequant_dot`: dequantize, then one einsum, one jit);
 * `barrier`: the same with `lax.optimization_barrier` on the dequantized weight, so XLA writes it
   once and the dot reads it (cost: one bf16 copy of the weight per call).
 Weights rotate through >= 256 MB of copies. Results: DIR/w4_prefill.json and .md.
@@ -21,7 +21,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -32,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from w4 import MIN_ROTATION_BYTES, SHAPES, _time, _weights  # noqa: E402
+from w4 import MIN_ROTATION_BYTES, SHAPES, _dequant_dot, _time, _weights, shape_args  # noqa: E402
 
 from pallas_kernels.linear import dequantize_w4_reference  # noqa: E402
 
@@ -43,24 +42,13 @@ def _dot(x, w):
     return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-def _fused(x, packed, scales, zeros, *, k):
-    return _dot(x, dequantize_w4_reference(packed, scales, zeros, k=k, group_size=GROUP, kind="int4")
-                .astype(jnp.bfloat16))
-
-
 def _barrier(x, packed, scales, zeros, *, k):
     w = dequantize_w4_reference(packed, scales, zeros, k=k, group_size=GROUP, kind="int4").astype(jnp.bfloat16)
     return _dot(x, jax.lax.optimization_barrier(w))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="256,1024,4096")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    args = ap.parse_args(argv)
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    args, out_dir = shape_args(__doc__, argv, "256,1024,4096")
     key = jax.random.key(0)
     rows, table = [], []
     for name in args.shapes.split(","):
@@ -72,7 +60,8 @@ def main(argv=None):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
             res = {"shape": name, "k": k, "n": n, "m": m}
             res["bf16_us"] = _time(_dot, x, wb)[0] * 1e6
-            t_f, y_f = _time(lambda x, p, s, z, k=k: _fused(x, p, s, z, k=k), x, ws)
+            t_f, y_f = _time(lambda x, p, s, z, k=k: _dequant_dot(x, p, s, z, k=k, group_size=GROUP, kind="int4"),
+                             x, ws)
             t_b, y_b = _time(lambda x, p, s, z, k=k: _barrier(x, p, s, z, k=k), x, ws)
             res["fused_us"], res["barrier_us"] = t_f * 1e6, t_b * 1e6
             res["same_output"] = bool(np.allclose(np.asarray(y_f, np.float32), np.asarray(y_b, np.float32),

@@ -34,10 +34,9 @@ def w4_kernel_scales(w):
     # path has run: written in session 27 after its last GPU call)
     if w.kind != "int4" or params.chunks > 1 or w4_mgpu_supports(2, n, w.k, w.group_size, params):
         return None
-    f = jax.jit(w4_mgpu_scales, static_argnums=(2, 3))
     if per_layer:
-        return Unstacked([f(s, z, w.group_size, w.k) for s, z in zip(w.scales.parts, w.zeros.parts)])
-    return f(w.scales, w.zeros, w.group_size, w.k)
+        return Unstacked([w4_mgpu_scales(s, z) for s, z in zip(w.scales.parts, w.zeros.parts)])
+    return w4_mgpu_scales(w.scales, w.zeros)
 
 
 def dequantize_w4(w, dtype) -> jax.Array:

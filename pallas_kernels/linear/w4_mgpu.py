@@ -125,7 +125,8 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
     return W4MgpuParams(split_k=split, a_smem=interpret, chunks=chunks)
 
 
-def w4_mgpu_scales(scales, zeros, group_size: int, k: int):
+@jax.jit
+def w4_mgpu_scales(scales, zeros):
     """scales [..., N, G] (any float), zeros u8[..., N, G] -> f32[..., 2, G, N]: scale and
     -zero * scale, the kernel's per-group affine map of a code, transposed."""
     s = scales.astype(jnp.float32)
