@@ -49,9 +49,24 @@ def main() -> int:
                    'e.g. \'{"max_prefill_streams": 16}\'')
     p.add_argument("--attention", default="{}", help="JSON of AttentionConfig fields set over the device's default "
                    'kernels (a tuned variant beside the default), e.g. \'{"mosaic_prefill": false}\'')
+    p.add_argument("--w4-mgpu", default="{}", help="JSON of W4MgpuParams fields set over the int4 tensor-core "
+                   "kernel's defaults for more than 16 rows (a tuned variant beside the default), e.g. "
+                   "'{\"overlap\": true}'")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax
+
+    w4_mgpu = json.loads(a.w4_mgpu)
+    if w4_mgpu:  # (the engine picks the kernel's tiles at trace time through this function)
+        from pallas_kernels.linear import w4_mgpu as w4m
+
+        default_params = w4m.w4_mgpu_params_for
+
+        def tuned(m, n, k, group_size=128, **kw):
+            p = default_params(m, n, k, group_size, **kw)
+            return dataclasses.replace(p, **w4_mgpu) if m > 16 else p
+
+        w4m.w4_mgpu_params_for = tuned
 
     from metrale_jax import LLM, LLMEngine, SamplingParams, load_model, random_model
     from metrale_jax.engine.bench import measure_decode_latency, memcpy_bandwidth, shape_config
@@ -93,7 +108,7 @@ def main() -> int:
     llm = LLM.from_engine(eng)
     bw, bw_how = memcpy_bandwidth()
     res = {"model": a.shape or a.model, "dtype": dtype, "quantization": a.quantization,
-           "engine_config": overrides, "attention": kernels,
+           "engine_config": overrides, "attention": kernels, "w4_mgpu": w4_mgpu,
            "lm_head_scale": scale, "device": str(jax.devices()[0].device_kind),
            "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

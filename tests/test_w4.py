@@ -370,7 +370,8 @@ def test_w4_mgpu_routing():
     assert isinstance(ks, Unstacked) and len(ks) == 2
     np.testing.assert_array_equal(ks.parts[1], w4_mgpu_scales(two.scales[1], two.zeros[1]))
     g64 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 64, "int4")), None, None, k=k, group_size=64)
-    assert use_fp8_kernel({"w": g64}, interpret=True, w8a8=True)["w"].kernel_scales is None  # (not yet run on a GPU)
+    ks64 = use_fp8_kernel({"w": g64}, interpret=True, w8a8=True)["w"].kernel_scales  # groups of 64: two slices a step
+    np.testing.assert_array_equal(ks64, w4_mgpu_scales(g64.scales, g64.zeros))
     fp4 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 16, "fp4")[:2]), None,
                    jnp.ones(n, jnp.float32), None, k=k, group_size=16, kind="fp4")
     assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"].kernel_scales is None

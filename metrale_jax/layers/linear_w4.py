@@ -30,9 +30,7 @@ def w4_kernel_scales(w):
     per_layer = isinstance(w.packed, Unstacked)  # (the engine's unrolled layers, `split_layers`)
     n = (w.packed.parts[0] if per_layer else w.packed).shape[-2]
     params = w4_mgpu_params_for(2, n, w.k, w.group_size)
-    # (groups of 64, two slices a step, stay on the streaming kernel until the GPU test of that
-    # path has run: written in session 27 after its last GPU call)
-    if w.kind != "int4" or params.chunks > 1 or w4_mgpu_supports(2, n, w.k, w.group_size, params):
+    if w.kind != "int4" or w4_mgpu_supports(2, n, w.k, w.group_size, params):
         return None
     if per_layer:
         return Unstacked([w4_mgpu_scales(s, z) for s, z in zip(w.scales.parts, w.zeros.parts)])
