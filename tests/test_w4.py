@@ -292,6 +292,8 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     (8, 64, 256, 64, 1, jnp.bfloat16, {"chunks": 2}),  # groups of 64: two slices per step
     (12, 72, 512, 128, 1, jnp.bfloat16, {"overlap": True}),  # a step's wgmma waited for by the next step
     (16, 200, 512, 128, 2, jnp.bfloat16, {"compute_wgs": 2}),  # two compute warpgroups, a TMA one
+    (100, 72, 256, 128, 1, jnp.bfloat16, {"block_m": 32}),  # prefill: 4 tiles of x's rows, the last padded
+    (40, 136, 512, 128, 2, jnp.float16, {"block_m": 16, "compute_wgs": 2}),  # the same with split K, 2 WGs
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
@@ -325,8 +327,10 @@ def test_w4_mgpu_rejects_bad_input():
     assert "warpgroups" in w4_mgpu_supports(4, 64, 256, 64, W4MgpuParams(compute_wgs=2))
     assert "K=320" in w4_mgpu_supports(4, 64, 320, -1)
     assert "N=60" in w4_mgpu_supports(4, 60, 256, 128)
-    with pytest.raises(ValueError, match="m=65"):
-        skinny_matmul_w4_mgpu(jnp.zeros((65, 256), jnp.bfloat16), jnp.asarray(packed), ks, group_size=128)
+    with pytest.raises(ValueError, match="m=0"):
+        skinny_matmul_w4_mgpu(jnp.zeros((0, 256), jnp.bfloat16), jnp.asarray(packed), ks, group_size=128)
+    with pytest.raises(ValueError, match="block_m"):
+        W4MgpuParams(block_m=12)
     with pytest.raises(ValueError, match="kscales shape"):
         skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks[:, :1], group_size=128)
     with pytest.raises(ValueError, match="packed must be"):
@@ -337,8 +341,9 @@ def test_w4_mgpu_rejects_bad_input():
 
 def test_w4_mgpu_routing():
     """`use_fp8_kernel(..., w8a8=True)` (Hopper) gives int4 linears the tensor-core kernel's scales:
-    2-64 rows run it, one row the streaming kernel, prefill XLA; NVFP4 and shapes it cannot tile
-    keep the streaming kernel. Each path against the numpy oracle (interpret mode)."""
+    2-64 rows and prefill (tiles of x's rows) run it, one row the streaming kernel; without it
+    (not Hopper) prefill runs XLA; NVFP4 and shapes it cannot tile keep the streaming kernel. Each
+    path against the numpy oracle (interpret mode)."""
     from metrale_jax.layers.linear import linear
 
     rng = np.random.default_rng(3)
@@ -351,14 +356,16 @@ def test_w4_mgpu_routing():
     oracle[:, perm] = _oracle_weight(packed, scales, zeros, k, g, "int4")
     marked = use_fp8_kernel({"w": w}, interpret=True, w8a8=True)["w"]
     assert marked.kernel_scales.shape == (2, k // g, n)
-    assert use_fp8_kernel({"w": w}, interpret=True, w8a8=False)["w"].kernel_scales is None
-    for m, kernel in ((3, "skinny_matmul_w4_mgpu"), (1, "skinny_matmul_w4"), (80, None)):
+    plain = use_fp8_kernel({"w": w}, interpret=True, w8a8=False)["w"]
+    assert plain.kernel_scales is None
+    for m, kernel, wm in ((3, "skinny_matmul_w4_mgpu", marked), (1, "skinny_matmul_w4", marked),
+                          (80, "skinny_matmul_w4_mgpu", marked), (80, None, plain), (8, "skinny_matmul_w4", plain)):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-        jaxpr = str(jax.make_jaxpr(linear)(x, marked))
+        jaxpr = str(jax.make_jaxpr(linear)(x, wm))
         assert ("skinny_matmul_w4_mgpu" in jaxpr) == (kernel == "skinny_matmul_w4_mgpu")
         assert ("skinny_matmul_w4" in jaxpr) == (kernel is not None)
         want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
-        got = np.asarray(linear(x, marked).astype(jnp.float32), np.float64)
+        got = np.asarray(linear(x, wm).astype(jnp.float32), np.float64)
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2, m
     # the engine's unrolled layers (`split_layers`: per-layer arrays) get per-layer kernel scales
     from metrale_jax.layers.stack import Unstacked, split_layers
@@ -385,13 +392,15 @@ def test_w4_mgpu_lowers_for_h200():
     sds = jax.ShapeDtypeStruct
     # (33 rows: x padded to 40 for TMA; groups of 64: two slices a step)
     for m, k, n, g in ((2, 4096, 6144, 128), (64, 14336, 4096, 128), (33, 4096, 4096, 128), (16, 4096, 4096, 64),
-                       (64, 4096, 4096, 128)):
+                       (64, 4096, 4096, 128), (300, 4096, 6144, 128)):
         params = w4_mgpu_params_for(m, n, k, g)
         assert not params.a_smem and params.chunks == 128 // min(g, 128)
         if n == k == 4096 and m == 64:  # the bench's variants
             params = dataclasses.replace(params, overlap=True, chunks=2)
         if m == 2:
             params = dataclasses.replace(params, compute_wgs=2)
+        if m == 300:  # prefill: tiles of 128 rows of x (64 f32 accumulator registers a thread)
+            assert params.block_m == 128
         dt = jnp.float16 if g == 64 else jnp.bfloat16  # (GPTQ / AWQ checkpoints are float16)
         traced = skinny_matmul_w4_mgpu.trace(sds((m, k), dt), sds((n, k // 2), jnp.uint8),
                                              sds((2, k // g, n), jnp.float32), group_size=g, params=params)
@@ -404,6 +413,8 @@ def test_w4_mgpu_lowers_for_h200():
     (64, 4096, 14336, 128, {"signed_upcast": True}),
     (24, 2048, 4096, 64, {}),  # groups of 64 (two slices a step), float16 x
     (64, 4096, 4096, 128, {"overlap": True, "chunks": 2}), (40, 6144, 4096, 128, {"compute_wgs": 2}),
+    (300, 6144, 4096, 128, {}), (1000, 4096, 14336, 64, {}),  # prefill: tiles of 128 rows of x
+    (256, 4096, 4096, 128, {"block_m": 256, "max_concurrent_steps": 2}),
 ])
 def test_w4_mgpu_gpu(m, n, k, g, variant):
     """The register-operand kernel and its variants on the GPU against the float32 reference."""

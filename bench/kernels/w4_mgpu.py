@@ -1,11 +1,12 @@
 """int4 tensor-core GEMM (`pallas_kernels/linear/w4_mgpu.py`) at decode batch sizes (GPU machine).
 
-Llama-3-8B projections, M in {8, 16, 32, 64}, int4 group 128 (float16 scales, uint8 zeros), on
-weights rotating through >= 256 MB of copies (HBM, not L2), beside: XLA's bf16 dot on a bf16 W
-(what a bf16 checkpoint runs: the issue's bar is 4-bit >= 1.0x bf16 at batch 64), the Triton
-4-bit kernel with its tuned table (`skinny_matmul_w4`, the engine's path before this kernel) and
-a torch `copy_` (the roofline). Each kernel's output on copy 0 is checked against a float32 dot
-on the dequantized weight. Results: DIR/w4_mgpu.json and w4_mgpu.md.
+Llama-3-8B projections, M in {8, 16, 32, 64} (and prefill sizes: --ms 256,1024), int4 group 128
+(float16 scales, uint8 zeros), on weights rotating through >= 256 MB of copies (HBM, not L2),
+beside: XLA's bf16 dot on a bf16 W (what a bf16 checkpoint runs: the issue's bar is 4-bit >= 1.0x
+bf16 at batch 64), the Triton 4-bit kernel with its tuned table (`skinny_matmul_w4`, the engine's
+path before this kernel; above 64 rows XLA's dequantize-then-dot, the engine's earlier prefill
+path) and a torch `copy_` (the roofline). Each kernel's output on copy 0 is checked against a
+float32 dot on the dequantized weight. Results: DIR/w4_mgpu.json and w4_mgpu.md.
 
     PYTHONPATH=. python3 bench/kernels/w4_mgpu.py --out DIR [--ms 16,64] [--shapes qkv,o]
 """
@@ -28,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from w4 import MIN_ROTATION_BYTES, SHAPES, _memcpy, _time, _weights, shape_args  # noqa: E402
+from w4 import MIN_ROTATION_BYTES, SHAPES, _dequant_dot, _memcpy, _time, _weights, shape_args  # noqa: E402
 
 from pallas_kernels.linear import skinny_matmul_w4, skinny_matmul_w4_reference  # noqa: E402
 from pallas_kernels.linear.w4_mgpu import (  # noqa: E402
@@ -44,6 +45,12 @@ GROUP = 128
 def _variants(m, n, k):
     auto = w4_mgpu_params_for(m, n, k)
     out = {"auto": auto}
+    if m > 64:  # prefill: x's rows in tiles of block_m (a grid axis)
+        for bm, d in ((64, 4), (128, 2), (128, 3), (256, 2)):
+            out[f"bm{bm}_d{d}"] = dataclasses.replace(auto, block_m=bm, max_concurrent_steps=d)
+        out["auto_overlap"] = dataclasses.replace(auto, overlap=True)
+        out["bm128_wgs2"] = dataclasses.replace(auto, compute_wgs=2)
+        return out
     for d in (2, 3, 4, 8):  # (2-3: less shared memory per CTA, more CTAs per SM; not yet run)
         for s in sorted({1, 2, 4, auto.split_k}):
             out[f"d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s)
@@ -78,8 +85,12 @@ def main(argv=None):
             res = {"shape": name, "k": k, "n": n, "m": m}
             t, _ = _time(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, wb)
             res["bf16_us"] = t * 1e6
-            t, y = _time(lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=GROUP, kind="int4"),
-                         x, ws)
+            if m <= 64:  # the streaming kernel's dot path
+                t, y = _time(lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=GROUP,
+                                                                      kind="int4"), x, ws)
+            else:  # the engine's prefill path before this kernel took it: XLA's dequantize-then-dot
+                t, y = _time(lambda x, p, s, z, k=k: _dequant_dot(x, p, s, z, k=k, group_size=GROUP, kind="int4"),
+                             x, ws)
             res["triton_w4_us"] = t * 1e6
             res["triton_w4_err"] = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
             for vname, params in _variants(m, n, k).items():

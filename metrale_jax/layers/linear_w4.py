@@ -18,7 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-W4_KERNEL_MAX_M = 64  # the kernels' row limit
+W4_KERNEL_MAX_M = 64  # the streaming kernel's row limit (and the decode sizes)
+W4_MGPU_MAX_M = 1 << 30  # the tensor-core kernel's rows (prefill too: tiles of x's rows)
 
 
 def w4_kernel_scales(w):
@@ -49,13 +50,15 @@ def dequantize_w4(w, dtype) -> jax.Array:
 def w4_matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
     m = math.prod(x.shape[:-1])
-    if w.use_kernel and w.packed.ndim == 2 and 1 <= m <= W4_KERNEL_MAX_M and x.dtype in (jnp.bfloat16, jnp.float16):
+    tc = w.kernel_scales is not None and 2 <= m <= W4_MGPU_MAX_M
+    if w.use_kernel and w.packed.ndim == 2 and (1 <= m <= W4_KERNEL_MAX_M or tc) and \
+            x.dtype in (jnp.bfloat16, jnp.float16):
         from pallas_kernels.linear import skinny_matmul_w4
         from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
-        if w.perm is not None:  # x's columns in the packed order (m rows: cheap)
+        if w.perm is not None:  # x's columns in the packed order (a pass over x, not over the weight)
             x = jnp.take(x, w.perm, axis=-1)
-        if w.kernel_scales is not None and m >= 2:  # the tensor cores (one row: the streaming kernel)
+        if tc:  # the tensor cores (one row: the streaming kernel)
             params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, w.group_size, interpret=w.interpret)
             y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, group_size=w.group_size,
                                       params=params, interpret=w.interpret)

@@ -53,7 +53,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-MAX_M = 64
 _ROWS = 64  # wgmma M: weight rows per CTA
 
 
@@ -75,7 +74,9 @@ class W4MgpuParams:
     running and waited for after the next step's tile is converted (the x tile released a step
     later; the register operand's hazard is ptxas' to serialize); compute_wgs 2: 128 weight rows
     a CTA, two compute warpgroups beside a TMA warpgroup (`_body_ws`; one slice a step, no
-    overlap, groups a multiple of block_k).
+    overlap, groups a multiple of block_k); block_m: x rows per CTA (wgmma's N, a multiple of 8
+    up to 256) where M is larger (prefill: a grid axis over M; each CTA dequantizes its weight
+    tile again).
     """
 
     block_k: int = 128
@@ -86,6 +87,7 @@ class W4MgpuParams:
     chunks: int = 1
     overlap: bool = False
     compute_wgs: int = 1
+    block_m: int = 64
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -96,6 +98,8 @@ class W4MgpuParams:
         # transfer plan for 16-byte rows)
         if self.chunks < 1 or self.block_k % self.chunks or (self.block_k // self.chunks) % 64:
             raise ValueError(f"{self.chunks=} must split block_k={self.block_k} into multiples of 64 columns")
+        if self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(f"{self.block_m=} must be a multiple of 8 in 8..256")
         if self.compute_wgs not in (1, 2) or (self.compute_wgs == 2 and (self.chunks > 1 or self.overlap)):
             raise ValueError(f"{self.compute_wgs=} must be 1, or 2 without chunks or overlap")
 
@@ -111,7 +115,8 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
     q/k/v and o 2-way, down 4-way); 4 steps in flight (8 lost at 64 rows: gate|up 91 us); at least
     4 K steps per split. Groups of 64 (some GPTQ checkpoints): one slice per group (`chunks`; passed
     the H200 test with float16 x in session 28)."""
-    ctas = -(-n // _ROWS)
+    block_m = 64 if m <= 64 else 128
+    ctas = -(-n // _ROWS) * -(-m // block_m)
     steps = k // 128
     split = 1
     if m <= 16:
@@ -122,7 +127,7 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
             split *= 2
     g = k if group_size in (-1, k) else group_size
     chunks = 2 if g == 64 else 1
-    return W4MgpuParams(split_k=split, a_smem=interpret, chunks=chunks)
+    return W4MgpuParams(split_k=split, a_smem=interpret, chunks=chunks, block_m=block_m)
 
 
 @jax.jit
@@ -138,8 +143,8 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
     """None if the kernel takes these shapes, else why not."""
     bk = (params or W4MgpuParams()).block_k
     g = k if group_size in (-1, k) else group_size
-    if not 1 <= m <= MAX_M:
-        return f"{m=} must be in 1..{MAX_M}"
+    if m < 1:
+        return f"{m=} must be >= 1"
     if k % bk or n % 8:
         return f"K={k} must be a multiple of block_k={bk} and N={n} of 8"
     p = params or W4MgpuParams()
@@ -152,10 +157,12 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
 
 
 def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams, steps_per_split, group, dtype):
-    """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad]."""
+    """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad];
+    this CTA: 64 weight rows (n), a K range (s), `mpad` rows of x (m)."""
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
+    mi = lax.axis_index("m")
     k_step0 = si * steps_per_split
 
     def acc_scope(acc_ref):
@@ -196,7 +203,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             in_specs=[
                 # (an asynchronous wgmma reads its x tile, and a_smem's W tile, during the next step)
                 plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk), delay_release=int(params.a_smem)),
-                plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk),
+                plgpu.BlockSpec((mpad, bk), lambda kk: (mi, k_step0 + kk),
                                 delay_release=int(params.a_smem or params.overlap)),
                 plgpu.BlockSpec((2, per_step, _ROWS),
                                 lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
@@ -213,7 +220,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
         o_smem[...] = acc
         plgpu.commit_smem()
         dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS)])
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * mpad, mpad)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -226,6 +233,7 @@ def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
+    mi = lax.axis_index("m")
     wg = lax.axis_index("wg")
     k_step0 = si * steps_per_split
     rows = 2 * _ROWS
@@ -237,7 +245,7 @@ def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4
             o_smem.at[wg][...] = acc_ref[...]
             plgpu.commit_smem()
             dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[pl.ds(ni * rows + wg * _ROWS, _ROWS)])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[pl.ds(ni * rows + wg * _ROWS, _ROWS), pl.ds(mi * mpad, mpad)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def mma_body(idx, w_smem, x_smem, ks_smem, acc_ref):
@@ -262,7 +270,7 @@ def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((rows, bk), lambda kk: (ni, k_step0 + kk)),
-            plgpu.BlockSpec((mpad, bk), lambda kk: (0, k_step0 + kk)),
+            plgpu.BlockSpec((mpad, bk), lambda kk: (mi, k_step0 + kk)),
             plgpu.BlockSpec((2, 1, rows), lambda kk: (0, (k_step0 + kk) // (group // bk), ni)),
         ],
         wg_axis="wg",
@@ -292,7 +300,9 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     if kscales.shape != (2, k // g, n):
         raise ValueError(f"skinny_matmul_w4_mgpu: kscales shape {kscales.shape} must be {(2, k // g, n)}")
     bk = params.block_k
-    mpad = -(-m // 8) * 8
+    mpad = -(-m // 8) * 8  # x's rows as the kernel sees them: a tile of tm rows per CTA
+    tm = mpad if mpad <= params.block_m else params.block_m
+    mpad = -(-mpad // tm) * tm
     num_steps = k // bk
     split_k = min(params.split_k, num_steps)
     steps_per_split = -(-num_steps // split_k)
@@ -304,18 +314,18 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     ws = params.compute_wgs == 2
     a_scratch = [plgpu.SMEM((2, _ROWS, bk) if ws else (_ROWS, bk), x.dtype)] if params.a_smem else []
     f = plgpu.kernel(
-        functools.partial(_body_ws if ws else _body, mpad=mpad, params=params, steps_per_split=steps_per_split,
+        functools.partial(_body_ws if ws else _body, mpad=tm, params=params, steps_per_split=steps_per_split,
                           group=g, dtype=x.dtype),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(-(-n // (_ROWS * params.compute_wgs)), split_k),
-        grid_names=("n", "s"),
-        scratch_types=([plgpu.SMEM((2, _ROWS, mpad), jnp.float32)] if ws else []) + a_scratch,
+        grid=(-(-n // (_ROWS * params.compute_wgs)), split_k, mpad // tm),
+        grid_names=("n", "s", "m"),
+        scratch_types=([plgpu.SMEM((2, _ROWS, tm), jnp.float32)] if ws else []) + a_scratch,
         **(dict(num_threads=3, thread_name="wg") if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="skinny_matmul_w4_mgpu",
     )
-    if m > 8 and m % 8:  # TMA: a dimension beyond its tile (8 rows) must be a multiple of it
+    if m > 8 and m != mpad:  # TMA: a dimension beyond its tile (8+ rows) must be a multiple of it
         x = jnp.pad(x, ((0, mpad - m), (0, 0)))
     out = f(codes, x, kscales.astype(jnp.float32))
     if split_k > 1:
