@@ -114,7 +114,10 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
     splits that give ~one CTA per SM (gate|up's 448 CTAs unsplit 61.1 us against 72.4 split 4;
     q/k/v and o 2-way, down 4-way); 4 steps in flight (8 lost at 64 rows: gate|up 91 us); at least
     4 K steps per split. Groups of 64 (some GPTQ checkpoints): one slice per group (`chunks`; passed
-    the H200 test with float16 x in session 28)."""
+    the H200 test with float16 x in session 28). Prefill (more than 64 rows): tiles of 128 rows of
+    x, 2 steps in flight (session 28, `w4_mgpu_h200_2026-12-04_s28_call3.md`: against 128 rows 4
+    deep, 64 rows 4 deep and 256 rows 2 deep, best or within 10% at 256-4096 rows but o and down at
+    256 rows, where `overlap` was 22-26% faster, and down at 4096, 11%)."""
     block_m = 64 if m <= 64 else 128
     ctas = -(-n // _ROWS) * -(-m // block_m)
     steps = k // 128
@@ -127,7 +130,8 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
             split *= 2
     g = k if group_size in (-1, k) else group_size
     chunks = 2 if g == 64 else 1
-    return W4MgpuParams(split_k=split, a_smem=interpret, chunks=chunks, block_m=block_m)
+    depth = 4 if m <= 64 else 2  # (a 128-row x tile is 32 KB a step: 2 in flight, more CTAs per SM)
+    return W4MgpuParams(split_k=split, a_smem=interpret, chunks=chunks, block_m=block_m, max_concurrent_steps=depth)
 
 
 @jax.jit
