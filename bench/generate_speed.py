@@ -2,7 +2,10 @@
 `EngineConfig`, for greedy and for temperature 0.7 + top_p 0.9, at several batch sizes.
 
 The decode step is (time of max_tokens=1+N) - (time of max_tokens=1), divided by N: prefill and
-start-up cancel out. Prompts are random token ids (ignore_eos, so the lengths hold).
+start-up cancel out, as far as the two runs prefill alike (in the 1+N run, rows that finished
+their prompt decode beside the others' prompt chunks, so slower mixed steps show in this figure
+too; `total_s` is the whole 1+N run, what a user waits for). Prompts are random token ids
+(ignore_eos, so the lengths hold).
 
     python bench/generate_speed.py                                   # SmolLM2-135M f32 on the CPU
     python bench/generate_speed.py --shape llama3-8b --batches 1,8,64  # random bf16 weights (GPU)
@@ -146,11 +149,13 @@ def main() -> int:
             res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step, first_token_s=t1,
                                     engine_steps=len(ms), engine_step_ms_median=float(np.median(ms)),
                                     engine_step_ms_max=float(ms.max()), engine_steps_ms_top5=sorted(ms)[-5:],
-                                    outside_steps_ms=1e3 * tn - float(ms.sum())))
+                                    outside_steps_ms=1e3 * tn - float(ms.sum()), total_s=tn,
+                                    engine_steps_ms=[round(float(x), 3) for x in ms]))
             print(f"batch {b:3d} {name:9s} {1e3 * step:8.2f} ms per decode step ({b / step:9.1f} tok/s), "
                   f"max_tokens=1 in {t1:.3f} s; "
                   f"1+N run: {len(ms)} engine steps, median {np.median(ms):.2f} ms, 5 longest "
-                  f"{', '.join(f'{x:.1f}' for x in sorted(ms)[-5:])} ms, outside steps {1e3 * tn - ms.sum():.1f} ms",
+                  f"{', '.join(f'{x:.1f}' for x in sorted(ms)[-5:])} ms, outside steps {1e3 * tn - ms.sum():.1f} ms, "
+                  f"all {tn:.3f} s",
                   flush=True)
         # the device step with top-p rows, profiled on request (with the sampler's skips, the GPU
         # default since session 19, a greedy batch's step is shorter than this one)
