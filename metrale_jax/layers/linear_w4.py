@@ -1,12 +1,13 @@
 """x @ W for a packed 4-bit `W4Linear` (GPTQ, AWQ, compressed-tensors W4A16, NVFP4).
 
-Decode-sized bf16 or f16 inputs (1..`W4_KERNEL_MAX_M` rows) of weights marked `use_kernel` (the engine's
-GPU default, `linear.use_fp8_kernel`) go through a Pallas kernel that reads the packed bytes once
-and dequantizes in registers: int4 weights of 2-64 rows on Hopper the tensor-core GEMM
-(`pallas_kernels/linear/w4_mgpu.py`, 1.1-1.5x bf16's dot at 64 rows on the H200, against 0.3-0.4x
-for the streaming kernel's dot), one row and the rest the weight-streaming kernel
-(`pallas_kernels/linear/w4.py`); everything else (prefill, the CPU) dequantizes the whole weight
-in XLA and runs one GEMM.
+bf16 or f16 inputs of weights marked `use_kernel` (the engine's GPU default,
+`linear.use_fp8_kernel`) go through a Pallas kernel that reads the packed bytes and dequantizes
+in registers: int4 weights of 2..`W4_MGPU_MAX_M` rows on Hopper the tensor-core GEMM
+(`pallas_kernels/linear/w4_mgpu.py`: 1.1-1.5x bf16's dot at 64 rows on the H200, against 0.3-0.4x
+for the streaming kernel's dot; prefill steps up to 1,024 rows in tiles of x's rows), one row and
+the rest of the decode sizes (1..`W4_KERNEL_MAX_M` rows) the weight-streaming kernel
+(`pallas_kernels/linear/w4.py`); everything else (larger prefill steps, NVFP4 prefill, the CPU)
+dequantizes the whole weight in XLA and runs one GEMM.
 GPTQ act-order weights keep their groups contiguous in the packed order (`perm`): the kernel path
 gathers x's columns into that order, the XLA path puts the dequantized weight's columns back.
 """

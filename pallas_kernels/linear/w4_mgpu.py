@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper: TMA + wgmma) GEMM for int4 weights at decode batch sizes: y = x @ W^T.
+"""Mosaic GPU (Hopper: TMA + wgmma) GEMM for int4 weights at decode and prefill sizes: y = x @ W^T.
 
 The Triton 4-bit kernel (`w4.py`) streams weights at M = 1 on the CUDA cores; its dot path for
 M = 8..64 measured 1.5-2.9x slower than bf16 (session 15), so a batch-64 step with 4-bit weights
@@ -21,9 +21,11 @@ padding x to 64 rows.
   rows of one group are contiguous), made once at load (`W4Linear.kernel_scales`: 1/8 of the
   packed weights' bytes more). Each step, or each of its column slices (`chunks`, for groups of
   64), has one scale per row.
-* grid (N / 64, split_k) (N / 128 with `compute_wgs=2`); each CTA writes its f32[64, Mpad]
-  accumulator(s) to y^T by TMA (rows past N clipped); split_k > 1 writes f32 partials that XLA
-  adds. The caller gets f32[M, N] (XLA transposes the small result; `matmul_f32` wants f32).
+* grid (N / 64, split_k, M tiles) (N / 128 with `compute_wgs=2`); up to `block_m` rows x is one
+  tile, beyond that (prefill) tiles of `block_m` rows, each CTA dequantizing its weight tile again;
+  each CTA writes its f32[64, tile] accumulator(s) to y^T by TMA (rows past N clipped); split_k > 1
+  writes f32 partials that XLA adds. The caller gets f32[M, N] (XLA transposes the result;
+  `matmul_f32` wants f32).
 
 int4 only (NVFP4's groups of 16 are narrower than a slice). K must be a multiple of block_k and N
 of 8 (TMA); the group size a multiple of block_k, the whole K (per-channel scales), or 64 with
@@ -35,11 +37,13 @@ o 14.3 / 15.3, gate|up 61.2 / 68.0, down 29.7 / 44.4 (the Triton kernel's dot: 4
 rows 1.25-1.44x bf16. A second machine measured 10-20% slower for this kernel (bf16 the same).
 That is 0.6-1.4 TB/s of packed weights: the bound is the chain each CTA's single warpgroup runs
 per step (dequantize 64 x 128 codes, wgmma, wait), not HBM; 8 steps in flight (more shared
-memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. Not run yet
-(in the bench): 2-3 steps in flight, `chunks` (one slice's wgmma beside the next slice's
-dequantization), `overlap` (one step's wgmma beside the next step's), `compute_wgs=2` (two
-compute warpgroups and a TMA warpgroup per CTA). `signed_upcast` measured slower
-(gate|up 79.5 against 70.1 us).
+memory per CTA, fewer CTAs per SM) was slower than 4, which points at occupancy. 2-3 steps in
+flight, `chunks` (one slice's wgmma beside the next slice's dequantization), `overlap` (one
+step's wgmma beside the next step's) and `compute_wgs=2` (two compute warpgroups and a TMA
+warpgroup per CTA) won no consistent margin (session 28, `..._s28_call1.md`). `signed_upcast`
+measured slower (gate|up 79.5 against 70.1 us). Prefill (session 28, `..._s28_call3.md`): 128-row
+tiles of x, 2 steps in flight: 2.2-3x XLA's dequantize-then-dot at 256 rows, 1.16-1.35x at 1,024,
+0.68-0.75x at 4,096 (where the engine keeps XLA's path).
 """
 
 from __future__ import annotations
