@@ -176,6 +176,36 @@ def _time(fn, x, ws, groups=5, target_s=0.02):
     return float(np.median(ts)), out[0]
 
 
+def _time_interleaved(cells: dict, rounds: int = 3, target_s: float = 0.01) -> dict:
+    """cells {name: (fn, x, ws)} -> {name: (seconds per weight copy, output on the copies)} or
+    {name: Exception} for a cell that does not compile or run. Every cell is jitted and warmed
+    first, then timed in `rounds` rounds that visit the cells in turn (clock drift and the
+    machine's other noise fall on all of them alike; one cell after another, the same kernel
+    twice measured 20-30% apart in session 28), keeping each cell's fastest round."""
+    runs, out = {}, {}
+    for name, (fn, x, ws) in cells.items():
+        try:
+            run = jax.jit(lambda x, ws, fn=fn: [fn(x, *w) for w in ws])
+            t0 = time.perf_counter()
+            y = jax.block_until_ready(run(x, ws))
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(x, ws))
+            reps = max(1, min(100, int(target_s / max(time.perf_counter() - t0, 1e-6))))
+            runs[name] = (run, x, ws, reps)
+            out[name] = (float("inf"), y[0])
+        except Exception as e:  # noqa: BLE001 (reported by the caller)
+            out[name] = e
+    for _ in range(rounds):
+        for name, (run, x, ws, reps) in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                y = run(x, ws)
+            jax.block_until_ready(y)
+            t = (time.perf_counter() - t0) / (reps * len(ws))
+            out[name] = (min(out[name][0], t), out[name][1])
+    return out
+
+
 class _BudgetReached(Exception):
     pass
 

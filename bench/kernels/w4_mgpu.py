@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from w4 import MIN_ROTATION_BYTES, SHAPES, _dequant_dot, _memcpy, _time, _weights, shape_args  # noqa: E402
+from w4 import MIN_ROTATION_BYTES, SHAPES, _dequant_dot, _memcpy, _time_interleaved, _weights, shape_args  # noqa: E402
 
 from pallas_kernels.linear import skinny_matmul_w4, skinny_matmul_w4_reference  # noqa: E402
 from pallas_kernels.linear.w4_mgpu import (  # noqa: E402
@@ -83,26 +83,23 @@ def main(argv=None):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
             ref = np.asarray(skinny_matmul_w4_reference(x, *ws[0], k=k, group_size=GROUP, kind="int4"))
             res = {"shape": name, "k": k, "n": n, "m": m}
-            t, _ = _time(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, wb)
-            res["bf16_us"] = t * 1e6
             if m <= 64:  # the streaming kernel's dot path
-                t, y = _time(lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=GROUP,
-                                                                      kind="int4"), x, ws)
+                w4_old = lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=GROUP, kind="int4")  # noqa: E731
             else:  # the engine's prefill path before this kernel took it: XLA's dequantize-then-dot
-                t, y = _time(lambda x, p, s, z, k=k: _dequant_dot(x, p, s, z, k=k, group_size=GROUP, kind="int4"),
-                             x, ws)
-            res["triton_w4_us"] = t * 1e6
-            res["triton_w4_err"] = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
+                w4_old = lambda x, p, s, z, k=k: _dequant_dot(x, p, s, z, k=k, group_size=GROUP, kind="int4")  # noqa: E731
+            cells = {"bf16": (lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, wb),
+                     "triton_w4": (w4_old, x, ws)}
             for vname, params in _variants(m, n, k).items():
-                try:
-                    t, y = _time(lambda x, p, s, params=params: skinny_matmul_w4_mgpu(
-                        x, p, s, group_size=GROUP, params=params), x, ks)
-                except Exception as e:  # noqa: BLE001 (a variant that does not compile is reported)
-                    res[f"mgpu_{vname}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    print(name, m, vname, res[f"mgpu_{vname}_error"], flush=True)
+                cells[f"mgpu_{vname}"] = (lambda x, p, s, params=params: skinny_matmul_w4_mgpu(
+                    x, p, s, group_size=GROUP, params=params), x, ks)
+            for cname, r in _time_interleaved(cells).items():
+                if isinstance(r, Exception):  # (a variant that does not compile is reported)
+                    res[f"{cname}_error"] = f"{type(r).__name__}: {str(r)[:300]}"
+                    print(name, m, cname, res[f"{cname}_error"], flush=True)
                     continue
-                res[f"mgpu_{vname}_us"] = t * 1e6
-                res[f"mgpu_{vname}_err"] = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
+                res[f"{cname}_us"] = r[0] * 1e6
+                if cname != "bf16":
+                    res[f"{cname}_err"] = float(np.abs(np.asarray(r[1], np.float32) - ref).max() / np.abs(ref).max())
             best = min((v for kk, v in res.items() if kk.startswith("mgpu_") and kk.endswith("_us")), default=None)
             res["mgpu_best_us"] = best
             res["packed_TBps_best"] = packed_bytes / (best * 1e-6) / 1e12 if best else None
