@@ -164,9 +164,9 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
     return None
 
 
-def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams, steps_per_split, group, dtype):
+def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split, group, dtype):
     """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad];
-    this CTA: 64 weight rows (n), a K range (s), `mpad` rows of x (m)."""
+    this CTA: 64 weight rows (n), a K range (s), `tile_m` rows of x (m)."""
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
@@ -197,7 +197,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
                 if params.a_smem:
                     (a_smem if params.chunks == 1 else a_smem.at[:, cols])[...] = a
                 else:
-                    plgpu.wgmma(acc_ref, a, x_c.transpose((1, 0)))  # x^T [WC, Mpad]
+                    plgpu.wgmma(acc_ref, a, x_c.transpose((1, 0)))  # x^T [WC, tile_m]
             if params.a_smem:
                 plgpu.commit_smem()
                 plgpu.wgmma(acc_ref, a_smem, x_smem.transpose((1, 0)))
@@ -211,7 +211,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
             in_specs=[
                 # (an asynchronous wgmma reads its x tile, and a_smem's W tile, during the next step)
                 plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk), delay_release=int(params.a_smem)),
-                plgpu.BlockSpec((mpad, bk), lambda kk: (mi, k_step0 + kk),
+                plgpu.BlockSpec((tile_m, bk), lambda kk: (mi, k_step0 + kk),
                                 delay_release=int(params.a_smem or params.overlap)),
                 plgpu.BlockSpec((2, per_step, _ROWS),
                                 lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
@@ -221,23 +221,23 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, mpad, params: W4MgpuParams,
         plgpu.wgmma_wait(0)  # (the last step's wgmma, when it was left running)
         return acc_ref[...]
 
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, mpad)))  # f32[64, Mpad]
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, tile_m)))  # f32[64, tile_m]
 
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, mpad), jnp.float32))
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, tile_m), jnp.float32))
     def _(o_smem):
         o_smem[...] = acc
         plgpu.commit_smem()
         dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * mpad, mpad)])
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * tile_m, tile_m)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4MgpuParams, steps_per_split,
+def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, tile_m, params: W4MgpuParams, steps_per_split,
              group, dtype):
     """`compute_wgs=2`: the CTA covers 128 weight rows, two compute warpgroups 64 each (one's
     conversion beside the other's wgmma), a third warpgroup issues the TMA loads (JAX's
     `hopper_mixed_type_matmul_mgpu` pattern); x's tile is loaded once for both. One slice a step,
-    o_smem f32[2, 64, Mpad]; `a_smem` scratch bf16[2, 64, BK]."""
+    o_smem f32[2, 64, tile_m]; `a_smem` scratch bf16[2, 64, BK]."""
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
@@ -247,13 +247,14 @@ def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4
     rows = 2 * _ROWS
 
     def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((_ROWS, mpad), jnp.float32))
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((_ROWS, tile_m), jnp.float32))
         def _(acc_ref):
             eval_pipeline(acc_ref)
             o_smem.at[wg][...] = acc_ref[...]
             plgpu.commit_smem()
             dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[pl.ds(ni * rows + wg * _ROWS, _ROWS), pl.ds(mi * mpad, mpad)])
+            rows_out = pl.ds(ni * rows + wg * _ROWS, _ROWS)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst.at[rows_out, pl.ds(mi * tile_m, tile_m)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def mma_body(idx, w_smem, x_smem, ks_smem, acc_ref):
@@ -278,7 +279,7 @@ def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, mpad, params: W4
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((rows, bk), lambda kk: (ni, k_step0 + kk)),
-            plgpu.BlockSpec((mpad, bk), lambda kk: (mi, k_step0 + kk)),
+            plgpu.BlockSpec((tile_m, bk), lambda kk: (mi, k_step0 + kk)),
             plgpu.BlockSpec((2, 1, rows), lambda kk: (0, (k_step0 + kk) // (group // bk), ni)),
         ],
         wg_axis="wg",
@@ -322,7 +323,7 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     ws = params.compute_wgs == 2
     a_scratch = [plgpu.SMEM((2, _ROWS, bk) if ws else (_ROWS, bk), x.dtype)] if params.a_smem else []
     f = plgpu.kernel(
-        functools.partial(_body_ws if ws else _body, mpad=tm, params=params, steps_per_split=steps_per_split,
+        functools.partial(_body_ws if ws else _body, tile_m=tm, params=params, steps_per_split=steps_per_split,
                           group=g, dtype=x.dtype),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(-(-n // (_ROWS * params.compute_wgs)), split_k, mpad // tm),
