@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [int4pre] [gen4] [fp8moe] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [int4pre] [gen4] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -232,6 +232,10 @@ fi
 if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, FP8 kept FP8 against bf16 (tokamax)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP8MOE_LIMIT:-200} python3 bench/kernels/expert_fp8.py --out "$OUT/expert_fp8" \
     --tokamax 2>&1 | tail -20
+fi
+if [[ $parts == *fp8gmm* ]]; then  # issue 19: FP8 experts' grouped GEMM at prefill sizes, tokamax's quantized kernel
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP8GMM_LIMIT:-200} python3 bench/kernels/fp8_grouped.py \
+    --out "$OUT/fp8_grouped" ${FP8GMM_ARGS:-} 2>&1 | grep -v "^W1\|Delay kernel" | tail -30
 fi
 if [[ $parts == *spec* ]]; then  # issue 16: verify step (k=4) against the decode step at batch 1 / 64, n-gram end to end
   if [[ -z ${SPEC_MTP_ONLY:-} ]]; then
