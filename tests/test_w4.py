@@ -567,6 +567,15 @@ def test_quantize_nvfp4():
     assert 0 < np.linalg.norm(deq - w) / np.linalg.norm(w) < 0.15
 
 
+def test_round_e2m1_ties_to_even():
+    """e2m1 rounding (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) at every midpoint, past the ends, and signs:
+    a tie goes to the even code, -0 is code 0, beyond 6 saturates."""
+    v = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 4.9, 5.1, 6.0, 9.0, 0.0, -0.0, -1e-9, -0.3, -5.0, -7.0],
+                 np.float32)
+    want = [0, 2, 2, 4, 4, 6, 6, 1, 6, 7, 7, 7, 0, 0, 0, 9, 14, 15]
+    np.testing.assert_array_equal(np.asarray(q4._round_e2m1(jnp.asarray(v))), want)
+
+
 @pytest.mark.parametrize("quantization", ["int4", "nvfp4"])
 def test_quantize_on_load(tmp_path, quantization):
     """quantization="int4" / "nvfp4" equals a dense model whose linears went through

@@ -33,14 +33,19 @@ The checkpoint formats (what each reader below undoes):
   W = e2m1 * weight_scale * weight_scale_2. (`input_scale`: activations stay bf16 here, unused.)
 
 Quantize-on-load (`quantize_int4`: asymmetric round-to-nearest, group 128; `quantize_nvfp4`: the
-ModelOpt recipe) produces the same `W4Weight`.
+ModelOpt recipe) produces the same `W4Weight`; its arithmetic runs jitted on JAX's default device
+(numpy took 1.6 / 8.2 s for one 4,096 x 14,336 matrix on the dev box, XLA's CPU backend 0.18 /
+0.20 s; a GPU, milliseconds).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -375,48 +380,59 @@ READERS = {
 
 
 # ---- quantize on load ------------------------------------------------------------------------------
+# (XLA divides by a broadcast value through its reciprocal: a code or a float16 scale can differ by
+# one step from numpy's division where the quotient is within an ulp of a rounding boundary.)
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def _quantize_int4(w, *, group_size: int):
+    """f32[N, K] -> (codes u8[N, K], scales f16[N, G], zeros u8[N, G]): `quantize_int4`."""
+    n, k = w.shape
+    ng = -(-k // group_size)
+    blk = jnp.pad(w, ((0, 0), (0, ng * group_size - k))).reshape(n, ng, group_size)
+    lo = jnp.minimum(blk.min(-1), 0.0)
+    hi = jnp.maximum(blk.max(-1), 0.0)
+    s = ((hi - lo) / 15.0).astype(jnp.float16)
+    s = jnp.where(s > 0, s, jnp.float16(1.0))
+    sf = s.astype(jnp.float32)
+    z = jnp.clip(jnp.round(-lo / sf), 0, 15)
+    q = jnp.clip(jnp.round(blk / sf[..., None]) + z[..., None], 0, 15).astype(jnp.uint8)
+    return q.reshape(n, -1)[:, :k], s, z.astype(jnp.uint8)
+
+
 def quantize_int4(w, group_size: int = INT4_GROUP) -> W4Weight:
     """w f32[N, K] -> asymmetric round-to-nearest int4 per group of `group_size` along K:
     s = (max - min) / 15 (min <= 0 <= max, so 0 is exact), z = round(-min / s), q = clip(round(w / s) + z, 0, 15);
     scales float16 (as GPTQ / AWQ store them)."""
-    w = np.asarray(w, np.float32)
+    q, s, z = _quantize_int4(jnp.asarray(w, jnp.float32), group_size=group_size)
+    return W4Weight("int4", np.asarray(q), np.asarray(s), np.asarray(z), group_size)
+
+
+def _round_e2m1(v):
+    """f32 values -> the nearest e2m1 code u8 (ties to the even code), saturating at +-6: magnitudes
+    0, .5, 1, 1.5, 2 are codes 2a, 2, 3, 4 are 4 + (a - 2), 4 and 6 codes 6 and 7 (round: half to even)."""
+    a = jnp.minimum(jnp.abs(v), 6.0)
+    code = jnp.where(a <= 2.0, jnp.round(2.0 * a), jnp.where(a <= 4.0, 4.0 + jnp.round(a - 2.0), 6.0 + (a > 5.0)))
+    code = code.astype(jnp.uint8)
+    return code | ((v < 0) & (code > 0)).astype(jnp.uint8) * 8
+
+
+@jax.jit
+def _quantize_nvfp4(w):
+    """f32[N, K] -> (codes u8[N, K], scales e4m3[N, K/16], global scale f32[]): `quantize_nvfp4`."""
     n, k = w.shape
-    ng = -(-k // group_size)
-    pad = np.zeros((n, ng * group_size), np.float32)
-    pad[:, :k] = w
-    blk = pad.reshape(n, ng, group_size)
-    lo = np.minimum(blk.min(-1), 0.0)
-    hi = np.maximum(blk.max(-1), 0.0)
-    s = ((hi - lo) / 15.0).astype(np.float16)
-    s = np.where(s > 0, s, np.float16(1.0))
-    sf = s.astype(np.float32)
-    z = np.clip(np.round(-lo / sf), 0, 15)
-    q = np.clip(np.round(blk / sf[..., None]) + z[..., None], 0, 15).astype(np.uint8)
-    return W4Weight("int4", q.reshape(n, -1)[:, :k], s, z.astype(np.uint8), group_size)
-
-
-def _round_e2m1(v: np.ndarray) -> np.ndarray:
-    """f32 values -> nearest e2m1 code (ties to the even code), saturating at +-6."""
-    mags = E2M1_VALUES[:8]
-    mids = (mags[:-1] + mags[1:]) / 2  # f32[7] decision points
-    a = np.minimum(np.abs(v), 6.0)
-    best = np.searchsorted(mids, a, side="left")  # a <= mids[i]: code i (a tie goes down) ...
-    tie = (best < 7) & (a == mids[np.minimum(best, 6)]) & (best % 2 == 1)
-    best = best + tie  # ... unless that code is odd: ties to the even code
-    return (best | ((v < 0) & (best > 0)) * 8).astype(np.uint8)
+    amax = jnp.max(jnp.abs(w))
+    gs = jnp.where(amax > 0, amax / (6.0 * 448.0), 1.0).astype(jnp.float32)
+    blk = w.reshape(n, k // FP4_GROUP, FP4_GROUP)
+    s = (jnp.max(jnp.abs(blk), -1) / 6.0 / gs).astype(jnp.float8_e4m3fn)
+    sf = s.astype(jnp.float32) * gs
+    q = _round_e2m1(blk / jnp.where(sf > 0, sf, 1.0)[..., None])
+    return q.reshape(n, k), s, gs
 
 
 def quantize_nvfp4(w) -> W4Weight:
     """w f32[N, K] (K % 16 == 0) -> NVFP4: global = amax / (6 * 448); per 16 elements
     s = e4m3(amax_block / 6 / global); q = e2m1(w / (s * global))."""
-    w = np.asarray(w, np.float32)
-    n, k = w.shape
+    n, k = np.shape(w)
     if k % FP4_GROUP:
         raise TensorShapeError(f"NVFP4 needs K % {FP4_GROUP} == 0; got K={k}")
-    amax = float(np.abs(w).max())
-    gs = np.float32(amax / (6.0 * 448.0)) if amax > 0 else np.float32(1.0)
-    blk = w.reshape(n, k // FP4_GROUP, FP4_GROUP)
-    s = (np.abs(blk).max(-1) / 6.0 / gs).astype(F8)
-    sf = s.astype(np.float32) * gs
-    q = _round_e2m1(blk / np.where(sf > 0, sf, 1.0)[..., None])
-    return W4Weight("fp4", q.reshape(n, k), s, None, FP4_GROUP, row_scale=float(gs))
+    q, s, gs = _quantize_nvfp4(jnp.asarray(w, jnp.float32))
+    return W4Weight("fp4", np.asarray(q), np.asarray(s), None, FP4_GROUP, row_scale=float(gs))
