@@ -567,6 +567,55 @@ def test_quantize_nvfp4():
     assert 0 < np.linalg.norm(deq - w) / np.linalg.norm(w) < 0.15
 
 
+def _numpy_int4(w, g=128):
+    """quantize_int4's definition in numpy (float32, IEEE division)."""
+    n, k = w.shape
+    ng = -(-k // g)
+    blk = np.pad(w, ((0, 0), (0, ng * g - k))).reshape(n, ng, g)
+    lo, hi = np.minimum(blk.min(-1), 0.0), np.maximum(blk.max(-1), 0.0)
+    s = ((hi - lo) / np.float32(15.0)).astype(np.float16)
+    sf = np.where(s > 0, s, np.float16(1.0)).astype(np.float32)
+    z = np.clip(np.round(-lo / sf), 0, 15)
+    q = np.clip(np.round(blk / sf[..., None]) + z[..., None], 0, 15).astype(np.uint8)
+    return q.reshape(n, -1)[:, :k], sf.astype(np.float16), z.astype(np.uint8)
+
+
+def _numpy_nvfp4(w):
+    """quantize_nvfp4's definition in numpy, e2m1 rounding by search over the midpoints."""
+    n, k = w.shape
+    amax = float(np.abs(w).max())
+    gs = np.float32(amax / (6.0 * 448.0)) if amax > 0 else np.float32(1.0)
+    blk = w.reshape(n, k // 16, 16)
+    s = (np.abs(blk).max(-1) / np.float32(6.0) / gs).astype(ml_dtypes.float8_e4m3fn)
+    sf = s.astype(np.float32) * gs
+    v = blk / np.where(sf > 0, sf, 1.0)[..., None]
+    mags = q4.E2M1_VALUES[:8]
+    mids = (mags[:-1] + mags[1:]) / 2
+    a = np.minimum(np.abs(v), 6.0)
+    code = np.searchsorted(mids, a, side="left")
+    code = code + ((code < 7) & (a == mids[np.minimum(code, 6)]) & (code % 2 == 1))  # ties: the even code
+    return (code | ((v < 0) & (code > 0)) * 8).astype(np.uint8).reshape(n, k), s, float(gs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_quantize_on_load_matches_numpy(seed):
+    """The jitted quantize-on-load equals its numpy definition bit for bit (XLA's division by a
+    broadcast scale would round differently now and then without `exact_div`)."""
+    rng = np.random.default_rng(seed)
+    # (seed 0: 2M weights, where a division through the reciprocal rounds a few codes differently)
+    n, k = (512, 4096) if seed == 0 else (int(rng.integers(1, 300)), 16 * int(rng.integers(1, 300)))
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.uniform(-8, 8, (n, 1)))).astype(np.float32)
+    w[0, : min(k, 200)] = 0.0  # all-zero groups
+    got = q4.quantize_int4(w)
+    for a, b in zip((got.codes, got.scales, got.zeros), _numpy_int4(w)):
+        np.testing.assert_array_equal(a, b)
+    got = q4.quantize_nvfp4(w)
+    codes, s, gs = _numpy_nvfp4(w)
+    np.testing.assert_array_equal(got.codes, codes)
+    np.testing.assert_array_equal(got.scales.view(np.uint8), s.view(np.uint8))
+    assert got.row_scale == gs
+
+
 def test_round_e2m1_ties_to_even():
     """e2m1 rounding (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) at every midpoint, past the ends, and signs:
     a tie goes to the even code, -0 is code 0, beyond 6 saturates."""

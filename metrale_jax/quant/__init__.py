@@ -1,4 +1,4 @@
-"""Weight quantization formats (host-side, numpy): FP8 e4m3 with 128x128 block scales."""
+"""Weight quantization formats (host side, numpy; quantize-on-load jitted): FP8 e4m3 with 128x128 block scales."""
 
 from metrale_jax.quant.fp8 import (
     FP8_BLOCK,

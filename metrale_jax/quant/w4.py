@@ -34,8 +34,8 @@ The checkpoint formats (what each reader below undoes):
 
 Quantize-on-load (`quantize_int4`: asymmetric round-to-nearest, group 128; `quantize_nvfp4`: the
 ModelOpt recipe) produces the same `W4Weight`; its arithmetic runs jitted on JAX's default device
-(numpy took 1.6 / 8.2 s for one 4,096 x 14,336 matrix on the dev box, XLA's CPU backend 0.18 /
-0.20 s; a GPU, milliseconds).
+(numpy took 1.6 / 8.2 s for one 4,096 x 14,336 matrix on the dev box, XLA's CPU backend 0.2 /
+0.3 s), with numpy's rounding (`quant.fp8.exact_div`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.quant.fp8 import exact_div
 
 FP4_GROUP = 16  # NVFP4's scale block (elements along K)
 INT4_GROUP = 128  # quantize_int4's group
@@ -380,8 +381,6 @@ READERS = {
 
 
 # ---- quantize on load ------------------------------------------------------------------------------
-# (XLA divides by a broadcast value through its reciprocal: a code or a float16 scale can differ by
-# one step from numpy's division where the quotient is within an ulp of a rounding boundary.)
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def _quantize_int4(w, *, group_size: int):
     """f32[N, K] -> (codes u8[N, K], scales f16[N, G], zeros u8[N, G]): `quantize_int4`."""
@@ -390,11 +389,11 @@ def _quantize_int4(w, *, group_size: int):
     blk = jnp.pad(w, ((0, 0), (0, ng * group_size - k))).reshape(n, ng, group_size)
     lo = jnp.minimum(blk.min(-1), 0.0)
     hi = jnp.maximum(blk.max(-1), 0.0)
-    s = ((hi - lo) / 15.0).astype(jnp.float16)
+    s = exact_div(hi - lo, 15.0).astype(jnp.float16)
     s = jnp.where(s > 0, s, jnp.float16(1.0))
     sf = s.astype(jnp.float32)
-    z = jnp.clip(jnp.round(-lo / sf), 0, 15)
-    q = jnp.clip(jnp.round(blk / sf[..., None]) + z[..., None], 0, 15).astype(jnp.uint8)
+    z = jnp.clip(jnp.round(exact_div(-lo, sf)), 0, 15)
+    q = jnp.clip(jnp.round(exact_div(blk, sf[..., None])) + z[..., None], 0, 15).astype(jnp.uint8)
     return q.reshape(n, -1)[:, :k], s, z.astype(jnp.uint8)
 
 
@@ -420,11 +419,11 @@ def _quantize_nvfp4(w):
     """f32[N, K] -> (codes u8[N, K], scales e4m3[N, K/16], global scale f32[]): `quantize_nvfp4`."""
     n, k = w.shape
     amax = jnp.max(jnp.abs(w))
-    gs = jnp.where(amax > 0, amax / (6.0 * 448.0), 1.0).astype(jnp.float32)
+    gs = jnp.where(amax > 0, exact_div(amax, 6.0 * 448.0), 1.0).astype(jnp.float32)
     blk = w.reshape(n, k // FP4_GROUP, FP4_GROUP)
-    s = (jnp.max(jnp.abs(blk), -1) / 6.0 / gs).astype(jnp.float8_e4m3fn)
+    s = exact_div(exact_div(jnp.max(jnp.abs(blk), -1), 6.0), gs).astype(jnp.float8_e4m3fn)
     sf = s.astype(jnp.float32) * gs
-    q = _round_e2m1(blk / jnp.where(sf > 0, sf, 1.0)[..., None])
+    q = _round_e2m1(exact_div(blk, jnp.where(sf > 0, sf, 1.0)[..., None]))
     return q.reshape(n, k), s, gs
 
 
