@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.kernels.expert_fp8 import CASES, _fp8_experts
 from bench.kernels.timing import median_seconds
 from metrale_jax.layers.linear import Fp8Linear
 from metrale_jax.layers.moe import grouped_matmul
 from metrale_jax.layers.moe_fp8 import dense_experts
 
-CASES = {"qwen3_30b_a3b": (128, 8, 2048, 768), "qwen3_next_80b": (512, 10, 2048, 512)}  # E, k, H, I
 TOKENS = "64,256,1024"
 
 
@@ -65,12 +65,6 @@ def fp8_grouped_tokamax(x, w: Fp8Linear, sizes, implementation="mosaic"):
     return y.astype(jnp.float32) * jnp.exp2(ex + ew)
 
 
-def _fp8_experts(key, e, n, k):
-    w8 = jax.random.randint(key, (e, n, k), -100, 100, jnp.int32).astype(jnp.float8_e4m3fn)
-    s = jax.random.uniform(jax.random.fold_in(key, 1), (e, n // 128, -(-k // 128)), jnp.float32, 1e-4, 1e-3)
-    return Fp8Linear(w8, s, ((0, n),))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -90,7 +84,8 @@ def main(argv=None):
     key = jax.random.key(0)
     for name, (e, top_k, h, inter) in cases.items():
         for proj, (n, k) in {"gate_up": (2 * inter, h), "down": (h, inter)}.items():
-            w = _fp8_experts(jax.random.fold_in(key, n), e, math.ceil(n / 128) * 128, k)
+            n_pad = math.ceil(n / 128) * 128
+            w = _fp8_experts(jax.random.fold_in(key, n), e, n_pad, k, ((0, n_pad),))
             wd = dense_experts(w, jnp.bfloat16)  # [E, K, N]
             for t in tokens:
                 p = t * top_k

@@ -159,13 +159,19 @@ def shape_args(doc: str, argv, ms: str) -> tuple[argparse.Namespace, pathlib.Pat
     return args, out_dir
 
 
-def _time(fn, x, ws, groups=5, target_s=0.02):
-    """Seconds per weight copy: one jitted executable runs fn over every copy."""
+def _calibrated(fn, x, ws, target_s):
+    """(one jitted executable running fn over every weight copy, calls per timed group of ~target_s,
+    its output), after a warm-up call."""
     run = jax.jit(lambda x, ws: [fn(x, *w) for w in ws])
-    jax.block_until_ready(run(x, ws))
+    out = jax.block_until_ready(run(x, ws))
     t0 = time.perf_counter()
     jax.block_until_ready(run(x, ws))
-    reps = max(1, min(100, int(target_s / max(time.perf_counter() - t0, 1e-6))))
+    return run, max(1, min(100, int(target_s / max(time.perf_counter() - t0, 1e-6)))), out
+
+
+def _time(fn, x, ws, groups=5, target_s=0.02):
+    """Seconds per weight copy: one jitted executable runs fn over every copy."""
+    run, reps, _ = _calibrated(fn, x, ws, target_s)
     ts = []
     for _ in range(groups):
         t0 = time.perf_counter()
@@ -185,12 +191,7 @@ def _time_interleaved(cells: dict, rounds: int = 3, target_s: float = 0.01) -> d
     runs, out = {}, {}
     for name, (fn, x, ws) in cells.items():
         try:
-            run = jax.jit(lambda x, ws, fn=fn: [fn(x, *w) for w in ws])
-            t0 = time.perf_counter()
-            y = jax.block_until_ready(run(x, ws))
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(x, ws))
-            reps = max(1, min(100, int(target_s / max(time.perf_counter() - t0, 1e-6))))
+            run, reps, y = _calibrated(fn, x, ws, target_s)
             runs[name] = (run, x, ws, reps)
             out[name] = (float("inf"), y[0])
         except Exception as e:  # noqa: BLE001 (reported by the caller)

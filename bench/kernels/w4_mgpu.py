@@ -46,8 +46,10 @@ def _variants(m, n, k):
     auto = w4_mgpu_params_for(m, n, k)
     out = {"auto": auto}
     if m > 64:  # prefill: x's rows in tiles of block_m (a grid axis)
-        for bm, d in ((64, 4), (128, 2), (128, 3), (256, 2)):
-            out[f"bm{bm}_d{d}"] = dataclasses.replace(auto, block_m=bm, max_concurrent_steps=d)
+        for bm, d in ((64, 4), (128, 2), (128, 3), (128, 4), (256, 2)):
+            p = dataclasses.replace(auto, block_m=bm, max_concurrent_steps=d)
+            if p != auto:  # (the defaults' tile is `auto` already)
+                out[f"bm{bm}_d{d}"] = p
         out["auto_overlap"] = dataclasses.replace(auto, overlap=True)
         out["bm128_wgs2"] = dataclasses.replace(auto, compute_wgs=2)
         return out
