@@ -161,7 +161,10 @@ def _phases(eng) -> dict:
               "launch_whole": (comp, "run"), "advance_grammars": (eng, "_advance_grammars"),
               "finish": (eng, "_finish_step"), "schedule": (eng.scheduler, "schedule")}
     if eng._grammars is not None:
-        phases.update(mask_fill=(eng._grammars, "fill"), consume=(eng._grammars, "consume"))
+        # (mask_fill: the inline fill; mask_fill_start: the helper thread's, started; mask_fill_run:
+        # llguidance's fill itself, on whichever thread)
+        phases.update(mask_fill=(eng._grammars, "fill"), consume=(eng._grammars, "consume"),
+                      mask_fill_start=(eng._grammars, "fill_async"), mask_fill_run=(eng._grammars, "_fill_run"))
     return phases
 
 
@@ -324,8 +327,9 @@ def main() -> None:
                     "small prefill buckets (quicker start-up; the figures before session 12) instead of the defaults")
     ap.add_argument("--variants", default="default", help="llguidance executors, comma-separated, each timed "
                     "(interleaved) beside free rows: 'default' (its own thread count, 80%% of the cores), 'tN' "
-                    "(N threads), 'copiesK' (matchers copied from K templates per grammar) or 'eager' (a "
-                    "constrained step's sampling half launched by its own dispatch)")
+                    "(N threads), 'copiesK' (matchers copied from K templates per grammar), 'eager' (a "
+                    "constrained step's sampling half launched by its own dispatch) or 'inline' (the masks "
+                    "filled on the dispatching thread, not a helper)")
     ap.add_argument("--profile", metavar="DIR", help="also profile decode steps, free and constrained (GPU idle gaps)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -421,14 +425,19 @@ def main() -> None:
 
     def use(variant: str) -> None:
         """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`) | eager
-        (the sampling half launched by the step's own dispatch)."""
-        m = re.fullmatch(r"default|eager|t(\d+)|copies(\d+)", variant)
+        (the sampling half launched by the step's own dispatch) | inline (the masks filled on the
+        dispatching thread, as before session 29)."""
+        m = re.fullmatch(r"default|eager|inline|t(\d+)|copies(\d+)", variant)
         if m is None:
             raise SystemExit(f"unknown variant {variant!r}")
         threads, k = m.groups()
         gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
         gcomp.matcher = copies(int(k)) if k else fresh_matcher
         eager[0] = variant == "eager"
+        if variant == "inline":  # the masks filled in the dispatch, before the next step's host work
+            gcomp.fill_async = lambda rows, num_rows: (lambda mask=gcomp.fill(rows, num_rows): mask)
+        else:
+            gcomp.__dict__.pop("fill_async", None)
 
     variants = [v for v in args.variants.split(",") if v]
     use(variants[0])

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +174,7 @@ class GrammarCompiler:
         self.valid_row = np.packbits(valid, bitorder="little").view(np.int32)  # i32[W]
         self._valid_from = min(n_tok, self.vocab_size) // 32  # the first word of valid_row not all ones
         self._executor = llg.LLExecutor()
+        self._pool: ThreadPoolExecutor | None = None  # fill_async's helper thread (made on first use)
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._cache_size = cache_size
 
@@ -210,14 +214,45 @@ class GrammarCompiler:
         banned); with drafts, (matcher, r, [d1..dk]) (a verify step's window; the drafts valid for
         the grammar: `valid_drafts`), rows r + 1..r + k hold the masks after d1..dj, the matcher
         left as it was. Every other row is -1 (all allowed)."""
+        job = self._fill_job(rows, num_rows)
+        self._fill_run(*job)
+        return self._fill_done(*job)
+
+    def fill_async(self, rows: list[tuple], num_rows: int) -> Callable[[], np.ndarray]:
+        """`fill` on a helper thread: returns a function that waits for the masks and returns them.
+        llguidance fills with the GIL released, so the caller's Python runs meanwhile; no matcher of
+        `rows` may be used until that function has returned (llguidance holds them)."""
+        job = self._fill_job(rows, num_rows)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="metrale-masks")
+        started = threading.Event()
+
+        def work():
+            started.set()
+            self._fill_run(*job)
+
+        fut = self._pool.submit(work)
+        # wait until the helper holds the GIL and is about to enter llguidance (which drops it):
+        # otherwise it would wait for this thread to block, or for Python's 5 ms switch interval
+        started.wait()
+        return lambda: (fut.result(), self._fill_done(*job))[1]
+
+    def _fill_job(self, rows, num_rows):
+        """(out int32[num_rows, llguidance's W], plain rows, rows with drafts) of a `fill`."""
         out = np.full((num_rows, self._llg_width), -1, np.int32)
         plain = [(m, r) for m, r, *d in rows if not (d and len(d[0]))]
         drafted = [(m, r, list(d[0])) for m, r, *d in rows if d and len(d[0])]
+        return out, plain, drafted
+
+    def _fill_run(self, out, plain, drafted) -> None:
         llg = _llguidance().numpy
         if drafted:  # (llguidance's draft fill takes rows with drafts only)
             llg.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
         if plain:
             llg.fill_next_token_bitmask_par(self._executor, plain, out)
+
+    def _fill_done(self, out, plain, drafted) -> np.ndarray:
+        """`out` cut or padded to the model's width, padded ids banned in the filled rows."""
         if self._llg_width != self.width:
             out = np.ascontiguousarray(out[:, : self.width]) if self._llg_width > self.width else np.pad(
                 out, ((0, 0), (0, self.width - self._llg_width)), constant_values=-1)

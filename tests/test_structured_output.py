@@ -135,6 +135,25 @@ def test_masks_ban_padded_ids(compiler, smollm2_tokenizer):  # noqa: F811
     assert all(t.startswith(("y", "n")) or t in ("yes", "no") for t in (tok.decode([int(i)]) for i in allowed))
 
 
+def test_fill_async_matches_fill(compiler, smollm2_tokenizer):  # noqa: F811
+    """The helper thread's fill (what a deferred decode step uses) gives `fill`'s masks, rows in
+    other states and the padded ids included, while the calling thread runs on meanwhile."""
+    g = compiler.compile(StructuredOutputsParams(json=SCHEMA))
+    enc = functools.partial(smollm2_tokenizer.encode, add_special_tokens=False)
+    texts = ["", '{"name": "Bo', '{"name": "Bob", "kind": "d', '{"name": "Al", "kind": "cat", "age": 1']
+    ms = [compiler.matcher(g) for _ in texts]
+    for m, t in zip(ms, texts):
+        assert m.consume_tokens(enc(t))
+    rows = [(m, r) for m, r in zip(ms, (5, 0, 3, 6))]
+    want = compiler.fill(rows, 8)
+    wait = compiler.fill_async(rows, 8)
+    busy = sum(i * i for i in range(20000))  # this thread is free to run Python
+    got = wait()
+    assert busy and got.shape == want.shape == (8, compiler.width)
+    np.testing.assert_array_equal(got, want)
+    assert np.all(got[[1, 2, 4, 7]] == -1) and len({got[r].tobytes() for r in (5, 0, 3, 6)}) == 4
+
+
 def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
     for grammar in ('root ::= "yes" | "no" | "maybe " [0-9]', 'start: "yes" | "no" | "maybe " /[0-9]/'):
         g = compiler.compile(StructuredOutputsParams(grammar=grammar))
@@ -313,9 +332,10 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
                _chat_prompt(llm, "Tell me about the sea.")]
     first = llm.generate(prompts, sps, use_tqdm=False)
     assert "forward" in events and any(a == "forward" and b == "grammar" for a, b in zip(events, events[1:]))
-    # forward, the grammars advanced, masks filled and sent (the previous step read), then the next
-    # call sends the next step's inputs, launches this step's sample, then the next forward
-    assert re.search("forward grammar mask (grammar )?put sample forward", " ".join(events))
+    # forward, the grammars advanced (the previous step read) and the masks filled on a helper
+    # thread; the next call sends the next step's inputs, then this step's masks, launches its
+    # sample, then the next forward
+    assert re.search("forward grammar (grammar )?put mask sample forward", " ".join(events))
     for c in first[0].outputs:
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
     assert first[1].outputs[0].text in ("red", "green", "dark blue")

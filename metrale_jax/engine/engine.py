@@ -818,17 +818,19 @@ class LLMEngine:
         if masked:
             if self._inflight is not None and self._inflight.constrained:
                 self._advance_grammars(self._inflight)  # waits for the previous step's samples
-            # (applying the previous step's samples on a helper thread during the fill, which
-            # llguidance runs with the GIL released, measured no better on the H200: 1.155x free
-            # against 1.145x inline over 13 runs each, session 18; the fill itself on a helper
-            # thread waits for the GIL while this one runs Python: 3.5 ms instead of 2.1, session 17;
-            # advance and fill on a helper thread beside the forward's launch: +2.9% / +18.3% (median
-            # step) in two calls against +9.6% / +11.4% inline, the launch itself slower beside it,
-            # session 26)
-            bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
-        self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
-        if bitmask is not None:
-            bitmask = self.compiler.put(bitmask)
+            if defer:  # (so no other processes to announce the step to: `split`)
+                # filled on a helper thread (llguidance drops the GIL) while this thread reads the
+                # previous step and schedules, builds and sends the next one; the sample's launch,
+                # after all that, waits for the masks. (The fill inline here, before that work:
+                # +4% to +17% per step over free rows at batch 64 on the H200, sessions 26-27; on a
+                # helper thread beside the forward's launch instead: that launch got slower, s26)
+                bitmask = self._grammars.fill_async(masked, bucket.num_sample_rows)
+            else:
+                bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
+                self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
+                bitmask = self.compiler.put(bitmask)
+        else:
+            self._announce("step", inputs.bucket, ibuf, fbuf, None)
         want_lp = bool(inputs.smd.flags[F_LOGPROBS])
         want_plp = bool(np.any(inputs.smd.prompt_lp_targets >= 0))
         names = ["token_ids"]
@@ -847,8 +849,10 @@ class LLMEngine:
                 a.copy_to_host_async()
 
         if split:
-            def launch_sample(penalties=self.state.penalties):
-                out, self._next_tokens = self.compiler.run_sample(bucket, logits, penalties, dev, plp, bitmask,
+            def launch_sample(penalties=self.state.penalties, mask=bitmask):
+                if callable(mask):  # (fill_async's: wait for the masks, then send them)
+                    mask = self.compiler.put(mask())
+                out, self._next_tokens = self.compiler.run_sample(bucket, logits, penalties, dev, plp, mask,
                                                                   self._next_tokens)
                 fetch(out)
 
