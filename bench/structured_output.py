@@ -222,8 +222,15 @@ def _host_timeline(eng, run) -> dict:
         took = [sum(d for _, d in s["phases"].get(name, [])) for s in mid]
         start = [s["phases"][name][0][0] for s in mid if name in s["phases"]]
         if start:
-            out[name] = {"ms": round(statistics.median(took) * 1e3, 3),
+            out[name] = {"ms": round(statistics.median(took) * 1e3, 3), "max_ms": round(max(took) * 1e3, 3),
                          "starts_at": round(statistics.median(start) * 1e3, 3)}
+    # the 5 longest steps past the first 8 (rare long steps: what a mean sees and a median does not),
+    # each phase's time and start in them
+    walls = [(b["t"] - a["t"], a) for a, b in zip(steps[8:], steps[9:])]
+    out["longest_steps"] = [
+        {"wall": round(w * 1e3, 2), **{n: [round(d * 1e3, 2), round(t0 * 1e3, 2)] for n, ev in s["phases"].items()
+                                      for t0, d in [(ev[0][0], sum(x for _, x in ev))]}}
+        for w, s in sorted(walls, key=lambda x: -x[0])[:5]]
     return out
 
 
