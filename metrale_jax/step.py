@@ -239,7 +239,7 @@ def jit_packed_step(kind: str):
 
 @functools.cache
 def jit_packed_forward(kind: str):
-    """The first half of `jit_packed_step(kind)`, what the engine compiles for decode buckets: the
+    """The first half of `jit_packed_step(kind)`, what the engine compiles for decode and mixed buckets: the
     forward up to the logits, dispatched before the host has a constrained row's mask (it depends
     on the previous step's token), so that the host fills the masks while it runs.
     (params, state, ibuf, fbuf, prev_tokens) -> (state, logits f32[S, V], prompt logprobs); the

@@ -12,11 +12,12 @@ ahead of every sampling rule). Ids at or past the tokenizer's vocabulary (a padd
 always banned for a constrained row. A row whose grammar is complete may only sample EOS.
 
 The mask of a row depends on the token it sampled last. The engine dispatches step i+1 before it
-has read step i's samples; decode steps are two executables (the forward to the logits, then the
-sampler), so for a constrained step `LLMEngine._dispatch` launches the forward, waits for step i's
-sampled ids, feeds them to the grammars (`LLMEngine._advance_grammars`) and fills the masks, and
-the sampler is launched only when the next step's inputs have been sent: the mask fill, reading
-step i and building step i+2 all run while the forward does. The mask has
+has read step i's samples; decode and mixed steps are two executables (the forward to the logits,
+then the sampler), so for a constrained step `LLMEngine._dispatch` launches the forward, waits for
+step i's sampled ids, feeds them to the grammars (`LLMEngine._advance_grammars`) and starts the
+mask fill on a helper thread (`GrammarCompiler.fill_async`; llguidance fills with the GIL
+released); the sampler is launched by the next step once its inputs are sent, after waiting for
+the masks: the fill, reading step i and building step i+2 all run while the forward does. The mask has
 one row per sampled row of the step (S; with speculative decoding S x (1 + k): a verify step's
 window position j is masked by the grammar's state after the row's drafts d1..dj, which llguidance's
 `fill_next_token_bitmask_par_with_draft_tokens` fills, so a draft the grammar forbids is never

@@ -308,18 +308,22 @@ def test_server_response_format(llm):
 
 
 def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
-    """Decode buckets are forward + sample executables (equal to the one-executable step bit for
-    bit: tests/test_split_step.py); a decode step with constrained rows dispatches its forward
+    """Decode and mixed buckets are forward + sample executables (equal to the one-executable step
+    bit for bit: tests/test_split_step.py); a decode step with constrained rows dispatches its forward
     before the host waits for the previous step's samples and fills the masks, and its sample is
     launched only once the next step's inputs are sent (before that step's forward). The outputs
     follow their constraints and a second run gives the same tokens."""
     eng = llm.llm_engine
     comp = eng.compiler
     decode = [b for b in comp.buckets if b.kind == "decode"]
-    assert decode and all(comp.has_split(b) and b not in comp.executables for b in decode)
+    mixed = [b for b in comp.buckets if b.kind == "mixed"]
+    assert decode and mixed and all(comp.has_split(b) and b not in comp.executables for b in decode + mixed)
+    assert not any(comp.has_split(b) for b in comp.buckets if b.kind == "prefill")
     events = []
     run_forward, run_sample, put, advance = comp.run_forward, comp.run_sample, comp.put, eng._advance_grammars
-    monkeypatch.setattr(comp, "run_forward", lambda *a: (events.append("forward"), run_forward(*a))[1])
+    kinds = []  # the kinds of the split steps (mixed: constrained rows decode beside a prompt's chunk)
+    monkeypatch.setattr(comp, "run_forward",
+                        lambda *a: (events.append("forward"), kinds.append(a[0].kind), run_forward(*a))[2])
     monkeypatch.setattr(comp, "run_sample", lambda *a: (events.append("sample"), run_sample(*a))[1])
     monkeypatch.setattr(comp, "put", lambda *a: (events.append("put" if len(a) == 2 else "mask"), put(*a))[1])
     monkeypatch.setattr(eng, "_advance_grammars", lambda f: (events.append("grammar"), advance(f))[1])
@@ -336,6 +340,7 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     # thread; the next call sends the next step's inputs, then this step's masks, launches its
     # sample, then the next forward
     assert re.search("forward grammar (grammar )?put mask sample forward", " ".join(events))
+    assert {"decode", "mixed"} <= set(kinds)
     for c in first[0].outputs:
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
     assert first[1].outputs[0].text in ("red", "green", "dark blue")

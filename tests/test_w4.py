@@ -172,6 +172,13 @@ def _random_w4(rng, n, k, g, kind):
     ("fp4", 1, 24, 96, 16, W4Params(block_n=32, block_k=32, gemv=True, group_partial=True, half2=True, prefetch=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       unroll=True)),  # float16 activations
+    # half2 with word_scales: each word's own group scale (and zero), no per-group sums
+    ("fp4", 1, 40, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                     word_scales=True)),
+    ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      word_scales=True, split_k=3, prefetch=True)),
+    ("int4", 1, 24, 256, 32, W4Params(block_n=16, block_k=128, gemv=True, group_partial=True, half2=True,
+                                      word_scales=True)),  # 4 groups a step
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
@@ -230,6 +237,8 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, prefetch=True, unroll=True)),
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, split_k=2)),
+    ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, prefetch=True)),
+    ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -260,6 +269,10 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
     ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True)),
     ("int4", 1, 4096, 14336, 128, W4Params(16, 2048, 4, 3, gemv=True, group_partial=True, half2=True, split_k=4)),
     ("fp4", 1, 4096, 14336, 16, None),  # the tuned table: down split in 2
+    ("fp4", 1, 6144, 4096, 16, W4Params(16, 1024, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
+                                        word_scales=True)),
+    ("int4", 1, 4096, 14336, 128, W4Params(16, 1024, 4, 3, gemv=True, group_partial=True, half2=True, split_k=2,
+                                           word_scales=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

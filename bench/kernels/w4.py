@@ -75,7 +75,16 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2), W4Params(16, 1024, 4, 3, True, True, half2=True,
                                                                                 split_k=4),
          W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=2),
-         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2)]
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2),
+         # each word times its own group's scale (session 29; for NVFP4's groups of 16): the winners above
+         W4Params(16, 1024, 4, 4, True, True, half2=True, word_scales=True),
+         W4Params(16, 2048, 4, 3, True, True, half2=True, word_scales=True),
+         W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, word_scales=True),
+         W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True, word_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, word_scales=True),
+         W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2, word_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2, word_scales=True),
+         W4Params(32, 1024, 4, 1, True, True, half2=True, prefetch=True, word_scales=True)]
 MIN_ROTATION_BYTES = 256e6
 
 

@@ -296,7 +296,7 @@ class CompilationManager:
         return jit_packed_step(bucket.kind).lower(*args, **static)
 
     def lower_split(self, half: str, bucket: StepBucket, params, state):
-        """Lower the "forward" or "sample" half of a decode bucket's step (`step.jit_packed_forward`
+        """Lower the "forward" or "sample" half of a decode or mixed bucket's step (`step.jit_packed_forward`
         / `jit_packed_sample`)."""
         (p, s, ibuf, fbuf, prev, mask), static = self._step_args(bucket, params, state)
         forward = jit_packed_forward(bucket.kind)
@@ -310,12 +310,12 @@ class CompilationManager:
         return ("sample", bucket) in self.split_executables
 
     def executable_of(self, bucket: StepBucket) -> jax.stages.Compiled:
-        """`bucket`'s executable (a decode bucket's forward half: its HLO holds the model)."""
+        """`bucket`'s executable (a split bucket's forward half: its HLO holds the model)."""
         return self.split_executables[("forward", bucket)] if self.has_split(bucket) else self.executables[bucket]
 
     @property
     def num_executables(self) -> int:
-        """Step executables (a decode bucket's two halves count as two)."""
+        """Step executables (a split bucket's two halves count as two)."""
         return len(self.executables) + len(self.split_executables)
 
     def run_forward(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens):
@@ -358,9 +358,12 @@ class CompilationManager:
     def compile_all(self, params, state) -> float:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
-        split = "decode" if not self.num_drafts else None  # an MTP drafter needs the samples in the step
-        todo = [b for b in self.buckets if b.kind != split and b not in self.executables]
-        todo += [(half, b) for b in self.buckets if b.kind == split for half in ("forward", "sample")
+        # decode and mixed steps (decode rows beside prompt chunks) in two halves, so that a step
+        # with structured-output rows launches its forward before the host has their masks (an MTP
+        # drafter needs the samples inside the step: none split)
+        split = () if self.num_drafts else SPLIT_KINDS
+        todo = [b for b in self.buckets if b.kind not in split and b not in self.executables]
+        todo += [(half, b) for b in self.buckets if b.kind in split for half in ("forward", "sample")
                  if (half, b) not in self.split_executables]
         if self.cfg.swap_block_buckets:  # preemption by swap, or the prefix cache's host tier
             from metrale_jax.engine.swap import swap_roles
@@ -451,7 +454,7 @@ class CompilationManager:
         """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer),
         the previous step's `next_tokens` (zeros when None) and the structured-output `bitmask`
         i32[bucket.num_sample_rows, mask_words] (None: no row constrained, a constant of -1 kept
-        on the device, so nothing is sent). Returns (state, out, next_tokens). A decode bucket runs
+        on the device, so nothing is sent). Returns (state, out, next_tokens). A split bucket (SPLIT_KINDS) runs
         its two halves (`run_forward`, `run_sample`)."""
         if prev_tokens is None:
             prev_tokens = self.zero_tokens()
@@ -553,8 +556,11 @@ class CompilationManager:
         return out if len(out) > 1 else out[0]
 
 
+SPLIT_KINDS = ("decode", "mixed")  # the step kinds compiled as a forward half and a sample half
+
+
 def _is_split(key) -> bool:
-    """A compile_all work item for a half of a split decode step: ("forward" | "sample", bucket)."""
+    """A compile_all work item for a half of a split step: ("forward" | "sample", bucket)."""
     return isinstance(key, tuple) and isinstance(key[1], StepBucket)
 
 

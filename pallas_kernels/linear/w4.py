@@ -114,6 +114,10 @@ class W4Params:
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
     # more programs for narrow layers, whose few programs each had one step's loads in flight.
     split_k: int = 1
+    # half2: each word's sum times its own group's scale (zero and x-sum per word for int4), gathered
+    # per word, then one sum over the step's words; instead of per-group sums of the words (a
+    # reshape of the [BN, words] tile) and one scale per group. For NVFP4's groups of 16 (2 words).
+    word_scales: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -155,7 +159,7 @@ def w4_params_for(kind: str, m: int, n: int, k: int, group_size: int | None = No
     if pick is None:
         return W4Params()
     p = W4Params(**table[prefix + str(pick)])
-    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1) if p.gemv and m > 1 else p
+    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1, word_scales=False) if p.gemv and m > 1 else p
     return p if group_size is None or _params_fit(p, m, k, group_size) is None else W4Params()
 
 
@@ -181,6 +185,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
                 ">= 32 (one dot pair each)")
     if params.half2 and gemv and not (params.group_partial and k % 8 == 0 and group_size % 8 == 0):
         return f"half2 needs group_partial, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
+    if params.word_scales and not (params.half2 and gemv):
+        return "word_scales needs half2 with gemv (M = 1)"
     if params.split_k > 1 and not (params.half2 and params.gemv):
         return f"split_k={params.split_k} needs half2 with gemv"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
@@ -283,7 +289,7 @@ def _dot8(w, hs, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, interpret):
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, interpret):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -387,7 +393,16 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 xs = x8 * cs[:, None]
                 h8 = (xs if fp4 else xs * odd_16).astype(jnp.float16)  # f16[W, 8]
                 hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
-                part, xg = group_sums(_dot8(wt, hs, interpret, fp4) * inv[None, :], jnp.sum(x8, axis=1), 8)
+                d = _dot8(wt, hs, interpret, fp4) * inv[None, :]  # f32[BN, W]: each word's sum of code * x
+                if word_scales:  # scale (and zero) of each word's group, gathered per word
+                    jw = i * nw + jnp.arange(nw, dtype=jnp.int32)
+                    g_ok = n_ok[:, None] & (jw < kw)[None, :]
+                    gw = ncols[:, None], (8 * jw // group)[None, :]
+                    if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
+                        z = plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0).astype(jnp.int32)
+                        d = d - z.astype(jnp.float32) * jnp.sum(x8, axis=1)[None, :]
+                    return acc + jnp.sum(d * _load_scale(s_ref.at[gw], g_ok), axis=1)
+                part, xg = group_sums(d, jnp.sum(x8, axis=1), 8)
                 return acc + zero_and_scale(i, part, xg)
 
             acc0 = jnp.zeros((block_n,), jnp.float32)
@@ -512,7 +527,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
-        split_k=split_k, interpret=interpret)
+        split_k=split_k, word_scales=params.word_scales, interpret=interpret)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     out = pl.pallas_call(
