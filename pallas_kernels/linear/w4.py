@@ -47,7 +47,9 @@ projections are latency-bound (1.0-1.4 TB/s: 256-384 programs, one step's tile i
 `prefetch` (the next step's tile carried through the loop) did not change that; `split_k` (programs
 along K, f32 partials that XLA adds) helped down (14.4 against 17.9 us) and not o. The same
 dequantization for the dot path (M > 1: words to f16 weights by inline PTX, 8 dots a step) measured
-2-6x slower than bf16 at M = 16 / 64 (`..._call4_half2_dot.json`) and was not kept. `w4_params_for`
+2-6x slower than bf16 at M = 16 / 64 (`..._call4_half2_dot.json`) and was not kept. `word_scales`
+(half2, session 29) scales each word by its own group's scale instead of summing the words of a group
+first: the table's pick for NVFP4's q/k/v, o and down (10.1 / 8.1 / 19.5 us, groups of 16 = 2 words). `w4_params_for`
 reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
 """
 
