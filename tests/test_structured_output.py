@@ -332,8 +332,14 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
            SamplingParams(temperature=0, max_tokens=12, logprobs=2,
                           structured_outputs=StructuredOutputsParams(choice=["red", "green", "dark blue"])),
            SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True)]
+    # (the free prompt: long and this test's own, so its chunks run in mixed steps beside the
+    # constrained rows' decoding, even when the prefix cache holds the other two)
+    long_free = ("Tell me about the sea near the harbour town where my grandmother grew up, with its "
+                 "grey tides, its winter storms, the fishing boats, the lighthouse keeper's dog and the "
+                 "old market by the water, in a long and careful answer.")
     prompts = [_chat_prompt(llm, "Name a person and an age."), _chat_prompt(llm, "Pick a colour."),
-               _chat_prompt(llm, "Tell me about the sea.")]
+               _chat_prompt(llm, long_free)]
+    assert len(prompts[2]["prompt_token_ids"]) > 64  # (the fixture's max_num_batched_tokens)
     first = llm.generate(prompts, sps, use_tqdm=False)
     assert "forward" in events and any(a == "forward" and b == "grammar" for a, b in zip(events, events[1:]))
     # forward, the grammars advanced (the previous step read) and the masks filled on a helper
