@@ -136,7 +136,7 @@ def test_masks_ban_padded_ids(compiler, smollm2_tokenizer):  # noqa: F811
 
 
 def test_fill_async_matches_fill(compiler, smollm2_tokenizer):  # noqa: F811
-    """The helper thread's fill (what a deferred decode step uses) gives `fill`'s masks, rows in
+    """The helper thread's fill (what a deferred decode or mixed step uses) gives `fill`'s masks, rows in
     other states and the padded ids included, while the calling thread runs on meanwhile."""
     g = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     enc = functools.partial(smollm2_tokenizer.encode, add_special_tokens=False)
@@ -321,9 +321,7 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     assert not any(comp.has_split(b) for b in comp.buckets if b.kind == "prefill")
     events = []
     run_forward, run_sample, put, advance = comp.run_forward, comp.run_sample, comp.put, eng._advance_grammars
-    kinds = []  # the kinds of the split steps (mixed: constrained rows decode beside a prompt's chunk)
-    monkeypatch.setattr(comp, "run_forward",
-                        lambda *a: (events.append("forward"), kinds.append(a[0].kind), run_forward(*a))[2])
+    monkeypatch.setattr(comp, "run_forward", lambda *a: (events.append(f"forward:{a[0].kind}"), run_forward(*a))[1])
     monkeypatch.setattr(comp, "run_sample", lambda *a: (events.append("sample"), run_sample(*a))[1])
     monkeypatch.setattr(comp, "put", lambda *a: (events.append("put" if len(a) == 2 else "mask"), put(*a))[1])
     monkeypatch.setattr(eng, "_advance_grammars", lambda f: (events.append("grammar"), advance(f))[1])
@@ -341,12 +339,13 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
                _chat_prompt(llm, long_free)]
     assert len(prompts[2]["prompt_token_ids"]) > 64  # (the fixture's max_num_batched_tokens)
     first = llm.generate(prompts, sps, use_tqdm=False)
-    assert "forward" in events and any(a == "forward" and b == "grammar" for a, b in zip(events, events[1:]))
+    joined = " ".join(events)
     # forward, the grammars advanced (the previous step read) and the masks filled on a helper
     # thread; the next call sends the next step's inputs, then this step's masks, launches its
     # sample, then the next forward
-    assert re.search("forward grammar (grammar )?put mask sample forward", " ".join(events))
-    assert {"decode", "mixed"} <= set(kinds)
+    assert re.search(r"forward:\w+ grammar (grammar )?put mask sample forward", joined)
+    # both kinds of split step ran with constrained rows (mixed: decoding beside the long prompt's chunk)
+    assert re.search("forward:decode grammar", joined) and re.search("forward:mixed grammar", joined)
     for c in first[0].outputs:
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
     assert first[1].outputs[0].text in ("red", "green", "dark blue")
