@@ -424,3 +424,29 @@ def test_grammar_rejecting_a_token_finishes_only_its_row(llm):
     assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].text.startswith(("red", "blue"))
     assert outs[1].outputs[0].token_ids == alone
     assert outs[2].outputs[0].finish_reason == "stop" and outs[2].outputs[0].text in ("red", "blue")
+
+
+def test_abort_while_the_masks_fill(llm):
+    """Requests aborted between steps, while the next step's masks are being filled on the helper
+    thread (their matchers among the rows), end with "abort"; the other constrained rows finish
+    their grammars and the engine drains."""
+    eng = llm.llm_engine
+    regex = r"[A-Z][a-z]{2,8} [0-9]{2}"
+    sp = SamplingParams(temperature=1.0, seed=9, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex))
+    for i in range(4):
+        eng.add_request(f"fill-abort-{i}", _chat_prompt(llm, f"Name person number {i} and an age."), sp)
+    done, aborted = {}, False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        pending = eng._inflight is not None and eng._inflight.launch is not None  # a fill in flight
+        if pending and not aborted and all(s.num_outputs for r in ("fill-abort-0", "fill-abort-2")
+                                           for s in eng.requests[r].seqs):
+            eng.abort("fill-abort-0")
+            eng.abort("fill-abort-2")
+            aborted = True
+    assert aborted and "fill-abort-0" not in done and "fill-abort-2" not in done
+    for i in (1, 3):
+        c = done[f"fill-abort-{i}"].outputs[0]
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
