@@ -226,11 +226,12 @@ def _host_timeline(eng, run) -> dict:
                          "starts_at": round(statistics.median(start) * 1e3, 3)}
     # the 5 longest steps past the first 8 (rare long steps: what a mean sees and a median does not),
     # each phase's time and start in them
+    def phases_ms(s):  # each phase's [total, first start] in step s, ms
+        return {n: [round(sum(d for _, d in ev) * 1e3, 2), round(ev[0][0] * 1e3, 2)] for n, ev in s["phases"].items()}
+
     walls = [(b["t"] - a["t"], a) for a, b in zip(steps[8:], steps[9:])]
-    out["longest_steps"] = [
-        {"wall": round(w * 1e3, 2), **{n: [round(d * 1e3, 2), round(t0 * 1e3, 2)] for n, ev in s["phases"].items()
-                                      for t0, d in [(ev[0][0], sum(x for _, x in ev))]}}
-        for w, s in sorted(walls, key=lambda x: -x[0])[:5]]
+    out["longest_steps"] = [{"wall": round(w * 1e3, 2), **phases_ms(s)}
+                            for w, s in sorted(walls, key=lambda x: -x[0])[:5]]
     return out
 
 
