@@ -336,8 +336,9 @@ def main() -> None:
     ap.add_argument("--variants", default="default", help="llguidance executors, comma-separated, each timed "
                     "(interleaved) beside free rows: 'default' (its own thread count, 80%% of the cores), 'tN' "
                     "(N threads), 'copiesK' (matchers copied from K templates per grammar), 'eager' (a "
-                    "constrained step's sampling half launched by its own dispatch) or 'inline' (the masks "
-                    "filled on the dispatching thread, not a helper)")
+                    "constrained step's sampling half launched by its own dispatch), 'inline' (the masks "
+                    "filled on the dispatching thread, not a helper) or 'samplenocb' (the sampling halves "
+                    "compiled without command buffers)")
     ap.add_argument("--profile", metavar="DIR", help="also profile decode steps, free and constrained (GPU idle gaps)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -431,17 +432,33 @@ def main() -> None:
             return ts[turn[0] % k].deep_copy()
         return matcher
 
+    comp = eng.compiler
+    samples_cb = {k: exe for k, exe in comp.split_executables.items() if k[0] == "sample"}
+    samples_nocb: dict = {}
+
+    def sample_halves(command_buffers: bool) -> None:
+        """The split steps' sampling halves as the engine compiled them (CUDA graphs), or compiled
+        again without command buffers (each of its few kernels launched alone: is that launch
+        cheaper than the graph's?)."""
+        if not command_buffers and not samples_nocb:
+            opts = {**(comp.compiler_options or {}), "xla_gpu_enable_command_buffer": ""}
+            samples_nocb.update({k: comp.lower_split(*k, eng.params, eng.state).compile(compiler_options=opts)
+                                 for k in samples_cb})
+        comp.split_executables.update(samples_cb if command_buffers else samples_nocb)
+
     def use(variant: str) -> None:
         """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`) | eager
         (the sampling half launched by the step's own dispatch) | inline (the masks filled on the
-        dispatching thread, as before session 29)."""
-        m = re.fullmatch(r"default|eager|inline|t(\d+)|copies(\d+)", variant)
+        dispatching thread, as before session 29) | samplenocb (the sampling halves without
+        command buffers)."""
+        m = re.fullmatch(r"default|eager|inline|samplenocb|t(\d+)|copies(\d+)", variant)
         if m is None:
             raise SystemExit(f"unknown variant {variant!r}")
         threads, k = m.groups()
         gcomp._executor = llguidance.LLExecutor(int(threads)) if threads else llguidance.LLExecutor()
         gcomp.matcher = copies(int(k)) if k else fresh_matcher
         eager[0] = variant == "eager"
+        sample_halves(variant != "samplenocb")
         if variant == "inline":  # the masks filled in the dispatch, before the next step's host work
             gcomp.fill_async = lambda rows, num_rows: (lambda mask=gcomp.fill(rows, num_rows): mask)
         else:

@@ -84,7 +84,10 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, word_scales=True),
          W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2, word_scales=True),
          W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2, word_scales=True),
-         W4Params(32, 1024, 4, 1, True, True, half2=True, prefetch=True, word_scales=True)]
+         W4Params(32, 1024, 4, 1, True, True, half2=True, prefetch=True, word_scales=True),
+         # ... and int4's own M = 1 winners (q/k/v, down) with word scales (session 30)
+         W4Params(32, 2048, 4, 3, True, True, half2=True, word_scales=True),
+         W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=2, word_scales=True)]
 MIN_ROTATION_BYTES = 256e6
 
 
