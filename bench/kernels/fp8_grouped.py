@@ -52,7 +52,10 @@ def fp8_grouped_tokamax(x, w: Fp8Linear, sizes, implementation="mosaic"):
     s = jnp.repeat(w.scale_inv, 128, axis=-2)[:, :n_pad, :]  # f32[E, N_pad, K / 128]
     # |x| < 1 and |w * s * 2^-ew| <= 2^15 / K: every output |y| < 2^15 (f16 holds it)
     ew = jnp.ceil(jnp.log2(448.0 * jnp.max(s) * k / 2.0**15))
-    q = qwix.QArray(w.w8, (s * jnp.exp2(-ew)).astype(jnp.float16), qtype=jnp.float8_e4m3fn)
+    # given as [E, K, N] (tokamax's default numbers; its kernel transposes back to [E, N, K], the
+    # two transposes cancel): its sm90 heuristics read the K block off the scales' tile along axis 1,
+    # which in the [E, N, K] layout is N's (1): block_k 1, "No possible swizzle" (H200, session 30)
+    q = qwix.QArray(w.w8.mT, (s * jnp.exp2(-ew)).astype(jnp.float16).mT, qtype=jnp.float8_e4m3fn)
     xf = x.astype(jnp.float32)
     ax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     ex = jnp.where(ax > 0, jnp.floor(jnp.log2(jnp.maximum(ax, 1e-30))) + 1, 0.0)  # f32[M, 1]: |x| * 2^-ex < 1
@@ -60,7 +63,7 @@ def fp8_grouped_tokamax(x, w: Fp8Linear, sizes, implementation="mosaic"):
     pad = -m % 8 if m > 8 else 0  # (tokamax's TMA tiling: M <= 8 or a multiple of 8, as `moe.py` pads)
     x16 = jnp.pad((xf * jnp.exp2(-ex)).astype(jnp.float16), ((0, pad), (0, 0)))
     sizes = sizes.at[-1].add(pad)
-    y = tokamax.ragged_dot_general(x16, q, sizes, base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
+    y = tokamax.ragged_dot_general(x16, q, sizes, base.DEFAULT_RAGGED_DOT_DIM_NUMS,
                                    implementation=implementation)[:m]
     return y.astype(jnp.float32) * jnp.exp2(ex + ew)
 
