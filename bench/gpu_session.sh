@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [w4] [tcint4] [int4pre] [gen4] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -228,6 +228,15 @@ fi
 if [[ $parts == *masktoy* ]]; then  # issue 20: does a fresh mask wait for the running forward (device_put vs pinned host)?
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MASKTOY_LIMIT:-120} python3 bench/mask_transfer_toy.py \
     --out "$OUT/mask_transfer_toy.json" ${MASKTOY_ARGS:-} 2>&1 | tail -30
+fi
+if [[ $parts == *nextprefill* ]]; then  # issue 19: Qwen3-Next shape (4 layers) prefill-heavy offline throughput, bf16 then FP8
+  for q in bf16 fp8; do
+    qa=$([[ $q == fp8 ]] && echo "--quantization fp8")
+    timeout ${PREFILL_LIMIT:-200} python3 bench/throughput.py --random-weights --shape qwen3-next-80b-a3b --num-layers 4 \
+      --dtype bfloat16 $qa --skip-latency --num-requests 64 --prompt-len 512 1024 --output-len 8 16 --max-model-len 2048 \
+      --out "$OUT/prefill_qwen3_next_4l_$q.json" > "$OUT/prefill_qwen3_next_4l_$q.log" 2>&1
+    grep -v "rematerialization" "$OUT/prefill_qwen3_next_4l_$q.log" | tail -6
+  done
 fi
 if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, FP8 kept FP8 against bf16 (tokamax)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP8MOE_LIMIT:-200} python3 bench/kernels/expert_fp8.py --out "$OUT/expert_fp8" \

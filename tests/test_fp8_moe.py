@@ -120,3 +120,75 @@ def test_expert_matvec_fp8_gpu(p, e, n, k):
     y = expert_matvec_fp8(x, w8, s, ex).astype(jnp.float32)
     want = expert_matvec_fp8_reference(x, w8, s, ex)
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
+
+
+def _np_grouped(x, w8, s, sizes):
+    """Independent numpy oracle of the grouped GEMM: x [M, K] rows by group, each group's FP8
+    weights [N_pad, K] dequantized block by block (128 x 128) -> f64[M, N_pad]."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    out, row = np.zeros((x.shape[0], w8.shape[1])), 0
+    for g, n in enumerate(np.asarray(sizes)):
+        w = np.asarray(w8[g]).astype(np.float64)
+        for i in range(s.shape[1]):
+            for j in range(s.shape[2]):
+                w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] *= float(s[g, i, j])
+        out[row:row + n] = x[row:row + n] @ w.T
+        row += n
+    return out
+
+
+def _fp8_case(seed, m, g, n_pad, k):
+    rng = np.random.default_rng(seed)
+    w8 = np.clip(rng.standard_normal((g, n_pad, k)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    s = np.exp2(rng.uniform(-14, -4, (g, n_pad // 128, k // 128))).astype(np.float32)
+    # rows of very different sizes (one all zero, one large): each row gets its own power of two
+    x = rng.standard_normal((m, k)) * np.exp2(rng.uniform(-8, 12, (m, 1)))
+    if m > 1:
+        x[m // 2] = 0
+    cuts = np.sort(rng.integers(0, m + 1, g - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [m]])).astype(np.int32)  # some groups empty
+    return jnp.asarray(x, jnp.bfloat16), w8, s, sizes
+
+
+@pytest.mark.parametrize("m", [1, 15, 65, 300])
+def test_f16_operands_rebuild_the_product_without_overflow(m):
+    """The FP8 grouped GEMM's f16 operands (what tokamax's kernel multiplies, `moe_fp8.f16_operands`):
+    the product of the f16 values, rounded to f16 as the kernel's output is, times `undo` equals the
+    dequantized product; and the worst case (every |x16| and |w8| at their maximum, the largest
+    block scale everywhere) stays finite in f16."""
+    from metrale_jax.layers.moe_fp8 import f16_operands
+
+    x, w8, s, sizes = _fp8_case(m, m, 4, 256, 384)
+    x16, scales, undo = f16_operands(x, jnp.asarray(w8), jnp.asarray(s))
+    assert x16.dtype == scales.dtype == jnp.float16 and scales.shape == (4, 3, 256)
+    assert float(jnp.max(jnp.abs(x16))) < 1
+    wq = jnp.asarray(w8).astype(jnp.float32) * jnp.repeat(jnp.swapaxes(scales, -1, -2).astype(jnp.float32), 128, -1)
+    y16 = jax.lax.ragged_dot(x16.astype(jnp.float32), jnp.swapaxes(wq, -1, -2), jnp.asarray(sizes)).astype(jnp.float16)
+    assert bool(jnp.all(jnp.isfinite(y16)))
+    got = np.asarray(y16.astype(jnp.float32) * undo)
+    want = _np_grouped(x, w8, s, sizes)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    if m > 1:
+        np.testing.assert_allclose(got[m // 2], 0)
+    worst = 448.0 * float(jnp.max(scales.astype(jnp.float32))) * 384  # every |x16| -> 1
+    assert worst <= 2.0 ** 15
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,g,n_pad,k,segments", [(1, 8, 256, 512, ((0, 256),)),
+                                                  (15, 4, 1536, 2048, ((0, 768), (768, 768))),
+                                                  (300, 16, 1024, 512, ((0, 512), (512, 512))),
+                                                  (65, 512, 2048, 512, ((0, 2048),))])
+def test_fp8_grouped_matmul_tokamax_gpu(m, g, n_pad, k, segments):
+    """tokamax's quantized grouped GEMM (the engine's FP8 experts at prefill sizes) against the numpy oracle."""
+    from metrale_jax.layers.moe import tokamax_available
+    from metrale_jax.layers.moe_fp8 import fp8_grouped_matmul
+
+    if not tokamax_available():
+        pytest.skip("tokamax is not installed")
+    x, w8, s, sizes = _fp8_case(m + g, m, g, n_pad, k)
+    w = Fp8Linear(jnp.asarray(w8), jnp.asarray(s), segments)
+    got = np.asarray(jax.jit(fp8_grouped_matmul, static_argnums=3)(x, w, jnp.asarray(sizes), True))
+    want = _np_grouped(x, w8, s, sizes)
+    assert got.shape == (m, sum(n for _, n in segments))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3

@@ -22,7 +22,7 @@ tokamax, how we call it (read from the tokamax 0.0.17 source, the GPU machine's 
   "error". The context manager `tokamax.config.autotuning_cache_miss_fallback(...)` sets the
   same per scope. So with default flags 0.0.17 does not autotune on a miss: the hundreds of
   warning lines on the H200 were the cache misses, one per MoE GEMM per traced step, each
-  followed by the heuristic config (the same config `_tokamax_op` now passes).
+  followed by the heuristic config (the same config `tokamax_op` now passes).
 * What we do: resolve tokamax's own heuristic config at trace time
   (`op.bind(x, w, group_sizes=..., preferred_element_type=f32).heuristics_config`: on Hopper
   bf16 block 64x64x128, 2 stages, not persistent, M-minor grid; other chips get their own) and
@@ -120,10 +120,11 @@ def tokamax_available() -> bool:
     return _load_tokamax() is not None
 
 
-def _tokamax_op(tk: _Tokamax, x, w, sizes):
+def tokamax_op(tk: _Tokamax, x, w, sizes, preferred_element_type=jnp.float32):
     """tokamax's Mosaic GPU op with its own heuristic config for these shapes bound in (no cache
-    lookup, no autotuning). x [M, K], w [G, K, N], sizes i32[G]; abstract values suffice."""
-    cfg = tk.op.bind(x, w, group_sizes=sizes, preferred_element_type=jnp.float32).heuristics_config
+    lookup, no autotuning). x [M, K], w [G, K, N] (an array or a qwix `QArray`), sizes i32[G];
+    abstract values suffice."""
+    cfg = tk.op.bind(x, w, group_sizes=sizes, preferred_element_type=preferred_element_type).heuristics_config
     return tk.op.replace(config=cfg)
 
 
@@ -144,7 +145,7 @@ def _tokamax_grouped_matmul(x, w, sizes):
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))  # [M + pad, K]
         sizes = sizes.at[-1].add(pad)
-    op = _tokamax_op(tk, x, w, sizes)
+    op = tokamax_op(tk, x, w, sizes)
     y = tk.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation=(op,))  # f32[M + pad, N]
     return y[:m]
 
@@ -168,26 +169,30 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
     w_down [E, I, H] -> [T, H] in x's dtype. use_tokamax: the GPU grouped GEMM (see module doc).
     lora: a `metrale_jax.lora.ops.LoRAInputs` with expert leaves: the gate/up/down LoRA deltas of
     the tokens whose `moe_slot` >= 0 (gated experts only).
-    Block-FP8 experts (`Fp8Linear`s [E, N_pad, K]) go through `moe_fp8.fp8_routed_experts`.
+    Block-FP8 experts (`Fp8Linear`s [E, N_pad, K]): few pairs through `moe_fp8.pair_experts`, the
+    others through the grouped GEMM below with `moe_fp8.fp8_grouped_matmul`.
     """
     from metrale_jax.layers.linear import Fp8Linear
 
     if isinstance(w_gate_up, Fp8Linear):
-        from metrale_jax.layers.moe_fp8 import fp8_routed_experts
+        from metrale_jax.layers import moe_fp8
 
         if lora is not None and "x_down_b" in lora.w:
             raise ValueError("LoRA on FP8 MoE experts is not supported: build the engine with lora_experts=False")
-
-        return fp8_routed_experts(x, weights, experts, w_gate_up, w_down, act=act, gated=gated,
-                                  use_tokamax=use_tokamax)
+        if moe_fp8.use_pairs(x, experts, w_down):
+            return moe_fp8.pair_experts(x, weights, experts, w_gate_up, w_down, act=act, gated=gated)
+        matmul = functools.partial(moe_fp8.fp8_grouped_matmul, use_tokamax=use_tokamax)
+    else:
+        def matmul(xs, w, sizes):
+            return grouped_matmul(xs, w.astype(xs.dtype), sizes, use_tokamax)
     t, k = experts.shape
-    num_experts = w_down.shape[0]
+    num_experts = w_down.w8.shape[0] if isinstance(w_down, Fp8Linear) else w_down.shape[0]
     flat = experts.reshape(-1)  # i32[T*k]
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     tok = order // k  # i32[T*k]: the token of each sorted pair
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
     xs = x[tok]
-    h = grouped_matmul(xs, w_gate_up.astype(x.dtype), sizes, use_tokamax)
+    h = matmul(xs, w_gate_up, sizes)
     if lora is not None and "x_down_b" not in lora.w:
         lora = None  # an engine without expert LoRA slots (EngineConfig.lora_experts=False)
     if lora is not None:
@@ -201,7 +206,7 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
         a = act(g) * u
     else:
         a = act(h)
-    y = grouped_matmul(a.astype(x.dtype), w_down.astype(x.dtype), sizes, use_tokamax)
+    y = matmul(a.astype(x.dtype), w_down, sizes)
     if lora is not None:
         y = y + expert_lora(a.astype(x.dtype), grp, lw["x_down_a"], lw["x_down_b"], use_tokamax)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
