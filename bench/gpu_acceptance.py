@@ -198,10 +198,11 @@ def untile_vocab(params: dict, seed: int, scale: float = 0.2) -> dict:
     return params
 
 
-def build_model(cfg: dict, dtype: str, seed: int, tokenizer: bool = True, mtp: bool = False):
+def build_model(cfg: dict, dtype: str, seed: int, tokenizer: bool = True, mtp: bool = False,
+                quantization: str | None = None):
     from metrale_jax.model import random_model
 
-    model, params = random_model(cfg, dtype=dtype, seed=seed, repeat_layers=True, mtp=mtp)
+    model, params = random_model(cfg, dtype=dtype, seed=seed, repeat_layers=True, mtp=mtp, quantization=quantization)
     params = untile_vocab(params, seed)
     if tokenizer:
         model = dataclasses.replace(model, tokenizer=synthetic_tokenizer(model.cfg.vocab_size,
@@ -687,7 +688,9 @@ def run_traffic(fam: Family, plan: Plan, seed: int, skip: set[str], res: dict) -
 
     checks = res["checks"]
     t0 = time.perf_counter()
-    model, params = build_model(family_config(fam, plan), plan.dtype, seed, mtp=wants_mtp(plan))
+    # (--engine-config's quantization: the traffic engine's weights quantized as `LLM(quantization=...)` would)
+    model, params = build_model(family_config(fam, plan), plan.dtype, seed, mtp=wants_mtp(plan),
+                                quantization=dict(plan.overrides).get("quantization"))
     jax.block_until_ready(params)
     res["load_s"] = round(time.perf_counter() - t0, 2)
     eng = LLMEngine(model, params, engine_config(plan))
