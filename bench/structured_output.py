@@ -179,8 +179,8 @@ def _patched(phases: dict, wrap):
         yield
     finally:
         for name, (obj, attr) in phases.items():
-            if before[name] is None:
-                delattr(obj, attr)
+            if before[name] is None:  # (`use` may have dropped a wrapper already: inline's fill_async)
+                vars(obj).pop(attr, None)
             else:
                 setattr(obj, attr, before[name])
 
