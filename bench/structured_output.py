@@ -337,8 +337,8 @@ def main() -> None:
                     "(interleaved) beside free rows: 'default' (its own thread count, 80%% of the cores), 'tN' "
                     "(N threads), 'copiesK' (matchers copied from K templates per grammar), 'eager' (a "
                     "constrained step's sampling half launched by its own dispatch), 'inline' (the masks "
-                    "filled on the dispatching thread, not a helper) or 'samplenocb' (the sampling halves "
-                    "compiled without command buffers)")
+                    "filled on the dispatching thread, not a helper), 'samplenocb' (the sampling halves "
+                    "compiled without command buffers) or 'nofill' (the constrained path, llguidance left out)")
     ap.add_argument("--profile", metavar="DIR", help="also profile decode steps, free and constrained (GPU idle gaps)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -416,6 +416,7 @@ def main() -> None:
 
     import jax
     import llguidance
+    import numpy as np
 
     gcomp = eng.grammar_compiler()
     fresh_matcher = gcomp.matcher
@@ -450,8 +451,9 @@ def main() -> None:
         """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`) | eager
         (the sampling half launched by the step's own dispatch) | inline (the masks filled on the
         dispatching thread, as before session 29) | samplenocb (the sampling halves without
-        command buffers)."""
-        m = re.fullmatch(r"default|eager|inline|samplenocb|t(\d+)|copies(\d+)", variant)
+        command buffers) | nofill (the constrained steps' path with llguidance left out: masks of
+        all-allowed rows, every token accepted; what the split and the wait for samples cost alone)."""
+        m = re.fullmatch(r"default|eager|inline|samplenocb|nofill|t(\d+)|copies(\d+)", variant)
         if m is None:
             raise SystemExit(f"unknown variant {variant!r}")
         threads, k = m.groups()
@@ -461,8 +463,14 @@ def main() -> None:
         sample_halves(variant != "samplenocb")
         if variant == "inline":  # the masks filled in the dispatch, before the next step's host work
             gcomp.fill_async = lambda rows, num_rows: (lambda mask=gcomp.fill(rows, num_rows): mask)
+        elif variant == "nofill":
+            gcomp.fill_async = lambda rows, num_rows: (lambda: np.full((num_rows, gcomp.width), -1, np.int32))
         else:
             gcomp.__dict__.pop("fill_async", None)
+        if variant == "nofill":
+            gcomp.consume = lambda pairs: [True] * len(pairs)
+        else:
+            gcomp.__dict__.pop("consume", None)
 
     variants = [v for v in args.variants.split(",") if v]
     use(variants[0])
@@ -489,7 +497,7 @@ def main() -> None:
             t0, c0, _ = timed(constrained, args.tokens0)
             per_step[mode].append((t1 - t0) / (args.tokens - args.tokens0) * 1e3)
             cpu_per_step[mode].append((c1 - c0) / (args.tokens - args.tokens0) * 1e3)
-            if constrained:
+            if constrained and mode != "constrained:nofill":  # (nofill's rows are not constrained)
                 texts = [o.outputs[0].text for o in outs]
     res = {k: min(v) for k, v in per_step.items()}
     cpu = {k: min(v) for k, v in cpu_per_step.items()}
