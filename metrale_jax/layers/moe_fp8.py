@@ -8,7 +8,7 @@ Two static paths, by the number of (token, expert) pairs P = T * k against the e
   gathering the pairs' FP8 weights and dequantizing them in XLA (`pair_experts`);
 * otherwise (prefill): the grouped GEMM of `moe.routed_experts` with `fp8_grouped_matmul`: on the
   GPU tokamax's Hopper kernel for quantized weights (FP8 read, upcast in registers; the H200,
-  session 30: 2.2-4.2x faster than dequantizing, 0.75-1.15x the time of bf16 experts), else every
+  session 30: 1.9-3.9x faster than dequantizing, 0.74-1.02x the time of bf16 experts), else every
   expert dequantized to the activation dtype (a transient copy of the layer's experts).
 The weights stay FP8 in memory (half of bf16).
 """
@@ -35,10 +35,12 @@ def dense_experts(w: Fp8Linear, dtype) -> jax.Array:
 
 def use_pairs(x, experts, w_down: Fp8Linear) -> bool:
     """Whether the P = T * k pairs of `experts` i32[T, k] take the per-pair path (`pair_experts`)."""
-    # the dense path moves ~5 bytes per expert parameter (FP8 read, bf16 written and read again),
-    # the kernel's gather 1 byte per pair and parameter: it pays up to P ~ 4E (a batch-64 decode
-    # step of Qwen3-Next routes 640 pairs to 512 experts); XLA's gather materializes the pairs'
-    # dequantized weights, so without the kernel only P < E
+    # the kernel reads 1 byte per pair and parameter; the grouped GEMM of the routed experts reads
+    # each routed expert once, but in 64-row tiles. At P ~ E they tie: a batch-64 decode step of
+    # Qwen3-Next (640 pairs for 512 experts) took 513 us per layer on the kernel (session 15) and
+    # 325 + 188 us through tokamax's FP8 grouped GEMM (session 30); before it, the grouped path
+    # dequantized the layer (~5 bytes per parameter), hence P < 4E. XLA's gather materializes the
+    # pairs' dequantized weights, so without the kernel only P < E
     kernel = w_down.use_kernel and x.dtype == jnp.bfloat16
     return experts.size < (4 if kernel else 1) * w_down.w8.shape[0]
 
@@ -96,7 +98,7 @@ def f16_operands(x, w8, scale_inv):
     xf = x.astype(jnp.float32)
     ax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     ex = jnp.where(ax > 0, jnp.floor(jnp.log2(jnp.maximum(ax, 1e-30))) + 1, 0.0)  # f32[M, 1]
-    ew = jnp.ceil(jnp.log2(448.0 * jnp.max(scale_inv) * k / 2.0**15))
+    ew = jnp.ceil(jnp.log2(448.0 * jnp.maximum(jnp.max(scale_inv), 1e-30) * k / 2.0**15))  # (all-zero scales: finite)
     s = jnp.repeat(scale_inv, FP8_BLOCK, axis=-2)[:, : w8.shape[-2], :]  # f32[G, N_pad, K/128]
     scales = jnp.swapaxes(s * jnp.exp2(-ew), -1, -2).astype(jnp.float16)
     return (xf * jnp.exp2(-ex)).astype(jnp.float16), scales, jnp.exp2(ex + ew)
