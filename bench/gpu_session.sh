@@ -36,6 +36,10 @@
 # generate 146 s cold; `structured` with STRUCTURED_ARGS="--profile DIR --repeats 1..3" 84-95 s
 # warm or cold (the profile adds ~10 s per mode); `acceptance` (Llama, 141 s) + `structured` 221 s
 # cold; one machine taken back mid-call (~180 s of budget lost).
+# Session 30: `tests w4 structured` (test_w4.py 39 s, W4 int4 M=1 half2 sweep, 3 structured runs)
+# 264 s cold; `fp8gmm acceptance structured` (Llama) 283 s; `tests fp8gmm nextprefill` 287 s;
+# `acceptance structured` (Qwen3-Next with {"quantization":"fp8"}: 204 s; the profile) 288 s.
+# The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
 #   opentelemetry-api (fastapi >= 0.16x imports it) fla-core, tokamax 0.0.17 with qwix einshape
