@@ -38,7 +38,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default=TOKENS)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, tokamax's XLA implementation")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, XLA's ragged_dot (plumbing only)")
     args = ap.parse_args(argv)
     cases, tokens = CASES, [int(t) for t in args.tokens.split(",")]
     if args.cpu_smoke:
