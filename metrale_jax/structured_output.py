@@ -236,7 +236,11 @@ class GrammarCompiler:
         # wait until the helper holds the GIL and is about to enter llguidance (which drops it):
         # otherwise it would wait for this thread to block, or for Python's 5 ms switch interval
         started.wait()
-        return lambda: (fut.result(), self._fill_done(*job))[1]
+
+        def masks() -> np.ndarray:
+            fut.result()  # (re-raises what the fill raised)
+            return self._fill_done(*job)
+        return masks
 
     def _fill_job(self, rows, num_rows):
         """(out int32[num_rows, llguidance's W], plain rows, rows with drafts) of a `fill`."""

@@ -138,16 +138,23 @@ def _tokamax_grouped_matmul(x, w, sizes):
     (Qwen3-Next shape, 64 tokens) took 8.4 s to lower and 22.5 s to compile inlined, 0.5 s and
     2.4 s this way (XLA's ragged_dot: 0.1 s and 4.9 s)."""
     tk = _load_tokamax()
-    # tokamax's TMA tiling takes M <= 8 or a multiple of 8 rows (M = 10 for one token routed
-    # to 10 experts failed on the H200): pad with rows of the last group, dropped after.
+    m = x.shape[0]
+    x, sizes = pad_rows_for_tma(x, sizes)
+    op = tokamax_op(tk, x, w, sizes)
+    y = tk.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation=(op,))  # f32[M + pad, N]
+    return y[:m]
+
+
+def pad_rows_for_tma(x, sizes):
+    """x [M, K], sizes i32[G] -> the same padded for tokamax's TMA tiling, which takes M <= 8 or a
+    multiple of 8 rows (M = 10 for one token routed to 10 experts failed on the H200): rows of the
+    last group added, to be dropped from the output."""
     m = x.shape[0]
     pad = -m % 8 if m > 8 else 0
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))  # [M + pad, K]
         sizes = sizes.at[-1].add(pad)
-    op = tokamax_op(tk, x, w, sizes)
-    y = tk.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, implementation=(op,))  # f32[M + pad, N]
-    return y[:m]
+    return x, sizes
 
 
 def grouped_matmul(x, w, sizes, use_tokamax: bool):

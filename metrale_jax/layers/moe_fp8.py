@@ -28,6 +28,11 @@ def _select_rows(w: jax.Array, segments) -> jax.Array:
     return jnp.concatenate([w[..., s:s + n, :] for s, n in segments], axis=-2)
 
 
+def _valid_columns(y: jax.Array, w: Fp8Linear) -> jax.Array:
+    """[..., N_pad] -> [..., N]: the columns of `w.segments`."""
+    return _select_rows(y[..., None], w.segments)[..., 0]
+
+
 def dense_experts(w: Fp8Linear, dtype) -> jax.Array:
     """Fp8Linear [E, N_pad, K] -> [E, K, N] in `dtype` (the layout `moe.routed_experts` takes)."""
     return jnp.swapaxes(_select_rows(dequantize(w, dtype), w.segments), -1, -2)
@@ -57,7 +62,7 @@ def pair_experts(x, weights, experts, w_gate_up: Fp8Linear, w_down: Fp8Linear, a
             from pallas_kernels.linear.expert_fp8 import expert_matvec_fp8
 
             y = expert_matvec_fp8(xp, w.w8, w.scale_inv, flat, interpret=w.interpret).astype(jnp.float32)
-            return _select_rows(y[..., None], w.segments)[..., 0]  # f32[P, N_pad] -> [P, N]
+            return _valid_columns(y, w)  # f32[P, N_pad] -> [P, N]
         sub = Fp8Linear(w.w8[flat], w.scale_inv[flat], w.segments)  # gathered FP8 bytes [P, N_pad, K]
         wd = _select_rows(dequantize(sub, xp.dtype), w.segments)  # [P, N, K]
         return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
@@ -83,7 +88,7 @@ def fp8_grouped_matmul(x, w: Fp8Linear, sizes, use_tokamax: bool):
     k = w.w8.shape[-1]
     if use_tokamax and x.dtype == jnp.bfloat16 and k % FP8_BLOCK == 0 and moe.tokamax_available():
         y = _tokamax_fp8_grouped_matmul(x, w.w8, w.scale_inv, sizes)  # f32[M, N_pad]
-        return _select_rows(y[..., None], w.segments)[..., 0]
+        return _valid_columns(y, w)
     return moe.grouped_matmul(x, dense_experts(w, x.dtype), sizes, use_tokamax)
 
 
@@ -121,10 +126,7 @@ def _tokamax_fp8_grouped_matmul(x, w8, scale_inv, sizes):
     tk = moe._load_tokamax()
     x16, scales, undo = f16_operands(x, w8, scale_inv)
     m = x16.shape[0]
-    pad = -m % 8 if m > 8 else 0  # (tokamax's TMA tiling: see moe._tokamax_grouped_matmul)
-    if pad:
-        x16 = jnp.pad(x16, ((0, pad), (0, 0)))
-        sizes = sizes.at[-1].add(pad)
+    x16, sizes = moe.pad_rows_for_tma(x16, sizes)
     q = qwix.QArray(jnp.swapaxes(w8, -1, -2), scales, qtype=jnp.float8_e4m3fn)
     op = moe.tokamax_op(tk, x16, q, sizes, preferred_element_type=None)
     y = tk.ragged_dot(x16, q, sizes, implementation=(op,))  # f16[M + pad, N_pad]: |y| < 2^15
