@@ -87,7 +87,19 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(32, 1024, 4, 1, True, True, half2=True, prefetch=True, word_scales=True),
          # ... and int4's own M = 1 winners (q/k/v, down) with word scales (session 30)
          W4Params(32, 2048, 4, 3, True, True, half2=True, word_scales=True),
-         W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=2, word_scales=True)]
+         W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=2, word_scales=True),
+         # the narrow projections (q/k/v, o, down) split further along K, shorter steps, 8 warps (session 31)
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=3, word_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=4, word_scales=True),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True, split_k=2, word_scales=True),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True, split_k=4, word_scales=True),
+         W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=3, word_scales=True),
+         W4Params(16, 2048, 8, 3, True, True, half2=True, split_k=2, word_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=3),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=4),
+         W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=3),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True, split_k=4),
+         W4Params(16, 2048, 8, 3, True, True, half2=True, split_k=2)]
 MIN_ROTATION_BYTES = 256e6
 
 
@@ -232,14 +244,15 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {','.join(SHAPES)}")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"some of {','.join(KINDS)}")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values")
-    ap.add_argument("--only", default="", help="sweep only params with these flags set (e.g. 'gemv' or 'half2')")
+    ap.add_argument("--only", default="", help="sweep only params with these fields changed from their defaults "
+                    "(e.g. 'half2' or 'half2,split_k')")
     args = ap.parse_args(argv)
     # (session 15's 170 s reached only q/k/v: pick the cells; the table merges into tuned_w4.json)
     SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
     KINDS = {k: KINDS[k] for k in args.kinds.split(",")}
     MS = tuple(int(m) for m in args.ms.split(","))
     for flag in filter(None, args.only.split(",")):
-        SWEEP = [p for p in SWEEP if getattr(p, flag)]
+        SWEEP = [p for p in SWEEP if getattr(p, flag) != getattr(W4Params(), flag)]
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
         SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2] + SWEEP[-1:], 1e4
