@@ -159,10 +159,12 @@ def _phases(eng) -> dict:
     comp = eng.compiler
     phases = {"put": (comp, "put"), "launch_forward": (comp, "run_forward"), "launch_sample": (comp, "run_sample"),
               "launch_whole": (comp, "run"), "advance_grammars": (eng, "_advance_grammars"),
+              "feed_grammars": (eng, "_feed_grammars"),
               "finish": (eng, "_finish_step"), "schedule": (eng.scheduler, "schedule")}
     if eng._grammars is not None:
         # (mask_fill: the inline fill; mask_fill_start: the helper thread's, started; mask_fill_run:
-        # llguidance's fill itself, on whichever thread)
+        # llguidance's fill itself, on whichever thread; feed_grammars: the wait for the previous
+        # step's samples and their consume, on the helper thread unless a variant says otherwise)
         phases.update(mask_fill=(eng._grammars, "fill"), consume=(eng._grammars, "consume"),
                       mask_fill_start=(eng._grammars, "fill_async"), mask_fill_run=(eng._grammars, "_fill_run"))
     return phases
@@ -416,7 +418,6 @@ def main() -> None:
 
     import jax
     import llguidance
-    import numpy as np
 
     gcomp = eng.grammar_compiler()
     fresh_matcher = gcomp.matcher
@@ -447,13 +448,17 @@ def main() -> None:
                                  for k in samples_cb})
         comp.split_executables.update(samples_cb if command_buffers else samples_nocb)
 
+    fill_async = gcomp.fill_async  # (the class's, bound: `use` wraps it)
+
     def use(variant: str) -> None:
         """default | t<N> (llguidance's executor on N threads) | copies<K> (see `copies`) | eager
-        (the sampling half launched by the step's own dispatch) | inline (the masks filled on the
-        dispatching thread, as before session 29) | samplenocb (the sampling halves without
-        command buffers) | nofill (the constrained steps' path with llguidance left out: masks of
-        all-allowed rows, every token accepted; what the split and the wait for samples cost alone)."""
-        m = re.fullmatch(r"default|eager|inline|samplenocb|nofill|t(\d+)|copies(\d+)", variant)
+        (the sampling half launched by the step's own dispatch) | inline (the samples fed and the
+        masks filled on the dispatching thread, as before session 29) | feedmain (the samples fed
+        on the dispatching thread, the masks filled on the helper: sessions 29-30) | samplenocb
+        (the sampling halves without command buffers) | nofill (the constrained steps' path with
+        llguidance left out: masks of all-allowed rows, every token accepted; what the split, the
+        helper thread and the wait for samples cost alone)."""
+        m = re.fullmatch(r"default|eager|inline|feedmain|samplenocb|nofill|t(\d+)|copies(\d+)", variant)
         if m is None:
             raise SystemExit(f"unknown variant {variant!r}")
         threads, k = m.groups()
@@ -461,16 +466,24 @@ def main() -> None:
         gcomp.matcher = copies(int(k)) if k else fresh_matcher
         eager[0] = variant == "eager"
         sample_halves(variant != "samplenocb")
-        if variant == "inline":  # the masks filled in the dispatch, before the next step's host work
-            gcomp.fill_async = lambda rows, num_rows: (lambda mask=gcomp.fill(rows, num_rows): mask)
-        elif variant == "nofill":
-            gcomp.fill_async = lambda rows, num_rows: (lambda: np.full((num_rows, gcomp.width), -1, np.int32))
-        else:
-            gcomp.__dict__.pop("fill_async", None)
-        if variant == "nofill":
+        for attr in ("fill_async", "_fill_run", "consume"):
+            gcomp.__dict__.pop(attr, None)
+        if variant == "inline":  # fed and filled in the dispatch, before the next step's host work
+            def inline(rows, num_rows, before=None):
+                if before is not None:
+                    before()
+                mask = gcomp.fill(rows, num_rows)
+                return lambda: mask
+            gcomp.fill_async = inline
+        elif variant == "feedmain":
+            def feedmain(rows, num_rows, before=None):
+                if before is not None:
+                    before()
+                return fill_async(rows, num_rows)
+            gcomp.fill_async = feedmain
+        elif variant == "nofill":  # (the masks stay the job's all-allowed rows)
+            gcomp._fill_run = lambda out, plain, drafted: None
             gcomp.consume = lambda pairs: [True] * len(pairs)
-        else:
-            gcomp.__dict__.pop("consume", None)
 
     variants = [v for v in args.variants.split(",") if v]
     use(variants[0])

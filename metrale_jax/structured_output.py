@@ -13,11 +13,12 @@ always banned for a constrained row. A row whose grammar is complete may only sa
 
 The mask of a row depends on the token it sampled last. The engine dispatches step i+1 before it
 has read step i's samples; decode and mixed steps are two executables (the forward to the logits,
-then the sampler), so for a constrained step `LLMEngine._dispatch` launches the forward, waits for
-step i's sampled ids, feeds them to the grammars (`LLMEngine._advance_grammars`) and starts the
-mask fill on a helper thread (`GrammarCompiler.fill_async`; llguidance fills with the GIL
-released); the sampler is launched by the next step once its inputs are sent, after waiting for
-the masks: the fill, reading step i and building step i+2 all run while the forward does. The mask has
+then the sampler), so for a constrained step `LLMEngine._dispatch` launches the forward and hands
+a helper thread the rest (`GrammarCompiler.fill_async`): wait for step i's sampled ids, feed them
+to the grammars (`LLMEngine._feed_grammars`), fill the masks (llguidance consumes and fills with
+the GIL released); the sampler is launched by the next step once its inputs are sent, after
+waiting for the masks: the fill, reading step i and building step i+2 all run while the forward
+does, and the engine's thread reads step i's samples only once, when it applies them. The mask has
 one row per sampled row of the step (S; with speculative decoding S x (1 + k): a verify step's
 window position j is masked by the grammar's state after the row's drafts d1..dj, which llguidance's
 `fill_next_token_bitmask_par_with_draft_tokens` fills, so a draft the grammar forbids is never
@@ -219,10 +220,13 @@ class GrammarCompiler:
         self._fill_run(*job)
         return self._fill_done(*job)
 
-    def fill_async(self, rows: list[tuple], num_rows: int) -> Callable[[], np.ndarray]:
-        """`fill` on a helper thread: returns a function that waits for the masks and returns them.
-        llguidance fills with the GIL released, so the caller's Python runs meanwhile; no matcher of
-        `rows` may be used until that function has returned (llguidance holds them)."""
+    def fill_async(self, rows: list[tuple], num_rows: int,
+                   before: Callable[[], None] | None = None) -> Callable[[], np.ndarray]:
+        """`fill` on a helper thread, after `before()` there if given (the engine's: wait for the
+        previous step's samples and feed them to the grammars): returns a function that waits for
+        the masks and returns them. llguidance fills with the GIL released, so the caller's Python
+        runs meanwhile; no matcher of `rows` may be used until that function has returned
+        (llguidance holds them)."""
         job = self._fill_job(rows, num_rows)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="metrale-masks")
@@ -230,6 +234,8 @@ class GrammarCompiler:
 
         def work():
             started.set()
+            if before is not None:
+                before()
             self._fill_run(*job)
 
         fut = self._pool.submit(work)

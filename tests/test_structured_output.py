@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -310,9 +311,9 @@ def test_server_response_format(llm):
 def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     """Decode and mixed buckets are forward + sample executables (equal to the one-executable step
     bit for bit: tests/test_split_step.py); a decode step with constrained rows dispatches its forward
-    before the host waits for the previous step's samples and fills the masks, and its sample is
-    launched only once the next step's inputs are sent (before that step's forward). The outputs
-    follow their constraints and a second run gives the same tokens."""
+    before the previous step's samples are awaited and fed to the grammars and the masks filled (on
+    the mask thread), and its sample is launched only once the next step's inputs are sent (before
+    that step's forward). The outputs follow their constraints and a second run gives the same tokens."""
     eng = llm.llm_engine
     comp = eng.compiler
     decode = [b for b in comp.buckets if b.kind == "decode"]
@@ -320,11 +321,13 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     assert decode and mixed and all(comp.has_split(b) and b not in comp.executables for b in decode + mixed)
     assert not any(comp.has_split(b) for b in comp.buckets if b.kind == "prefill")
     events = []
-    run_forward, run_sample, put, advance = comp.run_forward, comp.run_sample, comp.put, eng._advance_grammars
+    run_forward, run_sample, put, feed = comp.run_forward, comp.run_sample, comp.put, eng._feed_grammars
     monkeypatch.setattr(comp, "run_forward", lambda *a: (events.append(f"forward:{a[0].kind}"), run_forward(*a))[1])
     monkeypatch.setattr(comp, "run_sample", lambda *a: (events.append("sample"), run_sample(*a))[1])
     monkeypatch.setattr(comp, "put", lambda *a: (events.append("put" if len(a) == 2 else "mask"), put(*a))[1])
-    monkeypatch.setattr(eng, "_advance_grammars", lambda f: (events.append("grammar"), advance(f))[1])
+    monkeypatch.setattr(eng, "_feed_grammars", lambda f: (
+        events.append("feed" if threading.current_thread() is not threading.main_thread() else "feed:main"),
+        feed(f))[1])
     sps = [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20,
                           structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{2}")),
            SamplingParams(temperature=0, max_tokens=12, logprobs=2,
@@ -340,12 +343,13 @@ def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     assert len(prompts[2]["prompt_token_ids"]) > 64  # (the fixture's max_num_batched_tokens)
     first = llm.generate(prompts, sps, use_tqdm=False)
     joined = " ".join(events)
-    # forward, the grammars advanced (the previous step read) and the masks filled on a helper
-    # thread; the next call sends the next step's inputs, then this step's masks, launches its
-    # sample, then the next forward
-    assert re.search(r"forward:\w+ grammar (grammar )?put mask sample forward", joined)
-    # both kinds of split step ran with constrained rows (mixed: decoding beside the long prompt's chunk)
-    assert re.search("forward:decode grammar", joined) and re.search("forward:mixed grammar", joined)
+    # forward, then on the mask thread the previous step's samples fed to the grammars and the
+    # masks filled, while this thread sends the next step's inputs; then this step's masks, its
+    # sample, the next forward
+    assert re.search(r"forward:\w+ (feed put|put feed) mask sample forward", joined), joined
+    # both kinds of split step ran with constrained rows (mixed: decoding beside the long prompt's
+    # chunk) and fed the previous samples on the mask thread (the last step's are fed on this one)
+    assert re.search("forward:decode (put )?feed(?!:)", joined) and re.search("forward:mixed (put )?feed(?!:)", joined)
     for c in first[0].outputs:
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", c.text), c.text
     assert first[1].outputs[0].text in ("red", "green", "dark blue")

@@ -10,8 +10,10 @@ incrementally, check stop conditions, free what finished sequences held.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -90,7 +92,8 @@ class _InFlight:
     want_lp: bool
     want_plp: bool
     constrained: bool = False  # a sampled row follows a grammar (structured output)
-    advanced: bool = False  # its samples were fed to those grammars (`_advance_grammars`)
+    advanced: bool = False  # its samples were fed to those grammars, or are being fed (`_advance_grammars`)
+    fed: threading.Event | None = None  # set once the mask thread has fed them (`_dispatch`)
     # a constrained split step's sampling half, not launched yet (see `LLMEngine._dispatch`): it
     # fills `arrays`; None once launched
     launch: Any = None
@@ -663,10 +666,10 @@ class LLMEngine:
         of the step dispatched by the previous call (the first call returns []).
 
         Structured output: the mask of a constrained row depends on the token the previous step
-        sampled for it, so `_dispatch` launches the step's forward, waits for the previous step's
-        sampled ids, feeds them to the grammars and fills the masks; the step's sampling half is
-        launched by the next call once its step's inputs are sent (`_InFlight.launch`), so the
-        host's work overlaps the forward.
+        sampled for it, so `_dispatch` launches the step's forward and leaves to a helper thread
+        the wait for the previous step's sampled ids, feeding them to the grammars and filling the
+        masks; the step's sampling half is launched by the next call once its step's inputs are
+        sent (`_InFlight.launch`), so the host's work overlaps the forward.
         """
         outputs = []
         if self._inflight is not None and self._inflight.overlapped:  # a verify step in flight
@@ -816,16 +819,23 @@ class LLMEngine:
                                                                 self._next_tokens)
         defer = split and not sched.ssm_snapshots  # the sample launched by the next step (below)
         if masked:
-            if self._inflight is not None and self._inflight.constrained:
-                self._advance_grammars(self._inflight)  # waits for the previous step's samples
+            prev = self._inflight if self._inflight is not None and self._inflight.constrained else None
             if defer:  # (so no other processes to announce the step to: `split`)
-                # filled on a helper thread (llguidance drops the GIL) while this thread reads the
-                # previous step and schedules, builds and sends the next one; the sample's launch,
-                # after all that, waits for the masks. (The fill inline here, before that work:
-                # +4% to +17% per step over free rows at batch 64 on the H200, sessions 26-27; on a
-                # helper thread beside the forward's launch instead: that launch got slower, s26)
-                bitmask = self._grammars.fill_async(masked, bucket.num_sample_rows)
+                # the previous step's samples fed to the grammars and the masks filled on a helper
+                # thread (llguidance drops the GIL) while this thread reads the previous step and
+                # schedules, builds and sends the next one; the sample's launch, after all that,
+                # waits for the masks. (The fill inline here, before that work: +4% to +17% per step
+                # over free rows at batch 64 on the H200, sessions 26-27; on a helper thread beside
+                # the forward's launch instead: that launch got slower, s26. The samples fed here
+                # before the helper's fill: session 31's `feedmain`.)
+                feed = None
+                if prev is not None and not prev.advanced:
+                    prev.advanced, prev.fed = True, threading.Event()
+                    feed = functools.partial(self._feed_grammars, prev)
+                bitmask = self._grammars.fill_async(masked, bucket.num_sample_rows, before=feed)
             else:
+                if prev is not None:
+                    self._advance_grammars(prev)  # waits for the previous step's samples
                 bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
                 self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
                 bitmask = self.compiler.put(bitmask)
@@ -879,19 +889,30 @@ class LLMEngine:
         return f
 
     def _advance_grammars(self, f: _InFlight) -> None:
-        """Feed a dispatched step's samples to its constrained rows' grammars, once (EOS is not fed:
-        it ends the sequence). A token the grammar rejects leaves its matcher in an error state,
-        which `_append_token` turns into finish_reason "abort"."""
+        """Feed a dispatched step's samples to its constrained rows' grammars, once, or wait until
+        the mask thread has (`_dispatch`)."""
         if f.advanced:
+            if f.fed is not None:
+                f.fed.wait()
             return
         f.advanced = True
-        toks = np.asarray(f.launched().arrays[f.names.index("token_ids")])  # waits for the step
-        fed = [(seq, int(toks[row])) for row, seq in f.sampled
-               if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted]
-        fed = [(seq, t) for seq, t in fed if t not in self.eos_token_ids]
-        for (seq, _), ok in zip(fed, self._grammars.consume([(seq.grammar, t) for seq, t in fed])):
-            if not ok:  # (`_append_token` finishes the row on this record)
-                seq.grammar_error = seq.grammar.get_error() or "token rejected"
+        self._feed_grammars(f.launched())
+
+    def _feed_grammars(self, f: _InFlight) -> None:
+        """Feed `f`'s samples (its sampling half launched) to its constrained rows' grammars (EOS
+        is not fed: it ends the sequence); sets `f.fed` when done. A token the grammar rejects
+        leaves its matcher in an error state, which `_append_token` turns into finish_reason "abort"."""
+        try:
+            toks = np.asarray(f.arrays[f.names.index("token_ids")])  # waits for the step
+            fed = [(seq, int(toks[row])) for row, seq in f.sampled
+                   if seq.grammar is not None and seq.status != SeqStatus.FINISHED and not seq.request.aborted]
+            fed = [(seq, t) for seq, t in fed if t not in self.eos_token_ids]
+            for (seq, _), ok in zip(fed, self._grammars.consume([(seq.grammar, t) for seq, t in fed])):
+                if not ok:  # (`_append_token` finishes the row on this record)
+                    seq.grammar_error = seq.grammar.get_error() or "token rejected"
+        finally:
+            if f.fed is not None:
+                f.fed.set()
 
     def _finish_step(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched step's samples and apply them (stop checks, text, logprobs)."""
