@@ -192,3 +192,43 @@ def test_fp8_grouped_matmul_tokamax_gpu(m, g, n_pad, k, segments):
     want = _np_grouped(x, w8, s, sizes)
     assert got.shape == (m, sum(n for _, n in segments))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n_pad,k,segments", [(65, 1536, 512, ((0, 1024), (1024, 256), (1280, 256))),
+                                                (300, 1024, 2048, ((0, 1000),)),
+                                                (1024, 512, 384, ((0, 512),))])
+def test_dense_fp8_prefill_tokamax_gpu(m, n_pad, k, segments):
+    """A dense FP8 linear at prefill sizes on Hopper (past the Pallas kernels' 64 rows) runs tokamax's
+    quantized GEMM, one group (`linear._fp8_grouped`), and matches the numpy oracle, fused parts cut."""
+    from metrale_jax.engine.config import hopper
+    from metrale_jax.layers.linear import _fp8_grouped, matmul_f32
+    from metrale_jax.layers.moe import tokamax_available
+
+    if not tokamax_available() or not hopper():
+        pytest.skip("tokamax on a Hopper GPU")
+    x, w8, s, _ = _fp8_case(m + k, m, 1, n_pad, k)
+    w = Fp8Linear(jnp.asarray(w8[0]), jnp.asarray(s[0]), segments, use_kernel=True, w8a8=True)
+    assert _fp8_grouped(w, jnp.bfloat16, m) and not _fp8_grouped(w, jnp.bfloat16, 64)
+    got = np.asarray(jax.jit(matmul_f32)(x, w))
+    full = _np_grouped(x, w8, s, np.array([m]))
+    want = np.concatenate([full[:, a:a + n] for a, n in segments], axis=1)
+    assert got.shape == want.shape
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+
+
+def test_dense_fp8_prefill_routing():
+    """Which dense FP8 linears take tokamax's GEMM: only GPU-marked Hopper weights (not the CPU's
+    interpret mode), bf16 x of more rows than the W8A8 kernel's 64, K a multiple of 128."""
+    from metrale_jax.layers.linear import _fp8_grouped
+
+    w8 = jnp.zeros((256, 512), jnp.float8_e4m3fn)
+    s = jnp.ones((2, 4), jnp.float32)
+    marked = Fp8Linear(w8, s, ((0, 256),), use_kernel=True, w8a8=True)
+    for w, dtype, m in [(Fp8Linear(w8, s, ((0, 256),)), jnp.bfloat16, 300),  # not marked (CPU engines)
+                        (Fp8Linear(w8, s, ((0, 256),), use_kernel=True, interpret=True, w8a8=True), jnp.bfloat16, 300),
+                        (Fp8Linear(w8, s, ((0, 256),), use_kernel=True), jnp.bfloat16, 300),  # not Hopper
+                        (marked, jnp.float32, 300), (marked, jnp.bfloat16, 64)]:  # f32 x; the W8A8 kernel's rows
+        assert not _fp8_grouped(w, dtype, m)
+    w_k = Fp8Linear(jnp.zeros((256, 200), jnp.float8_e4m3fn), s[:, :2], ((0, 256),), use_kernel=True, w8a8=True)
+    assert not _fp8_grouped(w_k, jnp.bfloat16, 300)  # K not a multiple of 128

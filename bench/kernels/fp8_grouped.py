@@ -10,7 +10,12 @@ Against, per Qwen3 MoE shape (gate|up and down of one layer) and tokens T (pairs
 `dense` (dequantize + tokamax bf16) and `bf16`, tokamax on bf16 experts (a
 bf16 checkpoint). Each candidate's output is checked against `dense` (relative error).
 
+`--dense` (session 31): dense FP8 linears at prefill sizes (Llama-3-8B projections, one group:
+`moe_fp8.tokamax_fp8_matmul`, what `layers/linear.py` runs past 64 rows on Hopper) against XLA's
+dequantize-and-dot (`xla_dequant`, the path before) and XLA's bf16 dot (`bf16`, a bf16 checkpoint).
+
     PYTHONPATH=. python3 bench/kernels/fp8_grouped.py --out DIR [--tokens 64,256,1024]
+    PYTHONPATH=. python3 bench/kernels/fp8_grouped.py --out DIR --dense [--tokens 128,576,2048]
     PYTHONPATH=. python3 bench/kernels/fp8_grouped.py --out DIR --cpu-smoke   # plumbing (XLA's ragged_dot)
 """
 
@@ -39,7 +44,10 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default=TOKENS)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, XLA's ragged_dot (plumbing only)")
+    ap.add_argument("--dense", action="store_true", help="dense FP8 linears (Llama-3-8B projections), GPU only")
     args = ap.parse_args(argv)
+    if args.dense:
+        return _dense(args)
     cases, tokens = CASES, [int(t) for t in args.tokens.split(",")]
     if args.cpu_smoke:
         cases, tokens = {"tiny": (8, 2, 256, 256)}, [8, 24]
@@ -83,6 +91,50 @@ def main(argv=None):
                         print(f"{name} {proj} T={t} {cname}: FAILED {row['error']}", flush=True)
                     rows.append(row)
                     (out / "fp8_grouped.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+
+
+def _dense(args) -> None:
+    from metrale_jax.layers.linear import Fp8Linear, dequantize
+    from metrale_jax.layers.moe_fp8 import tokamax_fp8_matmul
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__)
+    rows, key = [], jax.random.key(1)
+    tokens = [int(t) for t in (args.tokens if args.tokens != TOKENS else "128,576,2048").split(",")]
+    for name, (n, k) in DENSE.items():
+        w = _fp8_experts(jax.random.fold_in(key, n + k), 1, n, k, ((0, n),))
+        w = Fp8Linear(w.w8[0], w.scale_inv[0], ((0, n),))
+        wb = dequantize(w, jnp.bfloat16)  # [N, K]
+        for t in tokens:
+            x = jax.random.normal(jax.random.fold_in(key, t), (t, k), jnp.bfloat16)
+            cands = {
+                "xla_dequant": (jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, dequantize(w, x.dtype),
+                                                                preferred_element_type=jnp.float32)), (x, w)),
+                "fp8_tokamax": (jax.jit(lambda x, w: tokamax_fp8_matmul(x, w.w8, w.scale_inv)), (x, w)),
+                "bf16": (jax.jit(lambda x, wb: jnp.einsum("mk,nk->mn", x, wb, preferred_element_type=jnp.float32)),
+                         (x, wb)),
+            }
+            ref = None
+            for cname, (fn, fargs) in cands.items():
+                row = dict(case="llama3_8b", proj=name, tokens=t, impl=cname)
+                try:
+                    y = np.asarray(fn(*fargs), np.float32)
+                    ref = y if ref is None else ref
+                    row["rel_err_vs_xla_dequant"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    row["time_us"] = median_seconds(fn, *fargs, group=10) * 1e6
+                    print(f"dense {name:7s} T={t:5d} {cname:12s} {row['time_us']:9.1f} us  "
+                          f"err {row['rel_err_vs_xla_dequant']:.1e}", flush=True)
+                except Exception as ex:  # noqa: BLE001 - recorded
+                    row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+                    print(f"dense {name} T={t} {cname}: FAILED {row['error']}", flush=True)
+                rows.append(row)
+                (out / "fp8_dense.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
