@@ -10,9 +10,11 @@ Against, per Qwen3 MoE shape (gate|up and down of one layer) and tokens T (pairs
 `dense` (dequantize + tokamax bf16) and `bf16`, tokamax on bf16 experts (a
 bf16 checkpoint). Each candidate's output is checked against `dense` (relative error).
 
-`--dense` (session 31): dense FP8 linears at prefill sizes (Llama-3-8B projections, one group:
-`moe_fp8.tokamax_fp8_matmul`, what `layers/linear.py` runs past 64 rows on Hopper) against XLA's
-dequantize-and-dot (`xla_dequant`, the path before) and XLA's bf16 dot (`bf16`, a bf16 checkpoint).
+`--dense` (session 31): dense FP8 linears at prefill sizes (Llama-3-8B projections) through the
+same tokamax kernel, one group (`fp8_tokamax`), against XLA's dequantize-and-dot (`xla_dequant`,
+what `layers/linear.py` runs past 64 rows) and XLA's bf16 dot (`bf16`, a bf16 checkpoint). On the
+H200 tokamax won only at 128 rows and lost at 576 and 2,048 (up to 1.9x slower), so the engine
+keeps XLA's path (`fp8_dense_h200_2026-12-04_s31_call6.json`).
 
     PYTHONPATH=. python3 bench/kernels/fp8_grouped.py --out DIR [--tokens 64,256,1024]
     PYTHONPATH=. python3 bench/kernels/fp8_grouped.py --out DIR --dense [--tokens 128,576,2048]
@@ -98,7 +100,10 @@ DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
 
 def _dense(args) -> None:
     from metrale_jax.layers.linear import Fp8Linear, dequantize
-    from metrale_jax.layers.moe_fp8 import tokamax_fp8_matmul
+    from metrale_jax.layers.moe_fp8 import _tokamax_fp8_grouped_matmul
+
+    def tokamax_fp8_matmul(x, w8, scale_inv):  # one group: x bf16[M, K], w8 [N, K] -> f32[M, N]
+        return _tokamax_fp8_grouped_matmul(x, w8[None], scale_inv[None], jnp.full((1,), x.shape[0], jnp.int32))
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

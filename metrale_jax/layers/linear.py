@@ -7,8 +7,7 @@ blocks; `segments` names the valid output columns. The XLA path here dequantizes
 operand; with `use_kernel` (set by `use_fp8_kernel`, the engine's GPU default), inputs of at most
 64 rows in bf16 (decode steps) go through a Pallas kernel of `pallas_kernels/linear` instead,
 which reads the FP8 bytes once: the weight-streaming W8A16 kernel for a few rows, the W8A8 kernel
-on the FP8 tensor cores for more (`W8A16_MAX_M` below says where and why); on Hopper larger inputs
-(prefill) go through tokamax's GEMM for quantized weights (`_fp8_grouped`).
+on the FP8 tensor cores for more (`W8A16_MAX_M` below says where and why).
 
 bf16 weights stay on XLA's dot at every size: on the H200 the Pallas bf16 kernel read a
 Llama-3-8B layer at 3.51 TB/s against XLA's 3.46-3.71 (bench/results/linear.md), no gain.
@@ -116,10 +115,6 @@ def matmul_f32(x: jax.Array, w) -> jax.Array:
         if kernel is not None:
             y = kernel(x.reshape(m, x.shape[-1]), w.w8, w.scale_inv, interpret=w.interpret)
             y = y.reshape(x.shape[:-1] + (-1,)).astype(jnp.float32)  # bf16[M, N_pad] -> f32[..., N_pad]
-        elif _fp8_grouped(w, x.dtype, m):  # prefill sizes: the weights stay FP8 (tokamax, one group)
-            from metrale_jax.layers.moe_fp8 import tokamax_fp8_matmul
-
-            y = tokamax_fp8_matmul(x.reshape(m, x.shape[-1]), w.w8, w.scale_inv).reshape(x.shape[:-1] + (-1,))
         else:
             y = jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
         if len(w.segments) > 1 or w.segments[0] != (0, y.shape[-1]):
@@ -138,22 +133,6 @@ def _fp8_kernel(w: Fp8Linear, dtype, m: int):
     if w.w8a8 and m > W8A16_MAX_M and w8a8_supports(m, *w.w8.shape):
         return skinny_matmul_w8a8_mgpu
     return skinny_matmul_fp8 if m <= KERNEL_MAX_M else None
-
-
-def _fp8_grouped(w: Fp8Linear, dtype, m: int) -> bool:
-    """Whether x bf16[m, K] @ `w` runs tokamax's Hopper GEMM for quantized weights (one group of
-    `moe_fp8.fp8_grouped_matmul`) instead of dequantizing W in XLA: GPU-marked weights (`use_kernel`
-    with `w8a8`, i.e. Hopper), steps past the Pallas kernels' rows (prefill and mixed steps), K a
-    multiple of 128, tokamax installed. XLA's path writes and reads W in bf16 again each step: a
-    Llama-3-8B shape's 64 prompts of 64 tokens waited 0.25 s for their first tokens against bf16's
-    0.11 s (H200, session 31)."""
-    if not (w.use_kernel and w.w8a8 and not w.interpret and w.w8.ndim == 2 and dtype == jnp.bfloat16
-            and m > KERNEL_MAX_M and w.w8.shape[-1] % FP8_BLOCK == 0):
-        return False
-    from metrale_jax.layers.moe import tokamax_available
-    from pallas_kernels.linear.skinny_mgpu import w8a8_supports
-
-    return not w8a8_supports(m, *w.w8.shape) and tokamax_available()
 
 
 def has_quantized_linears(params) -> bool:

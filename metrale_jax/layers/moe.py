@@ -108,8 +108,8 @@ def _load_tokamax() -> _Tokamax | None:
 
         found = _Tokamax(ragged_dot, pallas_mosaic_gpu.PallasMosaicGpuRaggedDot())
     except Exception as e:  # ImportError of a dependency, an AttributeError, a flag clash: all mean "unusable"
-        log.warning("tokamax unavailable (%s: %s): MoE experts run through jax.lax.ragged_dot and FP8 prefill "
-                    "through XLA's dequantize-and-dot (slower on the GPU)", type(e).__name__, e)
+        log.warning("tokamax unavailable (%s: %s): MoE experts run through jax.lax.ragged_dot (slower on the GPU)",
+                    type(e).__name__, e)
         return None
     _install_log_filter(os.path.dirname(os.path.abspath(tokamax.__file__)) + os.sep)
     return found

@@ -109,13 +109,6 @@ def f16_operands(x, w8, scale_inv):
     return (xf * jnp.exp2(-ex)).astype(jnp.float16), scales, jnp.exp2(ex + ew)
 
 
-def tokamax_fp8_matmul(x, w8, scale_inv):
-    """A dense FP8 linear through the same kernel, one group: x bf16[M, K], w8 f8e4m3[N_pad, K],
-    scale_inv f32[N_pad/128, K/128] -> f32[M, N_pad] (`linear._fp8_grouped` says when)."""
-    sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    return _tokamax_fp8_grouped_matmul(x, w8[None], scale_inv[None], sizes)
-
-
 @jax.jit
 def _tokamax_fp8_grouped_matmul(x, w8, scale_inv, sizes):
     """tokamax's Hopper grouped GEMM for quantized weights: x bf16[M, K], w8 f8e4m3[G, N_pad, K],
