@@ -39,6 +39,11 @@
 # Session 30: `tests w4 structured` (test_w4.py 39 s, W4 int4 M=1 half2 sweep, 3 structured runs)
 # 264 s cold; `fp8gmm acceptance structured` (Llama) 283 s; `tests fp8gmm nextprefill` 287 s;
 # `acceptance structured` (Qwen3-Next with {"quantization":"fp8"}: 204 s; the profile) 288 s.
+# Session 31 (cold each): `tests gen4 structured` (3 test files 49 s, bf16 + int4 batch 1 with
+# profiles, 3x4 structured runs) 300 s; `w4 acceptance` (narrow split-K sweep, Qwen3-30B-A3B 142 s)
+# 260 s; `structured acceptance` (4 repeats, Llama 155 s) 240 s; `structured` (5 repeats x 3
+# variants) 92 s; `gen4` (3 kinds, batch 64, 2 repeats) 277 s; `tests gen4 fp8gmm acceptance`
+# 347 s (GENERATE_LIMIT=100 cut the FP8 generate while it compiled: give it 150).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
