@@ -362,9 +362,9 @@ def main() -> None:
         return [SamplingParams(temperature=0.7, seed=7 + i, max_tokens=n, ignore_eos=True,
                                structured_outputs=so if constrained else None) for i in range(len(prompts))]
 
-    # the stall: a step with constrained rows is dispatched only after the previous step's samples
-    # are on the host and fed to the grammars; from then (`_advance_grammars` returns) to the end
-    # of the dispatch (mask fill, mask transfer, launch) the device has nothing queued
+    # the stall of a step whose dispatch feeds the previous step's samples itself (one that cannot
+    # defer its sample, e.g. with SSM snapshots; deferred steps feed on the mask thread since
+    # session 31, so this stays empty for them): from the feed's end to the dispatch's end
     stalls, mark = [], {}
     advance, dispatch = eng._advance_grammars, eng._dispatch
 
