@@ -300,5 +300,7 @@ if [[ $parts == *prefix* ]]; then  # issue 17: TTFT of a 4,000-token second requ
     grep -v "rematerialization" "$OUT/$name.log" | tail -8
   done
 fi
-# at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive
+# at most 8 files come back from $OUT: everything but the HLO dumps goes into one archive; the
+# generate profiles' HLO (GEN4_PROFILE: which fusion is which kernel) goes in compressed
+find "$OUT" -path '*profile_gen_*' -name hlo.txt -exec gzip -k {} \;
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='hlo.txt' . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
