@@ -54,11 +54,7 @@ def main(argv=None):
     if args.cpu_smoke:
         cases, tokens = {"tiny": (8, 2, 256, 256)}, [8, 24]
     tk = not args.cpu_smoke  # the engine's tokamax bf16 grouped GEMM (XLA's ragged_dot on the CPU)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = jax.devices()[0]
-    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__)
+    out, meta = _out_and_meta(args)
     rows = []
     key = jax.random.key(0)
     for name, (e, top_k, h, inter) in cases.items():
@@ -77,22 +73,38 @@ def main(argv=None):
                     "fp8_tokamax": (jax.jit(lambda x, w, sizes: fp8_grouped_matmul(x, w, sizes, tk)), (x, w, sizes)),
                     "bf16": (jax.jit(lambda x, wd, sizes: grouped_matmul(x, wd, sizes, tk)), (x, wd, sizes)),
                 }
-                ref = None
-                for cname, (fn, fargs) in cands.items():
-                    row = dict(case=name, proj=proj, tokens=t, pairs=p, impl=cname)
-                    try:
-                        y = np.asarray(fn(*fargs), np.float32)
-                        ref = y if ref is None else ref
-                        row["rel_err_vs_dense"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-                        sec = median_seconds(fn, *fargs, group=3 if args.cpu_smoke else 10)
-                        row["time_us"] = sec * 1e6
-                        print(f"{name} {proj:7s} T={t:5d} {cname:12s} {sec * 1e6:9.1f} us  "
-                              f"err {row['rel_err_vs_dense']:.1e}", flush=True)
-                    except Exception as ex:  # noqa: BLE001 - recorded
-                        row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
-                        print(f"{name} {proj} T={t} {cname}: FAILED {row['error']}", flush=True)
-                    rows.append(row)
-                    (out / "fp8_grouped.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                _time_candidates(cands, dict(case=name, proj=proj, tokens=t, pairs=p), 3 if args.cpu_smoke else 10,
+                                 rows, "rel_err_vs_dense", out / "fp8_grouped.json", meta)
+
+
+def _out_and_meta(args) -> tuple[pathlib.Path, dict]:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0]
+    return out, dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                     device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__)
+
+
+def _time_candidates(cands: dict, base: dict, group: int, rows: list, err_key: str, path: pathlib.Path,
+                     meta: dict) -> None:
+    """Time each candidate {name: (jitted function, its arguments)}, its output checked against the
+    first one's (relative error under `err_key`); a row each (`base` plus impl, time or error) into
+    `rows`, all of them written to `path` (with `meta`) after each."""
+    ref = None
+    for cname, (fn, fargs) in cands.items():
+        row = dict(base, impl=cname)
+        label = " ".join(f"{v}" for v in base.values())
+        try:
+            y = np.asarray(fn(*fargs), np.float32)
+            ref = y if ref is None else ref
+            row[err_key] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+            row["time_us"] = median_seconds(fn, *fargs, group=group) * 1e6
+            print(f"{label} {cname:12s} {row['time_us']:9.1f} us  err {row[err_key]:.1e}", flush=True)
+        except Exception as ex:  # noqa: BLE001 - recorded
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+            print(f"{label} {cname}: FAILED {row['error']}", flush=True)
+        rows.append(row)
+        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 
 DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -105,11 +117,7 @@ def _dense(args) -> None:
     def tokamax_fp8_matmul(x, w8, scale_inv):  # one group: x bf16[M, K], w8 [N, K] -> f32[M, N]
         return _tokamax_fp8_grouped_matmul(x, w8[None], scale_inv[None], jnp.full((1,), x.shape[0], jnp.int32))
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = jax.devices()[0]
-    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__)
+    out, meta = _out_and_meta(args)
     rows, key = [], jax.random.key(1)
     tokens = [int(t) for t in (args.tokens if args.tokens != TOKENS else "128,576,2048").split(",")]
     for name, (n, k) in DENSE.items():
@@ -125,21 +133,8 @@ def _dense(args) -> None:
                 "bf16": (jax.jit(lambda x, wb: jnp.einsum("mk,nk->mn", x, wb, preferred_element_type=jnp.float32)),
                          (x, wb)),
             }
-            ref = None
-            for cname, (fn, fargs) in cands.items():
-                row = dict(case="llama3_8b", proj=name, tokens=t, impl=cname)
-                try:
-                    y = np.asarray(fn(*fargs), np.float32)
-                    ref = y if ref is None else ref
-                    row["rel_err_vs_xla_dequant"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-                    row["time_us"] = median_seconds(fn, *fargs, group=10) * 1e6
-                    print(f"dense {name:7s} T={t:5d} {cname:12s} {row['time_us']:9.1f} us  "
-                          f"err {row['rel_err_vs_xla_dequant']:.1e}", flush=True)
-                except Exception as ex:  # noqa: BLE001 - recorded
-                    row["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
-                    print(f"dense {name} T={t} {cname}: FAILED {row['error']}", flush=True)
-                rows.append(row)
-                (out / "fp8_dense.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+            _time_candidates(cands, dict(case="llama3_8b", proj=name, tokens=t), 10, rows,
+                             "rel_err_vs_xla_dequant", out / "fp8_dense.json", meta)
 
 
 if __name__ == "__main__":
