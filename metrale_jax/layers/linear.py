@@ -7,7 +7,9 @@ blocks; `segments` names the valid output columns. The XLA path here dequantizes
 operand; with `use_kernel` (set by `use_fp8_kernel`, the engine's GPU default), inputs of at most
 64 rows in bf16 (decode steps) go through a Pallas kernel of `pallas_kernels/linear` instead,
 which reads the FP8 bytes once: the weight-streaming W8A16 kernel for a few rows, the W8A8 kernel
-on the FP8 tensor cores for more (`W8A16_MAX_M` below says where and why).
+on the FP8 tensor cores for more (`W8A16_MAX_M` below says where and why). Every path computes
+the product of x as it is (the W8A8 kernel takes x as two FP8 terms, about bf16's precision), so a
+request's tokens do not depend on how many rows share its step.
 
 bf16 weights stay on XLA's dot at every size: on the H200 the Pallas bf16 kernel read a
 Llama-3-8B layer at 3.51 TB/s against XLA's 3.46-3.71 (bench/results/linear.md), no gain.
@@ -24,13 +26,15 @@ import jax.numpy as jnp
 
 FP8_BLOCK = 128
 # FP8 linears marked `use_kernel` (bf16 x of M rows): M <= W8A16_MAX_M through the weight-streaming
-# W8A16 kernel; M <= 64 through the Mosaic W8A8 kernel (FP8 tensor cores; x quantized per row and
-# 128 columns) where it takes the shape (K % 128 == 0), else the W8A16 kernel up to KERNEL_MAX_M
-# rows; larger M (prefill) through XLA. H200, Llama-3-8B projections, one layer
+# W8A16 kernel; M <= 64 through the Mosaic W8A8 kernel (FP8 tensor cores; x as two FP8 terms, each
+# quantized per row and 128 columns) where it takes the shape (K % 128 == 0), else the W8A16
+# kernel up to KERNEL_MAX_M rows; larger M (prefill) through XLA. H200, Llama-3-8B projections, one layer
 # (bench/results/linear_fp8_batch_2026-12-02_s11.md): at 16 rows W8A8 98 us against W8A16 138 us
 # and bf16 XLA 121 us, at 64 rows 93 us against 214 (W8A16; 2.1x slower than bf16 per step on
 # 2026-11-29, its tiles are sized for M <= 8) and 130 (bf16). 1-8 rows stay on W8A16 (FP8 batch 1
-# ran 1.44x bf16's tokens/s with it; W8A8 at so few rows is unmeasured), which keeps x unrounded.
+# ran 1.44x bf16's tokens/s with it; W8A8 at so few rows is unmeasured). Those figures are from
+# the one-term W8A8 kernel, whose x rounding (~2**-4) changed greedy tokens between a request run
+# alone and in a batch (session 31); the second term costs a second wgmma per step.
 W8A16_MAX_M = 8
 KERNEL_MAX_M = 16
 
