@@ -213,6 +213,27 @@ def test_w8a8_mgpu_interpret(m, n, k, params):
     assert _rows_rel_err(jnp.asarray(_np_quantize_rows(x) @ w.T, jnp.float32), want) > 1.5e-2  # one term
 
 
+def test_quantize_rows_fp8_two_terms():
+    """x / scale = hi + lo per row and 128-column group, to ~2**-8 of the group's largest value
+    (one term: ~2**-4), compiled by XLA on this backend (the H200's XLA folded f32(f8(y)) into y
+    before a barrier kept it, which zeroed lo)."""
+    from pallas_kernels.linear.skinny_mgpu import quantize_rows_fp8
+
+    rng = np.random.default_rng(3)
+    x = _bf16(rng, (5, 384))
+    x = x.at[1, 128:256].multiply(1e-3).at[2, :128].set(0.0)  # a tiny group, an all-zero group
+    (hi, lo), sx = jax.jit(quantize_rows_fp8)(x)
+    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and sx.shape == (3, 64) and not np.any(np.asarray(sx)[:, 5:])
+    s = np.repeat(np.asarray(sx)[:, :5].T, B, axis=1).astype(np.float64)  # [5, 384]
+    xf = np.asarray(x, np.float64)
+    amax = np.repeat(np.abs(xf).reshape(5, 3, B).max(-1), B, axis=1)
+    one = np.asarray(hi, np.float64) * s
+    two = (np.asarray(hi, np.float64) + np.asarray(lo, np.float64)) * s
+    assert np.max(np.abs(two - xf) / np.maximum(amax, 1e-30)) < 2.0**-8
+    assert np.max(np.abs(one - xf) / np.maximum(amax, 1e-30)) > 2.0**-6
+    assert not np.any(two[2, :128])
+
+
 @pytest.mark.parametrize("m,k,w8a8,kernel", [
     (5, 256, True, "skinny_matmul_fp8"), (24, 256, True, "skinny_matmul_w8a8_mgpu"),
     (12, 160, True, "skinny_matmul_fp8"), (24, 160, True, None),

@@ -129,13 +129,14 @@ def _store(acc, o_gmem, *, m: int, bn: int, split: bool):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _body_w8a8(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, params: MgpuParams, steps_per_split: int):
-    """x_gmem float8[2, M, K] (x's two FP8 terms, `quantize_rows_fp8`), w_gmem float8[N, K],
-    sx_gmem f32[2, KB, 64] (the terms' group scales, transposed, rows past M zero), sw_gmem
-    f32[NB, KB], o_gmem [M, N] | f32[S, M, N].
+def _body_w8a8(xh_gmem, xl_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, params: MgpuParams,
+                steps_per_split: int):
+    """xh_gmem, xl_gmem float8[M, K]: x's two FP8 terms (`quantize_rows_fp8`; x = (hi + lo) times
+    the scale of its row's 128-column group), w_gmem float8[N, K], sx_gmem f32[KB, 64] (the group
+    scales, transposed, rows past M zero), sw_gmem f32[NB, KB], o_gmem [M, N] | f32[S, M, N].
 
-    Each K step of 128 runs one FP8 x FP8 wgmma per term into a fresh accumulator and adds it to
-    the running f32 tile times (the term's row scales of that group) x (W's block scale): the block
+    Each K step of 128 runs the FP8 x FP8 wgmma of both terms into one fresh accumulator and adds
+    it to the running f32 tile times (x's row scales of that group) x (W's block scale): the block
     scales change every 128 columns, so the products are scaled per step (DeepGEMM's promotion),
     in registers."""
     bn = params.block_n
@@ -145,37 +146,38 @@ def _body_w8a8(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, params: MgpuPa
     nb = (ni * bn) // FP8_BLOCK
     last_kb = -(-k // FP8_BLOCK) - 1
 
-    def step(idx, x_smem, w_smem, sx_smem, acc):
+    def step(idx, xh_smem, xl_smem, w_smem, sx_smem, acc):
         kb = jnp.minimum(k_step0 + idx[0], last_kb)  # past-K steps read zeros (x and its scales)
-        for t in range(2):  # the high and the low term of x
 
-            def part(acc_ref, t=t):
-                plgpu.wgmma(acc_ref, x_smem.at[t], w_smem.transpose((1, 0)))
-                return acc_ref[...]  # waits for the wgmma: the step's tiles can be released after it
+        def part(acc_ref):
+            plgpu.wgmma(acc_ref, xh_smem, w_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, xl_smem, w_smem.transpose((1, 0)))
+            return acc_ref[...]  # waits for the wgmmas: the step's tiles can be released after it
 
-            prod = pl.run_scoped(part, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
-            sx = plgpu.load(sx_smem.at[t, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))  # f32[64]
-            acc = acc + prod * lax.broadcast_in_dim(sx * sw_gmem[nb, kb], (_ROWS, bn), [0])
-        return acc
+        prod = pl.run_scoped(part, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
+        sx = plgpu.load(sx_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))  # f32[64]
+        return acc + prod * lax.broadcast_in_dim(sx * sw_gmem[nb, kb], (_ROWS, bn), [0])
 
     acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA)
+    x_spec = plgpu.BlockSpec((_ROWS, FP8_BLOCK), lambda kk: (0, k_step0 + kk))
     acc = plgpu.emit_pipeline(
         step,
         grid=(steps_per_split,),
         in_specs=[
-            plgpu.BlockSpec((2, _ROWS, FP8_BLOCK), lambda kk: (0, 0, k_step0 + kk)),
+            x_spec,
+            x_spec,
             plgpu.BlockSpec((bn, FP8_BLOCK), lambda kk: (ni, k_step0 + kk)),
-            plgpu.BlockSpec((2, 1, _ROWS), lambda kk: (0, k_step0 + kk, 0)),
+            plgpu.BlockSpec((1, _ROWS), lambda kk: (k_step0 + kk, 0)),
         ],
         max_concurrent_steps=params.max_concurrent_steps,
         init_carry=acc0,
-    )(x_gmem, w_gmem, sx_gmem)
+    )(xh_gmem, xl_gmem, w_gmem, sx_gmem)
     _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1)
 
 
 def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool, x_scales=None, out_dtype=None):
-    """x_scales (W8A8): x is float8[2, M, K] (two terms) and these are their f32[2, KB, 64] group scales."""
-    m, k = x.shape[-2:]
+    """x_scales (W8A8): x is a pair of float8[M, K] terms and these are their f32[KB, 64] group scales."""
+    m, k = (x[0] if x_scales is not None else x).shape
     n = w.shape[0]
     fp8 = scale_inv is not None
     w8a8 = x_scales is not None
@@ -188,7 +190,7 @@ def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool, x_scales=None
     out_shape = (split_k, m, n) if split_k > 1 else (m, n)
     if w8a8:
         body = functools.partial(_body_w8a8, m=m, k=k, params=params, steps_per_split=steps_per_split)
-        scratch, name, args = [], "skinny_matmul_w8a8_mgpu", (x, w, x_scales, scale_inv)
+        scratch, name, args = [], "skinny_matmul_w8a8_mgpu", (*x, w, x_scales, scale_inv)
     else:
         body = functools.partial(_body, m=m, k=k, params=params, steps_per_split=steps_per_split, fp8=fp8)
         scratch = [plgpu.SMEM((params.block_n, params.block_k), jnp.bfloat16)] if fp8 else []
@@ -257,36 +259,28 @@ def _check_fp8(x, w8, scale_inv, params: MgpuParams | None, name: str) -> MgpuPa
     return params
 
 
-def _quantize_groups_fp8(x):
-    """x f32[M, K] (K % 128 == 0) -> (float8_e4m3fn[M, K], scales f32[M, K/128]): each row's
-    128-column groups divided by their scale (absolute max / 448, e4m3's largest value) and
-    rounded to FP8, the activation scheme of block-FP8 checkpoints (DeepSeek-V3, Qwen3-FP8)."""
+def quantize_rows_fp8(x):
+    """x [M, K] (K % 128 == 0, M <= 64) -> ((hi, lo) float8_e4m3fn[M, K] each, f32[K / 128, 64]):
+    each row's 128-column groups divided by their scale (absolute max / 448, e4m3's largest
+    value), the activation scheme of block-FP8 checkpoints (DeepSeek-V3, Qwen3-FP8), and written
+    as two FP8 terms: hi, their rounding, and lo, the rounding of what hi left (x / scale = hi +
+    lo up to ~2**-8 of the group's largest value, about bf16's own precision). hi alone is the
+    W8A8 of vLLM and DeepGEMM, whose rounding (~2**-4 per element) a step of one size took and
+    a step of another size (the W8A16 kernel, XLA's dot) did not: session 31's FP8 Llama-3-8B
+    acceptance run on the H200 found greedy requests that changed token when run alone. With lo
+    every path computes the same product up to bf16 rounding. The scales are transposed and
+    padded to 64 rows (zeros) as `skinny_matmul_w8a8_mgpu` reads them."""
     m, k = x.shape
-    g = x.reshape(m, k // FP8_BLOCK, FP8_BLOCK)
+    g = x.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), 1e-12)  # f32[M, KB]
     # a multiply by 448 / amax, not a division (which XLA may turn into an approximate reciprocal,
     # moving values near e4m3's rounding midpoints to the other side)
-    x8 = (g * (448.0 / amax)[..., None]).astype(jnp.float8_e4m3fn)
-    return x8.reshape(m, k), amax / 448.0
-
-
-def quantize_rows_fp8(x):
-    """x [M, K] (K % 128 == 0, M <= 64) -> (float8_e4m3fn[2, M, K], f32[2, K / 128, 64]): x as the
-    sum of two FP8 terms, each quantized per row and 128-column group (`_quantize_groups_fp8`):
-    x's rounding, then the rounding of what is left (x - hi). One term alone is the W8A8 of
-    vLLM and DeepGEMM, whose rounding (~2**-4 per element) a step of one size takes and a step of
-    another size (the W8A16 kernel, XLA's dot) does not: the FP8 Llama-3-8B H200 acceptance run
-    of session 31 found greedy requests that changed token when run alone. With the second term
-    x is kept to ~2**-8 of its group's largest value, about bf16's own precision, so every path
-    computes the same product up to bf16 rounding. The scales are transposed and padded to 64
-    rows (zeros) as `skinny_matmul_w8a8_mgpu` reads them."""
-    m, k = x.shape
-    xf = x.astype(jnp.float32)
-    hi, s_hi = _quantize_groups_fp8(xf)
-    rest = xf - (hi.astype(jnp.float32).reshape(m, -1, FP8_BLOCK) * s_hi[..., None]).reshape(m, k)
-    lo, s_lo = _quantize_groups_fp8(rest)
-    scales = jnp.stack([s_hi, s_lo]).transpose(0, 2, 1)  # f32[2, KB, M]
-    return jnp.stack([hi, lo]), jnp.pad(scales, ((0, 0), (0, 0), (0, _ROWS - m)))
+    y = g * (448.0 / amax)[..., None]
+    hi = y.astype(jnp.float8_e4m3fn)
+    # the barrier keeps XLA from folding f32(f8(y)) back into y (its excess-precision rewrite),
+    # which left lo all zeros on the H200 (session 32)
+    lo = (y - lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+    return (hi.reshape(m, k), lo.reshape(m, k)), jnp.pad((amax / 448.0).T, ((0, 0), (0, _ROWS - m)))
 
 
 _SMS = 132  # H200 streaming multiprocessors
@@ -312,7 +306,7 @@ def w8a8_supports(m: int, n: int, k: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("params", "interpret"))
 def skinny_matmul_w8a8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None, interpret: bool = False):
     """x bf16[M, K] @ (w8 float8_e4m3fn[N, K] * scale_inv f32[ceil(N/128), K/128])^T -> bf16[M, N]
-    on the FP8 tensor cores: x goes in as two FP8 terms quantized per row and 128-column group
+    on the FP8 tensor cores: x goes in as two FP8 terms scaled per row and 128-column group
     (`quantize_rows_fp8`), which keep it to about bf16's precision, so the result equals the
     W8A16 kernel's up to bf16 rounding; W never leaves FP8."""
     params = _check_fp8(x, w8, scale_inv, params or w8a8_params_for(*w8.shape), "skinny_matmul_w8a8_mgpu")
