@@ -276,10 +276,13 @@ def quantize_rows_fp8(x):
     # a multiply by 448 / amax, not a division (which XLA may turn into an approximate reciprocal,
     # moving values near e4m3's rounding midpoints to the other side)
     y = g * (448.0 / amax)[..., None]
-    hi = y.astype(jnp.float8_e4m3fn)
-    # the barrier keeps XLA from folding f32(f8(y)) back into y (its excess-precision rewrite),
-    # which left lo all zeros on the H200 (session 32)
-    lo = (y - lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+    # hi's value in f32, rounded as e4m3 rounds (3 mantissa bits; e4m3's subnormals below 2**-6
+    # aside, which lo then misses by at most 2**-10). Not f32(f8(y)): XLA folds that back into y
+    # (its excess-precision rewrite), which left lo all zeros on the H200; an optimization
+    # barrier kept it at the price of a second fusion per linear (session 32).
+    hi_f32 = lax.reduce_precision(y, exponent_bits=5, mantissa_bits=3)
+    hi = hi_f32.astype(jnp.float8_e4m3fn)
+    lo = (y - hi_f32).astype(jnp.float8_e4m3fn)
     return (hi.reshape(m, k), lo.reshape(m, k)), jnp.pad((amax / 448.0).T, ((0, 0), (0, _ROWS - m)))
 
 
