@@ -215,8 +215,8 @@ def test_w8a8_mgpu_interpret(m, n, k, params):
 
 def test_quantize_rows_fp8_two_terms():
     """x / scale = hi + lo per row and 128-column group, to ~2**-8 of the group's largest value
-    (one term: ~2**-4), compiled by XLA on this backend (the H200's XLA folded f32(f8(y)) into y
-    before a barrier kept it, which zeroed lo)."""
+    (one term: ~2**-4), compiled by XLA. The H200's XLA once folded f32(f8(y)) back into y, which
+    zeroed lo; the CPU's does not, so `test_mgpu_gpu` checks the W8A8 kernel against exact x there."""
     from pallas_kernels.linear.skinny_mgpu import quantize_rows_fp8
 
     rng = np.random.default_rng(3)
