@@ -44,6 +44,9 @@
 # 260 s; `structured acceptance` (4 repeats, Llama 155 s) 240 s; `structured` (5 repeats x 3
 # variants) 92 s; `gen4` (3 kinds, batch 64, 2 repeats) 277 s; `tests gen4 fp8gmm acceptance`
 # 347 s (GENERATE_LIMIT=100 cut the FP8 generate while it compiled: give it 150).
+# Session 32 (cold each): `tests linear gen4` (test_linear_kernels 25 s, linear --fp8-batch with
+# --budget-s 90, bf16 + fp8 batch 64, 2 repeats) 304-355 s; `gen4 acceptance` (Llama FP8, 140 s)
+# 318 s; `tests structured` (4 test files 53 s) 143 s; `structured` (3 variants) 87 s.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
