@@ -34,7 +34,8 @@ FP8_BLOCK = 128
 # 2026-11-29, its tiles are sized for M <= 8) and 130 (bf16). 1-8 rows stay on W8A16 (FP8 batch 1
 # ran 1.44x bf16's tokens/s with it; W8A8 at so few rows is unmeasured). Those figures are from
 # the one-term W8A8 kernel, whose x rounding (~2**-4) changed greedy tokens between a request run
-# alone and in a batch (session 31); the second term costs a second wgmma per step.
+# alone and in a batch (session 31); with the second term's wgmma a layer takes 126 / 111 us at
+# 16 / 64 rows (bf16: 117 / 123; bench/results/linear_fp8_batch_2026-12-04_s32_two_terms.md).
 W8A16_MAX_M = 8
 KERNEL_MAX_M = 16
 
