@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,8 +197,15 @@ def load_model(
                                   sharder=sharder)
             params = fam.load_params(cfg, reader)
             if mtp:
-                params["mtp"] = _load_mtp(fam, cfg, WeightReader(ckpt.tensors, dtype, origin=str(resolved),
-                                                                 show_progress=show_progress), split_layers)
+                mtp_reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
+                                          w4_scheme=w4_scheme)
+                params["mtp"] = _load_mtp(fam, cfg, mtp_reader, split_layers)
+                reader.dequantized_w4 += mtp_reader.dequantized_w4
+            if reader.dequantized_w4:
+                kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized_w4})
+                log.warning("%s: %d 4-bit weights run dense (dequantized to %s at load; the 4-bit kernels "
+                            "serve the decoder linears of Llama-family models): %s", path,
+                            len(reader.dequantized_w4), dtype, ", ".join(kinds))
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
                                      {"source": str(ckpt.path), "dtype": dtype})

@@ -505,14 +505,19 @@ def test_wrong_scales_shape_is_an_error(gptq_copy):
         load_model(gptq_copy, show_progress=False)
 
 
-def test_fused_parts_with_different_g_idx_are_an_error(gptq_copy):
+def test_fused_parts_with_different_g_idx_load_dense(gptq_copy, caplog):
+    """Fused parts (q|k|v) must share one act-order; when they do not, that linear loads dense
+    (dequantized) with a warning, and the others stay 4-bit."""
     def shuffle(t):
         name = "model.layers.0.self_attn.k_proj.g_idx"
         t[name] = np.ascontiguousarray(t[name][::-1])
 
     _edit(gptq_copy, shuffle)
-    with pytest.raises(UnsupportedDtypeError, match="g_idx"):
-        load_model(gptq_copy, show_progress=False)
+    with caplog.at_level("WARNING"):
+        _, params = load_model(gptq_copy, dtype="float32", show_progress=False)
+    assert not isinstance(params["layers"]["wqkv"], W4Linear)
+    assert isinstance(params["layers"]["wo"], W4Linear) and isinstance(params["layers"]["w_down"], W4Linear)
+    assert "act-order g_idx" in caplog.text and "q_proj" in caplog.text
 
 
 def test_gptq_v2_zero_convention(gptq_copy):
@@ -535,19 +540,101 @@ def test_gptq_v2_zero_convention(gptq_copy):
     np.testing.assert_allclose(logits, g["logits"][2], atol=1e-3, rtol=1e-3)
 
 
-def test_quantized_lm_head_is_named(tmp_path):
-    """A 4-bit module outside the decoder linears (here lm_head, as GPTQ's lm_head=True writes it)."""
-    d = tmp_path / "m"
-    shutil.copytree(FIXTURES / "llama_awq_tiny", d)
+def _gptq_v1(w: np.ndarray, g: int) -> tuple[dict, np.ndarray]:
+    """w f32[N, K] -> (GPTQ v1 tensors {qweight, qzeros, scales}, their dequantized f32[N, K]):
+    asymmetric, groups of g along K, packed element by element from GPTQ's layout (shares nothing
+    with quant/w4.py). Zero points 1..15 (v1 stores zero - 1)."""
+    n, k = w.shape
+    ng = -(-k // g)
+    q = np.zeros((n, k), np.uint32)
+    s = np.zeros((ng, n), np.float16)
+    z = np.zeros((ng, n), np.uint32)
+    deq = np.zeros((n, k), np.float32)
+    for gi in range(ng):
+        cols = slice(gi * g, min(k, gi * g + g))
+        blk = w[:, cols]
+        lo, hi = np.minimum(blk.min(1), 0), np.maximum(blk.max(1), 0)
+        sc = ((hi - lo) / 15).astype(np.float16)
+        sc[sc == 0] = 1
+        sf = sc.astype(np.float32)
+        zz = np.clip(np.round(-lo / sf), 1, 15)
+        qq = np.clip(np.round(blk / sf[:, None]) + zz[:, None], 0, 15)
+        q[:, cols], s[gi], z[gi] = qq, sc, zz
+        deq[:, cols] = (qq - zz[:, None]) * sf[:, None]
+    qweight = np.zeros((-(-k // 8), n), np.uint32)
+    for c in range(k):
+        qweight[c // 8] |= q[:, c] << np.uint32(4 * (c % 8))
+    qzeros = np.zeros((ng, -(-n // 8)), np.uint32)
+    for r in range(n):
+        qzeros[:, r // 8] |= (z[:, r] - 1) << np.uint32(4 * (r % 8))
+    return {"qweight": qweight.view(np.int32), "qzeros": qzeros.view(np.int32), "scales": s}, deq
 
-    def quantize_head(t):
-        t.pop("lm_head.weight")
-        for x in ("qweight", "qzeros", "scales"):
-            t["lm_head." + x] = t["model.layers.0.mlp.up_proj." + x]
 
-    _edit(d, quantize_head)
-    with pytest.raises(UnsupportedDtypeError, match="lm_head is 4-bit"):
-        load_model(d, show_progress=False)
+def _quantized_pair(tmp_path, name: str, which, g: int = 16):
+    """Two copies of fixture `name`: "q" with the 2-D weights `which(name)` selects in GPTQ 4-bit
+    (config.json says so), "dense" with those weights replaced by their dequantized values."""
+    t = load_file(FIXTURES / name / "model.safetensors")
+    dense, quant = dict(t), dict(t)
+    for nm, w in t.items():
+        if w.ndim == 2 and which(nm):
+            tensors, dense[nm] = _gptq_v1(w.astype(np.float32), g)
+            del quant[nm]
+            quant.update({nm[: -len("weight")] + x: v for x, v in tensors.items()})
+    cfg = json.loads((FIXTURES / name / "config.json").read_text())
+    out = {}
+    for kind, tensors in (("dense", dense), ("q", quant)):
+        d = tmp_path / kind
+        d.mkdir()
+        save_file(tensors, d / "model.safetensors")
+        c = dict(cfg, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False,
+                                           "sym": False}) if kind == "q" else cfg
+        (d / "config.json").write_text(json.dumps(c))
+        out[kind] = d
+    return out["dense"], out["q"]
+
+
+def _same_logits(dense_dir, q_dir, caplog):
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 11)))
+    _, ref = load_model(dense_dir, dtype="float32", show_progress=False)
+    with caplog.at_level("WARNING"):
+        model, params = load_model(q_dir, dtype="float32", show_progress=False)
+    np.testing.assert_allclose(np.asarray(model.forward(params, ids)), np.asarray(model.forward(ref, ids)),
+                               atol=2e-4, rtol=2e-4)
+    return params
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny"])
+def test_4bit_weights_outside_the_kernels_load_dense(tmp_path, name, caplog):
+    """4-bit weights no 4-bit kernel runs (MoE experts, lm_head, Qwen3-Next's and Nemotron-H's
+    layers) load dequantized, with a warning naming them; the model matches the dense checkpoint
+    holding the same dequantized values."""
+    def which(nm):
+        return nm.endswith(".weight") and not any(x in nm for x in ("embed", "norm", ".gate.", "expert_gate"))
+
+    dense, q = _quantized_pair(tmp_path, name, which)
+    params = _same_logits(dense, q, caplog)
+    assert "4-bit weights run dense" in caplog.text and "lm_head" in caplog.text
+    assert "experts.*.down_proj" in caplog.text
+    if name == "qwen3_moe_tiny":  # its attention linears are Llama's: the 4-bit kernels'
+        assert isinstance(params["layers"]["wqkv"], W4Linear) and isinstance(params["layers"]["wo"], W4Linear)
+        assert "self_attn" not in caplog.text
+
+
+def test_linears_4bit_in_some_layers_or_parts_load_dense(tmp_path, caplog):
+    """A linear quantized in some layers only (layer 1's o_proj and down_proj left out, as an
+    `ignore` list can) or in some of its fused parts only (layer 1's up_proj) loads dense; the
+    fully quantized q|k|v stays 4-bit."""
+    def which(nm):
+        skip = ("layers.1.self_attn.o_proj", "layers.1.mlp.down_proj", "layers.1.mlp.up_proj")
+        return nm.endswith("_proj.weight") and not nm.startswith(tuple("model." + x for x in skip))
+
+    dense, q = _quantized_pair(tmp_path, "llama_tiny", which)
+    params = _same_logits(dense, q, caplog)
+    assert isinstance(params["layers"]["wqkv"], W4Linear)
+    for key in ("wo", "w_gate_up", "w_down"):
+        assert not isinstance(params["layers"][key], W4Linear), key
+    assert "some layers or parts only" in caplog.text and "o_proj" in caplog.text
+    assert "layers.*.mlp.gate_proj" in caplog.text  # the summary of what was dequantized
 
 
 def test_quantizing_a_quantized_checkpoint_is_an_error():

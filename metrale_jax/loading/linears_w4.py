@@ -4,19 +4,25 @@ Each part of a (possibly fused) linear is read into `quant.w4.W4Weight` by its f
 the parts are stacked along N (no padding: every row has its own group scales) and the layers on
 a leading axis, and the codes are packed two per byte (`quant.w4.pack_nibbles`). A module the
 checkpoint left unquantized (no `qweight` / `weight_packed` / `weight_scale_2`, e.g. an `ignore`d
-one) returns None and loads dense.
+one) returns None and loads dense; so does one that is 4-bit in some layers or parts only, or in
+formats / group sizes / act-orders that differ between them (`WeightReader.get` then dequantizes
+its 4-bit weights: it runs dense, with a warning, rather than not at all).
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from metrale_jax.errors import LoadError, UnsupportedDtypeError
+from metrale_jax.errors import LoadError
 from metrale_jax.layers.linear import W4Linear
 from metrale_jax.quant import w4 as q4
 
+log = logging.getLogger(__name__)
 
-class _Loader:
+
+class TensorLoader:
     """load(name) -> array (marked used); .has(name)."""
 
     def __init__(self, reader):
@@ -48,29 +54,32 @@ def _read_part(reader, name: str, n: int, k: int) -> q4.W4Weight | None:
     prefix = _prefix(name)
     if not reader.has(prefix + marker):
         return None
-    return read(_Loader(reader), prefix, n, k, reader.w4_scheme)
+    return read(TensorLoader(reader), prefix, n, k, reader.w4_scheme)
+
+
+def _dense(reader, names, why: str) -> None:
+    log.warning("%s: %s %s; loading %s dense (dequantized, the model dtype)", reader.origin, names, why,
+                "it" if len(names) == 1 else "them")
 
 
 def read_w4_linears(reader, num_layers: int, k: int, parts, desc: str = "") -> W4Linear | None:
-    """parts(i) -> [(HF weight name, N_j)] of layer i (as `WeightReader.linears`)."""
-    layers = []
-    for i in reader.progress(range(num_layers), desc):
-        got = [(name, _read_part(reader, name, n, k)) for name, n in parts(i)]
-        quantized = [w is not None for _, w in got]
-        if not any(quantized):
-            if i:
-                raise LoadError(f"{reader.origin}: {parts(i)[0][0]} is unquantized but layer 0's is 4-bit")
-            return None
-        if not all(quantized):
-            raise LoadError(f"{reader.origin}: the fused weights {[nm for nm, _ in got]} mix 4-bit and other tensors")
-        layers.append([w for _, w in got])
-    flat = [w for ws in layers for w in ws]
+    """parts(i) -> [(HF weight name, N_j)] of layer i (as `WeightReader.linears`); None: load it dense."""
     names = [name for name, _ in parts(0)]
+    if not reader.quantize_w4:
+        marker = q4.READERS[reader.w4_scheme.method][0]
+        quantized = {reader.has(_prefix(name) + marker) for i in range(num_layers) for name, _ in parts(i)}
+        if quantized != {True}:
+            if True in quantized:
+                _dense(reader, names, "are 4-bit in some layers or parts only")
+            return None
+    layers = [[_read_part(reader, name, n, k) for name, n in parts(i)]
+              for i in reader.progress(range(num_layers), desc)]
+    flat = [w for ws in layers for w in ws]
     kinds = {w.kind for w in flat}
     groups = {w.group_size for w in flat}
     if len(kinds) > 1 or len(groups) > 1:
-        raise UnsupportedDtypeError(f"{reader.origin}: {names} (all layers) mix formats or group sizes "
-                                    f"({sorted(kinds)}, {sorted(groups)}); one per linear is supported")
+        _dense(reader, names, f"mix 4-bit formats or group sizes ({sorted(kinds)}, {sorted(groups)})")
+        return None
     kind, group = kinds.pop(), groups.pop()
     sdt = {w.scales.dtype for w in flat}
     sdt = sdt.pop() if len(sdt) == 1 else np.dtype(np.float32)
@@ -78,9 +87,9 @@ def read_w4_linears(reader, num_layers: int, k: int, parts, desc: str = "") -> W
     for ws in layers:
         ps = [w.perm for w in ws]
         if any(p is not None for p in ps) and not all(p is not None and np.array_equal(p, ps[0]) for p in ps):
-            raise UnsupportedDtypeError(
-                f"{reader.origin}: the fused weights {names} have different act-order g_idx; fused parts must "
-                "share one (they read the same input)")
+            _dense(reader, names, "have different act-order g_idx (fused parts must share one: they read the "
+                   "same input)")
+            return None
         perms.append(ps[0])
     packed = np.stack([np.concatenate([q4.pack_nibbles(w.codes) for w in ws]) for ws in layers])  # u8[L, N, K/2]
     scales = np.stack([np.concatenate([w.scales.astype(sdt) for w in ws]) for ws in layers])  # [L, N, NG]

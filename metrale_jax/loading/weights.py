@@ -149,6 +149,7 @@ class WeightReader:
         self.sharder = sharder
         self._names = set(source.names()) if source is not None else set()
         self.used: set[str] = set()
+        self.dequantized_w4: list[str] = []  # 4-bit modules loaded dense (`_dequantized_w4`)
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -156,15 +157,8 @@ class WeightReader:
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
         """The tensor `name` as float32 numpy (or the target dtype if cast), checked against shape."""
         if name not in self._names:
-            if self.w4_scheme is not None and name.endswith(".weight"):
-                from metrale_jax.quant.w4 import READERS
-
-                if self.has(name[: -len("weight")] + READERS[self.w4_scheme.method][0]):
-                    raise UnsupportedDtypeError(
-                        f"{self.origin}: {name[: -len('.weight')]} is 4-bit ({self.w4_scheme.method}); 4-bit weights "
-                        "are supported in the decoder linears of Llama-family models only (not lm_head, embeddings, "
-                        "experts or other families' layers)")
-            raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
+            arr = self._dequantized_w4(name, shape)
+            return self.cast(arr) if cast else arr
         got = tuple(self.source.shape(name))
         if got != tuple(shape):
             raise TensorShapeError(
@@ -181,6 +175,24 @@ class WeightReader:
                 f"tensor {name!r} in {self.origin} has dtype {arr.dtype}; a float type was expected"
             )
         return self.cast(arr) if cast else arr.astype(np.float32)
+
+    def _dequantized_w4(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """f32 `shape` of a 4-bit checkpoint's weight that no 4-bit kernel reads (lm_head, MoE
+        experts, other families' layers, a linear quantized in some layers only): dequantized
+        here, named in `dequantized_w4`; MissingTensorError if the checkpoint has no such weight."""
+        from metrale_jax.quant.w4 import READERS, dequantize_w4
+
+        marker, read = READERS[self.w4_scheme.method] if self.w4_scheme is not None else (None, None)
+        prefix = name[: -len("weight")] if name.endswith(".weight") else None
+        if marker is None or prefix is None or not self.has(prefix + marker):
+            raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
+        if len(shape) != 2:
+            raise UnsupportedDtypeError(f"{self.origin}: {name} is 4-bit ({self.w4_scheme.method}) but is read "
+                                        f"as a {len(shape)}-D tensor {tuple(shape)}; 4-bit weights must be matrices")
+        from metrale_jax.loading.linears_w4 import TensorLoader
+
+        self.dequantized_w4.append(name[: -len(".weight")])
+        return dequantize_w4(read(TensorLoader(self), prefix, shape[0], shape[1], self.w4_scheme))
 
     def _scale_of(self, name: str) -> np.ndarray:
         scale = name + "_scale_inv"
