@@ -637,6 +637,93 @@ def test_linears_4bit_in_some_layers_or_parts_load_dense(tmp_path, caplog):
     assert "layers.*.mlp.gate_proj" in caplog.text  # the summary of what was dequantized
 
 
+@pytest.mark.parametrize("method", ["gptq", "gptq_act_order", "awq", "compressed-tensors", "ct_act_order", "nvfp4-ct"])
+@pytest.mark.parametrize("n,k", [(12, 12), (8, 30), (24, 64), (40, 16), (8, 13)])
+def test_readers_unpack_each_code(method, n, k):
+    """Each reader against codes packed one by one as the format documents them, on shapes that
+    are not multiples of a word (8 codes) along either axis: `codes`, and the scales / zeros /
+    permutation the reader keeps."""
+    rng = np.random.default_rng(n * k)
+    g = 2 if method == "nvfp4-ct" else 4
+    ng = -(-k // g)
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint32)
+    zeros = rng.integers(1, 16, (n, ng)).astype(np.uint32)
+    scales = rng.random((n, ng)).astype(np.float16)
+    g_idx = np.arange(k) // g
+    if method.endswith("act_order"):
+        g_idx = rng.permutation(g_idx)
+    perm = np.argsort(g_idx, kind="stable")
+    t = {}
+    if method.startswith("gptq"):  # qweight [K/8, N]: code k of column n in bits 4(k % 8) of word k // 8
+        qw = np.zeros((-(-k // 8), n), np.uint32)
+        qz = np.zeros((ng, -(-n // 8)), np.uint32)
+        for r in range(n):
+            for c in range(k):
+                qw[c // 8, r] |= np.uint32(codes[r, c] << (4 * (c % 8)))
+            for gi in range(ng):
+                qz[gi, r // 8] |= np.uint32((zeros[r, gi] - 1) << (4 * (r % 8)))
+        t = {"qweight": qw, "qzeros": qz, "scales": np.ascontiguousarray(scales.T), "g_idx": g_idx.astype(np.int32)}
+        scheme = q4.W4Scheme("gptq", g)
+    elif method == "awq":  # qweight [K, N/8]: nibble i of word c holds column 8c + ORDER[i]
+        order = [0, 2, 4, 6, 1, 3, 5, 7]
+        qw = np.zeros((k, -(-n // 8)), np.uint32)
+        qz = np.zeros((ng, -(-n // 8)), np.uint32)
+        for r in range(n):
+            nib = order.index(r % 8)
+            for c in range(k):
+                qw[c, r // 8] |= np.uint32(codes[r, c] << (4 * nib))
+            for gi in range(ng):
+                qz[gi, r // 8] |= np.uint32(zeros[r, gi] << (4 * nib))
+        t = {"qweight": qw, "qzeros": qz, "scales": np.ascontiguousarray(scales.T)}
+        scheme = q4.W4Scheme("awq", g)
+    elif method in ("compressed-tensors", "ct_act_order"):  # weight_packed [N, K/8], zero points [N/8, G]
+        wp = np.zeros((n, -(-k // 8)), np.uint32)
+        zp = np.zeros((-(-n // 8), ng), np.uint32)
+        for r in range(n):
+            for c in range(k):
+                wp[r, c // 8] |= np.uint32(codes[r, c] << (4 * (c % 8)))
+            for gi in range(ng):
+                zp[r // 8, gi] |= np.uint32(zeros[r, gi] << (4 * (r % 8)))
+        t = {"weight_packed": wp, "weight_zero_point": zp, "weight_scale": scales,
+             "weight_shape": np.array([n, k], np.int64), "weight_g_idx": g_idx.astype(np.int32)}
+        scheme = q4.W4Scheme("compressed-tensors", g)
+    else:  # NVFP4: bytes [N, K/2], element 2i in the low nibble
+        if k % 16:
+            pytest.skip("NVFP4 needs K % 16 == 0")
+        p = np.zeros((n, k // 2), np.uint8)
+        for r in range(n):
+            for c in range(k):
+                p[r, c // 2] |= np.uint8(codes[r, c] << (4 * (c % 2)))
+        t = {"weight_packed": p, "weight_scale": rng.random((n, k // 16)).astype(ml_dtypes.float8_e4m3fn),
+             "weight_global_scale": np.array([2.0], np.float32)}
+        scheme = q4.W4Scheme("nvfp4-ct", 16)
+    t = {"m." + name: (v.view(np.int32) if v.dtype == np.uint32 else v) for name, v in t.items()}
+
+    class Load:
+        def __call__(self, name):
+            return t[name]
+
+        def has(self, name):
+            return name in t
+
+    read = q4.READERS[scheme.method][1]
+    w = read(Load(), "m.", n, k, scheme)
+    assert w.shape == (n, k) and w.packed.shape == (n, -(-k // 2))
+    if method.endswith("act_order"):
+        np.testing.assert_array_equal(w.perm, perm)
+        np.testing.assert_array_equal(w.codes, codes[:, perm])
+    else:
+        assert w.perm is None
+        np.testing.assert_array_equal(w.codes, codes)
+    if method != "nvfp4-ct":
+        np.testing.assert_array_equal(w.zeros, zeros)
+        np.testing.assert_array_equal(w.scales, scales)
+        # dequantized in the checkpoint's column order, whatever the act-order
+        s32 = scales.astype(np.float32)
+        want = (codes.astype(np.float32) - zeros[:, g_idx]) * s32[:, g_idx]
+        np.testing.assert_allclose(q4.dequantize_w4(w), want, rtol=1e-6)
+
+
 def test_quantizing_a_quantized_checkpoint_is_an_error():
     with pytest.raises(ValueError, match="already quantized"):
         load_model(FIXTURES / "llama_awq_tiny", quantization="int4", show_progress=False)

@@ -2,7 +2,7 @@
 
 Each part of a (possibly fused) linear is read into `quant.w4.W4Weight` by its format's reader,
 the parts are stacked along N (no padding: every row has its own group scales) and the layers on
-a leading axis, and the codes are packed two per byte (`quant.w4.pack_nibbles`). A module the
+a leading axis (the codes two per byte, as `quant.w4.W4Weight` holds them). A module the
 checkpoint left unquantized (no `qweight` / `weight_packed` / `weight_scale_2`, e.g. an `ignore`d
 one) returns None and loads dense; so does one that is 4-bit in some layers or parts only, or in
 formats / group sizes / act-orders that differ between them (`WeightReader.get` then dequantizes
@@ -91,7 +91,7 @@ def read_w4_linears(reader, num_layers: int, k: int, parts, desc: str = "") -> W
                    "same input)")
             return None
         perms.append(ps[0])
-    packed = np.stack([np.concatenate([q4.pack_nibbles(w.codes) for w in ws]) for ws in layers])  # u8[L, N, K/2]
+    packed = np.stack([np.concatenate([w.packed for w in ws]) for ws in layers])  # u8[L, N, K/2]
     scales = np.stack([np.concatenate([w.scales.astype(sdt) for w in ws]) for ws in layers])  # [L, N, NG]
     zeros = row_scale = perm = None
     if kind == "int4":
