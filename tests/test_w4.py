@@ -724,6 +724,24 @@ def test_readers_unpack_each_code(method, n, k):
         np.testing.assert_allclose(q4.dequantize_w4(w), want, rtol=1e-6)
 
 
+def test_modelopt_hf_quant_config_json(tmp_path):
+    """ModelOpt exports that keep the quantization in hf_quant_config.json ({"producer", "quantization":
+    {"quant_algo", ...}}) instead of config.json load the same."""
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_nvfp4_modelopt_tiny", d)
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(cfg))
+    inner = {k: v for k, v in qc.items() if k not in ("producer", "quant_method")}
+    (d / "hf_quant_config.json").write_text(json.dumps({"producer": qc["producer"], "quantization": inner}))
+    g = np.load(d / "golden.npz")
+    model, params = load_model(d, dtype="float32", show_progress=False)
+    assert isinstance(params["layers"]["w_down"], W4Linear)
+    logits = np.asarray(model.forward(params, jnp.asarray(g["input_ids"][:1])))[0]
+    n = g["lengths"][0]
+    np.testing.assert_allclose(logits[:n], g["logits"][0, :n], atol=1e-3, rtol=1e-3)
+
+
 def test_quantizing_a_quantized_checkpoint_is_an_error():
     with pytest.raises(ValueError, match="already quantized"):
         load_model(FIXTURES / "llama_awq_tiny", quantization="int4", show_progress=False)

@@ -119,6 +119,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not cfg_path.is_file():
         raise ModelNotFoundError(f"{p} has no config.json and no .gguf file; it is not a checkpoint")
     config = read_json(cfg_path)
+    quant_path = p / "hf_quant_config.json"  # ModelOpt exports that keep their quantization beside config.json
+    if config.get("quantization_config") is None and quant_path.is_file():
+        config["quantization_config"] = {"quant_method": "modelopt", **read_json(quant_path)}
     gen_path = p / "generation_config.json"
     generation_config = read_json(gen_path) if gen_path.is_file() else {}
     tokenizer = Tokenizer.from_dir(p) if (p / "tokenizer.json").is_file() else None

