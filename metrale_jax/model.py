@@ -200,12 +200,12 @@ def load_model(
                 mtp_reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
                                           w4_scheme=w4_scheme)
                 params["mtp"] = _load_mtp(fam, cfg, mtp_reader, split_layers)
-                reader.dequantized_w4 += mtp_reader.dequantized_w4
-            if reader.dequantized_w4:
-                kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized_w4})
-                log.warning("%s: %d 4-bit weights run dense (dequantized to %s at load; the 4-bit kernels "
-                            "serve the decoder linears of Llama-family models): %s", path,
-                            len(reader.dequantized_w4), dtype, ", ".join(kinds))
+                reader.dequantized += mtp_reader.dequantized
+            if reader.dequantized:
+                kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized})
+                log.warning("%s: %d quantized weights run dense (dequantized to %s at load: the 4-bit and FP8 "
+                            "kernels serve other layers, or these scales): %s", path, len(reader.dequantized),
+                            dtype, ", ".join(kinds))
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
                                      {"source": str(ckpt.path), "dtype": dtype})

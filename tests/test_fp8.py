@@ -146,11 +146,10 @@ def test_check_fp8_weight_errors():
 
 def test_quantization_config():
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    assert check_fp8_quantization_config(qc) == (128, 128)
+    check_fp8_quantization_config(qc)
+    check_fp8_quantization_config({k: v for k, v in qc.items() if k != "weight_block_size"})  # per tensor
     for bad in (
         {**qc, "weight_block_size": [64, 64]},
-        {**qc, "weight_block_size": None},
-        {k: v for k, v in qc.items() if k != "weight_block_size"},
         {**qc, "quant_method": "awq"},
         {**qc, "fmt": "e5m2"},
     ):

@@ -131,6 +131,10 @@ def _edit(d, fn):
     t = {name: src.load(name) for name in src.names()}
     src.close()
     fn(t)
+    _write(d / "model.safetensors", t)
+
+
+def _write(path, t):
     header, blobs, off = {}, [], 0
     for name, a in t.items():
         raw = np.ascontiguousarray(a).tobytes()
@@ -139,7 +143,7 @@ def _edit(d, fn):
         off += len(raw)
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)
-    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    path.write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
 
 
 def test_missing_scale_is_an_error(fp8_copy):
@@ -173,4 +177,91 @@ def test_unsupported_block_size_is_an_error(fp8_copy):
     cfg["quantization_config"]["weight_block_size"] = [64, 64]
     (fp8_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedDtypeError, match=r"\[64, 64\]"):
+        load_model(fp8_copy)
+
+
+# ---- other FP8 checkpoints: per tensor, compressed-tensors (tensor, channel, block) ----------------
+_CT = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+       "ignore": ["lm_head"]}
+
+
+def _ct_config(strategy, **extra):
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy, **extra}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    return {**_CT, "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                 "input_activations": acts}}}
+
+
+def _scaled_fp8(w, per):
+    """Test-local FP8 of w f32[N, K] with one scale per tensor or per row: (w8, scale as stored, w8 * scale)."""
+    amax = np.abs(w).max() if per == "tensor" else np.abs(w).max(axis=1, keepdims=True)
+    s = (np.maximum(amax, 1e-12) / 448.0).astype(np.float32)
+    w8 = (w / s).astype(ml_dtypes.float8_e4m3fn)
+    return w8, (s.reshape(()) if per == "tensor" else s), w8.astype(np.float32) * s
+
+
+@pytest.mark.parametrize("fixture", ["llama_tiny", "qwen3_moe_tiny"])
+@pytest.mark.parametrize("kind", ["fp8_tensor", "ct_tensor", "ct_channel"])
+def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, caplog):
+    """Per-tensor FP8 (`quant_method: fp8` without blocks, compressed-tensors "tensor") stays FP8
+    (its scale is every block's); per-channel FP8 loads dequantized, with a warning. Both match a
+    dense checkpoint holding the same dequantized weights."""
+    per = kind.split("_")[1]
+    t = load_file(FIXTURES / fixture / "model.safetensors")
+    quant, dense = dict(t), dict(t)
+    for name, w in t.items():
+        if name.endswith("_proj.weight"):
+            w8, s, dense[name] = _scaled_fp8(w.astype(np.float32), per)
+            quant[name], quant[name[: -len("weight")] + "weight_scale"] = w8, s
+    cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"} if kind == "fp8_tensor" else _ct_config(per)
+    for sub, tensors, c in (("q", quant, dict(cfg, quantization_config=qc)), ("dense", dense, cfg)):
+        (tmp_path / sub).mkdir()
+        _write(tmp_path / sub / "model.safetensors", tensors)
+        (tmp_path / sub / "config.json").write_text(json.dumps(c))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 9)))
+    ref_model, ref = load_model(tmp_path / "dense", dtype="float32")
+    with caplog.at_level("WARNING"):
+        model, params = load_model(tmp_path / "q", dtype="float32")
+    np.testing.assert_allclose(np.asarray(model.forward(params, ids)), np.asarray(ref_model.forward(ref, ids)),
+                               rtol=1e-4, atol=1e-4)
+    assert isinstance(params["layers"]["wqkv"], Fp8Linear) == (per == "tensor")
+    if fixture == "qwen3_moe_tiny":
+        assert isinstance(params["layers"]["experts_down"], Fp8Linear) == (per == "tensor")
+    assert ("quantized weights run dense" in caplog.text) == (per == "channel")
+
+
+def test_compressed_tensors_fp8_blocks_match_weight_scale_inv(tmp_path):
+    """compressed-tensors' block FP8 (`weight_scale`, block_structure [128, 128]) is the
+    `weight_scale_inv` format under other names: the same logits as the fixture."""
+    d = tmp_path / "ct"
+    shutil.copytree(FP8, d)
+
+    def rename(t):
+        for name in [n for n in t if n.endswith(".weight_scale_inv")]:
+            t[name[: -len("_inv")]] = t.pop(name)
+
+    _edit(d, rename)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = _ct_config("block", block_structure=[128, 128])
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, params = load_model(d, dtype="float32")
+    _, ref = load_model(FP8, dtype="float32")
+    assert isinstance(params["layers"]["w_gate_up"], Fp8Linear)
+    ids = jnp.asarray(np.load(FP8 / "golden.npz")["input_ids"][:1])
+    np.testing.assert_array_equal(np.asarray(model.forward(params, ids)), np.asarray(model.forward(ref, ids)))
+
+
+@pytest.mark.parametrize("qc,match", [
+    (_ct_config("group", group_size=128), "strategy 'group'"),
+    (_ct_config("block", block_structure=[64, 64]), r"\[64, 64\]"),
+    ({**_ct_config("tensor"), "format": "int-quantized"}, "int-quantized"),
+    ({**_CT, "config_groups": {"a": _ct_config("tensor")["config_groups"]["group_0"],
+                               "b": {"format": "pack-quantized", "weights": {"num_bits": 4}}}}, "mixing FP8"),
+])
+def test_unsupported_fp8_variants_are_named(fp8_copy, qc, match):
+    cfg = json.loads((fp8_copy / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (fp8_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedDtypeError, match=match):
         load_model(fp8_copy)

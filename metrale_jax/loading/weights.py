@@ -149,7 +149,7 @@ class WeightReader:
         self.sharder = sharder
         self._names = set(source.names()) if source is not None else set()
         self.used: set[str] = set()
-        self.dequantized_w4: list[str] = []  # 4-bit modules loaded dense (`_dequantized_w4`)
+        self.dequantized: list[str] = []  # quantized (4-bit, FP8) weights loaded dense: `get`
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -167,9 +167,10 @@ class WeightReader:
         self.used.add(name)
         arr = np.asarray(self.source.load(name))
         if arr.dtype == FP8:
-            from metrale_jax.quant.fp8 import dequantize_fp8_block
+            from metrale_jax.quant.fp8 import dequantize_fp8
 
-            arr = dequantize_fp8_block(arr, self._scale_of(name))
+            arr = dequantize_fp8(arr, self._scale_of(name), name=name)
+            self.dequantized.append(name[: -len(".weight")] if name.endswith(".weight") else name)
         if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)):
             raise UnsupportedDtypeError(
                 f"tensor {name!r} in {self.origin} has dtype {arr.dtype}; a float type was expected"
@@ -179,7 +180,7 @@ class WeightReader:
     def _dequantized_w4(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """f32 `shape` of a 4-bit checkpoint's weight that no 4-bit kernel reads (lm_head, MoE
         experts, other families' layers, a linear quantized in some layers only): dequantized
-        here, named in `dequantized_w4`; MissingTensorError if the checkpoint has no such weight."""
+        here, named in `dequantized`; MissingTensorError if the checkpoint has no such weight."""
         from metrale_jax.quant.w4 import READERS, dequantize_w4
 
         marker, read = READERS[self.w4_scheme.method] if self.w4_scheme is not None else (None, None)
@@ -191,22 +192,34 @@ class WeightReader:
                                         f"as a {len(shape)}-D tensor {tuple(shape)}; 4-bit weights must be matrices")
         from metrale_jax.loading.linears_w4 import TensorLoader
 
-        self.dequantized_w4.append(name[: -len(".weight")])
+        self.dequantized.append(name[: -len(".weight")])
         return dequantize_w4(read(TensorLoader(self), prefix, shape[0], shape[1], self.w4_scheme))
 
+    def _scale_name(self, name: str) -> str:
+        """The scale tensor of FP8 weight `name`: `<name>_scale_inv` (block FP8) or `<module>.weight_scale`
+        (per-tensor FP8, compressed-tensors; `quant.fp8`)."""
+        for scale in (name + "_scale_inv", name[: -len("weight")] + "weight_scale"):
+            if scale in self._names:
+                return scale
+        raise MissingTensorError(f"FP8 tensor {name!r} in {self.origin} has no {name + '_scale_inv'!r} or "
+                                 "weight_scale")
+
     def _scale_of(self, name: str) -> np.ndarray:
-        scale = name + "_scale_inv"
-        if scale not in self._names:
-            raise MissingTensorError(f"FP8 tensor {name!r} in {self.origin} has no {scale!r}")
+        scale = self._scale_name(name)
         self.used.add(scale)
         return np.asarray(self.source.load(scale))
 
     def is_fp8(self, name: str) -> bool:
-        return name in self._names and np.dtype(self.source.dtype(name)) == FP8
+        """Whether `name` is an FP8 weight that stays FP8: its scales are block scales or one per
+        tensor (per-channel ones are dequantized by `get`)."""
+        if name not in self._names or np.dtype(self.source.dtype(name)) != FP8:
+            return False
+        n = self.source.shape(name)[0]
+        return not (n > 1 and tuple(self.source.shape(self._scale_name(name))) == (n, 1))  # per channel
 
     def fp8_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """(w8 f8[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]): as stored, or quantized now."""
-        from metrale_jax.quant.fp8 import check_fp8_weight, quantize_fp8_block
+        from metrale_jax.quant.fp8 import fp8_block_scales, quantize_fp8_block
 
         if not self.is_fp8(name):
             return quantize_fp8_block(self.get(name, shape))
@@ -215,7 +228,9 @@ class WeightReader:
             raise TensorShapeError(f"tensor {name!r} in {self.origin} has shape {got}, expected {tuple(shape)}")
         self.used.add(name)
         w8 = np.asarray(self.source.load(name))
-        return w8, check_fp8_weight(w8, self._scale_of(name), name=name)
+        if w8.dtype != FP8:
+            raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w8.dtype}")
+        return w8, fp8_block_scales(w8.shape, self._scale_of(name), name=self._scale_name(name))
 
     def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = "",
                 key: str = ""):

@@ -1,4 +1,5 @@
-"""FP8 e4m3 weights with 128x128 block scales, in the HF / DeepSeek-V3 `weight_scale_inv` format.
+"""FP8 e4m3 weights with 128x128 block scales, in the HF / DeepSeek-V3 `weight_scale_inv` format
+(and the per-tensor and per-channel FP8 of other checkpoints, read into it or dequantized).
 
 The format (DeepSeek-V3 `inference/kernel.py` `weight_dequant`, and HF transformers'
 `finegrained_fp8` integration, used by Qwen3-*-FP8 checkpoints):
@@ -8,6 +9,16 @@ The format (DeepSeek-V3 `inference/kernel.py` `weight_dequant`, and HF transform
   of blocks may be partial (N or K not a multiple of 128).
 * config.json: `quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128],
   "activation_scheme": "dynamic", ...}`.
+
+Other FP8 checkpoints store `weight_scale` (a multiplier too) beside `weight`:
+* `quant_method: "fp8"` without weight_block_size: one scale per tensor ([] or [1]);
+* compressed-tensors `float-quantized` (llm-compressor's FP8, e.g. the FP8-dynamic checkpoints):
+  strategy "tensor" ([1]), "block" ([ceil(N/128), ceil(K/128)], block_structure [128, 128]) or
+  "channel" ([N, 1]). Their activation schemes (dynamic per token, static input_scale) are not
+  used: activations stay bf16 or take this engine's own per-row scales.
+A per-tensor scale is a block scale repeated over every block, so those weights stay FP8 like
+block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so those weights
+are dequantized at load (`dequantize_fp8`) and run dense.
 
 The functions here run at load time on the host (numpy), but for `quantize_fp8_block`'s
 arithmetic, jitted on JAX's default device (numpy took 3.6 s for one 4,096 x 14,336 matrix on the
@@ -142,16 +153,76 @@ def dequantize_fp8_block(w8, scale_inv, block=FP8_BLOCK) -> np.ndarray:
     return w8.astype(np.float32) * _expand_scales(s, w8.shape, blk)
 
 
-def check_fp8_quantization_config(qc: Mapping) -> tuple[int, int]:
-    """Validates config.json's `quantization_config` for FP8 block-scaled weights; returns the block.
+def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | None:
+    """An FP8 weight's stored scale (module docstring: block [ceil(N/128), ceil(K/128)], tensor
+    [] / [1], or channel [N, 1]) as checked block scales f32[ceil(N/128), ceil(K/128)]; None for a
+    per-channel scale (not a block scale)."""
+    s_dtype = np.dtype(getattr(scale, "dtype", None))
+    if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
+        raise UnsupportedDtypeError(f"{name}: scale dtype {s_dtype} is not supported (float32, bfloat16, float16)")
+    want = fp8_scale_shape(w_shape)
+    shape = tuple(np.shape(scale))
+    s = np.asarray(scale).astype(np.float32)
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise CorruptCheckpointError(f"{name}: scales must be finite and > 0")
+    if shape == want:
+        return s
+    if s.size == 1:
+        return np.full(want, s.reshape(()), np.float32)
+    if shape == (int(w_shape[0]), 1):
+        return None
+    raise TensorShapeError(f"{name}: scale shape {shape} fits weight {tuple(w_shape)} neither as 128x128 block "
+                           f"scales {want}, one scale per tensor, nor one per output channel [N, 1]")
 
-    Accepted: quant_method "fp8", weight_block_size [128, 128], fmt (if given) "e4m3", and any
-    activation_scheme (activations stay bf16 here: the kernels are w8a16). Anything else raises
-    UnsupportedDtypeError, including per-tensor FP8 (no weight_block_size).
+
+def dequantize_fp8(w8, scale, *, name: str = "weight") -> np.ndarray:
+    """w8 float8_e4m3fn[N, K] times its stored scale (block, tensor or channel: `fp8_block_scales`) -> f32[N, K]."""
+    blocks = fp8_block_scales(np.shape(w8), scale, name=name)
+    if blocks is not None:
+        return dequantize_fp8_block(w8, blocks)
+    if np.dtype(w8.dtype) != FP8_DTYPE:
+        raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w8.dtype}")
+    return np.asarray(w8).astype(np.float32) * np.asarray(scale).astype(np.float32)
+
+
+def _ct_fp8_group(name: str, g: Mapping) -> None:
+    w = g.get("weights") or {}
+    if w.get("num_bits") != 8 or w.get("type") != "float":
+        raise UnsupportedDtypeError(f"compressed-tensors {name}: float-quantized weights must be 8-bit floats; got "
+                                    f"{w.get('num_bits')}-bit {w.get('type')!r}")
+    if w.get("dynamic"):
+        raise UnsupportedDtypeError(f"compressed-tensors {name}: dynamic weight quantization is not supported")
+    strategy = w.get("strategy")
+    if strategy == "block":
+        _check_block(w.get("block_structure"))
+    elif strategy not in ("tensor", "channel"):
+        raise UnsupportedDtypeError(f"compressed-tensors {name}: FP8 weight strategy {strategy!r} is not supported "
+                                    "('tensor', 'channel' or 'block')")
+
+
+def check_fp8_quantization_config(qc: Mapping) -> None:
+    """Validates config.json's `quantization_config` for FP8 weights.
+
+    Accepted: quant_method "fp8" with fmt (if given) "e4m3" and weight_block_size [128, 128] or none
+    (per tensor); compressed-tensors "float-quantized" with 8-bit float weights per tensor, per
+    channel or in [128, 128] blocks. Any activation scheme (activations are not read as FP8 from
+    the checkpoint). Anything else raises UnsupportedDtypeError.
     """
     if not isinstance(qc, Mapping):
         raise UnsupportedDtypeError(f"quantization_config must be a mapping; got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if not groups:
+            raise UnsupportedDtypeError("quantization_config: compressed-tensors config has no config_groups")
+        for name, g in groups.items():
+            fmt = g.get("format", qc.get("format"))
+            if fmt != "float-quantized":
+                raise UnsupportedDtypeError(
+                    f"compressed-tensors format {fmt!r} ({name}) is not supported ('float-quantized' FP8, "
+                    "'pack-quantized' W4A16 or 'nvfp4-pack-quantized')")
+            _ct_fp8_group(name, g)
+        return
     if method != "fp8":
         raise UnsupportedDtypeError(
             f"quantization_config.quant_method {method!r} is not supported ('fp8', 'gptq', 'awq', "
@@ -159,8 +230,5 @@ def check_fp8_quantization_config(qc: Mapping) -> tuple[int, int]:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise UnsupportedDtypeError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
-    if qc.get("weight_block_size") is None:
-        raise UnsupportedDtypeError(
-            "quantization_config has no weight_block_size: per-tensor FP8 is not supported, only [128, 128] blocks"
-        )
-    return _check_block(qc["weight_block_size"])
+    if qc.get("weight_block_size") is not None:
+        _check_block(qc["weight_block_size"])

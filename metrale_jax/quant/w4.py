@@ -224,11 +224,16 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
     return None
 
 
-def _parse_ct(qc: Mapping) -> W4Scheme:
+def _parse_ct(qc: Mapping) -> W4Scheme | None:
     fmt = qc.get("format")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise _err("compressed-tensors config has no config_groups")
+    fp8 = [g.get("format", fmt) == "float-quantized" for g in groups.values()]
+    if all(fp8):
+        return None  # FP8 (quant.fp8.check_fp8_quantization_config)
+    if any(fp8):
+        raise _err("compressed-tensors config_groups mixing FP8 and 4-bit weights are not supported")
     schemes = []
     for name, g in groups.items():
         w = g.get("weights") or {}
