@@ -215,7 +215,7 @@ class WeightReader:
         if name not in self._names or np.dtype(self.source.dtype(name)) != FP8:
             return False
         n = self.source.shape(name)[0]
-        return not (n > 1 and tuple(self.source.shape(self._scale_name(name))) == (n, 1))  # per channel
+        return not (n > 1 and tuple(self.source.shape(self._scale_name(name))) in ((n, 1), (n,)))  # per channel
 
     def fp8_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """(w8 f8[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]): as stored, or quantized now."""

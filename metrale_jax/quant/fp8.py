@@ -14,7 +14,10 @@ Other FP8 checkpoints store `weight_scale` (a multiplier too) beside `weight`:
 * `quant_method: "fp8"` without weight_block_size: one scale per tensor ([] or [1]);
 * compressed-tensors `float-quantized` (llm-compressor's FP8, e.g. the FP8-dynamic checkpoints):
   strategy "tensor" ([1]), "block" ([ceil(N/128), ceil(K/128)], block_structure [128, 128]) or
-  "channel" ([N, 1]). Their activation schemes (dynamic per token, static input_scale) are not
+  "channel" ([N, 1]);
+* NVIDIA ModelOpt (`quant_method: "modelopt"`), quant_algo "FP8" (per tensor) or
+  "FP8_PER_CHANNEL_PER_TOKEN" (per channel, [N] or [N, 1]).
+Their activation schemes (dynamic per token, static input_scale) are not
   used: activations stay bf16 or take this engine's own per-row scales.
 A per-tensor scale is a block scale repeated over every block, so those weights stay FP8 like
 block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so those weights
@@ -42,6 +45,7 @@ FP8_BLOCK: tuple[int, int] = (128, 128)
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")  # ModelOpt's FP8 quant_algos: per tensor, per channel
 
 
 def _check_block(block) -> tuple[int, int]:
@@ -155,7 +159,7 @@ def dequantize_fp8_block(w8, scale_inv, block=FP8_BLOCK) -> np.ndarray:
 
 def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | None:
     """An FP8 weight's stored scale (module docstring: block [ceil(N/128), ceil(K/128)], tensor
-    [] / [1], or channel [N, 1]) as checked block scales f32[ceil(N/128), ceil(K/128)]; None for a
+    [] / [1], or channel [N, 1] / [N]) as checked block scales f32[ceil(N/128), ceil(K/128)]; None for a
     per-channel scale (not a block scale)."""
     s_dtype = np.dtype(getattr(scale, "dtype", None))
     if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
@@ -169,10 +173,10 @@ def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | No
         return s
     if s.size == 1:
         return np.full(want, s.reshape(()), np.float32)
-    if shape == (int(w_shape[0]), 1):
+    if shape in ((int(w_shape[0]), 1), (int(w_shape[0]),)):
         return None
     raise TensorShapeError(f"{name}: scale shape {shape} fits weight {tuple(w_shape)} neither as 128x128 block "
-                           f"scales {want}, one scale per tensor, nor one per output channel [N, 1]")
+                           f"scales {want}, one scale per tensor, nor one per output channel ([N] or [N, 1])")
 
 
 def dequantize_fp8(w8, scale, *, name: str = "weight") -> np.ndarray:
@@ -182,7 +186,7 @@ def dequantize_fp8(w8, scale, *, name: str = "weight") -> np.ndarray:
         return dequantize_fp8_block(w8, blocks)
     if np.dtype(w8.dtype) != FP8_DTYPE:
         raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w8.dtype}")
-    return np.asarray(w8).astype(np.float32) * np.asarray(scale).astype(np.float32)
+    return np.asarray(w8).astype(np.float32) * np.asarray(scale).astype(np.float32).reshape(-1, 1)
 
 
 def _ct_fp8_group(name: str, g: Mapping) -> None:
@@ -205,12 +209,17 @@ def check_fp8_quantization_config(qc: Mapping) -> None:
 
     Accepted: quant_method "fp8" with fmt (if given) "e4m3" and weight_block_size [128, 128] or none
     (per tensor); compressed-tensors "float-quantized" with 8-bit float weights per tensor, per
-    channel or in [128, 128] blocks. Any activation scheme (activations are not read as FP8 from
-    the checkpoint). Anything else raises UnsupportedDtypeError.
+    channel or in [128, 128] blocks; ModelOpt's `MODELOPT_FP8`. Any activation scheme (activations
+    are not read as FP8 from the checkpoint). Anything else raises UnsupportedDtypeError.
     """
     if not isinstance(qc, Mapping):
         raise UnsupportedDtypeError(f"quantization_config must be a mapping; got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method == "modelopt":
+        algo = qc.get("quantization", qc).get("quant_algo")
+        if algo not in MODELOPT_FP8:
+            raise UnsupportedDtypeError(f"ModelOpt quant_algo {algo!r} is not supported")
+        return
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
         if not groups:

@@ -55,7 +55,7 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
-from metrale_jax.quant.fp8 import exact_div
+from metrale_jax.quant.fp8 import MODELOPT_FP8, exact_div
 
 FP4_GROUP = 16  # NVFP4's scale block (elements along K)
 INT4_GROUP = 128  # quantize_int4's group
@@ -215,8 +215,10 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
     if method == "modelopt":
         inner = qc.get("quantization", qc)
         algo = inner.get("quant_algo")
+        if algo in MODELOPT_FP8:
+            return None  # FP8 (quant.fp8.check_fp8_quantization_config)
         if algo != "NVFP4":
-            raise _err(f"ModelOpt quant_algo {algo!r} is not supported (only 'NVFP4')")
+            raise _err(f"ModelOpt quant_algo {algo!r} is not supported ('NVFP4', {', '.join(map(repr, MODELOPT_FP8))})")
         g = int(inner.get("group_size", FP4_GROUP))
         if g != FP4_GROUP:
             raise _err(f"ModelOpt NVFP4 group_size {g} is not supported (only {FP4_GROUP})")
