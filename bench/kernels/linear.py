@@ -23,6 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import argparse  # noqa: E402
 import concurrent.futures
+import dataclasses
 import datetime
 import gc
 import json
@@ -39,6 +40,7 @@ import numpy as np
 from pallas_kernels.linear import SkinnyParams, skinny_matmul, skinny_matmul_fp8
 from pallas_kernels.linear.params import tuned_key
 from pallas_kernels.linear.skinny_mgpu import (
+    STACK_MAX_M,
     MgpuParams,
     skinny_matmul_fp8_mgpu,
     skinny_matmul_mgpu,
@@ -77,6 +79,7 @@ MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
 # W8A8 (FP8 x FP8 wgmma, x as two FP8 terms quantized per row and 128-column group)
 MGPU_W8A8 = [MgpuParams(64, 128, 6), MgpuParams(128, 128, 4), MgpuParams(64, 128, 6, split_k=2),
              MgpuParams(128, 128, 4, split_k=2)]
+MGPU_W8A8 += [dataclasses.replace(p, stack_terms=True) for p in MGPU_W8A8]  # (up to 32 rows; the same past)
 
 
 def _p(p) -> str:
@@ -84,7 +87,7 @@ def _p(p) -> str:
         tag = "".join(t for t, on in (("_scale-acc", not p.fp8_scale_on_x), ("_f16", p.fp8_f16_dot),
                                       ("_gemv", p.gemv)) if on)
         return f"bn{p.block_n}_bk{p.block_k}_s{p.split_k}_w{p.num_warps}_st{p.num_stages}{tag}"
-    return f"bn{p.block_n}_bk{p.block_k}_st{p.max_concurrent_steps}_s{p.split_k}"
+    return f"bn{p.block_n}_bk{p.block_k}_st{p.max_concurrent_steps}_s{p.split_k}{'_stack' if p.stack_terms else ''}"
 
 
 def _xla_nk(x, w):
@@ -220,7 +223,7 @@ def _jobs(m, weights):
             for p in MGPU_FP8:
                 jobs.append((name, "mgpu_fp8", p, lambda x, w, s, p=p: skinny_matmul_fp8_mgpu(x, w, s, params=p),
                              wd["w8"], ex8))
-            for p in MGPU_W8A8:  # x quantized (two FP8 terms) inside the timed call
+            for p in (p for p in MGPU_W8A8 if m <= STACK_MAX_M or not p.stack_terms):  # x quantized in the call
                 jobs.append((name, "mgpu_w8a8_fp8", p,
                              lambda x, w, s, p=p: skinny_matmul_w8a8_mgpu(x, w, s, params=p), wd["w8"], ex8))
     return jobs

@@ -37,6 +37,7 @@ from pallas_kernels.linear.params import FP8_BLOCK
 
 MAX_M = 64
 _ROWS = 64  # wgmma M: x tiles are 64 rows (zero-filled past M)
+STACK_MAX_M = _ROWS // 2  # `stack_terms`: x's two FP8 terms as the two halves of one 64-row tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +50,17 @@ class MgpuParams:
       swizzle; FP8: exactly 128, one scale per step).
     max_concurrent_steps: pipeline depth (TMA loads in flight per CTA).
     split_k: CTAs along K per output tile (> 1 adds an XLA reduction of f32 partials).
+    stack_terms: W8A8 with at most `STACK_MAX_M` rows: x's two FP8 terms go in as the two halves
+      of one 64-row tile (hi in rows 0..M-1, lo in rows 32..32+M-1), so each step runs one wgmma,
+      as one FP8 term did, instead of two; the halves' f32 products are added once, at the end.
+      Off until measured on the H200 (the one-term kernel's 16-32-row times are its expectation).
     """
 
     block_n: int = 64
     block_k: int = 128
     max_concurrent_steps: int = 4
     split_k: int = 1
+    stack_terms: bool = False
 
     def __post_init__(self):
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -114,31 +120,47 @@ def _body(x_gmem, w_gmem, *refs, m, k, params: MgpuParams, steps_per_split: int,
     _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1)
 
 
-def _store(acc, o_gmem, *, m: int, bn: int, split: bool):
+def _store(acc, o_gmem, *, m: int, bn: int, split: bool, halves: bool = False):
     """The first m rows of this CTA's f32[64, BN] tile into o_gmem [M, N] (or its split's
-    f32[S, M, N] slice) by TMA; columns past N are clipped."""
+    f32[S, M, N] slice) by TMA; columns past N are clipped. halves: the tile's row r and row 32 + r
+    are two parts of output row r (`MgpuParams.stack_terms`), added in f32 first."""
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
+    dst = (o_gmem.at[si] if split else o_gmem).at[:, pl.ds(ni * bn, bn)]
+    if halves:
+        half = _ROWS // 2
+
+        @functools.partial(pl.run_scoped, f_smem=plgpu.SMEM((_ROWS, bn), jnp.float32),
+                           o_smem=plgpu.SMEM((half, bn), o_gmem.dtype))
+        def _(f_smem, o_smem):
+            f_smem[...] = acc
+            plgpu.commit_smem()  # (a warpgroup barrier too: rows other threads wrote are read next)
+            o_smem[...] = (f_smem[pl.ds(0, half)] + f_smem[pl.ds(half, half)]).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, m)], dst)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return
 
     @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, bn), o_gmem.dtype))
     def _(o_smem):
         o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
-        dst = o_gmem.at[si] if split else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, m)], dst.at[:, pl.ds(ni * bn, bn)])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, m)], dst)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _body_w8a8(xh_gmem, xl_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, params: MgpuParams,
-                steps_per_split: int):
-    """xh_gmem, xl_gmem float8[M, K]: x's two FP8 terms (`quantize_rows_fp8`; x = (hi + lo) times
-    the scale of its row's 128-column group), w_gmem float8[N, K], sx_gmem f32[KB, 64] (the group
-    scales, transposed, rows past M zero), sw_gmem f32[NB, KB], o_gmem [M, N] | f32[S, M, N].
+def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
+    """refs: x's terms, w_gmem float8[N, K], sx_gmem f32[KB, 64] (x's group scales, transposed, a
+    row per x tile row, zero past x's rows), sw_gmem f32[NB, KB], o_gmem [M, N] | f32[S, M, N].
+    x's terms: xh_gmem, xl_gmem float8[M, K] (`quantize_rows_fp8`; x = (hi + lo) times the scale
+    of its row's 128-column group), or with `stack_terms` one float8[32 + M, K], hi then lo
+    (`_stacked`).
 
-    Each K step of 128 runs the FP8 x FP8 wgmma of both terms into one fresh accumulator and adds
+    Each K step of 128 runs the FP8 x FP8 wgmma of the terms into one fresh accumulator and adds
     it to the running f32 tile times (x's row scales of that group) x (W's block scale): the block
     scales change every 128 columns, so the products are scaled per step (DeepGEMM's promotion),
     in registers."""
+    *x_gmems, w_gmem, sx_gmem, sw_gmem, o_gmem = refs
     bn = params.block_n
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
@@ -146,12 +168,13 @@ def _body_w8a8(xh_gmem, xl_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, para
     nb = (ni * bn) // FP8_BLOCK
     last_kb = -(-k // FP8_BLOCK) - 1
 
-    def step(idx, xh_smem, xl_smem, w_smem, sx_smem, acc):
+    def step(idx, *smem):
+        *x_smems, w_smem, sx_smem, acc = smem
         kb = jnp.minimum(k_step0 + idx[0], last_kb)  # past-K steps read zeros (x and its scales)
 
         def part(acc_ref):
-            plgpu.wgmma(acc_ref, xh_smem, w_smem.transpose((1, 0)))
-            plgpu.wgmma(acc_ref, xl_smem, w_smem.transpose((1, 0)))
+            for x_smem in x_smems:
+                plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
             return acc_ref[...]  # waits for the wgmmas: the step's tiles can be released after it
 
         prod = pl.run_scoped(part, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
@@ -164,20 +187,22 @@ def _body_w8a8(xh_gmem, xl_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *, m, k, para
         step,
         grid=(steps_per_split,),
         in_specs=[
-            x_spec,
-            x_spec,
+            *[x_spec] * len(x_gmems),
             plgpu.BlockSpec((bn, FP8_BLOCK), lambda kk: (ni, k_step0 + kk)),
             plgpu.BlockSpec((1, _ROWS), lambda kk: (k_step0 + kk, 0)),
         ],
         max_concurrent_steps=params.max_concurrent_steps,
         init_carry=acc0,
-    )(xh_gmem, xl_gmem, w_gmem, sx_gmem)
-    _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1)
+    )(*x_gmems, w_gmem, sx_gmem)
+    _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1, halves=len(x_gmems) == 1)
 
 
 def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool, x_scales=None, out_dtype=None):
-    """x_scales (W8A8): x is a pair of float8[M, K] terms and these are their f32[KB, 64] group scales."""
+    """x_scales (W8A8): x is a tuple of x's float8 terms (`_body_w8a8`) and these are their f32[KB, 64]
+    group scales (with `stack_terms`, one array of 32 + M rows)."""
     m, k = (x[0] if x_scales is not None else x).shape
+    if params.stack_terms and x_scales is not None:
+        m -= STACK_MAX_M
     n = w.shape[0]
     fp8 = scale_inv is not None
     w8a8 = x_scales is not None
@@ -301,6 +326,15 @@ def w8a8_params_for(n: int, k: int) -> MgpuParams:
     return MgpuParams(block_n=64, block_k=FP8_BLOCK, max_concurrent_steps=6, split_k=split)
 
 
+def _stacked(x8, sx, m: int):
+    """`quantize_rows_fp8`'s (hi, lo) f8[M, K] and f32[KB, 64] for `stack_terms` (M <= 32, a
+    multiple of 8): x f8[32 + M, K] (hi in rows 0..M-1, zeros, lo from row 32) and the scales of
+    those rows."""
+    hi, lo = x8
+    xs = jnp.concatenate([jnp.pad(hi, ((0, STACK_MAX_M - m), (0, 0))), lo])
+    return (xs,), jnp.concatenate([sx[:, :STACK_MAX_M], sx[:, :STACK_MAX_M]], axis=1)
+
+
 def w8a8_supports(m: int, n: int, k: int) -> bool:
     """Whether `skinny_matmul_w8a8_mgpu` takes x [m, k] and W [n, k] (see `_check`)."""
     return 1 <= m <= MAX_M and k % FP8_BLOCK == 0 and n % 8 == 0
@@ -313,6 +347,14 @@ def skinny_matmul_w8a8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = Non
     (`quantize_rows_fp8`), which keep it to about bf16's precision, so the result equals the
     W8A16 kernel's up to bf16 rounding; W never leaves FP8."""
     params = _check_fp8(x, w8, scale_inv, params or w8a8_params_for(*w8.shape), "skinny_matmul_w8a8_mgpu")
-    x8, sx = quantize_rows_fp8(x)
-    return _call(x8, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret, x_scales=sx,
-                 out_dtype=x.dtype)
+    m = x.shape[0]
+    stack = params.stack_terms and m <= STACK_MAX_M
+    params = dataclasses.replace(params, stack_terms=stack)
+    # TMA: x's and y's rows past one 8-row tile must be whole tiles (M = 12 or 20 failed to lower)
+    mp = -(-m // 8) * 8 if m > 8 or stack else m
+    x8, sx = quantize_rows_fp8(jnp.pad(x, ((0, mp - m), (0, 0))))
+    if stack:
+        x8, sx = _stacked(x8, sx, mp)
+    y = _call(x8, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret, x_scales=sx,
+              out_dtype=x.dtype)
+    return y[:m] if mp != m else y
