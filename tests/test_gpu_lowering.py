@@ -41,9 +41,9 @@ def _h200_mesh():
     return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200)
 
 
-def _lower_steps(model, params, **kernels) -> dict[str, str]:
-    """StableHLO text of each BUCKETS step with the GPU's default kernels (`kernels` set over them),
-    lowered for an H200."""
+def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
+    """StableHLO text of each step of `buckets` with the GPU's default kernels (`kernels` set over
+    them), lowered for an H200."""
     attn = dataclasses.replace(default_kernels(on_gpu=True), **kernels)
     if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
         params = split_layers(params)
@@ -56,7 +56,7 @@ def _lower_steps(model, params, **kernels) -> dict[str, str]:
     builder = BuilderConfig(block_size=16, max_blocks_per_seq=8, vocab_size=model.cfg.vocab_size, max_suppress_ids=4)
     mesh = _h200_mesh()
     out = {}
-    for bucket in BUCKETS:
+    for bucket in buckets:
         lay = packed_layout(builder, bucket)
         args = (p, state, sds((lay.num_i32,), jnp.int32), sds((lay.num_f32,), jnp.float32), sds((8,), jnp.int32),
                 sds((bucket.num_sample_rows, -(-model.cfg.vocab_size // 32)), jnp.int32))
@@ -81,6 +81,20 @@ def test_default_gpu_steps_lower_for_h200(name):
         assert kind == "verify" or "stablehlo.while" not in text, (name, kind)
     if "fp8" in name or "nvfp4" in name or "gptq" in name:  # the weight-streaming decode kernel
         assert "skinny_matmul" in texts["decode"] or "_w4_kernel" in texts["decode"], name
+
+
+def test_fp8_w8a8_steps_lower_at_any_rows():
+    """FP8 linears of 9-64 rows take the W8A8 kernel (Mosaic GPU, TMA): decode steps of 20 rows
+    (the last default bucket of max_num_seqs=20) and verify steps of 4 rows with 2 drafts (12)
+    are not whole 8-row TMA tiles, which failed to lower before the kernel padded them."""
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+               rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    model, params = random_model(cfg, dtype="bfloat16", seed=0, quantization="fp8")
+    texts = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=20),
+                                                 StepBucket("verify", num_seqs=4, num_spec=2)))
+    for kind, text in texts.items():
+        assert "skinny_matmul_w8a8_mgpu" in text, kind
 
 
 def test_mosaic_prefill_lowers_for_h200():
