@@ -203,8 +203,8 @@ def load_model(
                 reader.dequantized += mtp_reader.dequantized
             if reader.dequantized:
                 kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized})
-                log.warning("%s: %d quantized weights run dense (dequantized to %s at load: the 4-bit and FP8 "
-                            "kernels serve other layers, or these scales): %s", path, len(reader.dequantized),
+                log.warning("%s: %d quantized weights run dense, dequantized to %s at load (no 4-bit or FP8 "
+                            "kernel here takes these layers or scales): %s", path, len(reader.dequantized),
                             dtype, ", ".join(kinds))
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
