@@ -193,6 +193,8 @@ def _np_quantize_rows(x):
     (17, 264, 256, MgpuParams(block_n=64, block_k=128, split_k=3)),  # a split past K's 2 steps
     (12, 200, 384, MgpuParams(block_n=64, block_k=128, stack_terms=True)),  # both terms in one tile
     (29, 136, 640, MgpuParams(block_n=128, block_k=128, split_k=2, stack_terms=True)),
+    (64, 136, 640, MgpuParams(128, 256, 3, split_k=2)),  # two groups a step, 5 in all
+    (3, 200, 384, MgpuParams(block_n=64, block_k=256, stack_terms=True)),
 ])
 def test_w8a8_mgpu_interpret(m, n, k, params):
     """FP8 x FP8 wgmma with x as two FP8 terms quantized per row and 128-column group: equal to
@@ -384,7 +386,10 @@ def test_lowers_for_h200():
                            (12, 6144, 4096, MgpuParams(block_n=64)), (20, 4096, 14336, MgpuParams(128, split_k=2)),
                            (1, 6144, 4096, MgpuParams(block_n=64, stack_terms=True)),
                            (12, 6144, 4096, MgpuParams(block_n=64, stack_terms=True)),
-                           (32, 4096, 14336, MgpuParams(block_n=128, split_k=2, stack_terms=True))):
+                           (32, 4096, 14336, MgpuParams(block_n=128, split_k=2, stack_terms=True)),
+                           # two 128-column groups a step (block_k 256), K of an odd number of groups
+                           (64, 4096, 14336, MgpuParams(64, 256, 4)), (12, 256, 384, MgpuParams(64, 256)),
+                           (16, 6144, 4096, MgpuParams(128, 256, 4, split_k=2, stack_terms=True))):
             skinny_matmul_w8a8_mgpu.trace(
                 sds((m, k), jnp.bfloat16), sds((n, k), jnp.float8_e4m3fn), sds((n // B, k // B), jnp.float32),
                 params=p,
@@ -441,14 +446,16 @@ def test_mgpu_gpu_unsupported_shape_raises(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [12, 20, 32])
 def test_w8a8_gpu_any_rows_and_stacked_terms(m):
-    """W8A8 at rows that are not whole 8-row TMA tiles (padded; they failed to lower before) and
-    with x's two terms stacked in one tile (`MgpuParams.stack_terms`), against exact x."""
+    """W8A8 at rows that are not whole 8-row TMA tiles (padded; they failed to lower before), with
+    x's two terms stacked in one tile (`MgpuParams.stack_terms`) and with two groups a step
+    (block_k 256), against exact x."""
     rng = np.random.default_rng(m)
     n, k = 4096, 4096
     x = _bf16(rng, (m, k))
     w8, s = _fp8_weight(rng, n, k)
     want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
-    for p in (None, MgpuParams(stack_terms=True), MgpuParams(block_n=128, split_k=2, stack_terms=True)):
+    for p in (None, MgpuParams(stack_terms=True), MgpuParams(block_n=128, split_k=2, stack_terms=True),
+              MgpuParams(block_k=256), MgpuParams(block_n=128, block_k=256, split_k=2, stack_terms=True)):
         y = skinny_matmul_w8a8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=p)
         assert y.shape == (m, n) and _rows_rel_err(y, want) < 8e-3, p
 

@@ -79,7 +79,11 @@ MGPU_FP8 = [MgpuParams(64, 128, 6), MgpuParams(64, 128, 6, split_k=2)]
 # W8A8 (FP8 x FP8 wgmma, x as two FP8 terms quantized per row and 128-column group)
 MGPU_W8A8 = [MgpuParams(64, 128, 6), MgpuParams(128, 128, 4), MgpuParams(64, 128, 6, split_k=2),
              MgpuParams(128, 128, 4, split_k=2)]
-MGPU_W8A8 += [dataclasses.replace(p, stack_terms=True) for p in MGPU_W8A8]  # (up to 32 rows; the same past)
+# two 128-column groups a step (the first's scaling beside the second's wgmma; shared memory holds 4
+# steps of 64-row tiles, 3 of 128-row ones), and x's two terms stacked in one tile (up to 32 rows)
+MGPU_W8A8 += [MgpuParams(64, 256, 4), MgpuParams(128, 256, 3), MgpuParams(64, 256, 4, split_k=2),
+              MgpuParams(128, 256, 3, split_k=2)]
+MGPU_W8A8 += [dataclasses.replace(p, stack_terms=True) for p in MGPU_W8A8]
 
 
 def _p(p) -> str:

@@ -47,7 +47,9 @@ class MgpuParams:
     block_n: W rows per CTA (a multiple of 8 up to 256 for bf16; 64 or 128 for FP8, whose
       register dequantization uses the WGMMA layout).
     block_k: K columns per pipeline step (bf16: a multiple of 64, i.e. 128-byte rows for the
-      swizzle; FP8: exactly 128, one scale per step).
+      swizzle; FP8: exactly 128, one scale per step; W8A8: 128, or 256, two 128-column groups a
+      step, each into its own accumulator, the first group's scaling beside the second's wgmma;
+      256 is off until measured on the H200).
     max_concurrent_steps: pipeline depth (TMA loads in flight per CTA).
     split_k: CTAs along K per output tile (> 1 adds an XLA reduction of f32 partials).
     stack_terms: W8A8 with at most `STACK_MAX_M` rows: x's two FP8 terms go in as the two halves
@@ -70,11 +72,11 @@ class MgpuParams:
         if self.max_concurrent_steps < 1 or self.split_k < 1:
             raise ValueError(f"{self.max_concurrent_steps=} and {self.split_k=} must be >= 1")
 
-    def check_fp8(self):
+    def check_fp8(self, w8a8: bool = False):
         if self.block_n not in (64, 128):
             raise ValueError(f"FP8 needs block_n 64 or 128; got {self.block_n}")
-        if self.block_k != FP8_BLOCK:
-            raise ValueError(f"FP8 needs block_k == {FP8_BLOCK}; got {self.block_k}")
+        if self.block_k not in ((FP8_BLOCK, 2 * FP8_BLOCK) if w8a8 else (FP8_BLOCK,)):
+            raise ValueError(f"FP8 needs block_k == {FP8_BLOCK} (W8A8: or {2 * FP8_BLOCK}); got {self.block_k}")
 
 
 def _body(x_gmem, w_gmem, *refs, m, k, params: MgpuParams, steps_per_split: int, fp8: bool):
@@ -156,12 +158,15 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
     of its row's 128-column group), or with `stack_terms` one float8[32 + M, K], hi then lo
     (`_stacked`).
 
-    Each K step of 128 runs the FP8 x FP8 wgmma of the terms into one fresh accumulator and adds
-    it to the running f32 tile times (x's row scales of that group) x (W's block scale): the block
-    scales change every 128 columns, so the products are scaled per step (DeepGEMM's promotion),
-    in registers."""
+    Each 128-column group of K runs the FP8 x FP8 wgmma of the terms into a fresh accumulator,
+    added to the running f32 tile times (x's row scales of that group) x (W's block scale): the
+    block scales change every 128 columns, so the products are scaled per group (DeepGEMM's
+    promotion), in registers. A step of two groups (block_k 256) issues both groups' wgmmas into
+    two accumulators, then scales the first while the second runs."""
     *x_gmems, w_gmem, sx_gmem, sw_gmem, o_gmem = refs
     bn = params.block_n
+    groups = params.block_k // FP8_BLOCK
+    row = plgpu.Layout.WGMMA.reduce(1)
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
     k_step0 = si * steps_per_split
@@ -170,26 +175,39 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
 
     def step(idx, *smem):
         *x_smems, w_smem, sx_smem, acc = smem
-        kb = jnp.minimum(k_step0 + idx[0], last_kb)  # past-K steps read zeros (x and its scales)
 
-        def part(acc_ref):
-            for x_smem in x_smems:
-                plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-            return acc_ref[...]  # waits for the wgmmas: the step's tiles can be released after it
+        def scale(g):  # f32[64, BN]: x's row scales of group g of this step times W's block scale
+            kb = jnp.minimum((k_step0 + idx[0]) * groups + g, last_kb)  # past K: x and its scales read zeros
+            return lax.broadcast_in_dim(plgpu.load(sx_smem.at[g], (), layout=row) * sw_gmem[nb, kb], (_ROWS, bn),
+                                        [0])
 
-        prod = pl.run_scoped(part, plgpu.ACC((_ROWS, bn)))  # f32[64, BN]
-        sx = plgpu.load(sx_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))  # f32[64]
-        return acc + prod * lax.broadcast_in_dim(sx * sw_gmem[nb, kb], (_ROWS, bn), [0])
+        def part(*accs):
+            for g, acc_ref in enumerate(accs):
+                cols = pl.ds(g * FP8_BLOCK, FP8_BLOCK)
+                for x_smem in x_smems:
+                    x_g, w_g = (x_smem, w_smem) if groups == 1 else (x_smem.at[:, cols], w_smem.at[:, cols])
+                    plgpu.wgmma(acc_ref, x_g, w_g.transpose((1, 0)))
+            out = acc
+            for g, acc_ref in enumerate(accs):
+                s = scale(g)
+                # wait for group g's wgmmas only (one committed group per wgmma; the later groups'
+                # run on); the last load waits for all: the step's tiles can be released after it
+                later = len(x_smems) * (groups - 1 - g)
+                out = out + plgpu.wgmma_accumulator_load(acc_ref, wait_n=later) * s
+            return out
+
+        return pl.run_scoped(part, *[plgpu.ACC((_ROWS, bn))] * groups)  # f32[64, BN]
 
     acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA)
-    x_spec = plgpu.BlockSpec((_ROWS, FP8_BLOCK), lambda kk: (0, k_step0 + kk))
+    bk = params.block_k
+    x_spec = plgpu.BlockSpec((_ROWS, bk), lambda kk: (0, k_step0 + kk))
     acc = plgpu.emit_pipeline(
         step,
         grid=(steps_per_split,),
         in_specs=[
             *[x_spec] * len(x_gmems),
-            plgpu.BlockSpec((bn, FP8_BLOCK), lambda kk: (ni, k_step0 + kk)),
-            plgpu.BlockSpec((1, _ROWS), lambda kk: (k_step0 + kk, 0)),
+            plgpu.BlockSpec((bn, bk), lambda kk: (ni, k_step0 + kk)),
+            plgpu.BlockSpec((groups, _ROWS), lambda kk: (k_step0 + kk, 0)),
         ],
         max_concurrent_steps=params.max_concurrent_steps,
         init_carry=acc0,
@@ -272,7 +290,7 @@ def skinny_matmul_fp8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = None
     return _call(x, w8, scale_inv.astype(jnp.float32), params=params, interpret=interpret)
 
 
-def _check_fp8(x, w8, scale_inv, params: MgpuParams | None, name: str) -> MgpuParams:
+def _check_fp8(x, w8, scale_inv, params: MgpuParams | None, name: str, w8a8: bool = False) -> MgpuParams:
     """`_check` for FP8 weights, their block scales f32[ceil(N/128), K/128], and the params (or the default)."""
     _check(x, w8, name, jnp.float8_e4m3fn)
     n, k = w8.shape
@@ -280,7 +298,7 @@ def _check_fp8(x, w8, scale_inv, params: MgpuParams | None, name: str) -> MgpuPa
     if scale_inv.shape != want:
         raise ValueError(f"{name}: scale_inv shape {scale_inv.shape} must be {want}")
     params = params or _default(True)
-    params.check_fp8()
+    params.check_fp8(w8a8)
     return params
 
 
@@ -346,7 +364,7 @@ def skinny_matmul_w8a8_mgpu(x, w8, scale_inv, *, params: MgpuParams | None = Non
     on the FP8 tensor cores: x goes in as two FP8 terms scaled per row and 128-column group
     (`quantize_rows_fp8`), which keep it to about bf16's precision, so the result equals the
     W8A16 kernel's up to bf16 rounding; W never leaves FP8."""
-    params = _check_fp8(x, w8, scale_inv, params or w8a8_params_for(*w8.shape), "skinny_matmul_w8a8_mgpu")
+    params = _check_fp8(x, w8, scale_inv, params or w8a8_params_for(*w8.shape), "skinny_matmul_w8a8_mgpu", True)
     m = x.shape[0]
     stack = params.stack_terms and m <= STACK_MAX_M
     params = dataclasses.replace(params, stack_terms=stack)
