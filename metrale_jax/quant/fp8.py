@@ -17,8 +17,8 @@ Other FP8 checkpoints store `weight_scale` (a multiplier too) beside `weight`:
   "channel" ([N, 1]);
 * NVIDIA ModelOpt (`quant_method: "modelopt"`), quant_algo "FP8" (per tensor) or
   "FP8_PER_CHANNEL_PER_TOKEN" (per channel, [N] or [N, 1]).
-Their activation schemes (dynamic per token, static input_scale) are not
-  used: activations stay bf16 or take this engine's own per-row scales.
+Their activation schemes (dynamic per token, static input_scale) are not used: activations stay
+bf16 or take this engine's own per-row scales.
 A per-tensor scale is a block scale repeated over every block, so those weights stay FP8 like
 block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so those weights
 are dequantized at load (`dequantize_fp8`) and run dense.
@@ -159,8 +159,8 @@ def dequantize_fp8_block(w8, scale_inv, block=FP8_BLOCK) -> np.ndarray:
 
 def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | None:
     """An FP8 weight's stored scale (module docstring: block [ceil(N/128), ceil(K/128)], tensor
-    [] / [1], or channel [N, 1] / [N]) as checked block scales f32[ceil(N/128), ceil(K/128)]; None for a
-    per-channel scale (not a block scale)."""
+    [] / [1], or channel [N, 1] / [N]) as checked block scales f32[ceil(N/128), ceil(K/128)];
+    None for a per-channel scale (not a block scale)."""
     s_dtype = np.dtype(getattr(scale, "dtype", None))
     if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
         raise UnsupportedDtypeError(f"{name}: scale dtype {s_dtype} is not supported (float32, bfloat16, float16)")
