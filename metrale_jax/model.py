@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from metrale_jax.cache import EngineState
 from metrale_jax.cache.kv import init_kv_cache, kv_bytes_per_block
 from metrale_jax.config import ModelConfig
+from metrale_jax.errors import LoadError
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
 from metrale_jax.models import family_for
@@ -195,17 +196,20 @@ def load_model(
                                   quantize_fp8=quantization == "fp8", split_layers=split_layers,
                                   w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization),
                                   sharder=sharder)
-            params = fam.load_params(cfg, reader)
+            try:
+                params = fam.load_params(cfg, reader)
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e) or not reader.dequantized:
+                    raise
+                raise LoadError(f"{path}: out of device memory while loading, with {_dense_summary(reader, dtype)}; "
+                                "the dense copies of those weights do not fit") from e
             if mtp:
                 mtp_reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
                                           w4_scheme=w4_scheme)
                 params["mtp"] = _load_mtp(fam, cfg, mtp_reader, split_layers)
                 reader.dequantized += mtp_reader.dequantized
             if reader.dequantized:
-                kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized})
-                log.warning("%s: %d quantized weights run dense, dequantized to %s at load (no 4-bit or FP8 "
-                            "kernel here takes these layers or scales): %s", path, len(reader.dequantized),
-                            dtype, ", ".join(kinds))
+                log.warning("%s: %s", path, _dense_summary(reader, dtype))
             if cache_dir is not None:
                 orbax_io.save_params(host_stacked(params) if split_layers else params, cache_dir,
                                      {"source": str(ckpt.path), "dtype": dtype})
@@ -217,6 +221,13 @@ def load_model(
     log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
              time.perf_counter() - t0)
     return model, params
+
+
+def _dense_summary(reader, dtype: str) -> str:
+    """What `WeightReader.dequantized` lists, in a line: how many, and which layers (indices as *)."""
+    kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized})
+    return (f"{len(reader.dequantized)} quantized weights dequantized to {dtype} at load, to run dense (no 4-bit "
+            f"or FP8 kernel here takes these layers or scales): {', '.join(kinds)}")
 
 
 def _load_mtp(fam, cfg: ModelConfig, reader, split_layers: bool) -> dict:

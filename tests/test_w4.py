@@ -611,11 +611,27 @@ def test_4bit_weights_outside_the_kernels_load_dense(tmp_path, name, caplog):
 
     dense, q = _quantized_pair(tmp_path, name, which)
     params = _same_logits(dense, q, caplog)
-    assert "quantized weights run dense" in caplog.text and "lm_head" in caplog.text
+    assert "to run dense" in caplog.text and "lm_head" in caplog.text
     assert "experts.*.down_proj" in caplog.text
     if name == "qwen3_moe_tiny":  # its attention linears are Llama's: the 4-bit kernels'
         assert isinstance(params["layers"]["wqkv"], W4Linear) and isinstance(params["layers"]["wo"], W4Linear)
         assert "self_attn" not in caplog.text
+
+
+def test_dense_copies_that_do_not_fit_are_named(tmp_path, monkeypatch):
+    """Out of device memory while placing weights that were dequantized (e.g. a 4-bit MoE whose
+    experts only fit packed): a LoadError that says so, not the bare allocator error."""
+    from metrale_jax.errors import LoadError
+    from metrale_jax.loading.weights import WeightReader
+
+    _, q = _quantized_pair(tmp_path, "qwen3_moe_tiny", lambda nm: "experts" in nm)
+
+    def oom(self, tree):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
+
+    monkeypatch.setattr(WeightReader, "to_device", oom)
+    with pytest.raises(LoadError, match=r"out of device memory .* 48 quantized weights .*experts\.\*\.down_proj"):
+        load_model(q, dtype="float32", show_progress=False)
 
 
 def test_linears_4bit_in_some_layers_or_parts_load_dense(tmp_path, caplog):
