@@ -4,6 +4,9 @@ loads them), in GB/s of parameters placed on the device. The first load warms th
 the second is the figure (bar: >= 2 GB/s).
 
     python bench/load_speed.py --shape llama3-8b --num-layers 8 --dir /tmp/ckpt_llama8l
+    python bench/load_speed.py --gptq --dir /tmp/ckpt_llama8l_gptq     # the layers' linears 4-bit GPTQ
+
+(4-bit: GB/s of the packed parameters placed, less than the checkpoint's bytes read.)
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ def main() -> int:
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--dir", type=Path, required=True)
     p.add_argument("--out", default=None)
+    p.add_argument("--gptq", action="store_true", help="the layers' linears 4-bit (random_checkpoint.py --gptq)")
     a = p.parse_args()
     if not (a.dir / "model.safetensors").exists():
         t = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "bench" / "random_checkpoint.py"), "--shape", a.shape,
-                        "--num-layers", str(a.num_layers), "--out", str(a.dir)], check=True)
+                        "--num-layers", str(a.num_layers), "--out", str(a.dir)] + ["--gptq"] * a.gptq, check=True)
         print(f"wrote the checkpoint in {time.perf_counter() - t:.1f}s", flush=True)
     import jax
 
@@ -47,7 +51,8 @@ def main() -> int:
         del params
         print(f"load_model: {nbytes / 1e9:.2f} GB in {dt:.2f}s = {nbytes / 1e9 / dt:.2f} GB/s", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps(dict(shape=a.shape, num_layers=a.num_layers, runs=runs), indent=1))
+        Path(a.out).write_text(json.dumps(dict(shape=a.shape, num_layers=a.num_layers, gptq=a.gptq, runs=runs,
+                                               device=str(jax.devices()[0]), jax=jax.__version__), indent=1))
     return 0
 
 

@@ -85,14 +85,16 @@ def test_default_gpu_steps_lower_for_h200(name):
 
 def test_fp8_w8a8_steps_lower_at_any_rows():
     """FP8 linears of 9-64 rows take the W8A8 kernel (Mosaic GPU, TMA): decode steps of 20 rows
-    (the last default bucket of max_num_seqs=20) and verify steps of 4 rows with 2 drafts (12)
-    are not whole 8-row TMA tiles, which failed to lower before the kernel padded them."""
+    (the last default bucket of max_num_seqs=20), verify steps of 4 rows with 2 drafts (12) and a
+    mixed step of 4 decode rows beside 32 prompt tokens (36) are not whole 8-row TMA tiles, which
+    failed to lower before the kernel padded them."""
     cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
     model, params = random_model(cfg, dtype="bfloat16", seed=0, quantization="fp8")
     texts = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=20),
-                                                 StepBucket("verify", num_seqs=4, num_spec=2)))
+                                                 StepBucket("verify", num_seqs=4, num_spec=2),
+                                                 StepBucket("mixed", num_seqs=4, num_tokens=32, num_streams=1)))
     for kind, text in texts.items():
         assert "skinny_matmul_w8a8_mgpu" in text, kind
 
