@@ -99,6 +99,19 @@ def test_fp8_w8a8_steps_lower_at_any_rows():
         assert "skinny_matmul_w8a8_mgpu" in text, kind
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_the_attention_kernels_do_not_take(head_dim):
+    """A head_dim that is not a power of two: every step still lowers for the H200 (before, the
+    attention kernels' check stopped it), attention through XLA's reference, the rest Pallas."""
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+               rms_norm_eps=1e-6, rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    model, params = random_model(cfg, dtype="bfloat16", seed=0)
+    for kind, text in _lower_steps(model, params).items():
+        assert "paged_decode_attention" not in text and "paged_prefill_attention" not in text, kind
+        assert "rope_and_write_kv" in text, kind  # (the Pallas K/V write pads D to a power of two)
+
+
 def test_mosaic_prefill_lowers_for_h200():
     """head_dim 64, bf16 pools: the prefill and mixed steps take the Mosaic GPU prefill kernel; the
     verify step takes the decode kernel (`paged_verify_attention`), or the Mosaic kernel with

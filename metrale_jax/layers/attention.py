@@ -219,8 +219,16 @@ def _kernel_call(kernel, q, cache: KVCache, layer, tables: tuple, cfg: Attention
     return call(q, cache.k, cache.v, layer, tables, scales)
 
 
+def _pallas_takes(q, cache) -> bool:
+    """Whether the Pallas attention kernels take this model's heads (a head_dim of 80 or 96, say,
+    is not a power of two: the XLA reference runs those; static shapes, decided at trace time)."""
+    from pallas_kernels.paged_attention.common import pools_supported
+
+    return pools_supported(q, cache.k, cache.v)
+
+
 def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
-    if cfg.use_pallas:
+    if cfg.use_pallas and _pallas_takes(q, cache):
         from pallas_kernels.paged_attention import paged_decode_attention
 
         kernel = functools.partial(paged_decode_attention, sm_scale=scale, sliding_window=cfg.sliding_window,
@@ -230,7 +238,7 @@ def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
 
 
 def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
-    if cfg.use_pallas:
+    if cfg.use_pallas and _pallas_takes(q, cache):
         from pallas_kernels.paged_attention import (
             paged_prefill_attention,
             paged_verify_attention,

@@ -46,6 +46,16 @@ def check_pools(q, k_pool, v_pool, k_scale, v_scale):
     return num_layers, num_blocks, block_size, hkv, d
 
 
+def pools_supported(q, k_pool, v_pool) -> bool:
+    """Whether the Triton attention kernels take q and the pools (`check_pools`: head_dim a power of
+    two >= 16, the GQA group <= 64, ...); the caller runs the XLA reference otherwise."""
+    try:
+        check_pools(q, k_pool, v_pool, None, None)
+    except ValueError:
+        return False
+    return True
+
+
 def check_ragged(q, block_tables, cu_seqlens, kv_lens, sliding_window):
     """Validates the ragged-prefill arguments: q [T, Hq, D], block_tables [B, MB], cu_seqlens
     [B+1], kv_lens [B], sliding_window None or >= 1."""
