@@ -1005,8 +1005,9 @@ class LLMEngine:
         if seq.grammar_error is not None:
             # the mask allowed nothing but what the grammar rejects (e.g. min_tokens banned the EOS of
             # a finished grammar): stop rather than go on unconstrained
+            why = seq.grammar_error.strip().splitlines()[0][:200] if seq.grammar_error.strip() else "rejected"
             log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
-                        seq.request.request_id, t, seq.grammar_error)
+                        seq.request.request_id, t, why)  # (one line: llguidance's errors carry the grammar)
             finish = "abort"
         if finish is None and n_out >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:
