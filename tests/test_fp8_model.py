@@ -204,8 +204,9 @@ def _scaled_fp8(w, per):
 @pytest.mark.parametrize("kind", ["fp8_tensor", "ct_tensor", "ct_channel", "modelopt_tensor", "modelopt_channel"])
 def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, caplog):
     """Per-tensor FP8 (`quant_method: fp8` without blocks, compressed-tensors "tensor", ModelOpt "FP8") stays FP8
-    (its scale is every block's); per-channel FP8 loads dequantized, with a warning. Both match a
-    dense checkpoint holding the same dequantized weights."""
+    (its scale is every block's); per-channel FP8 linears stay FP8 with `col_scale`, per-channel
+    MoE experts load dequantized, with a warning. All match a dense checkpoint holding the same
+    dequantized weights."""
     per = kind.split("_")[1]
     t = load_file(FIXTURES / fixture / "model.safetensors")
     quant, dense = dict(t), dict(t)
@@ -229,10 +230,39 @@ def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, cap
         model, params = load_model(tmp_path / "q", dtype="float32")
     np.testing.assert_allclose(np.asarray(model.forward(params, ids)), np.asarray(ref_model.forward(ref, ids)),
                                rtol=1e-4, atol=1e-4)
-    assert isinstance(params["layers"]["wqkv"], Fp8Linear) == (per == "tensor")
-    if fixture == "qwen3_moe_tiny":
+    wqkv = params["layers"]["wqkv"]  # linears stay FP8 either way: per-channel scales as col_scale
+    assert isinstance(wqkv, Fp8Linear) and (wqkv.col_scale is not None) == (per == "channel")
+    if fixture == "qwen3_moe_tiny":  # the FP8 experts take block scales only: per-channel ones run dense
         assert isinstance(params["layers"]["experts_down"], Fp8Linear) == (per == "tensor")
-    assert ("to run dense" in caplog.text) == (per == "channel")
+    assert ("to run dense" in caplog.text) == (per == "channel" and fixture == "qwen3_moe_tiny")
+    if fixture == "llama_tiny":  # streamed a layer at a time (`LayerStack`, the GPU engine's load): the same arrays
+        from metrale_jax.layers.stack import host_stacked
+
+        _, split = load_model(tmp_path / "q", dtype="float32", split_layers=True)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(host_stacked(split)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("m", [1, 24])
+def test_per_channel_fp8_through_the_kernels(m):
+    """`Fp8Linear.col_scale` (per-channel FP8, block scales 1) on the kernel path (the W8A16 kernel
+    at 1 row, W8A8 at 24; interpret mode) and on XLA's, against float64."""
+    from metrale_jax.layers.linear import matmul_f32
+
+    rng = np.random.default_rng(m)
+    n, k = 200, 256
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.uniform(-4, 4, (n, 1)))).astype(np.float32)
+    w8, s, deq = _scaled_fp8(w, "channel")
+    w8p = np.zeros((256, k), ml_dtypes.float8_e4m3fn)
+    w8p[:n] = w8
+    col = np.ones(256, np.float32)
+    col[:n] = s[:, 0]
+    lin = Fp8Linear(jnp.asarray(w8p), jnp.ones((2, 2), jnp.float32), ((0, n),), col_scale=jnp.asarray(col))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ deq.astype(np.float64).T
+    for y in (matmul_f32(x, lin), matmul_f32(x, use_fp8_kernel(lin, interpret=True))):
+        assert y.shape == (m, n)
+        assert float(np.linalg.norm(np.asarray(y) - want) / np.linalg.norm(want)) < 8e-3
 
 
 def test_compressed_tensors_fp8_blocks_match_weight_scale_inv(tmp_path):

@@ -50,6 +50,9 @@ class Fp8Linear:
     use_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)  # the kernel on CPU (tests)
     w8a8: bool = dataclasses.field(metadata=dict(static=True), default=False)  # 9-64 rows: the W8A8 kernel
+    # f32[..., N_pad] | None: per-output-channel scales (per-channel FP8 checkpoints, whose block
+    # scales are then 1), applied to the product's columns
+    col_scale: jax.Array | None = None
 
     @property
     def n_out(self) -> int:
@@ -88,9 +91,11 @@ class W4Linear:
 
 
 def dequantize(w: Fp8Linear, dtype) -> jax.Array:
-    """-> [N_pad, K] in `dtype`: each element times its block's scale."""
+    """-> [N_pad, K] in `dtype`: each element times its block's scale (and its row's `col_scale`)."""
     n_pad, k = w.w8.shape[-2:]
     s = jnp.repeat(jnp.repeat(w.scale_inv, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n_pad, :k]
+    if w.col_scale is not None:
+        s = s * w.col_scale[..., None]
     return (w.w8.astype(jnp.float32) * s).astype(dtype)
 
 
@@ -120,6 +125,8 @@ def matmul_f32(x: jax.Array, w) -> jax.Array:
         if kernel is not None:
             y = kernel(x.reshape(m, x.shape[-1]), w.w8, w.scale_inv, interpret=w.interpret)
             y = y.reshape(x.shape[:-1] + (-1,)).astype(jnp.float32)  # bf16[M, N_pad] -> f32[..., N_pad]
+            if w.col_scale is not None:  # (the kernels take block scales only)
+                y = y * w.col_scale
         else:
             y = jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
         if len(w.segments) > 1 or w.segments[0] != (0, y.shape[-1]):

@@ -209,13 +209,18 @@ class WeightReader:
         self.used.add(scale)
         return np.asarray(self.source.load(scale))
 
-    def is_fp8(self, name: str) -> bool:
-        """Whether `name` is an FP8 weight that stays FP8: its scales are block scales or one per
-        tensor (per-channel ones are dequantized by `get`)."""
+    def fp8_kind(self, name: str) -> str | None:
+        """"block" for an FP8 weight with block scales or one per tensor, "channel" for one with a
+        scale per output channel ([N] or [N, 1]; `quant.fp8`), None for any other tensor."""
         if name not in self._names or np.dtype(self.source.dtype(name)) != FP8:
-            return False
+            return None
         n = self.source.shape(name)[0]
-        return not (n > 1 and tuple(self.source.shape(self._scale_name(name))) in ((n, 1), (n,)))  # per channel
+        return "channel" if n > 1 and tuple(self.source.shape(self._scale_name(name))) in ((n, 1), (n,)) else "block"
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether `name` is an FP8 weight with block scales (or one per tensor): what the FP8
+        experts take (`loading/experts_fp8.py`); linears take per-channel ones too (`linears`)."""
+        return self.fp8_kind(name) == "block"
 
     def fp8_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """(w8 f8[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]): as stored, or quantized now."""
@@ -232,12 +237,24 @@ class WeightReader:
             raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w8.dtype}")
         return w8, fp8_block_scales(w8.shape, self._scale_of(name), name=self._scale_name(name))
 
+    def fp8_channel_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """(w8 f8[N, K], scale f32[N]) of a per-channel FP8 weight (`fp8_kind` "channel")."""
+        from metrale_jax.quant.fp8 import fp8_channel_scales
+
+        got = tuple(self.source.shape(name))
+        if got != tuple(shape):
+            raise TensorShapeError(f"tensor {name!r} in {self.origin} has shape {got}, expected {tuple(shape)}")
+        self.used.add(name)
+        return np.asarray(self.source.load(name)), fp8_channel_scales(self._scale_of(name), shape[0],
+                                                                      name=self._scale_name(name))
+
     def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = "",
                 key: str = ""):
         """One (possibly fused) linear per layer, stacked: parts(i) lists layer i's checkpoint
         weights [N_j, K] in output order. -> f[L, K, sum N_j], or an `Fp8Linear` when the
         checkpoint stores these weights in FP8 (or with quantize_fp8). key: its name in the
-        parameter tree (for the tensor-parallel placement while streaming)."""
+        parameter tree (for the tensor-parallel placement while streaming). Per-channel FP8 parts
+        stay FP8 too: their codes with block scales of 1 and the channel scales as `col_scale`."""
         if self.w4_scheme is not None or self.quantize_w4:
             from metrale_jax.loading.linears_w4 import read_w4_linears
 
@@ -245,9 +262,13 @@ class WeightReader:
             if w4 is not None:
                 return w4
         first = [name for name, _ in parts(0)]
-        fp8 = self.quantize_fp8 or self.is_fp8(first[0])
-        if fp8 and not self.quantize_fp8 and not all(self.is_fp8(n) for n in first):
+        kinds = {self.fp8_kind(n) for n in first}
+        fp8 = self.quantize_fp8 or kinds != {None}
+        if fp8 and not self.quantize_fp8 and None in kinds:
             raise LoadError(f"{self.origin}: the fused weights {first} mix FP8 and non-FP8 tensors")
+        channel = not self.quantize_fp8 and kinds == {"channel"}  # per-channel FP8: `Fp8Linear.col_scale`
+        if fp8 and len(kinds) > 1 and not self.quantize_fp8:  # block and per-channel parts: `get` dequantizes
+            fp8 = False
         sizes = [n for _, n in parts(0)]
         if not fp8:
             out = self.stacked(num_layers, (k, sum(sizes)), key)
@@ -260,12 +281,19 @@ class WeightReader:
         w8 = self.stacked(num_layers, (sum(padded), k), (key, "w8"), dtype=FP8, fill=0)
         scale = self.stacked(num_layers, (sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), (key, "scale_inv"),
                              dtype=np.float32, fill=1)
+        col = None
+        if channel:
+            col = self.stacked(num_layers, (sum(padded),), (key, "col_scale"), dtype=np.float32, fill=1)
         for i in self.progress(range(num_layers), desc):
             for (name, n), start in zip(parts(i), starts):
+                if channel:  # the codes as stored, block scales 1, the channel scales after the product
+                    w8[i, start:start + n], col[i, start:start + n] = self.fp8_channel_weight(name, (n, k))
+                    scale[i, start // FP8_BLOCK] = 1.0  # (a write: a streamed `LayerStack` places written layers)
+                    continue
                 q, s = self.fp8_weight(name, (n, k))
                 w8[i, start:start + n] = q
                 scale[i, start // FP8_BLOCK:start // FP8_BLOCK + s.shape[0]] = s
-        return Fp8Linear(w8, scale, tuple(zip(starts, sizes)))
+        return Fp8Linear(w8, scale, tuple(zip(starts, sizes)), col_scale=col)
 
     def cast(self, arr: np.ndarray) -> np.ndarray:
         """arr in the model dtype, contiguous (arr itself, maybe a read-only view, if it already is)."""

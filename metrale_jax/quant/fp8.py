@@ -20,8 +20,10 @@ Other FP8 checkpoints store `weight_scale` (a multiplier too) beside `weight`:
 Their activation schemes (dynamic per token, static input_scale) are not used: activations stay
 bf16 or take this engine's own per-row scales.
 A per-tensor scale is a block scale repeated over every block, so those weights stay FP8 like
-block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so those weights
-are dequantized at load (`dequantize_fp8`) and run dense.
+block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so linears keep
+those codes with block scales of 1 and multiply the product's columns by the channel scales
+(`layers.linear.Fp8Linear.col_scale`), and anything else (MoE experts) is dequantized at load
+(`dequantize_fp8`) and runs dense.
 
 The functions here run at load time on the host (numpy), but for `quantize_fp8_block`'s
 arithmetic, jitted on JAX's default device (numpy took 3.6 s for one 4,096 x 14,336 matrix on the
@@ -177,6 +179,19 @@ def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | No
         return None
     raise TensorShapeError(f"{name}: scale shape {shape} fits weight {tuple(w_shape)} neither as 128x128 block "
                            f"scales {want}, one scale per tensor, nor one per output channel ([N] or [N, 1])")
+
+
+def fp8_channel_scales(scale, n: int, *, name: str = "weight_scale") -> np.ndarray:
+    """A per-channel FP8 scale ([N] or [N, 1], float32 / bfloat16 / float16) checked -> f32[N]."""
+    s_dtype = np.dtype(getattr(scale, "dtype", None))
+    if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
+        raise UnsupportedDtypeError(f"{name}: scale dtype {s_dtype} is not supported (float32, bfloat16, float16)")
+    if tuple(np.shape(scale)) not in ((n, 1), (n,)):
+        raise TensorShapeError(f"{name}: shape {tuple(np.shape(scale))}, expected per-channel [{n}] or [{n}, 1]")
+    s = np.asarray(scale).astype(np.float32).reshape(n)
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise CorruptCheckpointError(f"{name}: scales must be finite and > 0")
+    return s
 
 
 def dequantize_fp8(w8, scale, *, name: str = "weight") -> np.ndarray:
