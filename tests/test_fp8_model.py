@@ -204,9 +204,8 @@ def _scaled_fp8(w, per):
 @pytest.mark.parametrize("kind", ["fp8_tensor", "ct_tensor", "ct_channel", "modelopt_tensor", "modelopt_channel"])
 def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, caplog):
     """Per-tensor FP8 (`quant_method: fp8` without blocks, compressed-tensors "tensor", ModelOpt "FP8") stays FP8
-    (its scale is every block's); per-channel FP8 linears stay FP8 with `col_scale`, per-channel
-    MoE experts load dequantized, with a warning. All match a dense checkpoint holding the same
-    dequantized weights."""
+    (its scale is every block's); per-channel FP8 linears and experts stay FP8 with `col_scale`.
+    All match a dense checkpoint holding the same dequantized weights."""
     per = kind.split("_")[1]
     t = load_file(FIXTURES / fixture / "model.safetensors")
     quant, dense = dict(t), dict(t)
@@ -230,11 +229,11 @@ def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, cap
         model, params = load_model(tmp_path / "q", dtype="float32")
     np.testing.assert_allclose(np.asarray(model.forward(params, ids)), np.asarray(ref_model.forward(ref, ids)),
                                rtol=1e-4, atol=1e-4)
-    wqkv = params["layers"]["wqkv"]  # linears stay FP8 either way: per-channel scales as col_scale
-    assert isinstance(wqkv, Fp8Linear) and (wqkv.col_scale is not None) == (per == "channel")
-    if fixture == "qwen3_moe_tiny":  # the FP8 experts take block scales only: per-channel ones run dense
-        assert isinstance(params["layers"]["experts_down"], Fp8Linear) == (per == "tensor")
-    assert ("to run dense" in caplog.text) == (per == "channel" and fixture == "qwen3_moe_tiny")
+    # linears and experts stay FP8 either way: per-channel scales as col_scale
+    for key in ("wqkv", "experts_down") if fixture == "qwen3_moe_tiny" else ("wqkv",):
+        w = params["layers"][key]
+        assert isinstance(w, Fp8Linear) and (w.col_scale is not None) == (per == "channel"), key
+    assert "to run dense" not in caplog.text
     if fixture == "llama_tiny":  # streamed a layer at a time (`LayerStack`, the GPU engine's load): the same arrays
         from metrale_jax.layers.stack import host_stacked
 

@@ -107,6 +107,34 @@ def test_fp8_experts_kernel_in_decode_step(tokens):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_per_channel_fp8_experts(tokens):
+    """`Fp8Linear.col_scale` on FP8 experts (per-channel checkpoints; here on top of the fixture's
+    block scales): the expert kernel (interpret) and XLA's gather at P < E, the grouped GEMM at
+    P = 4E, against the same experts dequantized (scales included) and run dense."""
+    import dataclasses
+
+    from metrale_jax.layers.linear import use_fp8_kernel
+
+    _, params = load_model(D, dtype="bfloat16", show_progress=False)
+    rng = np.random.default_rng(tokens)
+
+    def with_cols(w):
+        return dataclasses.replace(w, col_scale=jnp.asarray(rng.uniform(0.25, 4, w.w8.shape[:-1]), jnp.float32))
+
+    gu, down = (with_cols(jax.tree.map(lambda a: a[0], params["layers"][key]))
+                for key in ("experts_gate_up", "experts_down"))
+    gu_k, down_k = use_fp8_kernel((gu, down), interpret=True)
+    x = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.bfloat16)
+    idx = jnp.asarray(rng.permuted(np.tile(np.arange(4), (tokens, 1)), axis=1)[:, :2], jnp.int32)  # top-2 of 4
+    w = jnp.asarray(rng.uniform(0.1, 1, (tokens, 2)), jnp.float32)
+    want = np.asarray(routed_experts(x, w, idx, dense_experts(gu, jnp.bfloat16), dense_experts(down, jnp.bfloat16)),
+                      np.float32)
+    for a, b in ((gu, down), (gu_k, down_k)):
+        got = np.asarray(jax.jit(routed_experts)(x, w, idx, a, b), np.float32)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("p,e,n,k", [(8, 128, 1536, 2048), (64, 512, 1024, 2048), (3, 16, 200, 300)])
 def test_expert_matvec_fp8_gpu(p, e, n, k):
@@ -190,5 +218,12 @@ def test_fp8_grouped_matmul_tokamax_gpu(m, g, n_pad, k, segments):
     w = Fp8Linear(jnp.asarray(w8), jnp.asarray(s), segments)
     got = np.asarray(jax.jit(fp8_grouped_matmul, static_argnums=3)(x, w, jnp.asarray(sizes), True))
     want = _np_grouped(x, w8, s, sizes)
+    cols = np.concatenate([np.arange(a, a + n) for a, n in segments])
     assert got.shape == (m, sum(n for _, n in segments))
+    assert np.linalg.norm(got - want[:, cols]) / np.linalg.norm(want[:, cols]) < 5e-3
+    # per-channel FP8 (`col_scale`): each row's output columns times its group's channel scales
+    col = np.random.default_rng(m).uniform(0.25, 4, (g, n_pad)).astype(np.float32)
+    w = Fp8Linear(jnp.asarray(w8), jnp.asarray(s), segments, col_scale=jnp.asarray(col))
+    got = np.asarray(jax.jit(fp8_grouped_matmul, static_argnums=3)(x, w, jnp.asarray(sizes), True))
+    want = (want * np.repeat(col, sizes, axis=0))[:, cols]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3

@@ -62,8 +62,11 @@ def pair_experts(x, weights, experts, w_gate_up: Fp8Linear, w_down: Fp8Linear, a
             from pallas_kernels.linear.expert_fp8 import expert_matvec_fp8
 
             y = expert_matvec_fp8(xp, w.w8, w.scale_inv, flat, interpret=w.interpret).astype(jnp.float32)
+            if w.col_scale is not None:  # per-channel FP8 (the kernel takes block scales)
+                y = y * w.col_scale[flat]
             return _valid_columns(y, w)  # f32[P, N_pad] -> [P, N]
-        sub = Fp8Linear(w.w8[flat], w.scale_inv[flat], w.segments)  # gathered FP8 bytes [P, N_pad, K]
+        sub = Fp8Linear(w.w8[flat], w.scale_inv[flat], w.segments,  # gathered FP8 bytes [P, N_pad, K]
+                        col_scale=None if w.col_scale is None else w.col_scale[flat])
         wd = _select_rows(dequantize(sub, xp.dtype), w.segments)  # [P, N, K]
         return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
 
@@ -88,6 +91,9 @@ def fp8_grouped_matmul(x, w: Fp8Linear, sizes, use_tokamax: bool):
     k = w.w8.shape[-1]
     if use_tokamax and x.dtype == jnp.bfloat16 and k % FP8_BLOCK == 0 and moe.tokamax_available():
         y = _tokamax_fp8_grouped_matmul(x, w.w8, w.scale_inv, sizes)  # f32[M, N_pad]
+        if w.col_scale is not None:  # per-channel FP8: each row times its group's channel scales
+            groups = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=x.shape[0])
+            y = y * w.col_scale[groups]
         return _valid_columns(y, w)
     return moe.grouped_matmul(x, dense_experts(w, x.dtype), sizes, use_tokamax)
 

@@ -20,9 +20,9 @@ Other FP8 checkpoints store `weight_scale` (a multiplier too) beside `weight`:
 Their activation schemes (dynamic per token, static input_scale) are not used: activations stay
 bf16 or take this engine's own per-row scales.
 A per-tensor scale is a block scale repeated over every block, so those weights stay FP8 like
-block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so linears keep
-those codes with block scales of 1 and multiply the product's columns by the channel scales
-(`layers.linear.Fp8Linear.col_scale`), and anything else (MoE experts) is dequantized at load
+block-scaled ones (`fp8_block_scales`); per-channel scales are not block scales, so linears and
+MoE experts keep those codes with block scales of 1 and multiply the product's columns by the
+channel scales (`layers.linear.Fp8Linear.col_scale`); any other FP8 weight is dequantized at load
 (`dequantize_fp8`) and runs dense.
 
 The functions here run at load time on the host (numpy), but for `quantize_fp8_block`'s
