@@ -1005,7 +1005,7 @@ class LLMEngine:
         if seq.grammar_error is not None:
             # the mask allowed nothing but what the grammar rejects (e.g. min_tokens banned the EOS of
             # a finished grammar): stop rather than go on unconstrained
-            why = seq.grammar_error.strip().splitlines()[0][:200] if seq.grammar_error.strip() else "rejected"
+            why = (seq.grammar_error.strip().splitlines() or ["rejected"])[0][:200]
             log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
                         seq.request.request_id, t, why)  # (one line: llguidance's errors carry the grammar)
             finish = "abort"

@@ -65,8 +65,7 @@ def pair_experts(x, weights, experts, w_gate_up: Fp8Linear, w_down: Fp8Linear, a
             if w.col_scale is not None:  # per-channel FP8 (the kernel takes block scales)
                 y = y * w.col_scale[flat]
             return _valid_columns(y, w)  # f32[P, N_pad] -> [P, N]
-        sub = Fp8Linear(w.w8[flat], w.scale_inv[flat], w.segments,  # gathered FP8 bytes [P, N_pad, K]
-                        col_scale=None if w.col_scale is None else w.col_scale[flat])
+        sub = jax.tree.map(lambda a: a[flat], w)  # the pairs' experts: FP8 bytes [P, N_pad, K] and their scales
         wd = _select_rows(dequantize(sub, xp.dtype), w.segments)  # [P, N, K]
         return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
 

@@ -8,6 +8,7 @@ shows a progress bar, and places the finished tree on the device.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -222,12 +223,8 @@ class WeightReader:
         experts take (`loading/experts_fp8.py`); linears take per-channel ones too (`linears`)."""
         return self.fp8_kind(name) == "block"
 
-    def fp8_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """(w8 f8[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]): as stored, or quantized now."""
-        from metrale_jax.quant.fp8 import fp8_block_scales, quantize_fp8_block
-
-        if not self.is_fp8(name):
-            return quantize_fp8_block(self.get(name, shape))
+    def _fp8_codes(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        """The stored codes f8[N, K] of FP8 weight `name`, checked against shape."""
         got = tuple(self.source.shape(name))
         if got != tuple(shape):
             raise TensorShapeError(f"tensor {name!r} in {self.origin} has shape {got}, expected {tuple(shape)}")
@@ -235,18 +232,51 @@ class WeightReader:
         w8 = np.asarray(self.source.load(name))
         if w8.dtype != FP8:
             raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w8.dtype}")
+        return w8
+
+    def fp8_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """(w8 f8[N, K], scale_inv f32[ceil(N/128), ceil(K/128)]): as stored, or quantized now."""
+        from metrale_jax.quant.fp8 import fp8_block_scales, quantize_fp8_block
+
+        if not self.is_fp8(name):
+            return quantize_fp8_block(self.get(name, shape))
+        w8 = self._fp8_codes(name, shape)
         return w8, fp8_block_scales(w8.shape, self._scale_of(name), name=self._scale_name(name))
 
     def fp8_channel_weight(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """(w8 f8[N, K], scale f32[N]) of a per-channel FP8 weight (`fp8_kind` "channel")."""
         from metrale_jax.quant.fp8 import fp8_channel_scales
 
-        got = tuple(self.source.shape(name))
-        if got != tuple(shape):
-            raise TensorShapeError(f"tensor {name!r} in {self.origin} has shape {got}, expected {tuple(shape)}")
-        self.used.add(name)
-        return np.asarray(self.source.load(name)), fp8_channel_scales(self._scale_of(name), shape[0],
-                                                                      name=self._scale_name(name))
+        w8 = self._fp8_codes(name, shape)
+        return w8, fp8_channel_scales(self._scale_of(name), shape[0], name=self._scale_name(name))
+
+    def fp8_stack(self, num_layers: int, lead: tuple[int, ...], k: int, sizes: list[int], key: str, mode: str,
+                  names: Callable[..., list[str]], desc: str = "") -> Fp8Linear:
+        """An `Fp8Linear` [L, *lead, N_pad, K] (lead: e.g. the experts) of FP8 weights: names(i, *j)
+        lists layer i's (and index j's) weights [sizes[p], K] in output order, each padded to whole
+        128-row blocks. mode: "block" (stored with block or per-tensor scales), "channel" (stored
+        with per-channel scales: the codes, block scales 1, the scales as `col_scale`) or
+        "quantize" (quantized now where not stored in FP8). key: its name in the parameter tree."""
+        padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
+        starts = np.cumsum([0] + padded[:-1]).tolist()
+        w8 = self.stacked(num_layers, (*lead, sum(padded), k), (key, "w8"), dtype=FP8, fill=0)
+        scale = self.stacked(num_layers, (*lead, sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)),
+                             (key, "scale_inv"), dtype=np.float32, fill=1)
+        col = None
+        if mode == "channel":
+            col = self.stacked(num_layers, (*lead, sum(padded)), (key, "col_scale"), dtype=np.float32, fill=1)
+        for i in self.progress(range(num_layers), desc):
+            for j in itertools.product(*map(range, lead)):
+                for name, n, start in zip(names(i, *j), sizes, starts):
+                    at, rows, block = (i, *j), slice(start, start + n), start // FP8_BLOCK
+                    if mode == "channel":
+                        w8[(*at, rows)], col[(*at, rows)] = self.fp8_channel_weight(name, (n, k))
+                        scale[(*at, block)] = 1.0  # (a write: a streamed `LayerStack` places written layers)
+                        continue
+                    q, s = self.fp8_weight(name, (n, k))
+                    w8[(*at, rows)] = q
+                    scale[(*at, slice(block, block + s.shape[0]))] = s
+        return Fp8Linear(w8, scale, tuple(zip(starts, sizes)), col_scale=col)
 
     def linears(self, num_layers: int, k: int, parts: Callable[[int], list[tuple[str, int]]], desc: str = "",
                 key: str = ""):
@@ -263,37 +293,18 @@ class WeightReader:
                 return w4
         first = [name for name, _ in parts(0)]
         kinds = {self.fp8_kind(n) for n in first}
-        fp8 = self.quantize_fp8 or kinds != {None}
-        if fp8 and not self.quantize_fp8 and None in kinds:
+        if not self.quantize_fp8 and None in kinds and len(kinds) > 1:
             raise LoadError(f"{self.origin}: the fused weights {first} mix FP8 and non-FP8 tensors")
-        channel = not self.quantize_fp8 and kinds == {"channel"}  # per-channel FP8: `Fp8Linear.col_scale`
-        if fp8 and len(kinds) > 1 and not self.quantize_fp8:  # block and per-channel parts: `get` dequantizes
-            fp8 = False
+        # (block and per-channel parts: None, dense, `get` dequantizes)
+        mode = "quantize" if self.quantize_fp8 else kinds.pop() if len(kinds) == 1 else None
         sizes = [n for _, n in parts(0)]
-        if not fp8:
+        if mode is None:
             out = self.stacked(num_layers, (k, sum(sizes)), key)
             for i in self.progress(range(num_layers), desc):
                 # cast, then transpose: a same-dtype strided copy (4x faster than a casting one)
                 self.put_t(out, i, *[self.get(name, (n, k), cast=True) for name, n in parts(i)])
             return out
-        padded = [math.ceil(n / FP8_BLOCK) * FP8_BLOCK for n in sizes]
-        starts = np.cumsum([0] + padded[:-1]).tolist()
-        w8 = self.stacked(num_layers, (sum(padded), k), (key, "w8"), dtype=FP8, fill=0)
-        scale = self.stacked(num_layers, (sum(padded) // FP8_BLOCK, math.ceil(k / FP8_BLOCK)), (key, "scale_inv"),
-                             dtype=np.float32, fill=1)
-        col = None
-        if channel:
-            col = self.stacked(num_layers, (sum(padded),), (key, "col_scale"), dtype=np.float32, fill=1)
-        for i in self.progress(range(num_layers), desc):
-            for (name, n), start in zip(parts(i), starts):
-                if channel:  # the codes as stored, block scales 1, the channel scales after the product
-                    w8[i, start:start + n], col[i, start:start + n] = self.fp8_channel_weight(name, (n, k))
-                    scale[i, start // FP8_BLOCK] = 1.0  # (a write: a streamed `LayerStack` places written layers)
-                    continue
-                q, s = self.fp8_weight(name, (n, k))
-                w8[i, start:start + n] = q
-                scale[i, start // FP8_BLOCK:start // FP8_BLOCK + s.shape[0]] = s
-        return Fp8Linear(w8, scale, tuple(zip(starts, sizes)), col_scale=col)
+        return self.fp8_stack(num_layers, (), k, sizes, key, mode, lambda i: [name for name, _ in parts(i)], desc)
 
     def cast(self, arr: np.ndarray) -> np.ndarray:
         """arr in the model dtype, contiguous (arr itself, maybe a read-only view, if it already is)."""

@@ -159,18 +159,24 @@ def dequantize_fp8_block(w8, scale_inv, block=FP8_BLOCK) -> np.ndarray:
     return w8.astype(np.float32) * _expand_scales(s, w8.shape, blk)
 
 
+def _scale_values(scale, name: str) -> np.ndarray:
+    """A stored FP8 scale (float32 / bfloat16 / float16) as f32 of its shape, checked finite and > 0."""
+    s_dtype = np.dtype(getattr(scale, "dtype", None))
+    if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
+        raise UnsupportedDtypeError(f"{name}: scale dtype {s_dtype} is not supported (float32, bfloat16, float16)")
+    s = np.asarray(scale).astype(np.float32)
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise CorruptCheckpointError(f"{name}: scales must be finite and > 0")
+    return s
+
+
 def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | None:
     """An FP8 weight's stored scale (module docstring: block [ceil(N/128), ceil(K/128)], tensor
     [] / [1], or channel [N, 1] / [N]) as checked block scales f32[ceil(N/128), ceil(K/128)];
     None for a per-channel scale (not a block scale)."""
-    s_dtype = np.dtype(getattr(scale, "dtype", None))
-    if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
-        raise UnsupportedDtypeError(f"{name}: scale dtype {s_dtype} is not supported (float32, bfloat16, float16)")
     want = fp8_scale_shape(w_shape)
     shape = tuple(np.shape(scale))
-    s = np.asarray(scale).astype(np.float32)
-    if not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise CorruptCheckpointError(f"{name}: scales must be finite and > 0")
+    s = _scale_values(scale, name)
     if shape == want:
         return s
     if s.size == 1:
@@ -183,15 +189,9 @@ def fp8_block_scales(w_shape, scale, *, name: str = "weight") -> np.ndarray | No
 
 def fp8_channel_scales(scale, n: int, *, name: str = "weight_scale") -> np.ndarray:
     """A per-channel FP8 scale ([N] or [N, 1], float32 / bfloat16 / float16) checked -> f32[N]."""
-    s_dtype = np.dtype(getattr(scale, "dtype", None))
-    if s_dtype not in SCALE_DTYPES + (np.dtype(np.float16),):
-        raise UnsupportedDtypeError(f"{name}: scale dtype {s_dtype} is not supported (float32, bfloat16, float16)")
     if tuple(np.shape(scale)) not in ((n, 1), (n,)):
         raise TensorShapeError(f"{name}: shape {tuple(np.shape(scale))}, expected per-channel [{n}] or [{n}, 1]")
-    s = np.asarray(scale).astype(np.float32).reshape(n)
-    if not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise CorruptCheckpointError(f"{name}: scales must be finite and > 0")
-    return s
+    return _scale_values(scale, name).reshape(n)
 
 
 def dequantize_fp8(w8, scale, *, name: str = "weight") -> np.ndarray:
@@ -201,7 +201,7 @@ def dequantize_fp8(w8, scale, *, name: str = "weight") -> np.ndarray:
         return dequantize_fp8_block(w8, blocks)
     if np.dtype(w8.dtype) != FP8_DTYPE:
         raise UnsupportedDtypeError(f"{name}: FP8 weights must be float8_e4m3fn; got {w8.dtype}")
-    return np.asarray(w8).astype(np.float32) * np.asarray(scale).astype(np.float32).reshape(-1, 1)
+    return np.asarray(w8).astype(np.float32) * fp8_channel_scales(scale, w8.shape[0], name=name)[:, None]
 
 
 def _ct_fp8_group(name: str, g: Mapping) -> None:
