@@ -31,7 +31,7 @@ def run(batch: int, max_tokens: int, kind, profile: bool) -> dict:
     from metrale_jax.engine.testing import fake_engine
     from metrale_jax.sampling import SamplingParams
 
-    eng = fake_engine(use_ssm=False, max_model_len=512, num_kv_blocks=batch * 40, max_num_seqs=batch,
+    eng = fake_engine(use_ssm=False, max_model_len=512, num_kv_blocks=max(batch * 40, 256), max_num_seqs=batch,
                       max_num_batched_tokens=2048, decode_buckets=(batch,), mixed_decode_buckets=(batch,),
                       prefill_buckets=(2048,), max_prefill_streams=4)
     rng = np.random.default_rng(0)

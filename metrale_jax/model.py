@@ -170,14 +170,17 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
     _check_quantization(quantization)
-    w4_scheme = None
+    w4_scheme = int8_scheme = None
     if ckpt.config.get("quantization_config") is not None:
         from metrale_jax.quant.fp8 import check_fp8_quantization_config
+        from metrale_jax.quant.int8 import parse_int8_config
         from metrale_jax.quant.w4 import parse_w4_config
 
-        w4_scheme = parse_w4_config(ckpt.config["quantization_config"])  # GPTQ, AWQ, compressed-tensors, NVFP4
-        if w4_scheme is None:
-            check_fp8_quantization_config(ckpt.config["quantization_config"])
+        qc = ckpt.config["quantization_config"]
+        int8_scheme = parse_int8_config(qc)  # 8-bit GPTQ, compressed-tensors W8A16 / W8A8-INT8: dense
+        w4_scheme = None if int8_scheme else parse_w4_config(qc)  # GPTQ, AWQ, compressed-tensors, NVFP4
+        if int8_scheme is None and w4_scheme is None:
+            check_fp8_quantization_config(qc)
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: {path} is already quantized")
     cache_dir = None
@@ -195,7 +198,7 @@ def load_model(
             reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
                                   quantize_fp8=quantization == "fp8", split_layers=split_layers,
                                   w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization),
-                                  sharder=sharder)
+                                  sharder=sharder, int8_scheme=int8_scheme)
             try:
                 params = fam.load_params(cfg, reader)
             except jax.errors.JaxRuntimeError as e:
@@ -205,7 +208,7 @@ def load_model(
                                 "the dense copies of those weights do not fit") from e
             if mtp:
                 mtp_reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
-                                          w4_scheme=w4_scheme)
+                                          w4_scheme=w4_scheme, int8_scheme=int8_scheme)
                 params["mtp"] = _load_mtp(fam, cfg, mtp_reader, split_layers)
                 reader.dequantized += mtp_reader.dequantized
             if reader.dequantized:
@@ -226,8 +229,10 @@ def load_model(
 def _dense_summary(reader, dtype: str) -> str:
     """What `WeightReader.dequantized` lists, in a line: how many, and which layers (indices as *)."""
     kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized})
-    return (f"{len(reader.dequantized)} quantized weights dequantized to {dtype} at load, to run dense (no 4-bit "
-            f"or FP8 kernel here takes these layers or scales): {', '.join(kinds)}")
+    why = ("no 8-bit integer kernel here" if reader.int8_scheme is not None else
+           "no 4-bit or FP8 kernel here takes these layers or scales")
+    return (f"{len(reader.dequantized)} quantized weights dequantized to {dtype} at load, to run dense ({why}): "
+            f"{', '.join(kinds)}")
 
 
 def _load_mtp(fam, cfg: ModelConfig, reader, split_layers: bool) -> dict:

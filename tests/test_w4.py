@@ -446,7 +446,7 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
 
 # ---- formats: config and tensor errors ---------------------------------------------------------------
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit"),  # (8-bit: quant/int8.py)
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "marlin"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 7}, "group_size 7"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
@@ -458,7 +458,7 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
                               "input_activations": {"num_bits": 8, "type": "int"}}}}, "W4A8"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
-      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "8-bit"),
+      "config_groups": {"g": {"weights": {"num_bits": 2, "type": "int", "strategy": "channel"}}}}, "2-bit"),
 ])
 def test_unsupported_variants_are_named(qc, match):
     with pytest.raises(UnsupportedDtypeError, match=match):

@@ -136,7 +136,8 @@ class WeightReader:
     """
 
     def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False,
-                 split_layers: bool = False, w4_scheme=None, quantize_w4: str | None = None, sharder=None):
+                 split_layers: bool = False, w4_scheme=None, quantize_w4: str | None = None, sharder=None,
+                 int8_scheme=None):
         self.source = source
         self.dtype = np_dtype(dtype)
         self.origin = origin
@@ -144,21 +145,23 @@ class WeightReader:
         self.split_layers = split_layers  # to_device: per-layer arrays (the GPU engine's layout)
         self.quantize_fp8 = quantize_fp8
         self.w4_scheme = w4_scheme  # quant.w4.W4Scheme of a 4-bit checkpoint (linears_w4.py)
+        self.int8_scheme = int8_scheme  # quant.int8.Int8Scheme of an 8-bit integer checkpoint (`get`: dense)
         self.quantize_w4 = quantize_w4  # "int4" | "nvfp4": quantize the decoder linears at load
         # parallel.Sharder: stream layer-stacked parameters to their shards a layer at a time
         # (`LayerStack`; named `stacked`/`linears` calls) instead of building them on the host
         self.sharder = sharder
         self._names = set(source.names()) if source is not None else set()
         self.used: set[str] = set()
-        self.dequantized: list[str] = []  # quantized (4-bit, FP8) weights loaded dense: `get`
+        self.dequantized: list[str] = []  # quantized (4-bit, 8-bit, FP8) weights loaded dense: `get`
 
     def has(self, name: str) -> bool:
         return name in self._names
 
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
         """The tensor `name` as float32 numpy (or the target dtype if cast), checked against shape."""
-        if name not in self._names:
-            arr = self._dequantized_w4(name, shape)
+        if name not in self._names or (self.int8_scheme is not None and self.int8_scheme.method == "ct-int"
+                                       and np.dtype(self.source.dtype(name)) == np.int8):
+            arr = self._dequantized_int(name, shape)
             return self.cast(arr) if cast else arr
         got = tuple(self.source.shape(name))
         if got != tuple(shape):
@@ -178,23 +181,28 @@ class WeightReader:
             )
         return self.cast(arr) if cast else arr.astype(np.float32)
 
-    def _dequantized_w4(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """f32 `shape` of a 4-bit checkpoint's weight that no 4-bit kernel reads (lm_head, MoE
-        experts, other families' layers, a linear quantized in some layers only): dequantized
-        here, named in `dequantized`; MissingTensorError if the checkpoint has no such weight."""
-        from metrale_jax.quant.w4 import READERS, dequantize_w4
+    def _dequantized_int(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """f32 `shape` of an integer-quantized weight read dense: any weight of an 8-bit checkpoint
+        (no int8 kernel here), or a 4-bit one no 4-bit kernel reads (lm_head, MoE experts, other
+        families' layers, a linear quantized in some layers only); named in `dequantized`.
+        MissingTensorError if the checkpoint has no such weight."""
+        from metrale_jax.quant import int8, w4
 
-        marker, read = READERS[self.w4_scheme.method] if self.w4_scheme is not None else (None, None)
+        scheme = self.int8_scheme or self.w4_scheme
+        readers = int8.READERS if self.int8_scheme is not None else w4.READERS
+        marker, read = readers[scheme.method] if scheme is not None else (None, None)
         prefix = name[: -len("weight")] if name.endswith(".weight") else None
         if marker is None or prefix is None or not self.has(prefix + marker):
             raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
+        bits = 8 if self.int8_scheme is not None else 4
         if len(shape) != 2:
-            raise UnsupportedDtypeError(f"{self.origin}: {name} is 4-bit ({self.w4_scheme.method}) but is read "
-                                        f"as a {len(shape)}-D tensor {tuple(shape)}; 4-bit weights must be matrices")
+            raise UnsupportedDtypeError(f"{self.origin}: {name} is {bits}-bit ({scheme.method}) but is read as a "
+                                        f"{len(shape)}-D tensor {tuple(shape)}; {bits}-bit weights must be matrices")
         from metrale_jax.loading.linears_w4 import TensorLoader
 
         self.dequantized.append(name[: -len(".weight")])
-        return dequantize_w4(read(TensorLoader(self), prefix, shape[0], shape[1], self.w4_scheme))
+        out = read(TensorLoader(self), prefix, shape[0], shape[1], scheme)
+        return out if bits == 8 else w4.dequantize_w4(out)
 
     def _scale_name(self, name: str) -> str:
         """The scale tensor of FP8 weight `name`: `<name>_scale_inv` (block FP8) or `<module>.weight_scale`

@@ -167,7 +167,7 @@ def _err(msg: str) -> UnsupportedDtypeError:
     return UnsupportedDtypeError(f"quantization_config: {msg}")
 
 
-def _group(g, what: str) -> int | None:
+def parse_group(g, what: str) -> int | None:
     if g is None:
         return None
     try:
@@ -184,7 +184,7 @@ def _group(g, what: str) -> int | None:
 def _bits(qc: Mapping, key: str, what: str) -> None:
     bits = qc.get(key, 4)
     if bits != 4:
-        raise _err(f"{what} with {bits}-bit weights is not supported (4-bit only)")
+        raise _err(f"{what} with {bits}-bit weights is not supported (4-bit or 8-bit only)")
 
 
 def parse_w4_config(qc: Mapping) -> W4Scheme | None:
@@ -199,7 +199,7 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
         if fmt not in ("gptq", "gptq_v2"):
             raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2'; "
                        "Marlin / BitBLAS repacked checkpoints are not)")
-        return W4Scheme("gptq", _group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq")
+        return W4Scheme("gptq", parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq")
     if method == "awq":
         _bits(qc, "bits" if "bits" in qc else "w_bit", "AWQ")
         version = str(qc.get("version", "gemm")).lower()
@@ -207,7 +207,7 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
             raise _err(f"AWQ version {version!r} is not supported (only 'gemm' packing)")
         if qc.get("zero_point", True) is False:
             raise _err("AWQ without zero points is not supported")
-        return W4Scheme("awq", _group(qc.get("group_size", qc.get("q_group_size", 128)), "AWQ"))
+        return W4Scheme("awq", parse_group(qc.get("group_size", qc.get("q_group_size", 128)), "AWQ"))
     if method == "compressed-tensors":
         return _parse_ct(qc)
     if method == "modelopt":
@@ -240,9 +240,10 @@ def _parse_ct(qc: Mapping) -> W4Scheme | None:
         fmt_g = g.get("format", fmt)
         if fmt_g not in ("pack-quantized", "nvfp4-pack-quantized"):
             raise _err(f"compressed-tensors format {fmt_g!r} ({name}) is not supported "
-                       "('pack-quantized' W4A16 or 'nvfp4-pack-quantized')")
+                       "('pack-quantized' W4A16 / W8A16, 'int-quantized' or 'nvfp4-pack-quantized')")
         if w.get("num_bits") != 4:
-            raise _err(f"compressed-tensors {name}: {w.get('num_bits')}-bit weights are not supported (4-bit only)")
+            raise _err(f"compressed-tensors {name}: {w.get('num_bits')}-bit pack-quantized weights are not supported "
+                       "(4-bit or 8-bit)")
         if w.get("dynamic"):
             raise _err(f"compressed-tensors {name}: dynamic weight quantization is not supported")
         act = g.get("input_activations")
@@ -254,7 +255,7 @@ def _parse_ct(qc: Mapping) -> W4Scheme | None:
                            "supported; only W4A16")
             strategy = w.get("strategy")
             if strategy == "group":
-                schemes.append(W4Scheme("compressed-tensors", _group(w.get("group_size"), "compressed-tensors")))
+                schemes.append(W4Scheme("compressed-tensors", parse_group(w.get("group_size"), "compressed-tensors")))
             elif strategy == "channel":
                 schemes.append(W4Scheme("compressed-tensors", None))
             else:
@@ -274,10 +275,10 @@ def _parse_ct(qc: Mapping) -> W4Scheme | None:
 
 
 # ---- readers ----------------------------------------------------------------------------------------
-def _u32(a: np.ndarray, name: str) -> np.ndarray:
+def u32_words(a: np.ndarray, name: str) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
-        raise UnsupportedDtypeError(f"{name}: packed 4-bit weights must be int32; got {a.dtype}")
+        raise UnsupportedDtypeError(f"{name}: packed weights must be int32; got {a.dtype}")
     return a.view(np.uint32)
 
 
@@ -287,12 +288,12 @@ def _nibbles_along_last(words: np.ndarray) -> np.ndarray:
     return ((words[..., None] >> shifts) & 15).astype(np.uint8).reshape(words.shape[:-1] + (-1,))
 
 
-def _check_shape(a, want: tuple[int, ...], name: str) -> None:
+def check_shape(a, want: tuple[int, ...], name: str) -> None:
     if tuple(a.shape) != tuple(want):
         raise TensorShapeError(f"{name}: shape {tuple(a.shape)}, expected {tuple(want)}")
 
 
-def _int_scales(s, name: str) -> np.ndarray:
+def int_scales(s, name: str) -> np.ndarray:
     s = np.asarray(s)
     if s.dtype not in _INT_SCALE_DTYPES:
         raise UnsupportedDtypeError(f"{name}: scale dtype {s.dtype} is not supported (float16, bfloat16, float32)")
@@ -301,11 +302,11 @@ def _int_scales(s, name: str) -> np.ndarray:
     return s
 
 
-def _act_order(g_idx, k: int, g: int, name: str) -> np.ndarray | None:
+def act_order(g_idx, k: int, g: int, name: str) -> np.ndarray | None:
     """g_idx i32[K] -> the permutation putting each group's columns together (None if trivial).
     GPTQ's act-order shuffles which columns form a group, but every group keeps g columns."""
     g_idx = np.asarray(g_idx).astype(np.int64)
-    _check_shape(g_idx, (k,), name)
+    check_shape(g_idx, (k,), name)
     trivial = np.arange(k) // g
     if np.array_equal(g_idx, trivial):
         return None
@@ -319,19 +320,19 @@ def read_gptq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     """load(name) -> array; prefix "model.layers.0.self_attn.q_proj."; W [N, K]."""
     g = scheme.group_size or k
     ng = -(-k // g)
-    qw = _u32(load(prefix + "qweight"), prefix + "qweight")
-    _check_shape(qw, (-(-k // 8), n), prefix + "qweight")
-    qz = _u32(load(prefix + "qzeros"), prefix + "qzeros")
-    _check_shape(qz, (ng, -(-n // 8)), prefix + "qzeros")
+    qw = u32_words(load(prefix + "qweight"), prefix + "qweight")
+    check_shape(qw, (-(-k // 8), n), prefix + "qweight")
+    qz = u32_words(load(prefix + "qzeros"), prefix + "qzeros")
+    check_shape(qz, (ng, -(-n // 8)), prefix + "qzeros")
     zeros = _nibbles_along_last(qz)[:, :n].T.astype(np.uint8)  # u8[N, ng]
     if scheme.gptq_v1:
         zeros = zeros + np.uint8(1)
-    s = _int_scales(load(prefix + "scales"), prefix + "scales")
-    _check_shape(s, (ng, n), prefix + "scales")
+    s = int_scales(load(prefix + "scales"), prefix + "scales")
+    check_shape(s, (ng, n), prefix + "scales")
     perm = None
     g_idx = load(prefix + "g_idx") if load.has(prefix + "g_idx") else None
     if g_idx is not None:
-        perm = _act_order(g_idx, k, g, prefix + "g_idx")
+        perm = act_order(g_idx, k, g, prefix + "g_idx")
     packed = _permuted(_word_bytes(_transposed(qw), k), perm, k)
     return W4Weight("int4", packed, np.ascontiguousarray(s.T), zeros, g, perm, k=k)
 
@@ -342,13 +343,13 @@ def read_awq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     inv = np.argsort(AWQ_ORDER)  # column j of a word sits in nibble inv[j]
 
     def unpack(a, rows, name):
-        a = _u32(a, name)
-        _check_shape(a, (rows, -(-n // 8)), name)
+        a = u32_words(a, name)
+        check_shape(a, (rows, -(-n // 8)), name)
         nib = unpack_nibbles(np.ascontiguousarray(a, dtype="<u4").view(np.uint8)).reshape(rows, -1, 8)
         return nib[:, :, inv].reshape(rows, -1)[:, :n]  # [rows, N] in column order (nibble i: 8c + ORDER[i])
 
-    qw = _u32(load(prefix + "qweight"), prefix + "qweight")
-    _check_shape(qw, (k, -(-n // 8)), prefix + "qweight")
+    qw = u32_words(load(prefix + "qweight"), prefix + "qweight")
+    check_shape(qw, (k, -(-n // 8)), prefix + "qweight")
     b = np.ascontiguousarray(qw, dtype="<u4").view(np.uint8).reshape(k, -1, 4)  # [K, N/8, byte of the word]
     if k % 2:
         b = np.concatenate([b, np.zeros((1,) + b.shape[1:], np.uint8)])
@@ -357,8 +358,8 @@ def read_awq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
         pairs[:, :, list(AWQ_ORDER[j::2])] = nib[0::2] | (nib[1::2] << 4)  # rows 2r, 2r + 1 in one byte
     packed = _transposed(pairs.reshape(pairs.shape[0], -1)[:, :n])  # u8[N, K/2]
     zeros = np.ascontiguousarray(unpack(load(prefix + "qzeros"), ng, prefix + "qzeros").T)
-    s = _int_scales(load(prefix + "scales"), prefix + "scales")
-    _check_shape(s, (ng, n), prefix + "scales")
+    s = int_scales(load(prefix + "scales"), prefix + "scales")
+    check_shape(s, (ng, n), prefix + "scales")
     return W4Weight("int4", packed, np.ascontiguousarray(s.T), zeros, g, k=k)
 
 
@@ -366,9 +367,9 @@ def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weigh
     shape = tuple(int(d) for d in np.asarray(load(prefix + "weight_shape")).reshape(-1))
     if shape != (n, k):
         raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
-    words = _u32(load(prefix + "weight_packed"), prefix + "weight_packed")
-    _check_shape(words, (n, -(-k // 8)), prefix + "weight_packed")
-    s = _int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
+    words = u32_words(load(prefix + "weight_packed"), prefix + "weight_packed")
+    check_shape(words, (n, -(-k // 8)), prefix + "weight_packed")
+    s = int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
     if s.ndim != 2 or s.shape[0] != n:
         raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups]")
     ng = s.shape[1]
@@ -376,14 +377,14 @@ def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weigh
     if -(-k // g) != ng:
         raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
     if load.has(prefix + "weight_zero_point"):
-        zp = _u32(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
-        _check_shape(zp, (-(-n // 8), ng), prefix + "weight_zero_point")
+        zp = u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
+        check_shape(zp, (-(-n // 8), ng), prefix + "weight_zero_point")
         zeros = np.ascontiguousarray(_nibbles_along_last(zp.T)[:, :n].T)  # packed along N
     else:
         zeros = np.full((n, ng), 8, np.uint8)
     perm = None
     if load.has(prefix + "weight_g_idx"):
-        perm = _act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
+        perm = act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
     return W4Weight("int4", _permuted(_word_bytes(words, k), perm, k), s, zeros, g, perm, k=k)
 
 
@@ -394,11 +395,11 @@ def _fp4(load, packed_name: str, scale_name: str, n: int, k: int) -> tuple[np.nd
     p = np.asarray(load(packed_name))
     if p.dtype != np.uint8:
         raise UnsupportedDtypeError(f"{packed_name}: NVFP4 weights must be uint8 (two e2m1 per byte); got {p.dtype}")
-    _check_shape(p, (n, k // 2), packed_name)
+    check_shape(p, (n, k // 2), packed_name)
     s = np.asarray(load(scale_name))
     if s.dtype != F8:
         raise UnsupportedDtypeError(f"{scale_name}: NVFP4 scales must be float8_e4m3fn; got {s.dtype}")
-    _check_shape(s, (n, k // FP4_GROUP), scale_name)
+    check_shape(s, (n, k // FP4_GROUP), scale_name)
     return p, s
 
 

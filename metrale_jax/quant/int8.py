@@ -1,0 +1,199 @@
+"""8-bit integer weights (GPTQ 8-bit, compressed-tensors W8A16 and W8A8-INT8): read and dequantized
+at load, to run dense in the model dtype.
+
+There is no int8 kernel here: these checkpoints load and give the model's outputs, with the
+memory and speed of the dense model (`WeightReader.get` dequantizes them, and the load warns
+once, naming them, as for the 4-bit weights no 4-bit kernel takes). Every format below is
+W = (q - z) * s in float32, per group of `group_size` input columns (or per output channel, or
+per tensor):
+
+* GPTQ (`quant_method: "gptq"`, `bits: 8`): `qweight` i32[ceil(K/4), N], code k of column n in
+  bits 8*(k % 4) of word k // 4; `qzeros` i32[n_groups, ceil(N/4)] packed along N the same way,
+  holding zero - 1 (`checkpoint_format: "gptq"`) or the zero (`"gptq_v2"`); `scales`
+  [n_groups, N]; `g_idx` i32[K], the group of each input column (act-order shuffles it).
+* compressed-tensors `pack-quantized` with 8-bit int weights (llm-compressor's W8A16):
+  `weight_packed` i32[N, ceil(K/4)], element k in byte k of the row's little-endian words, stored
+  as value + 128; `weight_scale` [N, n_groups] or [N, 1]; asymmetric: `weight_zero_point`
+  i32[ceil(N/4), n_groups], packed along N, + 128; optional `weight_g_idx`.
+* compressed-tensors `int-quantized` (W8A8-INT8, e.g. llm-compressor's SmoothQuant + GPTQ
+  checkpoints): `weight` int8[N, K]; `weight_scale` [N, 1] (channel), [1] or [] (tensor) or
+  [N, n_groups] (group); asymmetric: `weight_zero_point` shaped like the scale. Their activation
+  quantization is not applied: activations stay in the model dtype (closer to the unquantized
+  model than an int8 GEMM; `input_scale` is not read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale_jax.errors import TensorShapeError, UnsupportedDtypeError
+from metrale_jax.quant import w4 as q4
+
+
+@dataclass(frozen=True)
+class Int8Scheme:
+    """What quantization_config says about 8-bit integer weights (`parse_int8_config`).
+
+    method: "gptq" | "ct-packed" (compressed-tensors pack-quantized) | "ct-int" (int-quantized).
+    group_size: input columns per scale (None: from the tensors' shapes).
+    gptq_v1: GPTQ stores zero - 1 (checkpoint_format "gptq").
+    """
+
+    method: str
+    group_size: int | None = None
+    gptq_v1: bool = True
+
+
+def _err(msg: str) -> UnsupportedDtypeError:
+    return UnsupportedDtypeError(f"quantization_config: {msg}")
+
+
+def parse_int8_config(qc: Mapping) -> Int8Scheme | None:
+    """The 8-bit integer scheme of a quantization_config, None if it is not one (4-bit and FP8
+    configs are parsed elsewhere). UnsupportedDtypeError for an 8-bit variant we cannot read."""
+    if not isinstance(qc, Mapping):
+        return None
+    method = qc.get("quant_method")
+    if method == "gptq" and qc.get("bits") == 8:
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
+        return Int8Scheme("gptq", q4.parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq")
+    if method != "compressed-tensors":
+        return None
+    groups = (qc.get("config_groups") or {}).items()
+    fmts = {g.get("format", qc.get("format")) for _, g in groups}
+    eight = [name for name, g in groups if (g.get("weights") or {}).get("num_bits") == 8
+             and (g.get("weights") or {}).get("type", "int") == "int"]
+    if "int-quantized" not in fmts and not eight:
+        return None
+    if len(fmts) > 1 or (fmts == {"pack-quantized"} and len(eight) != len(groups)):
+        raise _err(f"compressed-tensors config_groups mixing formats or bit widths ({sorted(fmts)}) "
+                                    "are not supported")
+    sizes = set()
+    for name, g in groups:
+        w = g.get("weights") or {}
+        if w.get("type", "int") != "int" or not 2 <= int(w.get("num_bits", 8)) <= 8:
+            raise _err(f"compressed-tensors {name}: {w.get('num_bits')}-bit {w.get('type')!r} "
+                                        "weights are not supported in int-quantized / 8-bit pack-quantized form")
+        if w.get("dynamic"):
+            raise _err(f"compressed-tensors {name}: dynamic weight quantization is not supported")
+        strategy = w.get("strategy")
+        if strategy not in ("tensor", "channel", "group"):
+            raise _err(f"compressed-tensors {name}: int weight strategy {strategy!r} is not "
+                                        "supported ('tensor', 'channel' or 'group')")
+        sizes.add(q4.parse_group(w.get("group_size"), "compressed-tensors") if strategy == "group" else None)
+    return Int8Scheme("ct-int" if fmts == {"int-quantized"} else "ct-packed",
+                      sizes.pop() if len(sizes) == 1 else None)
+
+
+def _bytes_along_last(words: np.ndarray, count: int) -> np.ndarray:
+    """u32[..., W] -> u8[..., count]: element 4w + j = byte j (bits 8j..8j+7) of word w."""
+    b = np.ascontiguousarray(words, dtype="<u4").view(np.uint8)
+    return b[..., :count]
+
+
+def _dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, g: int,
+                perm: np.ndarray | None) -> np.ndarray:
+    """q [N, K] (integers, in the packed column order), scale / zero [N, n_groups] (group gi: packed
+    columns gi*g..) -> W f32[N, K] in the input-column order."""
+    k = q.shape[1]
+    s = np.repeat(scale.astype(np.float32), g, axis=1)[:, :k]
+    w = q.astype(np.float32)
+    if zero is not None:
+        w -= np.repeat(zero.astype(np.float32), g, axis=1)[:, :k]
+    w *= s
+    if perm is None:
+        return w
+    out = np.empty_like(w)
+    out[:, perm] = w
+    return out
+
+
+def read_gptq8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
+    g = scheme.group_size or k
+    ng = -(-k // g)
+    qw = q4.u32_words(load(prefix + "qweight"), prefix + "qweight")
+    q4.check_shape(qw, (-(-k // 4), n), prefix + "qweight")
+    qz = q4.u32_words(load(prefix + "qzeros"), prefix + "qzeros")
+    q4.check_shape(qz, (ng, -(-n // 4)), prefix + "qzeros")
+    zeros = _bytes_along_last(qz, n).T.astype(np.int32) + (1 if scheme.gptq_v1 else 0)  # [N, ng]
+    s = q4.int_scales(load(prefix + "scales"), prefix + "scales")
+    q4.check_shape(s, (ng, n), prefix + "scales")
+    codes = _bytes_along_last(np.ascontiguousarray(qw.T), k)  # u8[N, K] (words along K, transposed)
+    perm = None
+    if load.has(prefix + "g_idx"):
+        perm = q4.act_order(load(prefix + "g_idx"), k, g, prefix + "g_idx")
+        if perm is not None:
+            codes = codes[:, perm]
+    return _dequantize(codes, s.T, zeros, g, perm)
+
+
+def _ct_scales(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> tuple[np.ndarray, int]:
+    """(weight_scale f[N, n_groups], group size) of a compressed-tensors module; a tensor scale
+    ([] or [1]) becomes one per row."""
+    s = q4.int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
+    if s.size == 1:
+        s = np.full((n, 1), s.reshape(-1)[0], s.dtype)
+    elif s.ndim == 1:
+        s = s.reshape(-1, 1)
+    if s.ndim != 2 or s.shape[0] != n:
+        raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups], [{n}, 1] or [1]")
+    ng = s.shape[1]
+    g = k if ng == 1 else scheme.group_size or -(-k // ng)
+    if -(-k // g) != ng:
+        raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
+    return s, g
+
+
+def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
+    shape = tuple(int(d) for d in np.asarray(load(prefix + "weight_shape")).reshape(-1))
+    if shape != (n, k):
+        raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
+    words = q4.u32_words(load(prefix + "weight_packed"), prefix + "weight_packed")
+    q4.check_shape(words, (n, -(-k // 4)), prefix + "weight_packed")
+    s, g = _ct_scales(load, prefix, n, k, scheme)
+    zeros = None
+    if load.has(prefix + "weight_zero_point"):
+        zp = q4.u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
+        q4.check_shape(zp, (-(-n // 4), s.shape[1]), prefix + "weight_zero_point")
+        zeros = _bytes_along_last(np.ascontiguousarray(zp.T), n).T.astype(np.int32) - 128  # [N, ng]
+    codes = _bytes_along_last(words, k).astype(np.int32) - 128  # the signed values
+    perm = None
+    if load.has(prefix + "weight_g_idx"):
+        perm = q4.act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
+        if perm is not None:
+            codes = codes[:, perm]
+    return _dequantize(codes, s, zeros, g, perm)
+
+
+def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
+    q = np.asarray(load(prefix + "weight"))
+    if q.dtype != np.int8:
+        raise UnsupportedDtypeError(f"{prefix}weight: int-quantized weights must be int8; got {q.dtype}")
+    q4.check_shape(q, (n, k), prefix + "weight")
+    s, g = _ct_scales(load, prefix, n, k, scheme)
+    zeros = None
+    if load.has(prefix + "weight_zero_point"):
+        z = np.asarray(load(prefix + "weight_zero_point"))
+        if not np.issubdtype(z.dtype, np.integer):
+            raise UnsupportedDtypeError(f"{prefix}weight_zero_point: integer zero points expected; got {z.dtype}")
+        if z.size == 1 or z.shape == (n,):
+            z = z.reshape(-1, 1)
+        if z.shape != s.shape and z.shape != (1, 1):
+            raise TensorShapeError(f"{prefix}weight_zero_point: shape {z.shape} does not match the scales {s.shape}")
+        zeros = np.broadcast_to(z, s.shape).astype(np.int32)
+    return _dequantize(q, s, zeros, g, None)
+
+
+# the tensor whose presence marks a module as quantized (a `weight` of dtype int8 for "ct-int"), and the reader
+READERS = {
+    "gptq": ("qweight", read_gptq8),
+    "ct-packed": ("weight_packed", read_ct_packed8),
+    "ct-int": ("weight_scale", read_ct_int8),
+}
+
+__all__ = ["Int8Scheme", "parse_int8_config", "READERS"]
