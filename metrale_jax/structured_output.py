@@ -53,7 +53,10 @@ class StructuredOutputsParams:
 
     disable_any_whitespace: JSON without free whitespace between tokens (compact `,` and `:`);
     by default any JSON whitespace is allowed, as vLLM. whitespace_pattern: a regex for the
-    whitespace between JSON tokens instead.
+    whitespace between JSON tokens instead. disable_additional_properties: a schema's objects
+    that list `properties` and say nothing of `additionalProperties` take no other keys (as
+    xgrammar and outlines read them; JSON Schema's own default, which llguidance follows, allows
+    any other key).
     """
 
     json: str | dict | None = None
@@ -63,6 +66,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,7 +101,8 @@ class StructuredOutputsParams:
         """A string that identifies the compiled grammar (the compile cache's key)."""
         v = getattr(self, self.kind)
         body = json.dumps(v, sort_keys=True) if not isinstance(v, str) else v
-        return f"{self.kind}|{self.disable_any_whitespace}|{self.whitespace_pattern}|{body}"
+        return (f"{self.kind}|{self.disable_any_whitespace}|{self.whitespace_pattern}|"
+                f"{self.disable_additional_properties}|{body}")
 
 
 def _llguidance():
@@ -127,6 +132,8 @@ def grammar_text(p: StructuredOutputsParams) -> str:
                 schema = p.json
             if not isinstance(schema, dict):
                 raise InvalidStructuredOutputsError("json: a JSON schema must be a JSON object")
+            if p.disable_additional_properties:
+                schema = _closed_objects(schema)
             opts: dict[str, Any] = {}
             if p.disable_any_whitespace:
                 opts["whitespace_flexible"] = False
@@ -143,6 +150,34 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         raise
     except (ValueError, TypeError) as e:
         raise InvalidStructuredOutputsError(f"{kind}: {e}") from None
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema with `properties` and no
+    `additionalProperties` gets `additionalProperties: false`, at any depth of its subschemas
+    (properties, items, anyOf / allOf / oneOf branches, $defs, ...; not inside `enum` / `const`
+    values, which are data)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _closed_objects(s) for name, s in schema[key].items()}
+    for key in _SCHEMA_LISTS + _SCHEMA_ONE:
+        v = schema.get(key)
+        if isinstance(v, list):
+            out[key] = [_closed_objects(s) for s in v]
+        elif isinstance(v, dict):
+            out[key] = _closed_objects(v)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def packed_width(vocab_size: int) -> int:

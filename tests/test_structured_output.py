@@ -164,6 +164,34 @@ def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
             assert (m.consume_tokens(ids) and m.is_accepting()) == ok, (grammar, text)
 
 
+def test_disable_additional_properties(compiler, smollm2_tokenizer):  # noqa: F811
+    """vLLM's `disable_additional_properties`: objects with `properties` and no `additionalProperties`
+    take no other keys, at any depth; without it, JSON Schema's default (any other key) holds. Data
+    (`const`, `enum`) and a property named "properties" are not schemas and stay as they are."""
+    from metrale_jax.structured_output import _closed_objects
+
+    schema = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "integer"},
+                             "sub": {"anyOf": [{"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               {"type": "null"}]},
+                             "properties": {"type": "object", "properties": {}, "additionalProperties": True},
+                             "c": {"const": {"properties": {"x": 1}}}}}
+    closed = _closed_objects(schema)
+    assert closed["additionalProperties"] is False and "additionalProperties" not in schema  # a copy
+    assert closed["properties"]["sub"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is True
+    assert closed["properties"]["c"] == {"const": {"properties": {"x": 1}}}
+    assert set(closed["properties"]) == {"a", "sub", "properties", "c"}
+    cases = [('{"a": 1, "z": 2}', True, False), ('{"a": 1, "sub": {"b": 2}}', True, True),
+             ('{"a": 1, "sub": {"b": 2, "y": 3}}', True, False), ('{"a": 1, "properties": {"q": 1}}', True, True)]
+    for flag in (False, True):
+        g = compiler.compile(StructuredOutputsParams(json=schema, disable_additional_properties=flag))
+        for text, free, closed_ok in cases:
+            m = compiler.matcher(g)
+            ok = m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+            assert ok == (closed_ok if flag else free), (flag, text)
+
+
 def test_matchers_of_one_grammar_are_independent(compiler, smollm2_tokenizer):  # noqa: F811
     """One sequence's tokens, errors included, never show in another matcher's masks or state
     (matchers of one grammar may share caches)."""
@@ -203,7 +231,10 @@ def test_server_protocol_mapping():
     assert so(CompletionRequest, {"prompt": "x", "guided_choice": ["a", "b"]}).choice == ["a", "b"]
     assert so(CompletionRequest, {"prompt": "x", "guided_grammar": "start: /a/"}).grammar == "start: /a/"
     got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
-    assert got.json == SCHEMA and got.disable_any_whitespace
+    assert got.json == SCHEMA and got.disable_any_whitespace and not got.disable_additional_properties
+    got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA,
+                                                                        "disable_additional_properties": True}})
+    assert got.disable_additional_properties
     with pytest.raises(RequestError) as e:
         so(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_regex": "b"})
     assert e.value.param == "guided_regex" and e.value.status == 400
