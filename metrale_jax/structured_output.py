@@ -42,14 +42,18 @@ from metrale_jax.errors import InvalidStructuredOutputsError
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
 class StructuredOutputsParams:
     """vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON schema, dict or string),
-    `regex`, `choice` (a list of strings), `grammar` (Lark, or llama.cpp's GBNF) or
-    `json_object=True` (any JSON object).
+    `regex`, `choice` (a list of strings), `grammar` (Lark, or llama.cpp's GBNF),
+    `json_object=True` (any JSON object) or `structural_tag` (free text in which each tool call
+    follows its schema: vLLM's {"type": "structural_tag", "structures": [{"begin", "schema",
+    "end"}, ...], "triggers": [...]}, a dict or its JSON; a call starts where the text reaches a
+    trigger, and must go on with one of the `begin` strings that start with it, a JSON document
+    of that structure's schema and its `end`).
 
     disable_any_whitespace: JSON without free whitespace between tokens (compact `,` and `:`);
     by default any JSON whitespace is allowed, as vLLM. whitespace_pattern: a regex for the
@@ -64,6 +68,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
     disable_additional_properties: bool = False
@@ -90,6 +95,9 @@ class StructuredOutputsParams:
             raise InvalidStructuredOutputsError("choice must be a non-empty list of non-empty strings")
         if self.json_object not in (None, True, False):
             raise InvalidStructuredOutputsError("json_object must be true or absent")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str | dict):
+            raise InvalidStructuredOutputsError(f"structural_tag must be a dict or its JSON, got "
+                                                f"{type(self.structural_tag).__name__}")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise InvalidStructuredOutputsError("whitespace_pattern must be a string")
 
@@ -140,6 +148,8 @@ def grammar_text(p: StructuredOutputsParams) -> str:
             if p.whitespace_pattern is not None:
                 opts["whitespace_pattern"] = p.whitespace_pattern
             return M.grammar_from_json_schema(schema, defaults=opts or None)
+        if kind == "structural_tag":
+            return _structural_tag_grammar(llg, p.structural_tag)
         if kind == "regex":
             return M.grammar_from_regex(p.regex)
         if kind == "choice":
@@ -150,6 +160,34 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         raise
     except (ValueError, TypeError) as e:
         raise InvalidStructuredOutputsError(f"{kind}: {e}") from None
+
+
+def _structural_tag_grammar(llg, spec: str | dict) -> str:
+    """llguidance's grammar of a vLLM structural tag (`StructuredOutputsParams.structural_tag`):
+    each structure a `llguidance.StructTag` under the first trigger its `begin` starts with."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise InvalidStructuredOutputsError(f"structural_tag: not valid JSON: {e}") from None
+    structures = spec.get("structures") if isinstance(spec, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise InvalidStructuredOutputsError('structural_tag needs {"structures": [{"begin", "schema", "end"}, ...], '
+                                            '"triggers": [non-empty strings]}')
+    tags = []
+    for i, st in enumerate(structures):
+        if not (isinstance(st, dict) and isinstance(st.get("begin"), str) and isinstance(st.get("end"), str)
+                and isinstance(st.get("schema"), dict)):
+            raise InvalidStructuredOutputsError(f"structural_tag: structures[{i}] needs string begin and end and a "
+                                                "JSON schema (an object) as schema")
+        trigger = next((t for t in triggers if st["begin"].startswith(t)), None)
+        if trigger is None:
+            raise InvalidStructuredOutputsError(f"structural_tag: structures[{i}] begin {st['begin']!r} starts "
+                                                f"with none of the triggers {triggers}")
+        tags.append(llg.StructTag(trigger=trigger, begin=st["begin"], grammar=st["schema"], end=st["end"]))
+    return llg.StructTag.to_grammar(tags)
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema

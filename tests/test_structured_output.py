@@ -192,6 +192,32 @@ def test_disable_additional_properties(compiler, smollm2_tokenizer):  # noqa: F8
             assert ok == (closed_ok if flag else free), (flag, text)
 
 
+def test_structural_tag(compiler, smollm2_tokenizer):  # noqa: F811
+    """vLLM's structural tag: free text, in which a tool call starts at a trigger and must go on
+    with one of the structures' `begin`, a JSON document of its schema and its `end`."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["<function="],
+           "structures": [{"begin": "<function=get_weather>", "schema": city, "end": "</function>"},
+                          {"begin": "<function=get_time>", "schema": {"type": "object"}, "end": "</function>"}]}
+    cases = [("Just text, no call.", True),
+             ('Let me check. <function=get_weather>{"city": "Paris"}</function> Done.', True),
+             ('<function=get_time>{}</function><function=get_weather>{"city": "Oslo"}</function>', True),
+             ('<function=get_weather>{"town": "Paris"}</function>', False),  # not the schema
+             ('<function=get_news>{"topic": "x"}</function>', False),  # no such structure
+             ('<function=get_weather>{"city": "Paris"}', False)]  # not ended yet
+    for spec in (tag, json.dumps(tag)):
+        g = compiler.compile(StructuredOutputsParams(structural_tag=spec))
+        for text, ok in cases:
+            m = compiler.matcher(g)
+            got = m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+            assert got == ok, text
+    for bad in ({"structures": [], "triggers": ["<f"]}, {"structures": tag["structures"], "triggers": ["<tool>"]},
+                "{not json", {"structures": [{"begin": "<f=a>", "end": "</f>"}], "triggers": ["<f"]}):
+        with pytest.raises(InvalidStructuredOutputsError, match="structural_tag"):
+            compiler.compile(StructuredOutputsParams(structural_tag=bad))
+
+
 def test_matchers_of_one_grammar_are_independent(compiler, smollm2_tokenizer):  # noqa: F811
     """One sequence's tokens, errors included, never show in another matcher's masks or state
     (matchers of one grammar may share caches)."""
@@ -235,6 +261,10 @@ def test_server_protocol_mapping():
     got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA,
                                                                         "disable_additional_properties": True}})
     assert got.disable_additional_properties
+    tag = {"type": "structural_tag", "triggers": ["<f="],
+           "structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"}]}
+    got = so(ChatCompletionRequest, {"messages": msgs, "structured_outputs": {"structural_tag": tag}})
+    assert got.structural_tag == tag
     with pytest.raises(RequestError) as e:
         so(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_regex": "b"})
     assert e.value.param == "guided_regex" and e.value.status == 400

@@ -88,7 +88,7 @@ class ResponseFormat(_Base):
 
 # vLLM's `structured_outputs` request field: StructuredOutputsParams' fields
 _SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "whitespace_pattern",
-              "disable_additional_properties")
+              "disable_additional_properties", "structural_tag")
 
 
 class _SamplingFields(_Base):
