@@ -201,10 +201,12 @@ def _scaled_fp8(w, per):
 
 
 @pytest.mark.parametrize("fixture", ["llama_tiny", "qwen3_moe_tiny"])
-@pytest.mark.parametrize("kind", ["fp8_tensor", "ct_tensor", "ct_channel", "modelopt_tensor", "modelopt_channel"])
+@pytest.mark.parametrize("kind", ["fp8_tensor", "ct_tensor", "ct_channel", "modelopt_tensor", "modelopt_channel",
+                                  "fbgemm_channel"])
 def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, caplog):
     """Per-tensor FP8 (`quant_method: fp8` without blocks, compressed-tensors "tensor", ModelOpt "FP8") stays FP8
-    (its scale is every block's); per-channel FP8 linears and experts stay FP8 with `col_scale`.
+    (its scale is every block's); per-channel FP8 linears and experts (compressed-tensors, ModelOpt,
+    FBGEMM) stay FP8 with `col_scale`.
     All match a dense checkpoint holding the same dequantized weights."""
     per = kind.split("_")[1]
     t = load_file(FIXTURES / fixture / "model.safetensors")
@@ -213,10 +215,14 @@ def test_fp8_per_tensor_and_per_channel_checkpoints(tmp_path, fixture, kind, cap
         if name.endswith("_proj.weight"):
             w8, s, dense[name] = _scaled_fp8(w.astype(np.float32), per)
             quant[name], quant[name[: -len("weight")] + "weight_scale"] = w8, s
+            if kind == "fbgemm_channel":  # (FBGEMM's activation clamp: not read)
+                quant[name[: -len("weight")] + "input_scale_ub"] = np.array([1200.0], np.float32)
     cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
     qc = {"fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}, "ct": _ct_config(per),
           "modelopt": {"quant_method": "modelopt", "quant_algo": "FP8" if per == "tensor" else
-                       "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": ["lm_head"]}}[kind.split("_")[0]]
+                       "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": ["lm_head"]},
+          "fbgemm": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                     "modules_to_not_convert": ["lm_head"]}}[kind.split("_")[0]]
     if kind == "modelopt_channel":  # (ModelOpt stores per-channel scales as [N])
         quant = {name: v.reshape(-1) if name.endswith("weight_scale") else v for name, v in quant.items()}
     for sub, tensors, c in (("q", quant, dict(cfg, quantization_config=qc)), ("dense", dense, cfg)):

@@ -16,7 +16,9 @@ Other FP8 checkpoints store `weight_scale` (a multiplier too) beside `weight`:
   strategy "tensor" ([1]), "block" ([ceil(N/128), ceil(K/128)], block_structure [128, 128]) or
   "channel" ([N, 1]);
 * NVIDIA ModelOpt (`quant_method: "modelopt"`), quant_algo "FP8" (per tensor) or
-  "FP8_PER_CHANNEL_PER_TOKEN" (per channel, [N] or [N, 1]).
+  "FP8_PER_CHANNEL_PER_TOKEN" (per channel, [N] or [N, 1]);
+* FBGEMM's FP8 (`quant_method: "fbgemm_fp8"`, e.g. Meta's Llama-3.1-405B-FP8): per channel
+  ([N, 1]), with an `input_scale_ub` (an activation clamp, not read).
 Their activation schemes (dynamic per token, static input_scale) are not used: activations stay
 bf16 or take this engine's own per-row scales.
 A per-tensor scale is a block scale repeated over every block, so those weights stay FP8 like
@@ -230,6 +232,8 @@ def check_fp8_quantization_config(qc: Mapping) -> None:
     if not isinstance(qc, Mapping):
         raise UnsupportedDtypeError(f"quantization_config must be a mapping; got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method == "fbgemm_fp8":  # per-channel weights (the scales' shapes say so: `WeightReader.fp8_kind`)
+        return
     if method == "modelopt":
         algo = qc.get("quantization", qc).get("quant_algo")
         if algo not in MODELOPT_FP8:
@@ -249,7 +253,7 @@ def check_fp8_quantization_config(qc: Mapping) -> None:
         return
     if method != "fp8":
         raise UnsupportedDtypeError(
-            f"quantization_config.quant_method {method!r} is not supported ('fp8', 'gptq', 'awq', "
+            f"quantization_config.quant_method {method!r} is not supported ('fp8', 'fbgemm_fp8', 'gptq', 'awq', "
             "'compressed-tensors', 'modelopt')")
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
