@@ -99,18 +99,33 @@ def _bytes_along_last(words: np.ndarray, count: int) -> np.ndarray:
 def _dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, g: int,
                 perm: np.ndarray | None) -> np.ndarray:
     """q [N, K] (integers, in the packed column order), scale / zero [N, n_groups] (group gi: packed
-    columns gi*g..) -> W f32[N, K] in the input-column order."""
-    k = q.shape[1]
-    s = np.repeat(scale.astype(np.float32), g, axis=1)[:, :k]
-    w = q.astype(np.float32)
-    if zero is not None:
-        w -= np.repeat(zero.astype(np.float32), g, axis=1)[:, :k]
-    w *= s
+    columns gi*g..) -> W f32[N, K] in the input-column order; in bands of rows on the loading
+    threads (numpy's arithmetic releases the GIL: a 14,336 x 4,096 matrix took 0.4-1.1 s in one
+    thread on the dev box)."""
+    from metrale_jax.loading.weights import _BAND_ROWS, _pool
+
+    n, k = q.shape
+    out = np.empty((n, k), np.float32)
+    s = scale.astype(np.float32)
+    z = None if zero is None else zero.astype(np.float32)
+
+    def per_column(a: np.ndarray) -> np.ndarray:  # [rows, n_groups] -> broadcastable to [rows, K]
+        return a if a.shape[1] == 1 else np.repeat(a, g, axis=1)[:, :k]
+
+    def band(r0: int) -> None:
+        r = slice(r0, min(r0 + _BAND_ROWS, n))
+        w = out[r]
+        w[...] = q[r]
+        if z is not None:
+            w -= per_column(z[r])
+        w *= per_column(s[r])
+
+    list(_pool().map(band, range(0, n, _BAND_ROWS)))
     if perm is None:
-        return w
-    out = np.empty_like(w)
-    out[:, perm] = w
-    return out
+        return out
+    full = np.empty_like(out)
+    full[:, perm] = out
+    return full
 
 
 def read_gptq8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
