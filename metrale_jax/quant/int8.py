@@ -72,19 +72,19 @@ def parse_int8_config(qc: Mapping) -> Int8Scheme | None:
         return None
     if len(fmts) > 1 or (fmts == {"pack-quantized"} and len(eight) != len(groups)):
         raise _err(f"compressed-tensors config_groups mixing formats or bit widths ({sorted(fmts)}) "
-                                    "are not supported")
+                   "are not supported")
     sizes = set()
     for name, g in groups:
         w = g.get("weights") or {}
         if w.get("type", "int") != "int" or not 2 <= int(w.get("num_bits", 8)) <= 8:
             raise _err(f"compressed-tensors {name}: {w.get('num_bits')}-bit {w.get('type')!r} "
-                                        "weights are not supported in int-quantized / 8-bit pack-quantized form")
+                       "weights are not supported in int-quantized / 8-bit pack-quantized form")
         if w.get("dynamic"):
             raise _err(f"compressed-tensors {name}: dynamic weight quantization is not supported")
         strategy = w.get("strategy")
         if strategy not in ("tensor", "channel", "group"):
             raise _err(f"compressed-tensors {name}: int weight strategy {strategy!r} is not "
-                                        "supported ('tensor', 'channel' or 'group')")
+                       "supported ('tensor', 'channel' or 'group')")
         sizes.add(q4.parse_group(w.get("group_size"), "compressed-tensors") if strategy == "group" else None)
     return Int8Scheme("ct-int" if fmts == {"int-quantized"} else "ct-packed",
                       sizes.pop() if len(sizes) == 1 else None)
