@@ -147,30 +147,13 @@ def read_gptq8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndar
     return _dequantize(codes, s.T, zeros, g, perm)
 
 
-def _ct_scales(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> tuple[np.ndarray, int]:
-    """(weight_scale f[N, n_groups], group size) of a compressed-tensors module; a tensor scale
-    ([] or [1]) becomes one per row."""
-    s = q4.int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
-    if s.size == 1:
-        s = np.full((n, 1), s.reshape(-1)[0], s.dtype)
-    elif s.ndim == 1:
-        s = s.reshape(-1, 1)
-    if s.ndim != 2 or s.shape[0] != n:
-        raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups], [{n}, 1] or [1]")
-    ng = s.shape[1]
-    g = k if ng == 1 else scheme.group_size or -(-k // ng)
-    if -(-k // g) != ng:
-        raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
-    return s, g
-
-
 def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
     shape = tuple(int(d) for d in np.asarray(load(prefix + "weight_shape")).reshape(-1))
     if shape != (n, k):
         raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
     words = q4.u32_words(load(prefix + "weight_packed"), prefix + "weight_packed")
     q4.check_shape(words, (n, -(-k // 4)), prefix + "weight_packed")
-    s, g = _ct_scales(load, prefix, n, k, scheme)
+    s, g = q4.ct_scales(load, prefix, n, k, scheme.group_size)
     zeros = None
     if load.has(prefix + "weight_zero_point"):
         zp = q4.u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
@@ -190,7 +173,7 @@ def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.nd
     if q.dtype != np.int8:
         raise UnsupportedDtypeError(f"{prefix}weight: int-quantized weights must be int8; got {q.dtype}")
     q4.check_shape(q, (n, k), prefix + "weight")
-    s, g = _ct_scales(load, prefix, n, k, scheme)
+    s, g = q4.ct_scales(load, prefix, n, k, scheme.group_size)
     zeros = None
     if load.has(prefix + "weight_zero_point"):
         z = np.asarray(load(prefix + "weight_zero_point"))

@@ -363,19 +363,31 @@ def read_awq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     return W4Weight("int4", packed, np.ascontiguousarray(s.T), zeros, g, k=k)
 
 
+def ct_scales(load, prefix: str, n: int, k: int, group_size: int | None) -> tuple[np.ndarray, int]:
+    """(compressed-tensors' `weight_scale` as [N, n_groups], the group size): a scale per group
+    ([N, n_groups]), per channel ([N, 1] or [N]) or per tensor ([] or [1], then one per row)."""
+    s = int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
+    if s.size == 1:
+        s = np.full((n, 1), s.reshape(-1)[0], s.dtype)
+    elif s.ndim == 1:
+        s = s.reshape(-1, 1)
+    if s.ndim != 2 or s.shape[0] != n:
+        raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups], [{n}, 1] or [1]")
+    ng = s.shape[1]
+    g = k if ng == 1 else group_size or -(-k // ng)
+    if -(-k // g) != ng:
+        raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
+    return s, g
+
+
 def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     shape = tuple(int(d) for d in np.asarray(load(prefix + "weight_shape")).reshape(-1))
     if shape != (n, k):
         raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
     words = u32_words(load(prefix + "weight_packed"), prefix + "weight_packed")
     check_shape(words, (n, -(-k // 8)), prefix + "weight_packed")
-    s = int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
-    if s.ndim != 2 or s.shape[0] != n:
-        raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups]")
+    s, g = ct_scales(load, prefix, n, k, scheme.group_size)
     ng = s.shape[1]
-    g = k if ng == 1 else scheme.group_size or -(-k // ng)
-    if -(-k // g) != ng:
-        raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
     if load.has(prefix + "weight_zero_point"):
         zp = u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
         check_shape(zp, (-(-n // 8), ng), prefix + "weight_zero_point")
