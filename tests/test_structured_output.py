@@ -344,6 +344,28 @@ def test_regex_and_choice_with_free_rows(llm, monkeypatch):
     assert not eng.has_unfinished_requests() and eng.stats().kv_blocks_used == 0
 
 
+def test_structural_tag_through_generate(llm):
+    """A structural tag through `LLM.chat`: free text, and every ```json code block the model opens
+    holds an object of the schema and is closed (SmolLM2 opens one when asked to)."""
+    pet = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+           "required": ["name", "age"], "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["```"],
+           "structures": [{"begin": "```json\n", "schema": pet, "end": "\n```"}]}
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=80,
+                        structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    outs = llm.chat([[{"role": "user", "content": f"Describe {a} as JSON (name, age) in a ```json code block."}]
+                     for a in ANIMALS[:4]], sp)
+    blocks = 0
+    for o in outs:
+        text = o.outputs[0].text
+        found = re.findall(r"```json\n(.*?)\n```", text, re.S)
+        for b in found:
+            jsonschema.validate(json.loads(b), pet)
+        blocks += len(found)
+        assert text.count("```") % 2 == 0 or o.outputs[0].finish_reason == "length", text
+    assert blocks >= 2  # (the tag was exercised, not only free text)
+
+
 def test_server_response_format(llm):
     openai = pytest.importorskip("openai")
     from metrale_jax.server import BackgroundServer, ServerConfig
