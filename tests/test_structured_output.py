@@ -265,6 +265,8 @@ def test_server_protocol_mapping():
            "structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"}]}
     got = so(ChatCompletionRequest, {"messages": msgs, "structured_outputs": {"structural_tag": tag}})
     assert got.structural_tag == tag
+    got = so(ChatCompletionRequest, {"messages": msgs, "response_format": tag})  # vLLM's response_format form
+    assert got.structural_tag == tag
     with pytest.raises(RequestError) as e:
         so(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_regex": "b"})
     assert e.value.param == "guided_regex" and e.value.status == 400

@@ -84,6 +84,9 @@ class JsonSchemaFormat(_Base):
 class ResponseFormat(_Base):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural-tag response format: {"type": "structural_tag", "structures", "triggers"}
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 # vLLM's `structured_outputs` request field: StructuredOutputsParams' fields
@@ -136,9 +139,13 @@ class _SamplingFields(_Base):
                     raise RequestError("response_format of type json_schema needs json_schema.schema",
                                        param="response_format.json_schema")
                 given.append(("response_format", {"json": rf.json_schema.schema_}))
+            elif rf.type == "structural_tag":
+                tag = {"type": "structural_tag", "structures": rf.structures, "triggers": rf.triggers}
+                given.append(("response_format", {"structural_tag": tag}))
             elif rf.type != "text":
                 raise RequestError(f"response_format type {rf.type!r} is not supported (text, json_object, "
-                                   "json_schema)", param="response_format.type", code="unsupported_value")
+                                   "json_schema, structural_tag)", param="response_format.type",
+                                   code="unsupported_value")
         if self.structured_outputs is not None:
             bad = sorted(set(self.structured_outputs) - set(_SO_FIELDS))
             if bad:
