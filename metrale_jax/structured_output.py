@@ -149,7 +149,7 @@ def grammar_text(p: StructuredOutputsParams) -> str:
                 opts["whitespace_pattern"] = p.whitespace_pattern
             return M.grammar_from_json_schema(schema, defaults=opts or None)
         if kind == "structural_tag":
-            return _structural_tag_grammar(llg, p.structural_tag)
+            return _structural_tag_grammar(llg, p.structural_tag, p.disable_additional_properties)
         if kind == "regex":
             return M.grammar_from_regex(p.regex)
         if kind == "choice":
@@ -162,9 +162,10 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         raise InvalidStructuredOutputsError(f"{kind}: {e}") from None
 
 
-def _structural_tag_grammar(llg, spec: str | dict) -> str:
+def _structural_tag_grammar(llg, spec: str | dict, closed: bool) -> str:
     """llguidance's grammar of a vLLM structural tag (`StructuredOutputsParams.structural_tag`):
-    each structure a `llguidance.StructTag` under the first trigger its `begin` starts with."""
+    each structure a `llguidance.StructTag` under the first trigger its `begin` starts with
+    (`closed`: its schema's objects take no other keys, `_closed_objects`)."""
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
@@ -186,8 +187,12 @@ def _structural_tag_grammar(llg, spec: str | dict) -> str:
         if trigger is None:
             raise InvalidStructuredOutputsError(f"structural_tag: structures[{i}] begin {st['begin']!r} starts "
                                                 f"with none of the triggers {triggers}")
-        tags.append(llg.StructTag(trigger=trigger, begin=st["begin"], grammar=st["schema"], end=st["end"]))
-    return llg.StructTag.to_grammar(tags)
+        schema = _closed_objects(st["schema"]) if closed else st["schema"]
+        tags.append(llg.StructTag(trigger=trigger, begin=st["begin"], grammar=schema, end=st["end"]))
+    try:
+        return llg.StructTag.to_grammar(tags)
+    except AssertionError as e:  # (llguidance checks its tags with asserts)
+        raise InvalidStructuredOutputsError(f"structural_tag: {e}") from None
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema

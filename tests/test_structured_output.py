@@ -212,6 +212,14 @@ def test_structural_tag(compiler, smollm2_tokenizer):  # noqa: F811
             m = compiler.matcher(g)
             got = m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
             assert got == ok, text
+    open_tag = {"triggers": ["<f="], "structures": [{"begin": "<f=x>", "end": "</f>",
+                                                     "schema": {"type": "object", "properties": {"a": {}}}}]}
+    for closed in (False, True):  # disable_additional_properties reaches the structures' schemas
+        m = compiler.matcher(compiler.compile(StructuredOutputsParams(structural_tag=open_tag,
+                                                                      disable_additional_properties=closed)))
+        text = '<f=x>{"a": 1, "b": 2}</f>'
+        ok = m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+        assert ok != closed
     for bad in ({"structures": [], "triggers": ["<f"]}, {"structures": tag["structures"], "triggers": ["<tool>"]},
                 "{not json", {"structures": [{"begin": "<f=a>", "end": "</f>"}], "triggers": ["<f"]}):
         with pytest.raises(InvalidStructuredOutputsError, match="structural_tag"):
