@@ -170,16 +170,18 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
     _check_quantization(quantization)
-    w4_scheme = int8_scheme = None
+    w4_scheme = dense_scheme = None
     if ckpt.config.get("quantization_config") is not None:
+        from metrale_jax.quant.bnb import parse_bnb_config
         from metrale_jax.quant.fp8 import check_fp8_quantization_config
         from metrale_jax.quant.int8 import parse_int8_config
         from metrale_jax.quant.w4 import parse_w4_config
 
         qc = ckpt.config["quantization_config"]
-        int8_scheme = parse_int8_config(qc)  # 8-bit GPTQ, compressed-tensors W8A16 / W8A8-INT8: dense
-        w4_scheme = None if int8_scheme else parse_w4_config(qc)  # GPTQ, AWQ, compressed-tensors, NVFP4
-        if int8_scheme is None and w4_scheme is None:
+        # read dense: 8-bit GPTQ, compressed-tensors W8A16 / W8A8-INT8, bitsandbytes
+        dense_scheme = parse_int8_config(qc) or parse_bnb_config(qc)
+        w4_scheme = None if dense_scheme else parse_w4_config(qc)  # GPTQ, AWQ, compressed-tensors, NVFP4
+        if dense_scheme is None and w4_scheme is None:
             check_fp8_quantization_config(qc)
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: {path} is already quantized")
@@ -198,7 +200,7 @@ def load_model(
             reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
                                   quantize_fp8=quantization == "fp8", split_layers=split_layers,
                                   w4_scheme=w4_scheme, quantize_w4=_w4_quantization(quantization),
-                                  sharder=sharder, int8_scheme=int8_scheme)
+                                  sharder=sharder, dense_scheme=dense_scheme)
             try:
                 params = fam.load_params(cfg, reader)
             except jax.errors.JaxRuntimeError as e:
@@ -208,7 +210,7 @@ def load_model(
                                 "the dense copies of those weights do not fit") from e
             if mtp:
                 mtp_reader = WeightReader(ckpt.tensors, dtype, origin=str(resolved), show_progress=show_progress,
-                                          w4_scheme=w4_scheme, int8_scheme=int8_scheme)
+                                          w4_scheme=w4_scheme, dense_scheme=dense_scheme)
                 params["mtp"] = _load_mtp(fam, cfg, mtp_reader, split_layers)
                 reader.dequantized += mtp_reader.dequantized
             if reader.dequantized:
@@ -229,7 +231,7 @@ def load_model(
 def _dense_summary(reader, dtype: str) -> str:
     """What `WeightReader.dequantized` lists, in a line: how many, and which layers (indices as *)."""
     kinds = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in reader.dequantized})
-    why = ("no 8-bit integer kernel here" if reader.int8_scheme is not None else
+    why = (f"no kernel here runs {reader.dense_scheme.label} weights" if reader.dense_scheme is not None else
            "no 4-bit or FP8 kernel here takes these layers or scales")
     return (f"{len(reader.dequantized)} quantized weights dequantized to {dtype} at load, to run dense ({why}): "
             f"{', '.join(kinds)}")

@@ -554,9 +554,9 @@ def test_unknown_method_is_an_error(tmp_path):
     d = tmp_path / "m"
     shutil.copytree(FIXTURES / "llama_awq_tiny", d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    cfg["quantization_config"] = {"quant_method": "hqq"}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedDtypeError, match="bitsandbytes"):
+    with pytest.raises(UnsupportedDtypeError, match="hqq"):
         load_model(d, show_progress=False)
 
 

@@ -137,7 +137,7 @@ class WeightReader:
 
     def __init__(self, source, dtype, origin: str = "", show_progress: bool = True, quantize_fp8: bool = False,
                  split_layers: bool = False, w4_scheme=None, quantize_w4: str | None = None, sharder=None,
-                 int8_scheme=None):
+                 dense_scheme=None):
         self.source = source
         self.dtype = np_dtype(dtype)
         self.origin = origin
@@ -145,7 +145,8 @@ class WeightReader:
         self.split_layers = split_layers  # to_device: per-layer arrays (the GPU engine's layout)
         self.quantize_fp8 = quantize_fp8
         self.w4_scheme = w4_scheme  # quant.w4.W4Scheme of a 4-bit checkpoint (linears_w4.py)
-        self.int8_scheme = int8_scheme  # quant.int8.Int8Scheme of an 8-bit integer checkpoint (`get`: dense)
+        # quant.int8.Int8Scheme / quant.bnb.BnbScheme: a format no kernel here runs (`get` dequantizes it)
+        self.dense_scheme = dense_scheme
         self.quantize_w4 = quantize_w4  # "int4" | "nvfp4": quantize the decoder linears at load
         # parallel.Sharder: stream layer-stacked parameters to their shards a layer at a time
         # (`LayerStack`; named `stacked`/`linears` calls) instead of building them on the host
@@ -159,8 +160,8 @@ class WeightReader:
 
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
         """The tensor `name` as float32 numpy (or the target dtype if cast), checked against shape."""
-        if name not in self._names or (self.int8_scheme is not None and self.int8_scheme.method == "ct-int"
-                                       and np.dtype(self.source.dtype(name)) == np.int8):
+        if name not in self._names or (self.dense_scheme is not None  # (an int8 / packed u8 `weight`)
+                                       and np.dtype(self.source.dtype(name)).kind in "iu"):
             arr = self._dequantized_int(name, shape)
             return self.cast(arr) if cast else arr
         got = tuple(self.source.shape(name))
@@ -182,27 +183,29 @@ class WeightReader:
         return self.cast(arr) if cast else arr.astype(np.float32)
 
     def _dequantized_int(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """f32 `shape` of an integer-quantized weight read dense: any weight of an 8-bit checkpoint
-        (no int8 kernel here), or a 4-bit one no 4-bit kernel reads (lm_head, MoE experts, other
-        families' layers, a linear quantized in some layers only); named in `dequantized`.
-        MissingTensorError if the checkpoint has no such weight."""
-        from metrale_jax.quant import int8, w4
+        """f32 `shape` of a quantized weight read dense: any weight of a format no kernel here runs
+        (8-bit integers, bitsandbytes: `dense_scheme`), or a 4-bit one no 4-bit kernel reads
+        (lm_head, MoE experts, other families' layers, a linear quantized in some layers only);
+        named in `dequantized`. MissingTensorError if the checkpoint has no such weight."""
+        from metrale_jax.quant import bnb, int8, w4
 
-        scheme = self.int8_scheme or self.w4_scheme
-        readers = int8.READERS if self.int8_scheme is not None else w4.READERS
+        scheme = self.dense_scheme or self.w4_scheme
+        readers = {**int8.READERS, **bnb.READERS} if self.dense_scheme is not None else w4.READERS
         marker, read = readers[scheme.method] if scheme is not None else (None, None)
         prefix = name[: -len("weight")] if name.endswith(".weight") else None
         if marker is None or prefix is None or not self.has(prefix + marker):
+            if name in self._names:
+                raise UnsupportedDtypeError(f"tensor {name!r} in {self.origin} has dtype "
+                                            f"{np.dtype(self.source.dtype(name))}; a float type was expected")
             raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
-        bits = 8 if self.int8_scheme is not None else 4
         if len(shape) != 2:
-            raise UnsupportedDtypeError(f"{self.origin}: {name} is {bits}-bit ({scheme.method}) but is read as a "
-                                        f"{len(shape)}-D tensor {tuple(shape)}; {bits}-bit weights must be matrices")
+            raise UnsupportedDtypeError(f"{self.origin}: {name} is quantized ({scheme.method}) but is read as a "
+                                        f"{len(shape)}-D tensor {tuple(shape)}; quantized weights must be matrices")
         from metrale_jax.loading.linears_w4 import TensorLoader
 
         self.dequantized.append(name[: -len(".weight")])
         out = read(TensorLoader(self), prefix, shape[0], shape[1], scheme)
-        return out if bits == 8 else w4.dequantize_w4(out)
+        return out if self.dense_scheme is not None else w4.dequantize_w4(out)
 
     def _scale_name(self, name: str) -> str:
         """The scale tensor of FP8 weight `name`: `<name>_scale_inv` (block FP8) or `<module>.weight_scale`

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -45,6 +46,7 @@ class Int8Scheme:
     method: str
     group_size: int | None = None
     gptq_v1: bool = True
+    label: ClassVar[str] = "8-bit integer"  # (in the load's warning)
 
 
 def _err(msg: str) -> UnsupportedDtypeError:
