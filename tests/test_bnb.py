@@ -73,10 +73,11 @@ class _Load:
 
 
 @pytest.mark.parametrize("kind,double", [("nf4", True), ("nf4", False), ("fp4", False), ("int8", False)])
-@pytest.mark.parametrize("n,k,block", [(9, 13, 64), (8, 96, 32), (40, 500, 64)])
+@pytest.mark.parametrize("n,k,block", [(9, 13, 64), (8, 96, 32), (40, 500, 64), (301, 1001, 32)])
 def test_readers(kind, double, n, k, block):
-    """An odd element count (9 x 13: a padded last byte, a partial last block), whole blocks, and
-    313 scales (40 x 500 in blocks of 64: two nested blocks of 256 scales, the last partial)."""
+    """An odd element count (9 x 13: a padded last byte, a partial last block), whole blocks, 313
+    scales (40 x 500 in blocks of 64: two nested blocks of 256 scales, the last partial), and
+    301 x 1001 in blocks of 32: three of the reader's bands of 4,096 blocks, the last partial."""
     w = np.random.default_rng(n * k).standard_normal((n, k)).astype(np.float32)
     if kind == "int8":
         t, deq = _pack8(w)

@@ -26,6 +26,7 @@ from typing import ClassVar
 import numpy as np
 
 from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.quant.int8 import dequantize_groups
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,20 @@ def read_bnb4(load, prefix: str, n: int, k: int, scheme: BnbScheme) -> np.ndarra
     absmax = np.asarray(absmax, np.float32).reshape(-1)
     if absmax.size != nb:
         raise TensorShapeError(f"{name}.absmax: {absmax.size} scales, expected {nb} (blocks of {block})")
-    codes = np.empty(2 * packed.size, np.uint8)
-    codes[0::2], codes[1::2] = packed >> 4, packed & 15
-    return _block_scales(table[codes[:size]], absmax, block, size).reshape(n, k)
+    from metrale_jax.loading.weights import _pool
+
+    out = np.empty(size, np.float32)
+    step = block * 4096  # elements a band (whole blocks, even): bands on the loading threads
+
+    def band(e0: int) -> None:
+        e1 = min(e0 + step, size)
+        b = packed[e0 // 2:(e1 + 1) // 2]
+        codes = np.empty(2 * b.size, np.uint8)
+        codes[0::2], codes[1::2] = b >> 4, b & 15
+        out[e0:e1] = _block_scales(table[codes[: e1 - e0]], absmax[e0 // block:], block, e1 - e0)
+
+    list(_pool().map(band, range(0, size, step)))
+    return out.reshape(n, k)
 
 
 def read_bnb8(load, prefix: str, n: int, k: int, scheme: BnbScheme) -> np.ndarray:
@@ -100,7 +112,7 @@ def read_bnb8(load, prefix: str, n: int, k: int, scheme: BnbScheme) -> np.ndarra
     scb = np.asarray(load(prefix + "SCB"), np.float32).reshape(-1)
     if scb.size != n:
         raise TensorShapeError(f"{prefix}SCB: {scb.size} row scales, expected {n}")
-    return q.astype(np.float32) * (scb / np.float32(127.0))[:, None]
+    return dequantize_groups(q, (scb / np.float32(127.0))[:, None], None, k, None)
 
 
 # the tensor whose presence marks a module as quantized (beside its integer `weight`), and the reader

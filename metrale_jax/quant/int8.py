@@ -98,7 +98,7 @@ def _bytes_along_last(words: np.ndarray, count: int) -> np.ndarray:
     return b[..., :count]
 
 
-def _dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, g: int,
+def dequantize_groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, g: int,
                 perm: np.ndarray | None) -> np.ndarray:
     """q [N, K] (integers, in the packed column order), scale / zero [N, n_groups] (group gi: packed
     columns gi*g..) -> W f32[N, K] in the input-column order; in bands of rows on the loading
@@ -146,7 +146,7 @@ def read_gptq8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndar
         perm = q4.act_order(load(prefix + "g_idx"), k, g, prefix + "g_idx")
         if perm is not None:
             codes = codes[:, perm]
-    return _dequantize(codes, s.T, zeros, g, perm)
+    return dequantize_groups(codes, s.T, zeros, g, perm)
 
 
 def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
@@ -167,7 +167,7 @@ def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np
         perm = q4.act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
         if perm is not None:
             codes = codes[:, perm]
-    return _dequantize(codes, s, zeros, g, perm)
+    return dequantize_groups(codes, s, zeros, g, perm)
 
 
 def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
@@ -186,7 +186,7 @@ def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.nd
         if z.shape != s.shape and z.shape != (1, 1):
             raise TensorShapeError(f"{prefix}weight_zero_point: shape {z.shape} does not match the scales {s.shape}")
         zeros = np.broadcast_to(z, s.shape).astype(np.int32)
-    return _dequantize(q, s, zeros, g, None)
+    return dequantize_groups(q, s, zeros, g, None)
 
 
 # the tensor whose presence marks a module as quantized (a `weight` of dtype int8 for "ct-int"), and the reader
