@@ -9,6 +9,7 @@ models against dense checkpoints holding the same values.
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -104,10 +105,11 @@ def test_reader_errors():
     assert bnb.parse_bnb_config({"quant_method": "gptq", "bits": 4}) is None
 
 
-@pytest.mark.parametrize("kind", ["nf4_double", "fp4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4_double", "fp4", "nf4_bf16_storage", "int8"])
 def test_bnb_checkpoints_load_dense(tmp_path, caplog, kind):
     """A bitsandbytes checkpoint (every linear but lm_head, as transformers quantizes them) gives the
-    logits of the dense checkpoint holding its dequantized weights, with one warning."""
+    logits of the dense checkpoint holding its dequantized weights, with one warning; the packed
+    codes may be stored viewed as another dtype (`bnb_4bit_quant_storage`)."""
     import jax.numpy as jnp
 
     t = load_file(FIXTURES / "llama_tiny" / "model.safetensors")
@@ -116,12 +118,14 @@ def test_bnb_checkpoints_load_dense(tmp_path, caplog, kind):
         if nm.endswith("_proj.weight"):
             w = w.astype(np.float32)
             tensors, dense[nm] = _pack8(w) if kind == "int8" else _pack4(w, kind[:3], 64, kind.endswith("double"))
+            if kind.endswith("bf16_storage"):
+                tensors["weight"] = tensors["weight"].reshape(-1).view(ml_dtypes.bfloat16)[:, None]
             del quant[nm]
             quant.update({nm[: -len("weight")] + x: v for x, v in tensors.items()})
     qc = ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 6.0} if kind == "int8" else
           {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": kind[:3],
            "bnb_4bit_use_double_quant": kind.endswith("double"), "bnb_4bit_compute_dtype": "float32",
-           "bnb_4bit_quant_storage": "uint8"})
+           "bnb_4bit_quant_storage": "bfloat16" if kind.endswith("bf16_storage") else "uint8"})
     cfg = json.loads((FIXTURES / "llama_tiny" / "config.json").read_text())
     for sub, tensors, c in (("dense", dense, cfg), ("q", quant, dict(cfg, quantization_config=qc))):
         (tmp_path / sub).mkdir()

@@ -160,8 +160,7 @@ class WeightReader:
 
     def get(self, name: str, shape: tuple[int, ...], cast: bool = False) -> np.ndarray:
         """The tensor `name` as float32 numpy (or the target dtype if cast), checked against shape."""
-        if name not in self._names or (self.dense_scheme is not None  # (an int8 / packed u8 `weight`)
-                                       and np.dtype(self.source.dtype(name)).kind in "iu"):
+        if name not in self._names or self._dense_marker(name):  # (an int8 / packed `weight` beside its scales)
             arr = self._dequantized_int(name, shape)
             return self.cast(arr) if cast else arr
         got = tuple(self.source.shape(name))
@@ -182,21 +181,29 @@ class WeightReader:
             )
         return self.cast(arr) if cast else arr.astype(np.float32)
 
+    def _dense_readers(self) -> dict:
+        from metrale_jax.quant import bnb, int8, w4
+
+        return {**int8.READERS, **bnb.READERS} if self.dense_scheme is not None else w4.READERS
+
+    def _dense_marker(self, name: str) -> bool:
+        """Whether `name` is a weight of `dense_scheme`'s format stored under its own name (int8,
+        or bitsandbytes' packed bytes), beside the tensor that marks it quantized."""
+        if self.dense_scheme is None or not name.endswith(".weight"):
+            return False
+        return self.has(name[: -len("weight")] + self._dense_readers()[self.dense_scheme.method][0])
+
     def _dequantized_int(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """f32 `shape` of a quantized weight read dense: any weight of a format no kernel here runs
         (8-bit integers, bitsandbytes: `dense_scheme`), or a 4-bit one no 4-bit kernel reads
         (lm_head, MoE experts, other families' layers, a linear quantized in some layers only);
         named in `dequantized`. MissingTensorError if the checkpoint has no such weight."""
-        from metrale_jax.quant import bnb, int8, w4
+        from metrale_jax.quant import w4
 
         scheme = self.dense_scheme or self.w4_scheme
-        readers = {**int8.READERS, **bnb.READERS} if self.dense_scheme is not None else w4.READERS
-        marker, read = readers[scheme.method] if scheme is not None else (None, None)
+        marker, read = self._dense_readers()[scheme.method] if scheme is not None else (None, None)
         prefix = name[: -len("weight")] if name.endswith(".weight") else None
         if marker is None or prefix is None or not self.has(prefix + marker):
-            if name in self._names:
-                raise UnsupportedDtypeError(f"tensor {name!r} in {self.origin} has dtype "
-                                            f"{np.dtype(self.source.dtype(name))}; a float type was expected")
             raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
         if len(shape) != 2:
             raise UnsupportedDtypeError(f"{self.origin}: {name} is quantized ({scheme.method}) but is read as a "
