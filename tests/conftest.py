@@ -29,6 +29,19 @@ if jax.default_backend() != "cpu":
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
 
+class DictLoad:
+    """The quantized-weight readers' `load` over a dict of arrays: load(name) -> array, .has(name)."""
+
+    def __init__(self, tensors: dict):
+        self.t = tensors
+
+    def __call__(self, name):
+        return self.t[name]
+
+    def has(self, name):
+        return name in self.t
+
+
 def has_gpu() -> bool:
     try:
         return jax.devices()[0].platform == "gpu"

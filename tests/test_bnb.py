@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from metrale_jax import load_model
 from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
 from metrale_jax.quant import bnb
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, DictLoad
 
 NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -62,17 +62,6 @@ def _pack8(w: np.ndarray) -> tuple[dict, np.ndarray]:
     return {"weight": q, "SCB": scb}, q.astype(np.float32) * scb[:, None] / 127
 
 
-class _Load:
-    def __init__(self, t):
-        self.t = t
-
-    def __call__(self, name):
-        return self.t[name]
-
-    def has(self, name):
-        return name in self.t
-
-
 @pytest.mark.parametrize("kind,double", [("nf4", True), ("nf4", False), ("fp4", False), ("int8", False)])
 @pytest.mark.parametrize("n,k,block", [(9, 13, 64), (8, 96, 32), (40, 500, 64), (301, 1001, 32)])
 def test_readers(kind, double, n, k, block):
@@ -86,7 +75,7 @@ def test_readers(kind, double, n, k, block):
     else:
         t, deq = _pack4(w, kind, block, double)
         scheme, read = bnb.BnbScheme("bnb4"), bnb.read_bnb4
-    got = read(_Load({"m." + x: v for x, v in t.items()}), "m.", n, k, scheme)
+    got = read(DictLoad({"m." + x: v for x, v in t.items()}), "m.", n, k, scheme)
     np.testing.assert_allclose(got, deq, rtol=1e-6, atol=1e-7)
     assert np.abs(got - w).max() < 0.3 * np.abs(w).max()  # and it is w, quantized
 
@@ -95,11 +84,11 @@ def test_reader_errors():
     w = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
     t, _ = _pack4(w, "nf4", 64, True)
     with pytest.raises(TensorShapeError, match="shape"):
-        bnb.read_bnb4(_Load({"m." + x: v for x, v in t.items()}), "m.", 4, 16, bnb.BnbScheme("bnb4"))
+        bnb.read_bnb4(DictLoad({"m." + x: v for x, v in t.items()}), "m.", 4, 16, bnb.BnbScheme("bnb4"))
     bad = {"m." + x: v for x, v in t.items()}
     bad["m.weight.quant_state.bitsandbytes__fp4"] = bad["m.weight.quant_state.bitsandbytes__nf4"]
     with pytest.raises(CorruptCheckpointError, match="quant_state"):
-        bnb.read_bnb4(_Load(bad), "m.", 4, 32, bnb.BnbScheme("bnb4"))
+        bnb.read_bnb4(DictLoad(bad), "m.", 4, 32, bnb.BnbScheme("bnb4"))
     with pytest.raises(UnsupportedDtypeError, match="exactly one"):
         bnb.parse_bnb_config({"quant_method": "bitsandbytes"})
     assert bnb.parse_bnb_config({"quant_method": "gptq", "bits": 4}) is None

@@ -16,7 +16,7 @@ from metrale_jax.errors import TensorShapeError, UnsupportedDtypeError
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.layers.linear import Fp8Linear, W4Linear
 from metrale_jax.quant import int8 as q8
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, DictLoad
 
 FORMATS = ["gptq", "gptq_act_order", "gptq_v2", "ct-packed", "ct-packed_asym", "ct-packed_act_order",
            "ct-int_channel", "ct-int_group_asym", "ct-int_tensor"]
@@ -112,17 +112,6 @@ def _ct_config(fmt: str, strategy: str, g: int | None, symmetric: bool) -> dict:
             "ignore": ["lm_head"], "quantization_status": "compressed"}
 
 
-class _Load:
-    def __init__(self, t):
-        self.t = t
-
-    def __call__(self, name):
-        return self.t[name]
-
-    def has(self, name):
-        return name in self.t
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(12, 12), (8, 30), (10, 13), (4, 64)])
 def test_readers_read_each_value(fmt, n, k):
@@ -132,7 +121,7 @@ def test_readers_read_each_value(fmt, n, k):
     t, deq, qc = _pack(fmt, w, g=4, seed=n + k)
     scheme = q8.parse_int8_config(qc)
     assert scheme is not None
-    got = q8.READERS[scheme.method][1](_Load({"m." + x: v for x, v in t.items()}), "m.", n, k, scheme)
+    got = q8.READERS[scheme.method][1](DictLoad({"m." + x: v for x, v in t.items()}), "m.", n, k, scheme)
     assert got.dtype == np.float32 and got.shape == (n, k)
     np.testing.assert_allclose(got, deq, rtol=1e-6, atol=0)
     assert np.abs(got - w).max() < 0.05 * np.abs(w).max()  # and it is w, quantized
@@ -145,12 +134,12 @@ def test_reader_errors_name_the_tensor():
     bad = {"m." + x: v for x, v in t.items()}
     bad["m.weight_scale"] = bad["m.weight_scale"][:, :3]  # 3 groups cannot cover K = 16 in groups of 4
     with pytest.raises(TensorShapeError, match="weight_scale"):
-        q8.READERS["ct-packed"][1](_Load(bad), "m.", 8, 16, scheme)
+        q8.READERS["ct-packed"][1](DictLoad(bad), "m.", 8, 16, scheme)
     t, _, qc = _pack("ct-int_channel", w, g=4)
     bad = {"m." + x: v for x, v in t.items()}
     bad["m.weight"] = bad["m.weight"].astype(np.int16)
     with pytest.raises(UnsupportedDtypeError, match="int8"):
-        q8.READERS["ct-int"][1](_Load(bad), "m.", 8, 16, q8.parse_int8_config(qc))
+        q8.READERS["ct-int"][1](DictLoad(bad), "m.", 8, 16, q8.parse_int8_config(qc))
 
 
 @pytest.mark.parametrize("qc,match", [

@@ -26,7 +26,7 @@ from metrale_jax.layers.linear import W4Linear, use_fp8_kernel
 from metrale_jax.quant import w4 as q4
 from pallas_kernels.linear import W4Params, skinny_matmul_w4
 from tests._paged import Layout
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, DictLoad
 
 W4_FIXTURES = ["llama_gptq_tiny", "llama_gptq_sym_tiny", "llama_awq_tiny", "llama_w4a16_ct_tiny",
                "llama_w4a16_ct_channel_tiny", "llama_nvfp4_ct_tiny", "llama_nvfp4_modelopt_tiny"]
@@ -798,15 +798,8 @@ def test_readers_unpack_each_code(method, n, k):
         scheme = q4.W4Scheme("nvfp4-ct", 16)
     t = {"m." + name: (v.view(np.int32) if v.dtype == np.uint32 else v) for name, v in t.items()}
 
-    class Load:
-        def __call__(self, name):
-            return t[name]
-
-        def has(self, name):
-            return name in t
-
     read = q4.READERS[scheme.method][1]
-    w = read(Load(), "m.", n, k, scheme)
+    w = read(DictLoad(t), "m.", n, k, scheme)
     assert w.shape == (n, k) and w.packed.shape == (n, -(-k // 2))
     if method.endswith("act_order"):
         np.testing.assert_array_equal(w.perm, perm)
