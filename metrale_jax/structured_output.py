@@ -122,8 +122,10 @@ def _llguidance():
     return llguidance
 
 
-def grammar_text(p: StructuredOutputsParams) -> str:
-    """The llguidance grammar of `p` (not checked yet: `GrammarCompiler.compile` does)."""
+def grammar_text(p: StructuredOutputsParams, tag_triggers_special: bool = True) -> str:
+    """The llguidance grammar of `p` (not checked yet: `GrammarCompiler.compile` does).
+    tag_triggers_special: a structural tag's triggers written <...> are special tokens (vLLM's
+    reading, llguidance's default), else text."""
     llg = _llguidance()
     M = llg.LLMatcher
     kind = p.kind
@@ -149,7 +151,8 @@ def grammar_text(p: StructuredOutputsParams) -> str:
                 opts["whitespace_pattern"] = p.whitespace_pattern
             return M.grammar_from_json_schema(schema, defaults=opts or None)
         if kind == "structural_tag":
-            return _structural_tag_grammar(llg, p.structural_tag, p.disable_additional_properties)
+            return _structural_tag_grammar(llg, p.structural_tag, p.disable_additional_properties,
+                                           tag_triggers_special)
         if kind == "regex":
             return M.grammar_from_regex(p.regex)
         if kind == "choice":
@@ -162,7 +165,7 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         raise InvalidStructuredOutputsError(f"{kind}: {e}") from None
 
 
-def _structural_tag_grammar(llg, spec: str | dict, closed: bool) -> str:
+def _structural_tag_grammar(llg, spec: str | dict, closed: bool, special: bool = True) -> str:
     """llguidance's grammar of a vLLM structural tag (`StructuredOutputsParams.structural_tag`):
     each structure a `llguidance.StructTag` under the first trigger its `begin` starts with
     (`closed`: its schema's objects take no other keys, `_closed_objects`)."""
@@ -190,7 +193,7 @@ def _structural_tag_grammar(llg, spec: str | dict, closed: bool) -> str:
         schema = _closed_objects(st["schema"]) if closed else st["schema"]
         tags.append(llg.StructTag(trigger=trigger, begin=st["begin"], grammar=schema, end=st["end"]))
     try:
-        return llg.StructTag.to_grammar(tags)
+        return llg.StructTag.to_grammar(tags, assume_special=special)
     except AssertionError as e:  # (llguidance checks its tags with asserts)
         raise InvalidStructuredOutputsError(f"structural_tag: {e}") from None
 
@@ -268,6 +271,11 @@ class GrammarCompiler:
         try:
             g = grammar_text(p)
             err = _llguidance().LLMatcher.validate_grammar(g, self.llg_tokenizer)
+            if err and p.kind == "structural_tag" and "unknown special token" in err:
+                # a <...> trigger that is no special token of this tokenizer (e.g. an ordinary
+                # added token): matched as text instead
+                g = grammar_text(p, tag_triggers_special=False)
+                err = _llguidance().LLMatcher.validate_grammar(g, self.llg_tokenizer)
         except InvalidStructuredOutputsError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the library raises on a bad constraint is the caller's

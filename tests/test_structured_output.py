@@ -220,6 +220,16 @@ def test_structural_tag(compiler, smollm2_tokenizer):  # noqa: F811
         text = '<f=x>{"a": 1, "b": 2}</f>'
         ok = m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
         assert ok != closed
+    # a <...> trigger: this tokenizer's special token as that token, any other tag as text (SmolLM2 has
+    # no <tool_call> token; llguidance would read it as one and fail)
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for trig in ("<tool_call>", "<|im_start|>"):
+        t = {"triggers": [trig], "structures": [{"begin": trig, "schema": obj, "end": "</tool_call>"}]}
+        g = compiler.compile(StructuredOutputsParams(structural_tag=t))
+        for text, ok in ((f'Hi {trig}{{"a": 1}}</tool_call>', True), (f'Hi {trig}{{"b": 1}}</tool_call>', False)):
+            m = compiler.matcher(g)
+            ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+            assert (m.consume_tokens(ids) and m.is_accepting()) == ok, text
     for bad in ({"structures": [], "triggers": ["<f"]}, {"structures": tag["structures"], "triggers": ["<tool>"]},
                 "{not json", {"structures": [{"begin": "<f=a>", "end": "</f>"}], "triggers": ["<f"]}):
         with pytest.raises(InvalidStructuredOutputsError, match="structural_tag"):
