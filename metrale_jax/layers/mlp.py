@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.layers.linear import linear
+from metrale_jax.layers.linear import W4Linear, linear
 
 __all__ = ["linear", "silu_mul", "silu_mul_linear", "swiglu_mlp"]
 
@@ -17,8 +17,6 @@ def silu_mul(gate_up: jax.Array) -> jax.Array:
 def silu_mul_linear(gate_up: jax.Array, w) -> jax.Array:
     """`linear(silu_mul(gate_up), w)`: gate_up [..., 2I] -> [..., N]; a fused 4-bit `w` takes the
     product itself and applies the activation as it reads it (`linear_w4.w4_fused`)."""
-    from metrale_jax.layers.linear import W4Linear
-
     if isinstance(w, W4Linear) and w.fused:
         from metrale_jax.layers.linear_w4 import w4_fused
 

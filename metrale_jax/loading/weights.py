@@ -127,6 +127,15 @@ class LayerStack:
         return self.parts
 
 
+@functools.cache
+def _int_readers(dense: bool) -> dict:
+    """method -> (the tensor marking a module quantized, its reader): of the formats read dense
+    (`quant.int8`, `quant.bnb`), or of the 4-bit ones (`quant.w4`)."""
+    from metrale_jax.quant import bnb, int8, w4
+
+    return {**int8.READERS, **bnb.READERS} if dense else w4.READERS
+
+
 class WeightReader:
     """Reads HF-named tensors from a TensorSource into numpy arrays of one dtype.
 
@@ -181,17 +190,12 @@ class WeightReader:
             )
         return self.cast(arr) if cast else arr.astype(np.float32)
 
-    def _dense_readers(self) -> dict:
-        from metrale_jax.quant import bnb, int8, w4
-
-        return {**int8.READERS, **bnb.READERS} if self.dense_scheme is not None else w4.READERS
-
     def _dense_marker(self, name: str) -> bool:
         """Whether `name` is a weight of `dense_scheme`'s format stored under its own name (int8,
         or bitsandbytes' packed bytes), beside the tensor that marks it quantized."""
         if self.dense_scheme is None or not name.endswith(".weight"):
             return False
-        return self.has(name[: -len("weight")] + self._dense_readers()[self.dense_scheme.method][0])
+        return self.has(name[: -len("weight")] + _int_readers(True)[self.dense_scheme.method][0])
 
     def _dequantized_int(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """f32 `shape` of a quantized weight read dense: any weight of a format no kernel here runs
@@ -201,7 +205,8 @@ class WeightReader:
         from metrale_jax.quant import w4
 
         scheme = self.dense_scheme or self.w4_scheme
-        marker, read = self._dense_readers()[scheme.method] if scheme is not None else (None, None)
+        readers = _int_readers(self.dense_scheme is not None)
+        marker, read = readers[scheme.method] if scheme is not None else (None, None)
         prefix = name[: -len("weight")] if name.endswith(".weight") else None
         if marker is None or prefix is None or not self.has(prefix + marker):
             raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")

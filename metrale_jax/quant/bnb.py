@@ -112,7 +112,7 @@ def read_bnb8(load, prefix: str, n: int, k: int, scheme: BnbScheme) -> np.ndarra
     scb = np.asarray(load(prefix + "SCB"), np.float32).reshape(-1)
     if scb.size != n:
         raise TensorShapeError(f"{prefix}SCB: {scb.size} row scales, expected {n}")
-    return dequantize_groups(q, (scb / np.float32(127.0))[:, None], None, k, None)
+    return dequantize_groups(q, (scb / np.float32(127.0))[:, None], None, k)
 
 
 # the tensor whose presence marks a module as quantized (beside its integer `weight`), and the reader

@@ -92,18 +92,12 @@ def parse_int8_config(qc: Mapping) -> Int8Scheme | None:
                       sizes.pop() if len(sizes) == 1 else None)
 
 
-def _bytes_along_last(words: np.ndarray, count: int) -> np.ndarray:
-    """u32[..., W] -> u8[..., count]: element 4w + j = byte j (bits 8j..8j+7) of word w."""
-    b = np.ascontiguousarray(words, dtype="<u4").view(np.uint8)
-    return b[..., :count]
-
-
 def dequantize_groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, g: int,
-                perm: np.ndarray | None) -> np.ndarray:
-    """q [N, K] (integers, in the packed column order), scale / zero [N, n_groups] (group gi: packed
-    columns gi*g..) -> W f32[N, K] in the input-column order; in bands of rows on the loading
-    threads (numpy's arithmetic releases the GIL: a 14,336 x 4,096 matrix took 0.4-1.1 s in one
-    thread on the dev box)."""
+                      g_idx: np.ndarray | None = None) -> np.ndarray:
+    """q [N, K] (integers), scale / zero [N, n_groups] -> W f32[N, K] = (q - zero) * scale of each
+    column's group: columns gi*g.. (or g_idx[K] the group of each column: GPTQ's act-order); in
+    bands of rows on the loading threads (numpy's arithmetic releases the GIL: a 14,336 x 4,096
+    matrix took 0.4-1.1 s in one thread on the dev box)."""
     from metrale_jax.loading.weights import _BAND_ROWS, _pool
 
     n, k = q.shape
@@ -112,7 +106,9 @@ def dequantize_groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
     z = None if zero is None else zero.astype(np.float32)
 
     def per_column(a: np.ndarray) -> np.ndarray:  # [rows, n_groups] -> broadcastable to [rows, K]
-        return a if a.shape[1] == 1 else np.repeat(a, g, axis=1)[:, :k]
+        if a.shape[1] == 1:
+            return a
+        return a[:, g_idx] if g_idx is not None else np.repeat(a, g, axis=1)[:, :k]
 
     def band(r0: int) -> None:
         r = slice(r0, min(r0 + _BAND_ROWS, n))
@@ -123,11 +119,16 @@ def dequantize_groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
         w *= per_column(s[r])
 
     list(_pool().map(band, range(0, n, _BAND_ROWS)))
-    if perm is None:
-        return out
-    full = np.empty_like(out)
-    full[:, perm] = out
-    return full
+    return out
+
+
+def _group_index(load, name: str, k: int, g: int) -> np.ndarray | None:
+    """The act-order group of each column (`name`: GPTQ's g_idx), checked as the 4-bit readers check
+    it (`quant.w4.act_order`); None when absent or trivial."""
+    if not load.has(name):
+        return None
+    g_idx = load(name)
+    return None if q4.act_order(g_idx, k, g, name) is None else np.asarray(g_idx, np.int64)
 
 
 def read_gptq8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
@@ -137,16 +138,11 @@ def read_gptq8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndar
     q4.check_shape(qw, (-(-k // 4), n), prefix + "qweight")
     qz = q4.u32_words(load(prefix + "qzeros"), prefix + "qzeros")
     q4.check_shape(qz, (ng, -(-n // 4)), prefix + "qzeros")
-    zeros = _bytes_along_last(qz, n).T.astype(np.int32) + (1 if scheme.gptq_v1 else 0)  # [N, ng]
+    zeros = q4.word_bytes(qz, n).T.astype(np.int32) + (1 if scheme.gptq_v1 else 0)  # [N, ng]
     s = q4.int_scales(load(prefix + "scales"), prefix + "scales")
     q4.check_shape(s, (ng, n), prefix + "scales")
-    codes = _bytes_along_last(np.ascontiguousarray(qw.T), k)  # u8[N, K] (words along K, transposed)
-    perm = None
-    if load.has(prefix + "g_idx"):
-        perm = q4.act_order(load(prefix + "g_idx"), k, g, prefix + "g_idx")
-        if perm is not None:
-            codes = codes[:, perm]
-    return dequantize_groups(codes, s.T, zeros, g, perm)
+    codes = q4.word_bytes(np.ascontiguousarray(qw.T), k)  # u8[N, K] (words along K, transposed)
+    return dequantize_groups(codes, s.T, zeros, g, _group_index(load, prefix + "g_idx", k, g))
 
 
 def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
@@ -160,14 +156,9 @@ def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np
     if load.has(prefix + "weight_zero_point"):
         zp = q4.u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
         q4.check_shape(zp, (-(-n // 4), s.shape[1]), prefix + "weight_zero_point")
-        zeros = _bytes_along_last(np.ascontiguousarray(zp.T), n).T.astype(np.int32) - 128  # [N, ng]
-    codes = _bytes_along_last(words, k).astype(np.int32) - 128  # the signed values
-    perm = None
-    if load.has(prefix + "weight_g_idx"):
-        perm = q4.act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
-        if perm is not None:
-            codes = codes[:, perm]
-    return dequantize_groups(codes, s, zeros, g, perm)
+        zeros = q4.word_bytes(np.ascontiguousarray(zp.T), n).T.astype(np.int32) - 128  # [N, ng]
+    codes = q4.word_bytes(words, k).astype(np.int32) - 128  # the signed values
+    return dequantize_groups(codes, s, zeros, g, _group_index(load, prefix + "weight_g_idx", k, g))
 
 
 def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.ndarray:
@@ -186,7 +177,7 @@ def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.nd
         if z.shape != s.shape and z.shape != (1, 1):
             raise TensorShapeError(f"{prefix}weight_zero_point: shape {z.shape} does not match the scales {s.shape}")
         zeros = np.broadcast_to(z, s.shape).astype(np.int32)
-    return dequantize_groups(q, s, zeros, g, None)
+    return dequantize_groups(q, s, zeros, g)
 
 
 # the tensor whose presence marks a module as quantized (a `weight` of dtype int8 for "ct-int"), and the reader

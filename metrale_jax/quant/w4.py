@@ -144,10 +144,11 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return out
 
 
-def _word_bytes(words: np.ndarray, k: int) -> np.ndarray:
-    """u32[N, W] holding codes along K (code 8w + j in bits 4j.. of word w) -> the same codes
-    packed two per byte, u8[N, ceil(K/2)]: the words' little-endian bytes."""
-    return np.ascontiguousarray(words, dtype="<u4").view(np.uint8)[:, : -(-k // 2)]
+def word_bytes(words: np.ndarray, count: int) -> np.ndarray:
+    """u32[..., W] -> their first `count` little-endian bytes u8[..., count]: 4-bit codes along K
+    (code 8w + j in bits 4j.. of word w) packed two per byte (count = ceil(K/2)), or 8-bit codes
+    one per byte (count = K)."""
+    return np.ascontiguousarray(words, dtype="<u4").view(np.uint8)[..., :count]
 
 
 def _transposed(a: np.ndarray) -> np.ndarray:
@@ -333,7 +334,7 @@ def read_gptq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     g_idx = load(prefix + "g_idx") if load.has(prefix + "g_idx") else None
     if g_idx is not None:
         perm = act_order(g_idx, k, g, prefix + "g_idx")
-    packed = _permuted(_word_bytes(_transposed(qw), k), perm, k)
+    packed = _permuted(word_bytes(_transposed(qw), -(-k // 2)), perm, k)
     return W4Weight("int4", packed, np.ascontiguousarray(s.T), zeros, g, perm, k=k)
 
 
@@ -397,7 +398,7 @@ def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weigh
     perm = None
     if load.has(prefix + "weight_g_idx"):
         perm = act_order(load(prefix + "weight_g_idx"), k, g, prefix + "weight_g_idx")
-    return W4Weight("int4", _permuted(_word_bytes(words, k), perm, k), s, zeros, g, perm, k=k)
+    return W4Weight("int4", _permuted(word_bytes(words, -(-k // 2)), perm, k), s, zeros, g, perm, k=k)
 
 
 def _fp4(load, packed_name: str, scale_name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
