@@ -283,12 +283,13 @@ def test_fp8_linear_rows_do_not_depend_on_the_batch():
 
 
 def test_w8a8_params_for_the_llama3_8b_projections():
-    """The tiles the H200 sweep picked (bench/results/linear_fp8_batch_2026-12-02_s11.md)."""
+    """The tiles the H200 sweep picked (bench/results/linear_fp8_batch_2026-12-05_s35.md)."""
     from pallas_kernels.linear.skinny_mgpu import w8a8_params_for
 
     got = {name: w8a8_params_for(n, k) for name, n, k in
            [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
-    assert [(p.block_n, p.split_k) for p in got.values()] == [(64, 1), (64, 1), (128, 1), (64, 2)]
+    assert [(p.block_n, p.split_k) for p in got.values()] == [(128, 2), (64, 2), (128, 1), (64, 2)]
+    assert all(p.block_k == 256 and p.stack_terms for p in got.values())
 
 
 def test_mgpu_bad_inputs():

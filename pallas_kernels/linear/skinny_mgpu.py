@@ -334,14 +334,20 @@ _SMS = 132  # H200 streaming multiprocessors
 
 def w8a8_params_for(n: int, k: int) -> MgpuParams:
     """The W8A8 kernel's tiles for a [N, K] weight, from the H200 sweep of the Llama-3-8B
-    projections at 16-64 rows (bench/results/linear_fp8_batch_2026-12-02_s11.md): 128-row tiles
-    when they still fill every SM (gate|up, N = 28,672: 38 us against 52 with 64-row tiles), a
-    2-way K split when 64-row tiles leave half the SMs idle and K is long (down, K = 14,336: 27-30
-    us against 41-43), else 64-row tiles 6 steps deep (q|k|v, o: 13-16 us)."""
+    projections at 16-64 rows (bench/results/linear_fp8_batch_2026-12-05_s35.md): two 128-column
+    groups per pipeline step and, at <= 32 rows, both FP8 terms of x in one tile (`stack_terms`)
+    everywhere; 128-row tiles without a K split when they still fill every SM (gate|up, N =
+    28,672: 41 us at 64 rows against 46 with one group a step); else a 2-way K split, with 64-row
+    tiles when twice their count still fits the SMs (o, down: 10.6 and 24.9 us against 16.1 and
+    31.0 before) and 128-row tiles when it does not (q|k|v: 14.2 against 17.0). The four
+    projections of a layer took 85-91 us at 16-64 rows against 116-123 for the best bf16 kernel."""
+    bk = 2 * FP8_BLOCK
     if -(-n // 128) >= _SMS:
-        return MgpuParams(block_n=128, block_k=FP8_BLOCK, max_concurrent_steps=4)
-    split = 2 if 2 * -(-n // 64) <= _SMS and k >= 8192 else 1
-    return MgpuParams(block_n=64, block_k=FP8_BLOCK, max_concurrent_steps=6, split_k=split)
+        return MgpuParams(block_n=128, block_k=bk, max_concurrent_steps=3, stack_terms=True)
+    split = 2 if k >= 4 * bk else 1
+    if 2 * -(-n // 64) <= _SMS:
+        return MgpuParams(block_n=64, block_k=bk, max_concurrent_steps=4, split_k=split, stack_terms=True)
+    return MgpuParams(block_n=128, block_k=bk, max_concurrent_steps=3, split_k=split, stack_terms=True)
 
 
 def _stacked(x8, sx, m: int):
