@@ -217,13 +217,9 @@ if [[ $parts == *int4pre* ]]; then  # issue 19: int4 prefill linears, fused dequ
     --out "$OUT/w4_prefill" ${INT4PRE_ARGS:-} 2>&1 | grep -v "^W1\|Delay kernel" | tail -15
 fi
 if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf16 beside 4-bit, batches 1 and 64
-  # a kind int4@NAME runs int4 with GEN4_VARIANT_NAME's --w4-mgpu JSON; KIND+fused (int4+fused,
-  # nvfp4+fused) with AttentionConfig.w4_fused (batch 1: row scale and SwiGLU inside the kernel)
-  for q in ${GEN4_KINDS:-bf16 int4}; do
-    k=${q%+fused}
-    qa=$([[ $k != bf16 ]] && echo "--quantization ${k%@*}")
-    [[ $k == *@* ]] && { vn="GEN4_VARIANT_${k#*@}"; qa="$qa --w4-mgpu ${!vn}"; }
-    [[ $q == *+fused ]] && qa="$qa --attention {\"w4_fused\":true}"
+  for q in ${GEN4_KINDS:-bf16 int4}; do  # a kind int4@NAME runs int4 with GEN4_VARIANT_NAME's --w4-mgpu JSON
+    qa=$([[ $q != bf16 ]] && echo "--quantization ${q%@*}")
+    [[ $q == *@* ]] && { vn="GEN4_VARIANT_${q#*@}"; qa="$qa --w4-mgpu ${!vn}"; }
     [[ -n ${GEN4_PROFILE:-} ]] && qa="$qa --profile $OUT/profile_gen_$q"  # kernels of the device steps
     timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats ${GEN4_REPEATS:-1} \
       --batches ${GEN4_BATCHES:-1,64} $qa --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1

@@ -48,7 +48,7 @@ def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
     if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
         params = split_layers(params)
     if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
-        params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8, w4_fused=attn.w4_fused)
+        params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8)
     sds = jax.ShapeDtypeStruct
     p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
@@ -97,17 +97,6 @@ def test_fp8_w8a8_steps_lower_at_any_rows():
                                                  StepBucket("mixed", num_seqs=4, num_tokens=32, num_streams=1)))
     for kind, text in texts.items():
         assert "skinny_matmul_w8a8_mgpu" in text, kind
-
-
-@pytest.mark.parametrize("name", ["llama_gptq_tiny", "llama_nvfp4_ct_tiny"])
-def test_w4_fused_lowers_for_h200(name):
-    """`w4_fused` (off by default): a batch-1 decode step of a 4-bit Llama lowers for the H200 with
-    the norms' row scales and the SwiGLU activation inside the weight-streaming kernel."""
-    model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
-    text = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=1),), w4_fused=True)["decode"]
-    assert "_w4_kernel" in text and "@silu(" not in text  # (jax.nn.silu: XLA's activation)
-    plain = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=1),))["decode"]
-    assert "@silu(" in plain
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])

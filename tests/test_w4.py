@@ -8,7 +8,6 @@ written here.
 """
 
 import dataclasses
-import functools
 import json
 import shutil
 
@@ -109,32 +108,6 @@ def test_w4_kernel_in_decode_steps():
         assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 5e-2
 
 
-def test_w4_fused_batch1_steps():
-    """`AttentionConfig.w4_fused` (`use_fp8_kernel(w4_fused=True)`): a one-row decode step of a 4-bit
-    Llama (GPTQ act-order: each half of gate|up gathered) applies the norms' row scales and the
-    SwiGLU activation inside the weight-streaming kernel (no silu left to XLA) and gives the
-    unfused kernels' logits (bf16: each scaled product rounded once instead of twice)."""
-    model, params = load_model(FIXTURES / "llama_gptq_tiny", dtype="bfloat16", show_progress=False)
-    lay = Layout(1, num_blocks=32, block_size=4, max_blocks=8, seed=2)
-    prompt = jnp.asarray(np.random.default_rng(5).integers(3, 250, 8).astype(np.int32))
-    fwd = jax.jit(model.forward_paged, static_argnums=(5,))
-    out = {}
-    for fused in (False, True):
-        p = use_fp8_kernel(params, interpret=True, w4_fused=fused)
-        assert p["layers"]["w_down"].fused == fused
-        state = model.init_state(32, lay.bs)
-        state, _ = fwd(p, state, prompt, None, lay.prefill([(0, 0, 8)], 8, 1), AttentionConfig())
-        dmd, tok = lay.decode([(0, 8)], 1), jnp.asarray([17], jnp.int32)
-        _, hidden = fwd(p, state, tok, dmd, None, AttentionConfig())
-        out[fused] = np.asarray(model.compute_logits(p, hidden)[:1], np.float32)
-        jaxpr = str(jax.make_jaxpr(model.forward_paged, static_argnums=(5,))(p, state, tok, dmd, None,
-                                                                            AttentionConfig()))
-        assert jaxpr.count("name=skinny_matmul_w4") == 8  # 4 linears x 2 layers
-        assert ("logistic" in jaxpr) != fused
-    assert np.isfinite(out[True]).all()
-    assert np.linalg.norm(out[True] - out[False]) / np.linalg.norm(out[False]) < 3e-2
-
-
 # ---- the kernel -------------------------------------------------------------------------------------
 def _oracle_weight(packed, scales, aux, k, g, kind):
     """Per-row numpy unpacking (independent of the package): f64[N, K]."""
@@ -225,46 +198,6 @@ def test_w4_kernel_interpret(kind, m, n, k, g, params):
     assert err.max() < 1e-2, err
 
 
-_HALF2 = dict(gemv=True, group_partial=True, half2=True)
-
-
-@pytest.mark.parametrize("kind,m,k,g,params", [
-    ("int4", 1, 200, 64, W4Params(block_n=16, block_k=64, **_HALF2)),  # in the kernel
-    ("fp4", 1, 256, 16, W4Params(block_n=16, block_k=64, word_scales=True, **_HALF2)),
-    ("int4", 1, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, prefetch=True, **_HALF2)),  # r on the sum
-    ("int4", 3, 200, 64, W4Params(block_n=16, block_k=64)),  # M > 1: XLA around the kernel
-])
-def test_w4_kernel_fuses_silu_mul_and_row_scale(kind, m, k, g, params):
-    """silu_mul (x = silu(gate) * up from a gate|up product) and row_scale (an RMSNorm's 1/rms on
-    the product) give what XLA's ops around the kernel give, rounded as `layers.mlp.silu_mul`
-    rounds the input and once (not twice) on the output; on the M = 1 half2 path both run in the
-    kernel (its jaxpr holds no silu, no multiply by r outside it)."""
-    from metrale_jax.layers.mlp import silu_mul
-
-    rng = np.random.default_rng(k + m)
-    n = 40
-    packed, scales, aux = _random_w4(rng, n, k, g, kind)
-    gate_up = jnp.asarray(rng.standard_normal((m, 2 * k)) * 2, jnp.bfloat16)
-    r = jnp.asarray(rng.uniform(0.5, 2.0, m), jnp.float32)
-    w = (jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux))
-    kw = dict(k=k, group_size=g, kind=kind, params=params, interpret=True)
-    act = silu_mul(gate_up)
-    plain = skinny_matmul_w4(act, *w, **kw)
-    fused = skinny_matmul_w4(gate_up, *w, r, silu_mul=True, **kw)
-    assert fused.shape == (m, n) and fused.dtype == jnp.bfloat16
-    want = np.asarray(act.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, aux, k, g, kind).T
-    want *= np.asarray(r, np.float64)[:, None]
-    got = np.asarray(fused.astype(jnp.float32), np.float64)
-    assert (np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)).max() < 1e-2
-    # one rounding of the scaled product: within a bf16 step of XLA's r times the rounded product
-    twice = np.asarray((plain.astype(jnp.float32) * r[:, None]).astype(jnp.bfloat16).astype(jnp.float32))
-    assert np.all(np.abs(got - twice) <= 2.0 ** -7 * np.abs(twice) + 1e-30)
-    only_r = skinny_matmul_w4(act, *w, r, **kw)  # the row scale alone
-    np.testing.assert_array_equal(np.asarray(only_r.astype(jnp.float32)), got)
-    jaxpr = str(jax.make_jaxpr(functools.partial(skinny_matmul_w4, silu_mul=True, **kw))(gate_up, *w, r))
-    assert ("logistic" in jaxpr) == (m > 1)  # XLA's silu (the kernel's is exp-based)
-
-
 def test_w4_kernel_rejects_bad_input():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     packed = jnp.zeros((8, 32), jnp.uint8)
@@ -352,24 +285,6 @@ def test_w4_kernel_gpu(kind, m, n, k, g, params):
     y = skinny_matmul_w4(x, packed, scales, aux, k=k, group_size=g, kind=kind, params=params).astype(jnp.float32)
     want = skinny_matmul_w4_reference(x, packed, scales, aux, k=k, group_size=g, kind=kind)
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind,n,k,g", [("int4", 4096, 14336, 128), ("fp4", 4096, 14336, 16),
-                                        ("int4", 6144, 4096, 128)])
-def test_w4_kernel_fused_gpu(kind, n, k, g):
-    """The tuned M = 1 kernels (down: split along K) with the SwiGLU activation and the row scale
-    inside, against XLA's silu_mul and scale around the reference product."""
-    from metrale_jax.layers.mlp import silu_mul
-    from pallas_kernels.linear import skinny_matmul_w4_reference
-
-    rng = np.random.default_rng(1)
-    packed, scales, aux = (jnp.asarray(a) for a in _random_w4(rng, n, k, g, kind))
-    gate_up = jnp.asarray(rng.standard_normal((1, 2 * k)) * 3, jnp.bfloat16)
-    r = jnp.asarray([0.37], jnp.float32)
-    y = skinny_matmul_w4(gate_up, packed, scales, aux, r, k=k, group_size=g, kind=kind, silu_mul=True)
-    want = skinny_matmul_w4_reference(silu_mul(gate_up), packed, scales, aux, k=k, group_size=g, kind=kind) * r
-    assert float(jnp.linalg.norm(y.astype(jnp.float32) - want) / jnp.linalg.norm(want)) < 1e-2
 
 
 # ---- the int4 tensor-core kernel (Mosaic GPU, 2-64 rows on Hopper) -------------------------------------

@@ -149,8 +149,7 @@ class LLMEngine:
             # (unless the caller keeps other references to them); see layers/stack.py
             self.params = split_layers(params)
         if c.attention.fp8_kernel:
-            self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret, w8a8=c.attention.fp8_w8a8,
-                                         w4_fused=c.attention.w4_fused)
+            self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret, w8a8=c.attention.fp8_w8a8)
         phases["split_layers"] = time.perf_counter() - t
         self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
         if c.enable_lora:

@@ -44,12 +44,6 @@ class AttentionConfig:
     # With fp8_kernel, decode steps of 9-64 rows take the W8A8 kernel (Mosaic GPU, wgmma: Hopper);
     # off, the W8A16 kernel up to 16 rows and XLA beyond. The default on Hopper GPUs.
     fp8_w8a8: bool = False
-    # With fp8_kernel, 4-bit linears (`W4Linear`) of one-row steps (batch 1) take the RMSNorm's row
-    # scale and the SwiGLU activation inside the weight-streaming kernel (layers/linear_w4.py
-    # `w4_fused`: two XLA launches fewer per layer, ~1.2 us each in the H200's batch-1 profile,
-    # bench/results/profile_generate_int4_b1_2026-12-04_s31_call1.txt). Not measured on the GPU
-    # yet: off by default.
-    w4_fused: bool = False
     # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
     # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,
     # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.2-1.5x the

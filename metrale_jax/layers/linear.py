@@ -84,9 +84,6 @@ class W4Linear:
     kind: str = dataclasses.field(metadata=dict(static=True), default="int4")  # "int4" | "fp4"
     use_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)
-    # one-row inputs: the RMSNorm's row scale and the SwiGLU activation inside the kernel
-    # (`linear_w4.w4_fused`; `AttentionConfig.w4_fused`)
-    fused: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def n_out(self) -> int:
@@ -108,12 +105,6 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | N
     w: [K, N], an `Fp8Linear` whose valid output columns are N, or a 4-bit `W4Linear` [N, K].
     row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
     """
-    if isinstance(w, W4Linear) and w.fused and b is None:
-        from metrale_jax.layers.linear_w4 import w4_fused
-
-        y = w4_fused(x, w, row_scale)
-        if y is not None:
-            return y
     y = matmul_f32(x, w)
     if row_scale is not None:
         y = y * row_scale
@@ -162,13 +153,11 @@ def has_quantized_linears(params) -> bool:
     return any(isinstance(w, kinds) for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, kinds)))
 
 
-def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, w4_fused: bool = False):
+def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
     FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones of 2-64 rows
-    through the int4 GEMM (`linear_w4.w4_matmul`; it gets its transposed scales here); `w4_fused`:
-    the 4-bit ones of one row with the norm's row scale and the SwiGLU activation inside the
-    kernel (`linear_w4.w4_fused`)."""
+    through the int4 GEMM (`linear_w4.w4_matmul`; it gets its transposed scales here)."""
     def mark(w):
         if isinstance(w, Fp8Linear):
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
@@ -176,7 +165,7 @@ def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, w4_fused:
             from metrale_jax.layers.linear_w4 import w4_kernel_scales
 
             ks = w4_kernel_scales(w) if w8a8 else None
-            return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks, fused=w4_fused)
+            return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks)
         return w
 
     return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))

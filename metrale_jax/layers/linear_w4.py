@@ -51,26 +51,6 @@ def dequantize_w4(w, dtype) -> jax.Array:
                                    kind=w.kind).astype(dtype)
 
 
-def w4_fused(x: jax.Array, w, row_scale: jax.Array | None = None, silu_mul: bool = False) -> jax.Array | None:
-    """`linear(x, w, row_scale=...)`, or with silu_mul `linear(layers.mlp.silu_mul(x), w)` (x then
-    the gate|up product [..., 2K]), for one row through the weight-streaming kernel with the row
-    scale and the activation inside it (`skinny_matmul_w4`: at a batch-1 step two XLA launches
-    fewer per layer, the scale's after q|k|v and the activation's before down) -> [..., N] in x's
-    dtype; None where that does not apply (`w.fused` off, more rows, XLA's path)."""
-    m = math.prod(x.shape[:-1])
-    if not (w.fused and w.use_kernel and w.packed.ndim == 2 and m == 1 and x.dtype in (jnp.bfloat16, jnp.float16)):
-        return None
-    from pallas_kernels.linear import skinny_matmul_w4
-
-    x1 = x.reshape(1, x.shape[-1])
-    if w.perm is not None:  # x's columns in the packed order (with silu_mul, each half's)
-        x1 = jnp.take(x1.reshape(1, -1, w.k), w.perm, axis=-1).reshape(1, -1)
-    aux = w.row_scale if w.kind == "fp4" else w.zeros
-    y = skinny_matmul_w4(x1, w.packed, w.scales, aux, row_scale, k=w.k, group_size=w.group_size, kind=w.kind,
-                         silu_mul=silu_mul, interpret=w.interpret)
-    return y.reshape(x.shape[:-1] + (-1,))
-
-
 def w4_matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
     m = math.prod(x.shape[:-1])

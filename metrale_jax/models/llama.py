@@ -31,7 +31,7 @@ from metrale_jax.layers.attention import (
     dense_causal_attention,
     paged_attention,
 )
-from metrale_jax.layers.mlp import linear, silu_mul_linear
+from metrale_jax.layers.mlp import linear, silu_mul
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm, rms_norm_linear, rms_norm_matmul
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
@@ -136,7 +136,7 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
     if "router" not in lp:
         if lora is None:
             gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
-            return x + silu_mul_linear(gate_up, lp["w_down"])
+            return x + linear(silu_mul(gate_up), lp["w_down"])
         inter = cfg.intermediate_size
         # the product before the norm's row scale: the expand-add kernel scales it as it reads it
         gate_up, norm = rms_norm_matmul(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])

@@ -291,11 +291,10 @@ def _dot8(w, hs, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, silu_mul, row_scaled, interpret):
-    # x_ref bf16|f16[M, K] (silu_mul: [M, 2K], gate then up); p_ref u8[N, ceil(K/2)]; s_ref [N, NG];
-    # refs: z_ref u8[N, NG] (int4) or r_ref f32[N] (fp4), (rs_ref f32[1] with row_scaled,) then
-    # o_ref bf16[M, N]. All whole arrays (no block specs). silu_mul and row_scaled: the half2 path only.
-    aux_ref, o_ref = refs[0], refs[-1]
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, interpret):
+    # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
+    # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
+    aux_ref, o_ref = refs
     pid_n = pl.program_id(0)
     half = block_k // 2
     kb = (k + 1) // 2  # bytes per row
@@ -382,12 +381,6 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                                        other=0, eviction_policy="evict_first")
                 cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
                 x8 = plgpu_triton.load(x_ref.at[jnp.zeros_like(cols), cols], mask=w_ok[:, None], other=0.0)
-                if silu_mul:  # x = silu(gate) * up, rounded as `metrale_jax.layers.mlp.silu_mul` rounds it
-                    dt = x_ref.dtype
-                    g = x8.astype(jnp.float32)
-                    up = plgpu_triton.load(x_ref.at[jnp.zeros_like(cols), cols + k], mask=w_ok[:, None], other=0.0)
-                    act = (g / (1.0 + jnp.exp(-g))).astype(dt).astype(jnp.float32)
-                    return wt, (act * up.astype(jnp.float32)).astype(dt).astype(jnp.float32)
                 return wt, x8.astype(jnp.float32)
 
             def step_half2(i, acc, wt, x8):
@@ -428,8 +421,6 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             if fp4:
                 acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
             zero = jnp.zeros_like(ncols)
-            if row_scaled and split_k == 1:  # (split: the wrapper scales the partials' sum)
-                acc = acc * plgpu_triton.load(refs[1].at[zero])
             if split_k > 1:  # o_ref f32[S, 1, N]
                 plgpu_triton.store(o_ref.at[pl.program_id(1) + zero, zero, ncols], acc, mask=n_ok)
             else:
@@ -493,7 +484,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                        mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _check(x, packed, scales, aux, k: int, group: int, kind: str, silu_mul: bool = False, row_scale=None):
+def _check(x, packed, scales, aux, k: int, group: int, kind: str):
     if kind not in ("int4", "fp4"):
         raise ValueError(f"{kind=} must be 'int4' or 'fp4'")
     if x.ndim != 2 or packed.ndim != 2:
@@ -501,11 +492,8 @@ def _check(x, packed, scales, aux, k: int, group: int, kind: str, silu_mul: bool
     m = x.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"skinny_matmul_w4: {m=} must be in 1..{MAX_M}")
-    if x.shape[1] != (2 * k if silu_mul else k) or packed.shape[1] != (k + 1) // 2:
-        raise ValueError(f"skinny_matmul_w4: x {x.shape} and packed {packed.shape} disagree with {k=}"
-                         + (" (silu_mul: x is [M, 2K], gate then up)" if silu_mul else ""))
-    if row_scale is not None and row_scale.size != m:
-        raise ValueError(f"skinny_matmul_w4: row_scale {row_scale.shape} must hold one scale per row ({m})")
+    if x.shape[1] != k or packed.shape[1] != (k + 1) // 2:
+        raise ValueError(f"skinny_matmul_w4: x {x.shape} and packed {packed.shape} disagree with {k=}")
     if group < 2 or group % 2:
         raise ValueError(f"skinny_matmul_w4: {group=} must be even")
     n = packed.shape[0]
@@ -520,25 +508,14 @@ def _check(x, packed, scales, aux, k: int, group: int, kind: str, silu_mul: bool
         raise ValueError(f"skinny_matmul_w4: packed must be uint8; got {packed.dtype}")
 
 
-def _silu_mul(x):
-    """x [M, 2K] (gate then up) -> silu(gate) * up [M, K], silu in f32 (as `metrale_jax.layers.mlp.silu_mul`)."""
-    g, u = jnp.split(x, 2, axis=-1)
-    return jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u
-
-
-@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "silu_mul", "interpret"))
-def skinny_matmul_w4(x, packed, scales, aux, row_scale=None, *, k: int, group_size: int, kind: str,
-                     params: W4Params | None = None, silu_mul: bool = False, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret"))
+def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: str,
+                     params: W4Params | None = None, interpret: bool = False):
     """x bf16|f16[M, K] @ W^T -> [M, N] in x's dtype for a packed 4-bit W (module docstring), M in 1..64.
 
     aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
-    row_scale: f32[M] (or [M, 1]) | None: each row of the f32 product times it before the rounding
-    to x's dtype (an RMSNorm's 1/rms: `metrale_jax.layers.norms.rms_norm_linear`). silu_mul: x is
-    [M, 2K], a gate|up product, and the input is silu(gate) * up (rounded as
-    `metrale_jax.layers.mlp.silu_mul` rounds it). The M = 1 half2 path does both in the kernel
-    (no XLA launch for either before or after it); the other paths in XLA around it.
     """
-    _check(x, packed, scales, aux, k, group_size, kind, silu_mul, row_scale)
+    _check(x, packed, scales, aux, k, group_size, kind)
     m = x.shape[0]
     n = packed.shape[0]
     params = params or w4_params_for(kind, m, n, k, group_size)
@@ -547,34 +524,23 @@ def skinny_matmul_w4(x, packed, scales, aux, row_scale=None, *, k: int, group_si
         raise ValueError(f"skinny_matmul_w4: {why}")
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
-    half2 = params.half2 and gemv
-    split_k = min(params.split_k, -(-k // block_k)) if half2 else 1
-    dt = x.dtype
-    if silu_mul and not half2:
-        x = _silu_mul(x)
-    rs = None if row_scale is None else row_scale.reshape(m, 1).astype(jnp.float32)
-    in_kernel = half2 and split_k == 1 and rs is not None  # (split: the partials' sum is scaled below)
+    split_k = min(params.split_k, -(-k // block_k)) if params.half2 and gemv else 1
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
-        scale_tile=params.scale_tile, unroll=params.unroll, half2=half2, prefetch=params.prefetch,
-        split_k=split_k, word_scales=params.word_scales, silu_mul=silu_mul and half2, row_scaled=in_kernel,
-        interpret=interpret)
-    if half2:  # the same bytes as u32 words (4 bytes, 8 codes each)
+        scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
+        split_k=split_k, word_scales=params.word_scales, interpret=interpret)
+    if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
-    args = (x, packed, scales, aux) + ((rs.reshape(1),) if in_kernel else ())
     out = pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n), split_k),
-        in_specs=[pl.no_block_spec] * len(args),
+        in_specs=[pl.no_block_spec] * 4,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1 else
-        jax.ShapeDtypeStruct((m, n), dt),
+        jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
         interpret=interpret,
         name="skinny_matmul_w4",
-    )(*args)
-    if split_k > 1:
-        out = out.sum(axis=0)
-        return (out if rs is None else out * rs).astype(dt)
-    return out if rs is None or in_kernel else (out.astype(jnp.float32) * rs).astype(dt)
+    )(x, packed, scales, aux)
+    return out.sum(axis=0).astype(x.dtype) if split_k > 1 else out
