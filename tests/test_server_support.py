@@ -39,7 +39,11 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(_PIECES[i] for i in ids if not (skip_special_tokens and i < 3))
 
+    def __init__(self):
+        self.calls: list[dict] = []  # the messages and keyword arguments of each apply_chat_template
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+        self.calls.append({"messages": messages, **kw})
         for m in messages:
             if m["role"] == "tool":
                 raise ValueError("the template does not accept tool messages")
@@ -95,6 +99,7 @@ class FakeEngine:
 
     Each running request holds ceil(len/block_size) blocks per sequence; `max_num_seqs` requests
     run at once, the rest wait. `step_delay_s` slows each step; `fail_after_steps` makes a step raise.
+    `script`, when set, is the text every reply is instead: one character a step, then EOS.
     """
 
     def __init__(self, *, max_model_len: int = 96, max_num_seqs: int = 4, block_size: int = 4,
@@ -114,6 +119,7 @@ class FakeEngine:
         self.gen_tokens = 0
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
+        self.script: str | None = None
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -187,7 +193,7 @@ class FakeEngine:
                         alt = 3 + (t + 1 + j) % (VOCAB - 3)
                         top.setdefault(alt, Logprob(-1.5 - j, 2 + j, _PIECES[alt]))
                     s.logprobs.append(top)
-                full = self.tokenizer.decode(s.ids)
+                full = self.tokenizer.decode(s.ids) if self.script is None else self.script[:len(s.ids)]
                 s.text = full
                 for st in p.stop:
                     pos = full.find(st)
@@ -195,6 +201,8 @@ class FakeEngine:
                         s.text = full[:pos + (len(st) if p.include_stop_str_in_output else 0)]
                         s.finish, s.stop_reason = "stop", st
                         break
+                if s.finish is None and self.script is not None and len(s.ids) >= len(self.script):
+                    s.finish = "stop"
                 if s.finish is None and (len(s.ids) >= (p.max_tokens or 10**9)
                                          or len(r.prompt_ids) + len(s.ids) >= self.config.max_model_len):
                     s.finish = "length"

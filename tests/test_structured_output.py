@@ -411,6 +411,44 @@ def test_server_response_format(llm):
         assert e.value.body["code"] == "invalid_structured_outputs"
 
 
+def test_server_tool_calls(llm):
+    """Forced tool calls through the server with the openai client: SmolLM2's replies are
+    constrained to the named tool's parameters, or to a list of calls of the given tools."""
+    openai = pytest.importorskip("openai")
+    from metrale_jax.server import BackgroundServer, ServerConfig
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False}
+    tz = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "PST"]}}, "required": ["tz"],
+          "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": city}},
+             {"type": "function", "function": {"name": "clock", "parameters": tz}}]
+    msgs = [{"role": "user", "content": "What will the weather be in Paris this week, and what time is it?"}]
+    with BackgroundServer(llm.llm_engine, ServerConfig(model_names=("smol",))) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=80, temperature=0.7,
+                                           seed=1, n=2, tool_choice={"type": "function", "function": {"name": "clock"}})
+        for ch in r.choices:
+            (call,) = ch.message.tool_calls
+            assert ch.finish_reason == "stop" and call.function.name == "clock"
+            jsonschema.validate(json.loads(call.function.arguments), tz)
+        stream = client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=120,
+                                                temperature=0.7, seed=2, tool_choice="required", stream=True)
+        calls: dict[int, list[str]] = {}
+        for chunk in stream:
+            for tc in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                calls.setdefault(tc.index, ["", ""])
+                calls[tc.index][0] += tc.function.name or ""
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason if chunk.choices else None
+        assert finish == "tool_calls" and calls
+        for name, args in calls.values():
+            jsonschema.validate(json.loads(args), {"forecast": city, "clock": tz}[name])
+        with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
+            client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=8)
+
+
 def test_constrained_decode_steps_dispatch_the_forward_first(llm, monkeypatch):
     """Decode and mixed buckets are forward + sample executables (equal to the one-executable step
     bit for bit: tests/test_split_step.py); a decode step with constrained rows dispatches its forward

@@ -21,7 +21,8 @@ request field at fault or null.
     400     invalid_request_error  invalid_json: the body is not JSON, or not a JSON object
                                    invalid_value: a field of the wrong type or out of range (`param`)
                                    unsupported_parameter, unsupported_value: logit_bias, suffix,
-                                     tools, a non-text content part, best_of != n, ...
+                                     a non-text content part, best_of != n, "auto"
+                                     tool_choice without a tool-call parser, ...
                                    context_length_exceeded: the prompt does not fit max_model_len,
                                      or prompt tokens + max_tokens exceed it
                                    empty_prompt, invalid_prompt: no tokens; text that cannot be
@@ -87,6 +88,7 @@ from metrale_jax.server.protocol import (
     error_body,
     parse_request,
 )
+from metrale_jax.server.tools import TOOL_CALL_PARSERS, ToolMode, new_call, tool_mode
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".access")
@@ -118,6 +120,13 @@ class ServerConfig:
     retry_after_s: int = 1
     engine_stop_timeout_s: float = 10.0
     log_requests: bool = True
+    # "auto" tool choice: the parser that finds tool calls in replies (`--enable-auto-tool-choice
+    # --tool-call-parser NAME`; one of tools.TOOL_CALL_PARSERS); None: "auto" is a 400
+    tool_call_parser: str | None = None
+
+    def __post_init__(self):
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
 
 
 def _now() -> int:
@@ -146,7 +155,7 @@ def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
 class _Choice:
     """What has been sent so far for one choice (one output of one prompt)."""
 
-    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset")
+    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset", "call_id")
 
     def __init__(self, index: int):
         self.index = index
@@ -154,6 +163,7 @@ class _Choice:
         self.tokens_sent = 0
         self.finished = False
         self.text_offset = 0
+        self.call_id: str | None = None  # a named tool call's id, once its first delta went out
 
 
 # ---- logprob formats -------------------------------------------------------------------------------
@@ -197,8 +207,10 @@ class _Generation:
     """One HTTP generation request: its engine requests, the choices and the wire format."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
-                 holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None):
+                 holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
+                 tools: ToolMode = ToolMode()):
         self.chat = chat
+        self.tools = tools
         self.id = request_id
         self.model = model
         self.n = n
@@ -248,7 +260,8 @@ class _Generation:
         """New text, new token ids, their logprobs and the finish reason since the last chunk."""
         text = o.text or ""
         finished = o.finish_reason is not None
-        safe = len(text) if finished else max(ch.text_sent, len(text) - self.holdback)
+        safe = len(text) if finished else max(ch.text_sent, min(len(text) - self.holdback,
+                                                                 self.tools.stream_prefix_len(text)))
         if safe < ch.text_sent:  # the text shrank (cannot happen with the hold-back): send nothing
             safe = ch.text_sent
         new_text = text[ch.text_sent:safe]
@@ -302,10 +315,30 @@ class _Generation:
                         ch.text_offset += sum(len(t) for t in lp_obj["tokens"])
                 if not text and finish is None and lp_obj is None:
                     continue
-                payload = ({"content": text} if text or finish is None else {}) if self.chat else text
+                if self.tools.active:
+                    payload, finish = self._tool_payload(ch, text, finish)
+                else:
+                    payload = ({"content": text} if text or finish is None else {}) if self.chat else text
                 ch.finished = finish is not None
                 chunks.append(_sse(self._chunk(ch.index, payload, lp_obj, finish)))
         return chunks
+
+    def _tool_payload(self, ch: _Choice, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A chat delta when tool calls are on: a named call's arguments as they come (its id and
+        name with the first); else the content that may stream, and at the end the calls whole."""
+        if self.tools.named is not None:
+            if ch.call_id is None:
+                call = new_call(self.tools.named, text)
+                ch.call_id = call["id"]
+                return {"tool_calls": [{"index": 0, **call}]}, finish
+            return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish
+        if finish is None:
+            return {"content": text}, None
+        content, calls = self.tools.parse(text)
+        payload: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            payload["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return payload, ("tool_calls" if calls and finish == "stop" else finish)
 
     def abort_chunks(self) -> list[str]:
         """The last chunk of every unfinished choice: finish_reason "abort" (text held back for
@@ -338,8 +371,14 @@ class _Generation:
                 else:
                     lp_obj = _completion_logprobs(ids, lps, 0)
             if self.chat:
-                choices.append({"index": ci, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp_obj, "finish_reason": finish})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools.active and o is not None:
+                    message["content"], calls = self.tools.parse(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        if finish == "stop" and self.tools.named is None:
+                            finish = "tool_calls"
+                choices.append({"index": ci, "message": message, "logprobs": lp_obj, "finish_reason": finish})
             else:
                 if self.echo_texts is not None:
                     text = self.echo_texts[ci // self.n] + text
@@ -675,14 +714,17 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         body = await _read_body(request, config.max_request_bytes)
         req = parse_request(ChatCompletionRequest, body)
         lora = check_model(req.model)
-        kwargs = req.to_sampling_params_kwargs(max_model_len)
+        tools, schemas = tool_mode(req.tool_choice, req.tools, config.tool_call_parser)
+        kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, req.parallel_tool_calls
+                                                                               is not False))
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
         messages = req.template_messages()
+        extra = {"tools": req.tools} if req.tools else {}
         try:
             text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
                                            add_generation_prompt=req.add_generation_prompt is not False,
-                                           tokenize=False)
+                                           tokenize=False, **extra)
         except Exception as e:  # noqa: BLE001 - jinja2 errors from the model's template are the caller's
             raise RequestError(chat_template_error_message(e), param="messages", code="chat_template_error") from None
         try:  # as apply_chat_template(tokenize=True): the template writes its own special tokens
@@ -691,7 +733,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             raise InvalidPromptError(f"the rendered chat prompt cannot be tokenized: {type(e).__name__}: {e}") from None
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
-                          top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None)
+                          top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
+                          tools=tools)
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 

@@ -98,6 +98,8 @@ def add_serve_subcommand(subparsers: Any, add_engine_options: Callable[[argparse
 
 def add_serve_arguments(p: argparse.ArgumentParser,
                         add_engine_options: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    from metrale_jax.server.tools import TOOL_CALL_PARSERS
+
     p.add_argument("model", help="model path or alias")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -112,6 +114,11 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served under NAME (needs --enable-lora); a request's "
                         "`model` picks one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": find tool calls in replies with --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format of the model's replies: hermes (Qwen2.5/3, Hermes), "
+                        "llama3_json (Llama 3.1-3.3)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
@@ -129,6 +136,9 @@ def serve_main(args: argparse.Namespace) -> int:
     from metrale_jax.server.runner import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
     if getattr(args, "coordinator_address", None) is not None:
         import jax
 
@@ -145,7 +155,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if engine.model_name and engine.model_name not in names:
         names = (*names, engine.model_name)
     config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                          lora_modules=tuple(loras),
+                          lora_modules=tuple(loras), tool_call_parser=parser,
                           max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests)
     try:
         serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,

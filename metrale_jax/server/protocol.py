@@ -11,6 +11,7 @@ Responses are plain dicts built in `app.py`; their shapes follow the OpenAI API 
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -256,6 +257,8 @@ class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self, where: str) -> str:
         if self.content is None:
@@ -289,21 +292,42 @@ class ChatCompletionRequest(_SamplingFields):
         out = []
         for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
-            if m.name is not None:
-                d["name"] = m.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    d[key] = getattr(m, key)
             out.append(d)
-        return out
+        return template_tool_calls(out)
 
-    def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
-        if self.tools:
-            raise RequestError("tools are not supported", param="tools", code="unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
+    def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
+        """`tool_schema`: the JSON schema a forced tool call constrains the reply to (tools.py)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_kwargs(max_tokens, max_model_len, logprobs)
+        kwargs = self._sampling_kwargs(max_tokens, max_model_len, logprobs)
+        if tool_schema is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise RequestError("a forced tool_choice cannot be combined with another structured-output "
+                                   "constraint", param="tool_choice", code="invalid_structured_outputs")
+            try:
+                kwargs["structured_outputs"] = StructuredOutputsParams(json=tool_schema)
+            except InvalidStructuredOutputsError as e:
+                raise RequestError(f"tools: {e}", param="tools", code=e.code) from None
+        return kwargs
+
+
+def template_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier assistant tool calls as chat templates read them: each call's `arguments` JSON
+    string parsed to a dict (as vLLM passes them; templates write them with `tojson`)."""
+    for m in messages:
+        for tc in m.get("tool_calls") or ():
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
+    return messages
 
 
 def parse_request[T: _Base](model: type[T], body: bytes) -> T:

@@ -1,0 +1,217 @@
+"""OpenAI tool calling on /v1/chat/completions (metrale_jax/server/tools.py): the parsers on their
+own, then the wire format against the fake engine replying with scripted text. The constrained
+("required" and named) calls through a real model are in test_structured_output.py."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from test_server_support import FakeEngine, FakeTokenizer, sse_events
+
+from metrale_jax.server import BackgroundServer, ServerConfig
+from metrale_jax.server.tools import ToolMode, tool_mode
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]
+
+
+# ---- parsers --------------------------------------------------------------------------------------
+def test_hermes_parser():
+    mode = ToolMode(parser="hermes")
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>')
+    content, calls = mode.parse(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # a call cut off before its closing tag still parses when its JSON is whole; a broken one stays text
+    assert mode.parse('<tool_call>{"name": "get_time", "arguments": {}}')[1][0]["function"]["name"] == "get_time"
+    assert mode.parse("<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    assert mode.parse("no calls here") == ("no calls here", [])
+    # streaming: content up to a call, or up to what could still become "<tool_call>"
+    assert mode.stream_prefix_len("Hi <tool_call>{") == 3
+    assert mode.stream_prefix_len("Hi <tool") == 3
+    assert mode.stream_prefix_len("Hi <b>") == 6
+    assert mode.stream_prefix_len("a < b") == 5
+
+
+def test_llama3_json_parser():
+    mode = ToolMode(parser="llama3_json")
+    content, calls = mode.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                                '{"name": "get_time", "parameters": {"tz": "UTC"}}')
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"},
+                                                                                             {"tz": "UTC"}]
+    assert mode.parse("The weather is fine.") == ("The weather is fine.", [])
+    assert mode.parse('{"city": "Oslo"}') == ('{"city": "Oslo"}', [])  # JSON, but not a call
+    assert mode.stream_prefix_len("  {") == 0 and mode.stream_prefix_len("<|python") == 0
+    assert mode.stream_prefix_len("Sure") == 4
+
+
+def test_tool_choice_modes_and_constraints():
+    named, schemas = tool_mode({"type": "function", "function": {"name": "get_time"}}, TOOLS, None)
+    assert named.constraint(schemas, True) == TOOLS[1]["function"]["parameters"]
+    assert named.parse('{"tz": "UTC"}')[1][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    req, schemas = tool_mode("required", TOOLS, None)
+    schema = req.constraint(schemas, True)
+    good = [{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_time", "parameters": {"tz": "X"}}]
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {"tz": "X"}}], [{"name": "other", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(jsonschema.ValidationError):  # parallel_tool_calls false: one call at most
+        jsonschema.validate(good, req.constraint(schemas, False))
+    assert [c["function"]["name"] for c in req.parse(json.dumps(good))[1]] == ["get_weather", "get_time"]
+    assert req.parse("[oops") == ("[oops", [])
+    assert tool_mode(None, TOOLS, "hermes")[0] == ToolMode(parser="hermes")  # "auto" when tools are given
+    assert tool_mode("none", TOOLS, "hermes")[0] == ToolMode() and not ToolMode().active
+    assert tool_mode(None, None, None)[0] == ToolMode()
+
+
+# ---- the server, the fake engine replying with a script ------------------------------------------
+class _ToolTokenizer(FakeTokenizer):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+        self.calls.append({"messages": messages, **kw})
+        text = "".join(f"[{m['role']}]{m.get('content') or ''}{json.dumps(m.get('tool_calls') or '')}"
+                       for m in messages) + json.dumps(kw.get("tools") or "")[:40]
+        return self.encode(text) if tokenize else text
+
+
+def _server(parser: str | None):
+    eng = FakeEngine(max_model_len=4096, max_num_seqs=4, step_delay_s=0.002)
+    eng.tokenizer = _ToolTokenizer()
+    return eng, BackgroundServer(eng, ServerConfig(model_names=("m",), tool_call_parser=parser))
+
+
+@pytest.fixture(scope="module")
+def auto():
+    eng, srv = _server("hermes")
+    with srv:
+        yield eng, srv
+
+
+@pytest.fixture(scope="module")
+def plain():
+    eng, srv = _server(None)
+    with srv:
+        yield eng, srv
+
+
+def _chat(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "max_tokens": 400, **body}, timeout=30)
+
+
+def _stream(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30,
+                      json={"model": "m", "max_tokens": 400, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        return [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+
+
+def _joined_calls(events: list[dict]) -> tuple[str, list[dict], str]:
+    """A stream's content, its tool-call deltas joined per index (as the openai client does), and
+    the finish reason."""
+    content, calls, finish = "", {}, None
+    for e in events:
+        for ch in e["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or ():
+                c = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+                c["id"] = tc.get("id") or c["id"]
+                c["name"] = tc.get("function", {}).get("name") or c["name"]
+                c["arguments"] += tc.get("function", {}).get("arguments") or ""
+            finish = ch["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_auto_hermes_calls(auto):
+    eng, auto = auto
+    eng.script = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+                  '</tool_call>')
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = _chat(auto.url, {"messages": msgs, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] == "Checking."
+    (call,) = ch["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
+    assert eng.tokenizer.calls[-1]["tools"] == TOOLS  # the template saw the tools
+    # streamed: the content comes before the call, never a piece of the tag
+    content, calls, finish = _joined_calls(_stream(auto.url, {"messages": msgs, "tools": TOOLS}))
+    assert content.strip() == "Checking." and "<" not in content and finish == "tool_calls"
+    assert [c["name"] for c in calls] == ["get_weather"] and json.loads(calls[0]["arguments"])["city"] == "Paris"
+    # a reply without calls is plain content, streamed or not
+    eng.script = "It is sunny <b>today</b>."
+    ch = _chat(auto.url, {"messages": msgs, "tools": TOOLS}).json()["choices"][0]
+    assert ch["message"] == {"role": "assistant", "content": eng.script} and ch["finish_reason"] == "stop"
+    assert _joined_calls(_stream(auto.url, {"messages": msgs, "tools": TOOLS})) == (eng.script, [], "stop")
+
+
+def test_named_and_required_wire_format(plain):
+    eng, plain = plain
+    eng.script = '{"tz": "UTC"}'
+    body = {"messages": [{"role": "user", "content": "time?"}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    ch = _chat(plain.url, body).json()["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["message"]["content"] is None
+    assert ch["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    events = _stream(plain.url, body)
+    content, calls, finish = _joined_calls(events)
+    assert content == "" and finish == "stop" and len(calls) == 1 and calls[0]["id"]
+    assert calls[0]["name"] == "get_time" and calls[0]["arguments"] == eng.script
+    # the arguments streamed as they came: more than one delta carried them
+    assert sum(bool(tc.get("function", {}).get("arguments")) for e in events for c in e["choices"]
+               for tc in c["delta"].get("tool_calls") or ()) > 1
+    eng.script = json.dumps([{"name": "get_weather", "parameters": {"city": "Rome"}},
+                             {"name": "get_time", "parameters": {"tz": "CET"}}])
+    body["tool_choice"] = "required"
+    ch = _chat(plain.url, body).json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ch["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})]
+    content, calls, finish = _joined_calls(_stream(plain.url, body))
+    assert content == "" and finish == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "get_time"]
+    # with the openai client, and a conversation that carries the call and its result back
+    client = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=body["messages"], tools=TOOLS, tool_choice="required")
+    msg = r.choices[0].message
+    assert [tc.function.name for tc in msg.tool_calls] == ["get_weather", "get_time"]
+    eng.script = "It is 20 C in Rome."
+    history = [*body["messages"], msg.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "20 C"}]
+    r = client.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == eng.script and not r.choices[0].message.tool_calls
+    seen = eng.tokenizer.calls[-1]["messages"]
+    assert seen[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}  # a dict for the template
+    assert seen[2] == {"role": "tool", "content": "20 C", "tool_call_id": msg.tool_calls[0].id}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "auto"}, "tool_choice"),  # no parser on this server
+    ({}, "tool_choice"),  # "auto" is the default when tools are given
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools[0]"),
+    ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools[1].function.name"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(plain, body, param):
+    eng, plain = plain
+    eng.script = "x"
+    r = _chat(plain.url, {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert _chat(plain.url, {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
