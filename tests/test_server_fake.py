@@ -227,7 +227,7 @@ BAD_CHAT = [
      "messages[0].content[0]"),
     (b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "messages"),  # the template raises
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400, "top_logprobs"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools[0]"),
     (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}', 400,
      "response_format.type"),
     (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}', 400,
