@@ -15,6 +15,8 @@ the same rule holds for layer-stacked `[L, ...]` and per-layer arrays:
     per-head vectors                   A_log dt_bias D conv_b               dim -1
     conv filters                       conv_w [C, K]                        dim -2
     experts [E, in, out]               by expert (EP) dim -3, else like their dense twins
+    4-bit linears (`W4Linear`, [N, K]-major codes, scales, zeros): along N when column-parallel,
+                                       along K when row-parallel (act-order `perm` with K)
     vocabulary                         embed [V, H] dim -2, lm_head [H, V] dim -1
     everything else (norms, routers, q/k norms, biases of the router)      replicated
 
@@ -49,6 +51,10 @@ _COLUMN = frozenset({"wqkv", "wq", "wkv", "w_gate_up", "w_qkvz", "w_ba", "in_pro
 _ROW = frozenset({"wo", "w_down", "down", "out", "shared_down", "conv_w", "embed"})
 _EXPERT_COLUMN = frozenset({"experts_gate_up", "experts_up"})
 _EXPERT_ROW = frozenset({"experts_down"})
+# a `W4Linear`'s arrays, stored [..., N, K]-major: the axis each shards when the linear is
+# column-parallel (N) and when it is row-parallel (K)
+_W4_AXES = {"packed": (-2, -1), "scales": (-2, -1), "zeros": (-2, -1), "row_scale": (-1, None),
+            "perm": (None, -1), "kernel_scales": (-1, -2)}
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
@@ -138,6 +144,11 @@ class Sharder:
             dim = param_dim(name, len(shape), self.expert_parallel)
             dim = {-1: -2, -2: -1}.get(dim, dim)  # stored transposed
             return self._sharding(name, shape, dim)
+        if name in _W4_AXES and len(names) > 1:  # a `W4Linear` (4-bit weights)
+            name = names[-2]
+            column, row = _W4_AXES[names[-1]]
+            dim = {-1: column, -2: row}.get(param_dim(name, 2, False))
+            return self._sharding(f"{name}.{names[-1]}", shape, dim)
         return self._sharding(name, shape, param_dim(name, len(shape), self.expert_parallel))
 
     def put(self, names, x) -> jax.Array:

@@ -93,6 +93,14 @@ def test_rules():
     x = np.zeros((3, 64, 96), np.float32)
     path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey("wqkv"))
     assert sh.param_sharding(path, x).spec == P(None, None, "tp")
+    # 4-bit linears: [N, K]-major arrays, split along N (column-parallel) or K (row-parallel)
+    for parent, leaf, ndim, spec in [
+            ("wqkv", "packed", 3, P(None, "tp", None)), ("wo", "packed", 3, P(None, None, "tp")),
+            ("w_down", "scales", 3, P(None, None, "tp")), ("wo", "perm", 2, P(None, "tp")), ("wqkv", "perm", 2, P()),
+            ("w_gate_up", "row_scale", 2, P(None, "tp")), ("w_down", "row_scale", 2, P()),
+            ("wo", "kernel_scales", 4, P(None, None, "tp", None)), ("router", "packed", 3, P())]:
+        path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey(parent), jax.tree_util.GetAttrKey(leaf))
+        assert sh.param_sharding(path, np.zeros((2,) * ndim)).spec == spec, (parent, leaf)
     with pytest.raises(ValueError, match="needs that many devices"):
         make_mesh(len(jax.devices()) + 1)
 

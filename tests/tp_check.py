@@ -32,7 +32,8 @@ import numpy as np
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
 PLAN = {"llama_tiny": ("2", "4", "2:pallas", "2:features"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
-        "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",)}
+        "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",),
+        "llama_gptq_tiny": ("2", "4"), "llama_nvfp4_ct_tiny": ("2",)}
 # what CI runs (`--plan ci`): the features (prefix caching, LoRA, the server; the Pallas kernels
 # under shard_map are check_shard_heads' and PLAN's; Mamba-2 across two processes is
 # test_two_processes_match_one's); the rest is PLAN's (slow), replicated KV heads at TP=4 with GDN
@@ -178,7 +179,8 @@ def check_shard_heads() -> None:
 
 def check_streamed_loading() -> None:
     """`load_model(sharder=...)` gives the parameters of a plain load, each placed as the rules
-    say, stacked or per layer (dense, MoE with and without expert parallelism, FP8 linears and FP8
+    say, stacked or per layer (dense, MoE with and without expert parallelism, 4-bit linears (GPTQ
+    act-order, NVFP4), FP8 linears and FP8
     experts, the hybrids)."""
     import jax
 
@@ -187,7 +189,8 @@ def check_streamed_loading() -> None:
     from metrale_jax.parallel import Sharder, make_mesh
 
     for family, ep in (("llama_fp8_tiny", False), ("qwen3_moe_fp8_tiny", True), ("qwen3_moe_tiny", False),
-                       ("qwen3_next_tiny", False), ("nemotron_h_tiny", True)):
+                       ("qwen3_next_tiny", False), ("nemotron_h_tiny", True), ("llama_gptq_tiny", False),
+                       ("llama_nvfp4_ct_tiny", False)):
         _, want = load_model(FIXTURES / family, dtype="float32", show_progress=False)
         for split in (False, True):
             sharder = Sharder(make_mesh(2), expert_parallel=ep)
