@@ -180,8 +180,7 @@ def check_shard_heads() -> None:
 def check_streamed_loading() -> None:
     """`load_model(sharder=...)` gives the parameters of a plain load, each placed as the rules
     say, stacked or per layer (dense, MoE with and without expert parallelism, 4-bit linears (GPTQ
-    act-order, NVFP4), FP8 linears and FP8
-    experts, the hybrids)."""
+    act-order, NVFP4), FP8 linears and FP8 experts, the hybrids)."""
     import jax
 
     from metrale_jax import load_model
