@@ -74,6 +74,8 @@ def test_tool_choice_modes_and_constraints():
     assert tool_mode(None, TOOLS, "hermes")[0] == ToolMode(parser="hermes")  # "auto" when tools are given
     assert tool_mode("none", TOOLS, "hermes")[0] == ToolMode() and not ToolMode().active
     assert tool_mode(None, None, None)[0] == ToolMode()
+    no_args = [{"type": "function", "function": {"name": "now", "parameters": None}}]
+    assert tool_mode("required", no_args, None)[1] == {"now": {"type": "object", "properties": {}}}
 
 
 # ---- the server, the fake engine replying with a script ------------------------------------------

@@ -55,7 +55,9 @@ def check_tools(tools: Any) -> dict[str, dict]:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise RequestError("each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}",
                                param=f"tools[{i}]")
-        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        name, params = fn.get("name"), fn.get("parameters")
+        if params is None:  # a function without arguments
+            params = {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise RequestError("a function needs a non-empty string name", param=f"tools[{i}].function.name")
         if name in out:
