@@ -47,6 +47,9 @@
 # Session 32 (cold each): `tests linear gen4` (test_linear_kernels 25 s, linear --fp8-batch with
 # --budget-s 90, bf16 + fp8 batch 64, 2 repeats) 304-355 s; `gen4 acceptance` (Llama FP8, 140 s)
 # 318 s; `tests structured` (4 test files 53 s) 143 s; `structured` (3 variants) 87 s.
+# Session 35: `tests linear gen4` (4 test files 82 s, linear --fp8-batch --budget-s 150, three
+# batch-1 kinds with profiles) 488 s cold; `gen4` (bf16 + fp8, batch 64) 184 s cold; eight refused
+# starts cost ~90 s of budget each (status's "later means in about 10 min": wait that long).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
