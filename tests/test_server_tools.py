@@ -217,3 +217,13 @@ def test_bad_tool_requests_are_400s(plain, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert _chat(plain.url, {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+
+
+def test_parser_names_are_checked_at_start():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="mistral")
+    from metrale_jax.server.cli import serve_main
+
+    args = type("Args", (), {"log_level": "warning", "enable_auto_tool_choice": True, "tool_call_parser": None})()
+    with pytest.raises(SystemExit, match="--tool-call-parser"):
+        serve_main(args)  # before anything loads
