@@ -715,8 +715,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         req = parse_request(ChatCompletionRequest, body)
         lora = check_model(req.model)
         tools, schemas = tool_mode(req.tool_choice, req.tools, config.tool_call_parser)
-        kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, req.parallel_tool_calls
-                                                                               is not False))
+        parallel_calls = req.parallel_tool_calls is not False
+        kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, parallel_calls))
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
         messages = req.template_messages()
