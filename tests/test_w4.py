@@ -182,6 +182,11 @@ def _random_w4(rng, n, k, g, kind):
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
+    # swap_ab: y^T = W_tile @ x^T (partial row, column and K tiles; with scale tiles; group_partial)
+    ("fp4", 17, 70, 112, 16, W4Params(block_n=64, block_k=64, swap_ab=True, scale_tile=True)),
+    ("fp4", 64, 24, 48, 16, W4Params(block_n=16, block_k=32, swap_ab=True)),
+    ("int4", 9, 40, 190, 96, W4Params(block_n=16, block_k=32, group_partial=True, swap_ab=True)),
+    ("int4", 2, 48, 201, 32, W4Params(block_n=32, block_k=64, swap_ab=True)),
 ])
 def test_w4_kernel_interpret(kind, m, n, k, g, params):
     rng = np.random.default_rng(m * 1000 + n + k)
@@ -239,6 +244,7 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, split_k=2)),
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, prefetch=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True)),
+    ("fp4", 16, W4Params(block_n=64, block_k=256, swap_ab=True, scale_tile=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -273,6 +279,9 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
                                         word_scales=True)),
     ("int4", 1, 4096, 14336, 128, W4Params(16, 1024, 4, 3, gemv=True, group_partial=True, half2=True, split_k=2,
                                            word_scales=True)),
+    ("fp4", 64, 4096, 14336, 16, None), ("fp4", 17, 1000, 1000, 16, None),  # the tuned table at 17-64 rows
+    ("fp4", 64, 6144, 4096, 16, W4Params(64, 256, 4, 3, scale_tile=True, swap_ab=True)),
+    ("fp4", 40, 1000, 1000, 16, W4Params(128, 128, 8, 3, swap_ab=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

@@ -120,6 +120,12 @@ class W4Params:
     # per word, then one sum over the step's words; instead of per-group sums of the words (a
     # reshape of the [BN, words] tile) and one scale per group. For NVFP4's groups of 16 (2 words).
     word_scales: bool = False
+    # The dot path (M > 1): the product computed transposed, y^T [BN, Mp] = W_tile @ x^T, so the
+    # dequantized weight tile is the dot's first operand (on Hopper, wgmma's A, which may stay in
+    # registers; x^T, the small operand, is B), as the tensor-core GEMM `w4_mgpu.py` and Marlin-style
+    # kernels do; the default orientation makes the weights B, which wgmma reads from shared memory
+    # (a round trip for every dequantized tile). For NVFP4, whose groups of 16 `w4_mgpu` cannot take.
+    swap_ab: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -291,7 +297,7 @@ def _dot8(w, hs, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, interpret):
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, interpret):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -341,6 +347,17 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             return j, _e2m1(lo) * s, _e2m1(hi) * s
         return j, (lo - z).astype(jnp.float32) * s, (hi - z).astype(jnp.float32) * s
 
+    def mm(xv, wv):  # x [Mp, C] . W [BN, C] -> f32 [Mp, BN], or its transpose [BN, Mp] (swap_ab)
+        wv = wv.astype(xv.dtype)
+        return (plgpu_triton.dot(wv, xv, trans_b=True) if swap_ab else
+                plgpu_triton.dot(xv, wv, trans_b=True)).astype(jnp.float32)
+
+    def per_row(v):  # f32[Mp] -> broadcastable against the accumulator
+        return v[None, :] if swap_ab else v[:, None]
+
+    def per_col(v):  # f32[BN] -> broadcastable against the accumulator
+        return v[:, None] if swap_ab else v[None, :]
+
     def body(i, acc):
         j, w_lo, w_hi = weights(i)
         ke, ko = 2 * j, 2 * j + 1
@@ -348,8 +365,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                                other=0.0)  # bf16|f16[Mp, BK/2]
         xo = plgpu_triton.load(x_ref.at[rows[:, None], ko[None, :]], mask=row_ok[:, None] & (ko < k)[None, :],
                                other=0.0)
-        acc = acc + plgpu_triton.dot(xe, w_lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
-        return acc + plgpu_triton.dot(xo, w_hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
+        return acc + mm(xe, w_lo) + mm(xo, w_hi)
 
     if gemv:  # m == 1: on the CUDA cores, acc f32[BN]
         nsg = max(1, block_k // group)  # group_partial: groups per step (1: the step lies inside one group)
@@ -467,21 +483,24 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             lo, hi = b & 15, b >> 4
             if fp4:
                 lo, hi = _e2m1(lo), _e2m1(hi)  # exact in bf16 / f16
-            part = plgpu_triton.dot(xe, lo.astype(xe.dtype), trans_b=True).astype(jnp.float32)
-            part = part + plgpu_triton.dot(xo, hi.astype(xo.dtype), trans_b=True).astype(jnp.float32)
+            part = mm(xe, lo) + mm(xo, hi)
             if not fp4:  # sum_k x (q - z) = x . q - z * sum_k x
                 z = plgpu_triton.load(aux_ref.at[ncols, gcol], mask=n_ok, other=0).astype(jnp.float32)  # f32[BN]
                 xsum = jnp.sum(xe.astype(jnp.float32), axis=1) + jnp.sum(xo.astype(jnp.float32), axis=1)  # f32[Mp]
-                part = part - xsum[:, None] * z[None, :]
-            acc = acc + part * s[None, :]
+                part = part - per_row(xsum) * per_col(z)
+            acc = acc + part * per_col(s)
         return acc
 
-    acc = _loop(num_steps, body_group_partial if group_partial else body, jnp.zeros((mp, block_n), jnp.float32),
-                unroll)  # f32[Mp, BN]
+    acc = _loop(num_steps, body_group_partial if group_partial else body,
+                jnp.zeros((block_n, mp) if swap_ab else (mp, block_n), jnp.float32), unroll)  # f32[Mp, BN] | [BN, Mp]
     if fp4:
-        acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)[None, :]
-    plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
-                       mask=row_ok[:, None] & n_ok[None, :])
+        acc = acc * per_col(plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0))
+    if swap_ab:
+        plgpu_triton.store(o_ref.at[rows[None, :], ncols[:, None]], acc.astype(o_ref.dtype),
+                           mask=row_ok[None, :] & n_ok[:, None])
+    else:
+        plgpu_triton.store(o_ref.at[rows[:, None], ncols[None, :]], acc.astype(o_ref.dtype),
+                           mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _check(x, packed, scales, aux, k: int, group: int, kind: str):
@@ -529,7 +548,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
-        split_k=split_k, word_scales=params.word_scales, interpret=interpret)
+        split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv, interpret=interpret)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     out = pl.pallas_call(
