@@ -51,6 +51,10 @@ dequantization for the dot path (M > 1: words to f16 weights by inline PTX, 8 do
 (half2, session 29) scales each word by its own group's scale instead of summing the words of a group
 first: the table's pick for NVFP4's q/k/v, o and down (10.1 / 8.1 / 19.5 us, groups of 16 = 2 words). `w4_params_for`
 reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
+At 2-64 rows int4 runs the tensor-core kernel (`w4_mgpu.py`) on Hopper; NVFP4, whose groups of 16 that
+kernel cannot take, runs this kernel's dot path, 2.5x slower than bf16 at batch 64 on an H100
+(session 36): `swap_ab` (the dequantized tile as the dot's first operand, which wgmma may keep in
+registers) is the candidate for the next sweep (`bench/kernels/w4.py --kinds fp4 --ms 16,64 --only scale_tile`).
 """
 
 from __future__ import annotations
