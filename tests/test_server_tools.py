@@ -56,6 +56,46 @@ def test_llama3_json_parser():
     assert mode.stream_prefix_len("Sure") == 4
 
 
+def _named_args(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_pythonic_parser():
+    mode = ToolMode(parser="pythonic")
+    content, calls = mode.parse('[get_weather(city="Oslo", unit=\'C\'), get_time(tz="UTC"), '
+                                'search(q="x", opts={"n": 2, "tags": ["a", None]}, strict=true)]')
+    assert content is None and _named_args(calls) == [
+        ("get_weather", {"city": "Oslo", "unit": "C"}), ("get_time", {"tz": "UTC"}),
+        ("search", {"q": "x", "opts": {"n": 2, "tags": ["a", None]}, "strict": True})]
+    assert _named_args(mode.parse('<|python_start|>[get_time(tz="CET")]<|python_end|>')[1]) == [
+        ("get_time", {"tz": "CET"})]
+    assert _named_args(mode.parse("[get_time()]")[1]) == [("get_time", {})]
+    for text in ("The answer is [1, 2].", "[get_time(\"CET\")]",  # not calls: positional args, plain lists
+                 "[get_time(tz=now())]", "[os.system(cmd='x')]", "[get_time(tz=", "[]", "[f(**kw)]"):
+        assert mode.parse(text) == (text, []), text
+    assert mode.stream_prefix_len(" [get_") == 0 and mode.stream_prefix_len("<|python") == 0
+    assert mode.stream_prefix_len("Sure") == 4
+
+
+def test_mistral_parser():
+    mode = ToolMode(parser="mistral")
+    array = '[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {"tz": "X"}}]'
+    for text in ("[TOOL_CALLS]" + array, array, "[TOOL_CALLS] " + array + " "):
+        content, calls = mode.parse(text)
+        assert content is None and _named_args(calls) == [("get_weather", {"city": "Rome"}), ("get_time", {"tz": "X"})]
+    # tokenizer v11: name[ARGS]{...} per call, and text before the first call is content
+    content, calls = mode.parse('Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
+                                '[TOOL_CALLS]get_time{"tz": "X"}')
+    assert content == "Let me look." and _named_args(calls) == [("get_weather", {"city": "Rome"}),
+                                                                 ("get_time", {"tz": "X"})]
+    for text in ("No calls.", "[TOOL_CALLS][{broken", "[TOOL_CALLS]get weather{}", "[1, 2]",
+                 '[TOOL_CALLS]{"name": "f", "arguments": {}} trailing'):
+        assert mode.parse(text) == (text, []), text
+    assert mode.stream_prefix_len("Hi [TOOL") == 3 and mode.stream_prefix_len("Hi [TOOL_CALLS][") == 3
+    assert mode.stream_prefix_len(' [{"name"') == 0 and mode.stream_prefix_len("Hi [b]") == 6
+    assert mode.stream_prefix_len(" ") == 0  # (what follows may be an array)
+
+
 def test_tool_choice_modes_and_constraints():
     named, schemas = tool_mode({"type": "function", "function": {"name": "get_time"}}, TOOLS, None)
     assert named.constraint(schemas, True) == TOOLS[1]["function"]["parameters"]
@@ -133,6 +173,24 @@ def _joined_calls(events: list[dict]) -> tuple[str, list[dict], str]:
                 c["arguments"] += tc.get("function", {}).get("arguments") or ""
             finish = ch["finish_reason"] or finish
     return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parser,script", [
+    ("pythonic", '[get_weather(city="Paris", unit="C")]'),
+    ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]'),
+])
+def test_auto_pythonic_and_mistral_calls(parser, script):
+    eng, srv = _server(parser)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with srv:
+        eng.script = script
+        ch = _chat(srv.url, {"messages": msgs, "tools": TOOLS}).json()["choices"][0]
+        assert ch["finish_reason"] == "tool_calls" and _named_args(ch["message"]["tool_calls"]) == [
+            ("get_weather", {"city": "Paris", "unit": "C"})]
+        content, calls, finish = _joined_calls(_stream(srv.url, {"messages": msgs, "tools": TOOLS}))
+        assert content.strip() == (ch["message"]["content"] or "") and "[" not in content and finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris",
+                                                                                               "unit": "C"})]
 
 
 def test_auto_hermes_calls(auto):
@@ -221,7 +279,7 @@ def test_bad_tool_requests_are_400s(plain, body, param):
 
 def test_parser_names_are_checked_at_start():
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerConfig(tool_call_parser="mistral")
+        ServerConfig(tool_call_parser="xlam")
     from metrale_jax.server.cli import serve_main
 
     args = type("Args", (), {"log_level": "warning", "enable_auto_tool_choice": True, "tool_call_parser": None})()

@@ -118,7 +118,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
                    help='tool_choice "auto": find tool calls in replies with --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format of the model's replies: hermes (Qwen2.5/3, Hermes), "
-                        "llama3_json (Llama 3.1-3.3)")
+                        "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 / 4), mistral")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
@@ -134,10 +134,11 @@ def serve_main(args: argparse.Namespace) -> int:
     from metrale_jax.engine.engine import LLMEngine
     from metrale_jax.server.app import ServerConfig
     from metrale_jax.server.runner import serve
+    from metrale_jax.server.tools import TOOL_CALL_PARSERS
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise SystemExit(f"--enable-auto-tool-choice needs --tool-call-parser ({' | '.join(TOOL_CALL_PARSERS)})")
     parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
     if getattr(args, "coordinator_address", None) is not None:
         import jax

@@ -13,10 +13,15 @@ reply becomes `tool_calls`:
     "auto" (the default when tools are given)
                             free text that the server's tool-call parser (`--tool-call-parser`,
                             with `--enable-auto-tool-choice`) splits into content and calls:
-                            "hermes" (Qwen2.5/3, Hermes: `<tool_call>{"name", "arguments"}</tool_call>`)
-                            or "llama3_json" (Llama 3.1-3.3: `{"name", "parameters"}` objects, `;`
-                            between them, after an optional `<|python_tag|>`); without a parser,
-                            "auto" is a 400 as in vLLM
+                            "hermes" (Qwen2.5/3, Hermes: `<tool_call>{"name", "arguments"}</tool_call>`),
+                            "llama3_json" (Llama 3.1-3.3: `{"name", "parameters"}` objects, `;`
+                            between them, after an optional `<|python_tag|>`), "pythonic" (Llama
+                            3.2 / 4: `[f(a=1), g(b="x")]`, a Python list of calls with literal
+                            keyword arguments, optionally inside `<|python_start|>`..`<|python_end|>`)
+                            or "mistral" (`[TOOL_CALLS]` then a JSON array of {"name", "arguments"},
+                            or, from tokenizer v11, `name[ARGS]{...}` per call; the control token is
+                            dropped when special tokens are skipped, so a reply that is such an
+                            array alone parses too); without a parser, "auto" is a 400 as in vLLM
 
 Streaming: a named call streams its arguments as they are generated; "required" and "auto" calls
 come whole in one delta each once the reply ends (text before an auto reply's first call streams
@@ -25,6 +30,7 @@ as content as it comes).
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass
@@ -32,7 +38,7 @@ from typing import Any
 
 from metrale_jax.server.protocol import RequestError
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 
 
 def _call_id() -> str:
@@ -107,22 +113,30 @@ class ToolMode:
             return _parse_hermes(text)
         if self.parser == "llama3_json":
             return _parse_llama3_json(text)
+        if self.parser == "pythonic":
+            return _parse_pythonic(text)
+        if self.parser == "mistral":
+            return _parse_mistral(text)
         return text, []
 
     def stream_prefix_len(self, text: str) -> int:
         """How much of the reply so far can stream: auto replies up to where a tool call starts
         or could be starting, a named call's arguments all, a required reply nothing."""
-        if self.parser == "hermes":
-            at = text.find(_HERMES_OPEN)
+        if self.parser in ("hermes", "mistral"):  # text before the first call's opening tag
+            tag = _HERMES_OPEN if self.parser == "hermes" else _MISTRAL_TAG
+            if self.parser == "mistral" and (not text.strip() or text.lstrip().startswith("[")):
+                return 0  # a bare array (the control token skipped when decoding) may be coming
+            at = text.find(tag)
             if at >= 0:
                 return at
-            for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):  # a partial "<tool_call>" at the end
-                if _HERMES_OPEN.startswith(text[-k:]):
+            for k in range(min(len(tag) - 1, len(text)), 0, -1):  # a partial tag at the end
+                if tag.startswith(text[-k:]):
                     return len(text) - k
             return len(text)
-        if self.parser == "llama3_json":
+        if self.parser in ("llama3_json", "pythonic"):  # the whole reply is calls, or none of it is
             head = text.lstrip()
-            if not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
+            opens = ("{", _PYTHON_TAG) if self.parser == "llama3_json" else ("[", _PYTHON_START)
+            if not head or head.startswith(opens) or any(o.startswith(head) for o in opens):
                 return 0
             return len(text)
         return 0 if self.required else len(text)  # a named call streams its arguments as they come
@@ -157,6 +171,8 @@ def tool_mode(tool_choice: Any, tools: Any, parser: str | None) -> tuple[ToolMod
 # ---- parsers -------------------------------------------------------------------------------------
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 def _as_call(obj: Any, args_key: str) -> dict | None:
@@ -202,3 +218,67 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
     return None, calls
+
+
+def _literal(node: ast.AST) -> Any:
+    """A keyword argument's value: a Python literal, or JSON's true / false / null as names."""
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def _parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
+    body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for c in tree.elts:
+            if not isinstance(c, ast.Call) or not isinstance(c.func, ast.Name) or c.args or \
+                    any(kw.arg is None for kw in c.keywords):
+                return text, []
+            calls.append(new_call(c.func.id, {kw.arg: _literal(kw.value) for kw in c.keywords}))
+    except (SyntaxError, ValueError, TypeError):
+        return text, []
+    return None, calls
+
+
+def _parse_mistral(text: str) -> tuple[str | None, list[dict]]:
+    at = text.find(_MISTRAL_TAG)
+    if at < 0 and not text.lstrip().startswith("["):
+        return text, []
+    content = text[:at].strip() if at >= 0 else ""
+    parts = [p.strip() for p in (text[at:].split(_MISTRAL_TAG) if at >= 0 else [text])]
+    calls = []
+    for part in filter(None, parts):
+        if part.startswith(("[", "{")):  # a JSON array (or one object) of {"name", "arguments"}
+            try:
+                obj, end = json.JSONDecoder().raw_decode(part)
+            except ValueError:
+                return text, []
+            got = [_as_call(o, "arguments") for o in (obj if isinstance(obj, list) else [obj])]
+            if part[end:].strip() or not got or None in got:
+                return text, []
+            calls += got
+            continue
+        name, sep, args = part.partition(_MISTRAL_ARGS)  # tokenizer v11: name[ARGS]{...}
+        if not sep:
+            name, brace, rest = part.partition("{")
+            args = brace + rest
+        try:
+            arguments = json.loads(args)
+        except ValueError:
+            return text, []
+        if not name.strip().isidentifier() or not isinstance(arguments, dict):
+            return text, []
+        calls.append(new_call(name.strip(), arguments))
+    return (content or None, calls) if calls else (text, [])
