@@ -71,7 +71,8 @@ def test_pythonic_parser():
         ("get_time", {"tz": "CET"})]
     assert _named_args(mode.parse("[get_time()]")[1]) == [("get_time", {})]
     for text in ("The answer is [1, 2].", "[get_time(\"CET\")]",  # not calls: positional args, plain lists
-                 "[get_time(tz=now())]", "[os.system(cmd='x')]", "[get_time(tz=", "[]", "[f(**kw)]"):
+                 "[get_time(tz=now())]", "[os.system(cmd='x')]", "[get_time(tz=", "[]", "[f(**kw)]",
+                 "[f(a=1e999)]", "[f(a={1, 2})]", "[f(a=b'x')]", "[" * 300 + "]" * 300):  # no JSON for these
         assert mode.parse(text) == (text, []), text
     assert mode.stream_prefix_len(" [get_") == 0 and mode.stream_prefix_len("<|python") == 0
     assert mode.stream_prefix_len("Sure") == 4

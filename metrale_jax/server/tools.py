@@ -246,8 +246,9 @@ def _parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
             if not isinstance(c, ast.Call) or not isinstance(c.func, ast.Name) or c.args or \
                     any(kw.arg is None for kw in c.keywords):
                 return text, []
-            calls.append(new_call(c.func.id, {kw.arg: _literal(kw.value) for kw in c.keywords}))
-    except (SyntaxError, ValueError, TypeError):
+            args = {kw.arg: _literal(kw.value) for kw in c.keywords}
+            calls.append(new_call(c.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))  # JSON or raise
+    except (SyntaxError, ValueError, TypeError, RecursionError):  # (the model's text: anything may come)
         return text, []
     return None, calls
 
