@@ -50,6 +50,10 @@
 # Session 35: `tests linear gen4` (4 test files 82 s, linear --fp8-batch --budget-s 150, three
 # batch-1 kinds with profiles) 488 s cold; `gen4` (bf16 + fp8, batch 64) 184 s cold; eight refused
 # starts cost ~90 s of budget each (status's "later means in about 10 min": wait that long).
+# Session 36 (an H100 80GB: no H200 lent): `acceptance` of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 484 s
+# cold, of Qwen3-Next + Nemotron-H 383 s warm, `structured` (5 repeats) 69 s warm, `gen4` (3 kinds,
+# batches 1,64) 273 s warm; the next call (`w4` sweep + two generates) lost its machine mid-call and
+# the rest of the budget with it (~470 s): keep a call well inside what is left.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
