@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -231,6 +231,20 @@ if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf1
     timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats ${GEN4_REPEATS:-1} \
       --batches ${GEN4_BATCHES:-1,64} $qa --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1
     grep -v "rematerialization" "$OUT/generate_llama3_8b_$q.log" | tail -6
+  done
+fi
+if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows (the Triton dot path, swap_ab variants), the
+  # table merged into the tree's tuned_w4.json (copied to $OUT), then generate NVFP4 and bf16 at batch 64
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP4DOT_LIMIT:-200} python3 bench/kernels/w4.py --out "$OUT/fp4dot" \
+    --budget-s $(( ${FP4DOT_LIMIT:-200} - 40 )) --kinds fp4 --ms ${FP4DOT_MS:-64,16} --only scale_tile 2>&1 | tail -12
+  python3 -c "import json, sys; f = 'pallas_kernels/linear/tuned_w4.json'; t = json.load(open(f)); \
+t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$OUT/fp4dot/tuned_w4.json" \
+    && cp pallas_kernels/linear/tuned_w4.json "$OUT/fp4dot/tuned_w4_merged.json"
+  for q in nvfp4 bf16; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 64 \
+      $qa --out "$OUT/generate_llama3_8b_${q}_b64.json" > "$OUT/generate_llama3_8b_${q}_b64.log" 2>&1
+    grep "batch  64" "$OUT/generate_llama3_8b_${q}_b64.log" | tail -4
   done
 fi
 if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)
