@@ -159,6 +159,12 @@ def _stream(url: str, body: dict) -> list[dict]:
         return [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
 
 
+def _call_pieces(events: list[dict]) -> list[tuple[int, bool, str]]:
+    """A stream's tool-call deltas in order: (index, whether it carries the id and name, arguments)."""
+    return [(tc["index"], "id" in tc, tc.get("function", {}).get("arguments") or "") for e in events
+            for c in e["choices"] for tc in c["delta"].get("tool_calls") or ()]
+
+
 def _joined_calls(events: list[dict]) -> tuple[str, list[dict], str]:
     """A stream's content, its tool-call deltas joined per index (as the openai client does), and
     the finish reason."""
@@ -179,8 +185,10 @@ def _joined_calls(events: list[dict]) -> tuple[str, list[dict], str]:
 @pytest.mark.parametrize("parser,script", [
     ("pythonic", '[get_weather(city="Paris", unit="C")]'),
     ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]'),
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}'),  # tokenizer v11
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'),
 ])
-def test_auto_pythonic_and_mistral_calls(parser, script):
+def test_auto_pythonic_mistral_llama3_calls(parser, script):
     eng, srv = _server(parser)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     with srv:
@@ -188,8 +196,11 @@ def test_auto_pythonic_and_mistral_calls(parser, script):
         ch = _chat(srv.url, {"messages": msgs, "tools": TOOLS}).json()["choices"][0]
         assert ch["finish_reason"] == "tool_calls" and _named_args(ch["message"]["tool_calls"]) == [
             ("get_weather", {"city": "Paris", "unit": "C"})]
-        content, calls, finish = _joined_calls(_stream(srv.url, {"messages": msgs, "tools": TOOLS}))
+        events = _stream(srv.url, {"messages": msgs, "tools": TOOLS})
+        content, calls, finish = _joined_calls(events)
         assert content.strip() == (ch["message"]["content"] or "") and "[" not in content and finish == "tool_calls"
+        # the JSON formats' calls stream piece by piece, pythonic ones come whole at the end
+        assert (len(_call_pieces(events)) > 5) == (parser != "pythonic")
         assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris",
                                                                                                "unit": "C"})]
 
@@ -211,6 +222,23 @@ def test_auto_hermes_calls(auto):
     content, calls, finish = _joined_calls(_stream(auto.url, {"messages": msgs, "tools": TOOLS}))
     assert content.strip() == "Checking." and "<" not in content and finish == "tool_calls"
     assert [c["name"] for c in calls] == ["get_weather"] and json.loads(calls[0]["arguments"])["city"] == "Paris"
+    # the calls stream as they are generated: id and name first, then the arguments piece by piece,
+    # before the last chunk; two calls in order
+    eng.script = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>\n'
+                  '<tool_call>{"name": "get_time", "arguments": {"tz": "CE\\"T"}}</tool_call>')
+    events = _stream(auto.url, {"messages": msgs, "tools": TOOLS})
+    pieces = _call_pieces(events)
+    assert [i for i, head, _ in pieces if head] == [0, 1] and sum(i == 0 for i, _, _ in pieces) > 5
+    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][0]
+    assert not last["choices"][0]["delta"].get("tool_calls")  # every piece came before the end
+    content, calls, finish = _joined_calls(events)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"tz": 'CE"T'})]
+    # a call whose JSON breaks after it started streaming: its pieces stand, no duplicate content
+    eng.script = '<tool_call>{"name": "get_time", "arguments": {"tz": "UT'
+    content, calls, finish = _joined_calls(_stream(auto.url, {"messages": msgs, "tools": TOOLS}))
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_time", '{"tz": "UT')]
     # a reply without calls is plain content, streamed or not
     eng.script = "It is sunny <b>today</b>."
     ch = _chat(auto.url, {"messages": msgs, "tools": TOOLS}).json()["choices"][0]

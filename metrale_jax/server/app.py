@@ -155,7 +155,7 @@ def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
 class _Choice:
     """What has been sent so far for one choice (one output of one prompt)."""
 
-    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset", "call_id")
+    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset", "call_id", "calls_sent")
 
     def __init__(self, index: int):
         self.index = index
@@ -164,6 +164,7 @@ class _Choice:
         self.finished = False
         self.text_offset = 0
         self.call_id: str | None = None  # a named tool call's id, once its first delta went out
+        self.calls_sent: list[int] = []  # auto tool calls streamed: the length of each one's arguments sent
 
 
 # ---- logprob formats -------------------------------------------------------------------------------
@@ -313,32 +314,63 @@ class _Generation:
                     else:
                         lp_obj = _completion_logprobs(ids, lps, ch.text_offset)
                         ch.text_offset += sum(len(t) for t in lp_obj["tokens"])
-                if not text and finish is None and lp_obj is None:
-                    continue
                 if self.tools.active:
-                    payload, finish = self._tool_payload(ch, text, finish)
+                    payload, finish = self._tool_payload(ch, text, finish, o.text or "")
+                    if not payload and finish is None and lp_obj is None:
+                        continue
+                elif not text and finish is None and lp_obj is None:
+                    continue
                 else:
                     payload = ({"content": text} if text or finish is None else {}) if self.chat else text
                 ch.finished = finish is not None
                 chunks.append(_sse(self._chunk(ch.index, payload, lp_obj, finish)))
         return chunks
 
-    def _tool_payload(self, ch: _Choice, text: str, finish: str | None) -> tuple[dict, str | None]:
+    def _tool_payload(self, ch: _Choice, text: str, finish: str | None, whole: str) -> tuple[dict, str | None]:
         """A chat delta when tool calls are on: a named call's arguments as they come (its id and
-        name with the first); else the content that may stream, and at the end the calls whole."""
+        name with the first); else the content that may stream, the auto calls' pieces as they come
+        (`ToolMode.stream_calls` of the unsent rest of the reply, `whole[text_sent:]`), and at the
+        end what is left: the rest of the calls' arguments, or the calls whole, and the content."""
         if self.tools.named is not None:
             if ch.call_id is None:
                 call = new_call(self.tools.named, text)
                 ch.call_id = call["id"]
                 return {"tool_calls": [{"index": 0, **call}]}, finish
             return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish
+        payload: dict[str, Any] = {}
         if finish is None:
-            return {"content": text}, None
+            if text:
+                payload["content"] = text
+            deltas = self._call_deltas(ch, self.tools.stream_calls(whole[ch.text_sent:]))
+            if deltas:
+                payload["tool_calls"] = deltas
+            return payload, None
         content, calls = self.tools.parse(text)
-        payload: dict[str, Any] = {"content": content} if content else {}
+        if ch.calls_sent:  # calls already streaming: the rest of their raw arguments (and any new call);
+            # the content outside them if the reply parsed, none if it broke (the calls went out already)
+            content = content if calls else None
+            calls = self._call_deltas(ch, self.tools.stream_calls(text))
+        else:
+            calls = [{"index": i, **c} for i, c in enumerate(calls)]
+        if content:
+            payload["content"] = content
         if calls:
-            payload["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        return payload, ("tool_calls" if calls and finish == "stop" else finish)
+            payload["tool_calls"] = calls
+        return payload, ("tool_calls" if (calls or ch.calls_sent) and finish == "stop" else finish)
+
+    @staticmethod
+    def _call_deltas(ch: _Choice, partial: list[tuple[str, str, bool]]) -> list[dict]:
+        """The tool-call deltas that bring the streamed calls up to `partial` (`stream_calls`): a new
+        call's id, type and name with its arguments so far, then each call's arguments as they grow."""
+        out = []
+        for i, (name, args, _) in enumerate(partial):
+            if i == len(ch.calls_sent):
+                ch.calls_sent.append(len(args))
+                out.append({"index": i, **new_call(name, args)})
+            elif len(args) > ch.calls_sent[i]:
+                out.append({"index": i, "function": {"arguments": args[ch.calls_sent[i]:]}})
+                ch.calls_sent[i] = len(args)
+        return out
 
     def abort_chunks(self) -> list[str]:
         """The last chunk of every unfinished choice: finish_reason "abort" (text held back for

@@ -23,15 +23,17 @@ reply becomes `tool_calls`:
                             dropped when special tokens are skipped, so a reply that is such an
                             array alone parses too); without a parser, "auto" is a 400 as in vLLM
 
-Streaming: a named call streams its arguments as they are generated; "required" and "auto" calls
-come whole in one delta each once the reply ends (text before an auto reply's first call streams
-as content as it comes).
+Streaming: a named call streams its arguments as they are generated; so do "auto" calls in the
+JSON formats (hermes, llama3_json, mistral), as vLLM's parsers do: each call's id and name once
+its `{"name": ..., "arguments":` head has come, then its arguments' text as it grows (text before
+the first call streams as content); pythonic and "required" calls come whole when the reply ends.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +144,27 @@ class ToolMode:
         return 0 if self.required else len(text)  # a named call streams its arguments as they come
 
 
+    def stream_calls(self, region: str) -> list[tuple[str, str, bool]]:
+        """Calls of an auto reply's unsent part so far, for streaming: (name, the raw text of its
+        arguments so far, whether they are whole), in order; [] where the format streams no calls."""
+        if self.parser not in ("hermes", "llama3_json", "mistral"):
+            return []
+        calls, pos = [], 0
+        while m := (_CALL_HEAD.search(region, pos) or
+                    (_MISTRAL_V11_HEAD.search(region, pos) if self.parser == "mistral" else None)):
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                break
+            start = m.end()
+            end = _value_end(region, start)
+            calls.append((name, region[start:len(region) if end is None else end], end is not None))
+            if end is None:
+                break
+            pos = end
+        return calls
+
+
 def tool_mode(tool_choice: Any, tools: Any, parser: str | None) -> tuple[ToolMode, dict[str, dict]]:
     """The request's (tool_choice, tools) -> (ToolMode, {name: parameters}); 400s as vLLM's."""
     if not tools:
@@ -173,6 +196,38 @@ _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 _MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# a streamed call's head: `{"name": "...", "arguments" | "parameters":` (the JSON formats), or
+# Mistral v11's `[TOOL_CALLS]name[ARGS]` before its arguments object
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+_MISTRAL_V11_HEAD = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z_][\w.-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+
+
+def _value_end(s: str, i: int) -> int | None:
+    """The end of the JSON value that starts at s[i] (None: not ended yet): the closing bracket
+    or quote of an object, array or string, the delimiter after a number or literal."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(s)):
+        c = s[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                if depth == 0:
+                    return j + 1
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth <= 0:
+                return j + 1 if depth == 0 else j
+        elif depth == 0 and c in ", \t\r\n;":
+            return j
+    return None
 
 
 def _as_call(obj: Any, args_key: str) -> dict | None:
