@@ -182,6 +182,13 @@ def _random_w4(rng, n, k, g, kind):
     # scale_tile: [BN, BK/G] scale / zero tiles broadcast in registers (partial last group, odd K)
     ("int4", 3, 40, 201, 32, W4Params(block_n=16, block_k=128, scale_tile=True)),
     ("fp4", 5, 24, 112, 16, W4Params(block_n=16, block_k=64, scale_tile=True)),
+    # packed_x: x's f16 pairs packed once per word column (the interpret twin unpacks them)
+    ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      packed_x=True, split_k=3, prefetch=True)),
+    ("fp4", 1, 40, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                     packed_x=True, word_scales=True)),
+    ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      packed_x=True, unroll=True)),  # float16 activations
     # swap_ab: y^T = W_tile @ x^T (partial row, column and K tiles; with scale tiles; group_partial)
     ("fp4", 17, 70, 112, 16, W4Params(block_n=64, block_k=64, swap_ab=True, scale_tile=True)),
     ("fp4", 64, 24, 48, 16, W4Params(block_n=16, block_k=32, swap_ab=True)),
@@ -228,6 +235,9 @@ def test_w4_kernel_rejects_bad_input():
                          params=W4Params(block_k=64, scale_tile=True))
     with pytest.raises(ValueError, match="split_k"):
         skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=32, kind="int4", params=W4Params(block_k=32, split_k=2))
+    with pytest.raises(ValueError, match="packed_x"):
+        skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=32, kind="int4",
+                         params=W4Params(block_k=32, packed_x=True))
     with pytest.raises(ValueError, match="row_scale"):
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 
@@ -245,6 +255,8 @@ def test_w4_kernel_rejects_bad_input():
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, prefetch=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True)),
     ("fp4", 16, W4Params(block_n=64, block_k=256, swap_ab=True, scale_tile=True)),
+    ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, packed_x=True)),
+    ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, packed_x=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,
@@ -282,6 +294,13 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
     ("fp4", 64, 4096, 14336, 16, None), ("fp4", 17, 1000, 1000, 16, None),  # the tuned table at 17-64 rows
     ("fp4", 64, 6144, 4096, 16, W4Params(64, 256, 4, 3, scale_tile=True, swap_ab=True)),
     ("fp4", 40, 1000, 1000, 16, W4Params(128, 128, 8, 3, swap_ab=True)),
+    ("int4", 1, 6144, 4096, 128, W4Params(32, 2048, 4, 3, gemv=True, group_partial=True, half2=True, packed_x=True)),
+    ("int4", 1, 4096, 14336, 128, W4Params(16, 2048, 4, 3, gemv=True, group_partial=True, half2=True, split_k=2,
+                                           packed_x=True)),
+    ("fp4", 1, 6144, 4096, 16, W4Params(16, 2048, 4, 3, gemv=True, group_partial=True, half2=True, word_scales=True,
+                                        packed_x=True)),
+    ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
+                                        packed_x=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

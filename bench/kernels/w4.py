@@ -101,7 +101,16 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True, split_k=4),
          W4Params(16, 2048, 8, 3, True, True, half2=True, split_k=2),
          # the dot path transposed (session 36): the dequantized weight tile as the dot's first operand
-         W4Params(64, 256, 4, 3, swap_ab=True)] + [
+         W4Params(64, 256, 4, 3, swap_ab=True),
+         # M = 1: x's pairs packed once per word column (session 36), beside each shape's tuned table pick
+         W4Params(32, 2048, 4, 3, True, True, half2=True, packed_x=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, packed_x=True),
+         W4Params(32, 1024, 4, 1, True, True, unroll=True, half2=True, packed_x=True),
+         W4Params(16, 2048, 4, 3, True, True, half2=True, split_k=2, packed_x=True),
+         W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, packed_x=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2, word_scales=True, packed_x=True),
+         W4Params(16, 2048, 4, 3, True, True, half2=True, word_scales=True, packed_x=True),
+         W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2, word_scales=True, packed_x=True)] + [
              W4Params(bn, bk, nw, ns, scale_tile=True, swap_ab=True)
              for bn, bk, nw, ns in [(64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3), (128, 128, 8, 4),
                                     (64, 128, 4, 4), (128, 256, 4, 3), (64, 256, 8, 3)]]

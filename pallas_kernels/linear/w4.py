@@ -54,7 +54,9 @@ reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a
 At 2-64 rows int4 runs the tensor-core kernel (`w4_mgpu.py`) on Hopper; NVFP4, whose groups of 16 that
 kernel cannot take, runs this kernel's dot path, 2.5x slower than bf16 at batch 64 on an H100
 (session 36): `swap_ab` (the dequantized tile as the dot's first operand, which wgmma may keep in
-registers) is the candidate for the next sweep (`bench/kernels/w4.py --kinds fp4 --ms 16,64 --only scale_tile`).
+registers) is the candidate for the next sweep (`bench/kernels/w4.py --kinds fp4 --ms 16,64 --only scale_tile`;
+`bench/gpu_session.sh fp4dot`). `packed_x` (half2, session 36, not yet measured: `--ms 1 --only packed_x`)
+packs x's f16 pairs once per word column rather than in the PTX per (row, word).
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ class W4Params:
     # kernels do; the default orientation makes the weights B, which wgmma reads from shared memory
     # (a round trip for every dequantized tile). For NVFP4, whose groups of 16 `w4_mgpu` cannot take.
     swap_ab: bool = False
+    # half2: x's f16 pairs packed into the four u32 registers the PTX multiplies by once per word
+    # column (on the [W] vectors, before the broadcast over the tile's rows), instead of inside the
+    # PTX per (row, word): 4 fewer instructions per word of ~20 (session 36 guess, for the sweep).
+    packed_x: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -171,7 +177,8 @@ def w4_params_for(kind: str, m: int, n: int, k: int, group_size: int | None = No
     if pick is None:
         return W4Params()
     p = W4Params(**table[prefix + str(pick)])
-    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1, word_scales=False) if p.gemv and m > 1 else p
+    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1, word_scales=False, packed_x=False) \
+        if p.gemv and m > 1 else p
     return p if group_size is None or _params_fit(p, m, k, group_size) is None else W4Params()
 
 
@@ -199,6 +206,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
         return f"half2 needs group_partial, K % 8 == 0 and a group size divisible by 8 ({k=}, {group_size=})"
     if params.word_scales and not (params.half2 and gemv):
         return "word_scales needs half2 with gemv (M = 1)"
+    if params.packed_x and not (params.half2 and gemv):
+        return "packed_x needs half2 with gemv (M = 1)"
     if params.split_k > 1 and not (params.half2 and params.gemv):
         return f"split_k={params.split_k} needs half2 with gemv"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
@@ -285,6 +294,55 @@ cvt.f32.f16 $0, l;
 }"""
 
 
+# The same two sums with x's pairs already packed: $2..$5 the u32 registers p0..p3 above (int4: columns
+# (0, 5), (1, 4), (2, 7), (3, 6); NVFP4: (c, c + 4)), low half the first column.
+_DOT8_PACKED_PTX = """{
+.reg .b32 v<4>, w8, a;
+.reg .f16 l, h;
+and.b32 v0, $1, 0x00F0000F;
+and.b32 v1, $1, 0x000F00F0;
+shr.u32 w8, $1, 8;
+and.b32 v2, w8, 0x00F0000F;
+and.b32 v3, w8, 0x000F00F0;
+mul.rn.f16x2 a, v0, $2;
+fma.rn.f16x2 a, v1, $3, a;
+fma.rn.f16x2 a, v2, $4, a;
+fma.rn.f16x2 a, v3, $5, a;
+mov.b32 {l, h}, a;
+add.rn.f16 l, l, h;
+cvt.f32.f16 $0, l;
+}"""
+_DOT8_FP4_PACKED_PTX = """{
+.reg .b32 a, b, v, acc;
+.reg .f16 l, h;
+""" + "".join(f"""{f'shl.b32 a, $1, {9 - 4 * c};' if c < 3 else 'shr.u32 a, $1, 3;'}
+{f'shl.b32 b, $1, {12 - 4 * c};' if c < 3 else 'mov.b32 b, $1;'}
+lop3.b32 v, a, b, 0x0E000E00, 0xE4;
+and.b32 v, v, 0x8E008E00;
+{f'mul.rn.f16x2 acc, v, ${2 + c};' if c == 0 else f'fma.rn.f16x2 acc, v, ${2 + c}, acc;'}
+""" for c in range(4)) + """mov.b32 {l, h}, acc;
+add.rn.f16 l, l, h;
+cvt.f32.f16 $0, l;
+}"""
+_PAIRS = {False: ((0, 5), (1, 4), (2, 7), (3, 6)), True: ((0, 4), (1, 5), (2, 6), (3, 7))}  # fp4: True
+
+
+def _pack_pairs(h8, fp4: bool):
+    """f16[W, 8] -> four u32[W]: each the bits of two of a word's x values (`_PAIRS`), low half first."""
+    bits = jax.lax.bitcast_convert_type(h8, jnp.uint16).astype(jnp.uint32)  # u32[W, 8]
+    cols = jnp.split(bits, 8, axis=1)
+    return [(cols[a] | (cols[b] << 16)).reshape(-1) for a, b in _PAIRS[fp4]]
+
+
+def _unpack_pairs(ps, fp4: bool):
+    """`_pack_pairs`' inverse (interpret mode): four u32 arrays -> the 8 f16 arrays, column order."""
+    hs = [None] * 8
+    for (a, b), p in zip(_PAIRS[fp4], ps):
+        hs[a] = jax.lax.bitcast_convert_type((p & 0xFFFF).astype(jnp.uint16), jnp.float16)
+        hs[b] = jax.lax.bitcast_convert_type((p >> 16).astype(jnp.uint16), jnp.float16)
+    return hs
+
+
 def _dot8(w, hs, interpret: bool, fp4: bool):
     """u32 words w[BN, W] and 8 f16 x arrays hs[c][BN, W] -> f32[BN, W]: int4, sum_c code_c * hs[c] *
     2^-24 (* 16 for odd c); fp4, sum_c e2m1(code_c) * hs[c] * 2^-14. By `_DOT8_PTX` / `_DOT8_FP4_PTX` on
@@ -300,8 +358,17 @@ def _dot8(w, hs, interpret: bool, fp4: bool):
         result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
 
 
+def _dot8_packed(w, ps, interpret: bool, fp4: bool):
+    """`_dot8` with x's pairs packed (`_pack_pairs`, broadcast to w's shape): four u32 arrays."""
+    if interpret:
+        return _dot8(w, _unpack_pairs(ps, fp4), True, fp4)
+    return plgpu_triton.elementwise_inline_asm(
+        _DOT8_FP4_PACKED_PTX if fp4 else _DOT8_PACKED_PTX, args=[w, *ps], constraints="=f,r" + ",r" * 4, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
+
+
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, interpret):
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret):
     # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
     # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
     aux_ref, o_ref = refs
@@ -414,8 +481,13 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 inv = jax.lax.bitcast_convert_type((e if fp4 else e + 10) << 23, jnp.float32)
                 xs = x8 * cs[:, None]
                 h8 = (xs if fp4 else xs * odd_16).astype(jnp.float16)  # f16[W, 8]
-                hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
-                d = _dot8(wt, hs, interpret, fp4) * inv[None, :]  # f32[BN, W]: each word's sum of code * x
+                if packed_x:  # the pairs packed once per word column, then broadcast over the rows
+                    ps = [jnp.broadcast_to(q[None, :], (block_n, nw)) for q in _pack_pairs(h8, fp4)]
+                    d = _dot8_packed(wt, ps, interpret, fp4)
+                else:
+                    hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
+                    d = _dot8(wt, hs, interpret, fp4)
+                d = d * inv[None, :]  # f32[BN, W]: each word's sum of code * x
                 if word_scales:  # scale (and zero) of each word's group, gathered per word
                     jw = i * nw + jnp.arange(nw, dtype=jnp.int32)
                     g_ok = n_ok[:, None] & (jw < kw)[None, :]
@@ -552,7 +624,8 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
-        split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv, interpret=interpret)
+        split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv,
+        packed_x=params.packed_x and gemv, interpret=interpret)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     out = pl.pallas_call(
