@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -233,13 +233,29 @@ if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf1
     grep -v "rematerialization" "$OUT/generate_llama3_8b_$q.log" | tail -6
   done
 fi
+merge_w4_table() {  # $1: a sweep's tuned_w4.json, merged into the tree's table (a copy of the result beside it)
+  python3 -c "import json, sys; f = 'pallas_kernels/linear/tuned_w4.json'; t = json.load(open(f)); \
+t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$1" \
+    && cp pallas_kernels/linear/tuned_w4.json "$(dirname "$1")/tuned_w4_merged.json"
+}
+if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with packed_x beside the table's picks,
+  # merged, then generate at batch 1: bf16, int4, NVFP4
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${M1PACK_LIMIT:-220} python3 bench/kernels/w4.py --out "$OUT/m1pack" \
+    --budget-s $(( ${M1PACK_LIMIT:-220} - 40 )) --ms 1 --only packed_x --with-tuned 2>&1 | tail -12
+  merge_w4_table "$OUT/m1pack/tuned_w4.json"
+  for q in bf16 int4 nvfp4; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
+      $qa --out "$OUT/generate_llama3_8b_${q}_b1.json" > "$OUT/generate_llama3_8b_${q}_b1.log" 2>&1
+    grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1.log" | tail -4
+  done
+fi
 if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows (the Triton dot path, swap_ab variants), the
   # table merged into the tree's tuned_w4.json (copied to $OUT), then generate NVFP4 and bf16 at batch 64
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP4DOT_LIMIT:-200} python3 bench/kernels/w4.py --out "$OUT/fp4dot" \
-    --budget-s $(( ${FP4DOT_LIMIT:-200} - 40 )) --kinds fp4 --ms ${FP4DOT_MS:-64,16} --only scale_tile 2>&1 | tail -12
-  python3 -c "import json, sys; f = 'pallas_kernels/linear/tuned_w4.json'; t = json.load(open(f)); \
-t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$OUT/fp4dot/tuned_w4.json" \
-    && cp pallas_kernels/linear/tuned_w4.json "$OUT/fp4dot/tuned_w4_merged.json"
+    --budget-s $(( ${FP4DOT_LIMIT:-200} - 40 )) --kinds fp4 --ms ${FP4DOT_MS:-64,16} --only scale_tile --with-tuned \
+    2>&1 | tail -12
+  merge_w4_table "$OUT/fp4dot/tuned_w4.json"
   for q in nvfp4 bf16; do
     qa=$([[ $q != bf16 ]] && echo "--quantization $q")
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 64 \

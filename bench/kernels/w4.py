@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.linear import W4Params, dequantize_w4_reference, skinny_matmul_w4  # noqa: E402
-from pallas_kernels.linear.w4 import w4_tuned_key  # noqa: E402
+from pallas_kernels.linear.w4 import w4_params_for, w4_tuned_key  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 MS = (1, 8, 16, 32, 64)
@@ -260,6 +260,8 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values")
     ap.add_argument("--only", default="", help="sweep only params with these fields changed from their defaults "
                     "(e.g. 'half2' or 'half2,split_k')")
+    ap.add_argument("--with-tuned", action="store_true",
+                    help="also time each cell's current pick (`w4_params_for`): a merged table keeps it where it wins")
     args = ap.parse_args(argv)
     # (session 15's 170 s reached only q/k/v: pick the cells; the table merges into tuned_w4.json)
     SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
@@ -309,7 +311,8 @@ def main(argv=None):
                     if ws_native is not None:
                         t, y = _time(functools.partial(_xla_native_dot, kind=kind, group_size=group), x, ws_native)
                         cells.append(("xla_native_4bit", None, t, y))
-                    for p in SWEEP:
+                    tuned = w4_params_for(kind, m, n, k, group) if args.with_tuned else None
+                    for p in SWEEP + ([tuned] if tuned is not None and tuned not in SWEEP else []):
                         if p.group_partial and not p.gemv and kind == "fp4" or p.gemv and m > 1:
                             continue
                         try:
