@@ -89,6 +89,7 @@ def test_mistral_parser():
                                 '[TOOL_CALLS]get_time{"tz": "X"}')
     assert content == "Let me look." and _named_args(calls) == [("get_weather", {"city": "Rome"}),
                                                                  ("get_time", {"tz": "X"})]
+    assert _named_args(mode.parse('[TOOL_CALLS]get-time_2[ARGS]{}')[1]) == [("get-time_2", {})]
     for text in ("No calls.", "[TOOL_CALLS][{broken", "[TOOL_CALLS]get weather{}", "[1, 2]",
                  '[TOOL_CALLS]{"name": "f", "arguments": {}} trailing'):
         assert mode.parse(text) == (text, []), text

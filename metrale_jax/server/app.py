@@ -359,11 +359,11 @@ class _Generation:
         return payload, ("tool_calls" if (calls or ch.calls_sent) and finish == "stop" else finish)
 
     @staticmethod
-    def _call_deltas(ch: _Choice, partial: list[tuple[str, str, bool]]) -> list[dict]:
+    def _call_deltas(ch: _Choice, partial: list[tuple[str, str]]) -> list[dict]:
         """The tool-call deltas that bring the streamed calls up to `partial` (`stream_calls`): a new
         call's id, type and name with its arguments so far, then each call's arguments as they grow."""
         out = []
-        for i, (name, args, _) in enumerate(partial):
+        for i, (name, args) in enumerate(partial):
             if i == len(ch.calls_sent):
                 ch.calls_sent.append(len(args))
                 out.append({"index": i, **new_call(name, args)})

@@ -143,10 +143,9 @@ class ToolMode:
             return len(text)
         return 0 if self.required else len(text)  # a named call streams its arguments as they come
 
-
-    def stream_calls(self, region: str) -> list[tuple[str, str, bool]]:
+    def stream_calls(self, region: str) -> list[tuple[str, str]]:
         """Calls of an auto reply's unsent part so far, for streaming: (name, the raw text of its
-        arguments so far, whether they are whole), in order; [] where the format streams no calls."""
+        arguments so far), in order; [] where the format streams no calls."""
         if self.parser not in ("hermes", "llama3_json", "mistral"):
             return []
         calls, pos = [], 0
@@ -158,7 +157,7 @@ class ToolMode:
                 break
             start = m.end()
             end = _value_end(region, start)
-            calls.append((name, region[start:len(region) if end is None else end], end is not None))
+            calls.append((name, region[start:len(region) if end is None else end]))
             if end is None:
                 break
             pos = end
@@ -199,7 +198,8 @@ _MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 # a streamed call's head: `{"name": "...", "arguments" | "parameters":` (the JSON formats), or
 # Mistral v11's `[TOOL_CALLS]name[ARGS]` before its arguments object
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
-_MISTRAL_V11_HEAD = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z_][\w.-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+_FN_NAME = r"[A-Za-z0-9_.-]+"  # OpenAI's function names: letters, digits, _ and - (and . as vLLM allows)
+_MISTRAL_V11_HEAD = re.compile(r"\[TOOL_CALLS\]\s*(" + _FN_NAME + r")\s*(?:\[ARGS\])?\s*(?=\{)")
 
 
 def _value_end(s: str, i: int) -> int | None:
@@ -334,7 +334,7 @@ def _parse_mistral(text: str) -> tuple[str | None, list[dict]]:
             arguments = json.loads(args)
         except ValueError:
             return text, []
-        if not name.strip().isidentifier() or not isinstance(arguments, dict):
+        if not re.fullmatch(_FN_NAME, name.strip()) or not isinstance(arguments, dict):
             return text, []
         calls.append(new_call(name.strip(), arguments))
     return (content or None, calls) if calls else (text, [])
