@@ -368,5 +368,17 @@ class GrammarCompiler:
         """The longest prefix of `drafts` the grammar accepts from `matcher`'s state (unchanged)."""
         return list(drafts[: matcher.validate_tokens(list(drafts))]) if drafts else []
 
+    @staticmethod
+    def forced_drafts(matcher, drafts: list[int], k: int) -> list[int]:
+        """A constrained row's drafts for a verify step, with jump-forward: the tokens its grammar
+        forces next (llguidance's `compute_ff_tokens`: a JSON key, a closing quote and colon), which
+        verification accepts since their masks allow nothing else, then the proposed `drafts` where
+        they continue them; the longest prefix the grammar accepts, at most k. (Speculative decoding
+        only: without it no step takes more than one token a row.)"""
+        forced = list(matcher.compute_ff_tokens())[:k] if k > 0 else []
+        if forced and list(drafts[:len(forced)]) != forced:
+            drafts = forced
+        return GrammarCompiler.valid_drafts(matcher, list(drafts)[:k])
+
 
 __all__ = ["StructuredOutputsParams", "GrammarCompiler", "grammar_text", "packed_width"]

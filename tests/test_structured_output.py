@@ -520,6 +520,29 @@ def test_draft_window_masks(compiler, smollm2_tokenizer):  # noqa: F811
     np.testing.assert_array_equal(compiler.fill([(m, 0)], 1)[0], got[2])  # m unchanged
 
 
+def test_forced_drafts_jump_forward(compiler, smollm2_tokenizer):  # noqa: F811
+    """A constrained row's verify drafts: the tokens its grammar forces come first (a JSON key after
+    its opening quote), the proposed drafts are kept where they continue them, and never more than
+    k or anything the grammar rejects; the matcher is left as it was."""
+    tok = smollm2_tokenizer
+    schema = {"type": "object", "properties": {"identifier_of_the_animal": {"type": "integer"}},
+              "required": ["identifier_of_the_animal"], "additionalProperties": False}
+    m = compiler.matcher(compiler.compile(StructuredOutputsParams(json=schema)))
+    head = tok.encode('{"', add_special_tokens=False)
+    assert all(m.consume_token(t) for t in head)
+    forced = list(m.compute_ff_tokens())
+    assert tok.decode(forced).startswith("identifier_of_the_animal") and len(forced) >= 4
+    assert compiler.forced_drafts(m, [], 3) == forced[:3]  # no proposal: the forced tokens
+    bad = tok.encode("!", add_special_tokens=False)[0]
+    assert compiler.forced_drafts(m, [bad, bad], 8) == forced[:8]  # a proposal that disagrees gives way
+    longer = forced + tok.encode(": 7", add_special_tokens=False)
+    assert compiler.forced_drafts(m, longer, 64) == compiler.valid_drafts(m, longer)  # continues them
+    assert compiler.forced_drafts(m, longer, 0) == []
+    assert list(m.compute_ff_tokens()) == forced  # unchanged
+    free = compiler.matcher(compiler.compile(StructuredOutputsParams(regex=r"[a-z]+")))
+    assert compiler.forced_drafts(free, [bad], 3) == []  # nothing forced: the accepted prefix
+
+
 @pytest.mark.slow  # (~60 s on 2 cores: a second SmolLM2 engine; CI time)
 def test_speculative_decoding_with_grammars(llm, smollm2_gguf):  # noqa: F811
     """n-gram speculation over constrained rows: greedy outputs equal the unspeculated engine's
@@ -552,6 +575,17 @@ def test_speculative_decoding_with_grammars(llm, smollm2_gguf):  # noqa: F811
     assert all(c.finish_reason == "stop" and re.fullmatch(regex, c.text) for c in got[3].outputs)
     st = spec.stats()
     assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens > 0
+    # jump-forward: a schema of long keys, which no prompt holds, so n-gram lookup drafts little;
+    # the forced keys are drafted and accepted, and the output equals the unspeculated engine's
+    keys = {"identifier_of_the_animal": {"type": "integer"}, "favourite_food_of_the_animal": {"enum": ["fish", "meat"]}}
+    schema = {"type": "object", "properties": keys, "required": list(keys), "additionalProperties": False}
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    prompt = _chat_prompt(llm, "Describe a cat.")
+    want = llm.generate([prompt], [sp], use_tqdm=False)[0].outputs[0]
+    before = spec.stats().spec_accepted_tokens
+    got = spec.generate([prompt], [sp], use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and json.loads(got.text).keys() == keys.keys()
+    assert spec.stats().spec_accepted_tokens - before >= 10, spec.stats()
 
 
 def test_grammar_rejecting_a_token_finishes_only_its_row(llm):

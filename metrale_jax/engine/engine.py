@@ -910,6 +910,8 @@ class LLMEngine:
             for (seq, _), ok in zip(fed, self._grammars.consume([(seq.grammar, t) for seq, t in fed])):
                 if not ok:  # (`_append_token` finishes the row on this record)
                     seq.grammar_error = seq.grammar.get_error() or "token rejected"
+                elif self.config.speculative_config is not None:
+                    seq.grammar_forced = len(seq.grammar.compute_ff_tokens()) > 1
         finally:
             if f.fed is not None:
                 f.fed.set()

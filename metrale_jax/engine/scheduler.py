@@ -155,6 +155,10 @@ class Sequence:
     row_sampling: Any = None  # the engine's RowSampling of this sequence (cached across steps)
     grammar: Any = None  # structured output: the sequence's llguidance LLMatcher (None = free text)
     grammar_error: str | None = None  # why the matcher rejected a sampled token (the row then finishes)
+    # speculative decoding: the grammar forced 2+ tokens after the last one fed to it, so a step
+    # that reads this row's samples lets the next one draft the rest (jump-forward; a hint, set
+    # by the thread that feeds the grammar, read by `spec_decode.sync_for_drafts`)
+    grammar_forced: bool = False
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0  # summed when the request reports it (params.logprobs set)
     sent_tokens: int = 0  # RequestOutputKind.DELTA: output tokens (and their logprobs) already returned
