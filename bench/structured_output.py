@@ -342,7 +342,7 @@ def main() -> None:
                     "filled on the dispatching thread, not a helper), 'samplenocb' (the sampling halves "
                     "compiled without command buffers) or 'nofill' (the constrained path, llguidance left out)")
     ap.add_argument("--profile", metavar="DIR", help="also profile decode steps, free and constrained (GPU idle gaps)")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="write the results as JSON here (.json appended when missing)")
     args = ap.parse_args()
     if args.save_tokenizer:
         return _save_tokenizer(Path(args.save_tokenizer))
@@ -572,8 +572,8 @@ def main() -> None:
         "sample_texts": [t[:160] for t in (texts or [])[:3]],
     }
     print(json.dumps(out, indent=1))
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(out, indent=1))
+    if args.out:  # (a path without ".json" gets it, as bench/gpu_session.sh passes it)
+        Path(args.out if args.out.endswith(".json") else args.out + ".json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
