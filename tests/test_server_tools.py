@@ -98,6 +98,16 @@ def test_mistral_parser():
     assert mode.stream_prefix_len(" ") == 0  # (what follows may be an array)
 
 
+def test_mistral_servers_make_short_call_ids():
+    for choice, reply in [({"type": "function", "function": {"name": "get_time"}}, '{"tz": "UTC"}'),
+                          ("required", '[{"name": "get_time", "parameters": {"tz": "UTC"}}]'),
+                          ("auto", '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "UTC"}}]')]:
+        (call,) = tool_mode(choice, TOOLS, "mistral")[0].parse(reply)[1]
+        assert len(call["id"]) == 9 and call["id"].isalnum(), (choice, call)
+    assert tool_mode("required", TOOLS, "hermes")[0].parse('[{"name": "get_time", "parameters": {}}]')[1][0][
+        "id"].startswith("chatcmpl-tool-")
+
+
 def test_tool_choice_modes_and_constraints():
     named, schemas = tool_mode({"type": "function", "function": {"name": "get_time"}}, TOOLS, None)
     assert named.constraint(schemas, True) == TOOLS[1]["function"]["parameters"]
@@ -197,6 +207,9 @@ def test_auto_pythonic_mistral_llama3_calls(parser, script):
         ch = _chat(srv.url, {"messages": msgs, "tools": TOOLS}).json()["choices"][0]
         assert ch["finish_reason"] == "tool_calls" and _named_args(ch["message"]["tool_calls"]) == [
             ("get_weather", {"city": "Paris", "unit": "C"})]
+        # Mistral's templates take back only 9-character alphanumeric call ids
+        short = parser == "mistral"
+        assert all((len(c["id"]) == 9 and c["id"].isalnum()) == short for c in ch["message"]["tool_calls"])
         events = _stream(srv.url, {"messages": msgs, "tools": TOOLS})
         content, calls, finish = _joined_calls(events)
         assert content.strip() == (ch["message"]["content"] or "") and "[" not in content and finish == "tool_calls"
@@ -204,6 +217,7 @@ def test_auto_pythonic_mistral_llama3_calls(parser, script):
         assert (len(_call_pieces(events)) > 5) == (parser != "pythonic")
         assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris",
                                                                                                "unit": "C"})]
+        assert all((len(c["id"]) == 9) == short for c in calls)
 
 
 def test_auto_hermes_calls(auto):

@@ -88,7 +88,7 @@ from metrale_jax.server.protocol import (
     error_body,
     parse_request,
 )
-from metrale_jax.server.tools import TOOL_CALL_PARSERS, ToolMode, new_call, tool_mode
+from metrale_jax.server.tools import TOOL_CALL_PARSERS, ToolMode, tool_mode
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".access")
@@ -333,7 +333,7 @@ class _Generation:
         end what is left: the rest of the calls' arguments, or the calls whole, and the content."""
         if self.tools.named is not None:
             if ch.call_id is None:
-                call = new_call(self.tools.named, text)
+                call = self.tools.new_call(self.tools.named, text)
                 ch.call_id = call["id"]
                 return {"tool_calls": [{"index": 0, **call}]}, finish
             return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish
@@ -341,7 +341,7 @@ class _Generation:
         if finish is None:
             if text:
                 payload["content"] = text
-            deltas = self._call_deltas(ch, self.tools.stream_calls(whole[ch.text_sent:]))
+            deltas = self._call_deltas(ch, self.tools.stream_calls(whole[ch.text_sent:]), self.tools)
             if deltas:
                 payload["tool_calls"] = deltas
             return payload, None
@@ -349,7 +349,7 @@ class _Generation:
         if ch.calls_sent:  # calls already streaming: the rest of their raw arguments (and any new call);
             # the content outside them if the reply parsed, none if it broke (the calls went out already)
             content = content if calls else None
-            calls = self._call_deltas(ch, self.tools.stream_calls(text))
+            calls = self._call_deltas(ch, self.tools.stream_calls(text), self.tools)
         else:
             calls = [{"index": i, **c} for i, c in enumerate(calls)]
         if content:
@@ -359,14 +359,14 @@ class _Generation:
         return payload, ("tool_calls" if (calls or ch.calls_sent) and finish == "stop" else finish)
 
     @staticmethod
-    def _call_deltas(ch: _Choice, partial: list[tuple[str, str]]) -> list[dict]:
+    def _call_deltas(ch: _Choice, partial: list[tuple[str, str]], tools: ToolMode) -> list[dict]:
         """The tool-call deltas that bring the streamed calls up to `partial` (`stream_calls`): a new
         call's id, type and name with its arguments so far, then each call's arguments as they grow."""
         out = []
         for i, (name, args) in enumerate(partial):
             if i == len(ch.calls_sent):
                 ch.calls_sent.append(len(args))
-                out.append({"index": i, **new_call(name, args)})
+                out.append({"index": i, **tools.new_call(name, args)})
             elif len(args) > ch.calls_sent[i]:
                 out.append({"index": i, "function": {"arguments": args[ch.calls_sent[i]:]}})
                 ch.calls_sent[i] = len(args)

@@ -43,13 +43,15 @@ from metrale_jax.server.protocol import RequestError
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 
 
-def _call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+def _call_id(short: bool = False) -> str:
+    # short: 9 alphanumerics, the only ids Mistral's chat templates accept when a conversation
+    # carries the calls back (vLLM makes them so for Mistral models too)
+    return uuid.uuid4().hex[:9] if short else f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def new_call(name: str, arguments: Any) -> dict:
+def new_call(name: str, arguments: Any, short_id: bool = False) -> dict:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+    return {"id": _call_id(short_id), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def check_tools(tools: Any) -> dict[str, dict]:
@@ -85,10 +87,14 @@ class ToolMode:
     named: str | None = None
     required: bool = False
     parser: str | None = None
+    short_ids: bool = False  # Mistral's 9-character call ids (the server's parser is "mistral")
 
     @property
     def active(self) -> bool:
         return self.named is not None or self.required or self.parser is not None
+
+    def new_call(self, name: str, arguments: Any) -> dict:
+        return new_call(name, arguments, self.short_ids)
 
     def constraint(self, schemas: dict[str, dict], parallel: bool) -> dict | None:
         """The JSON schema the reply is constrained to (None: unconstrained)."""
@@ -104,22 +110,19 @@ class ToolMode:
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """A whole reply -> (content, tool calls); a reply that does not parse stays content."""
         if self.named is not None:
-            return None, [new_call(self.named, text)]
+            return None, [self.new_call(self.named, text)]
         if self.required:
             try:
                 items = json.loads(text)
-                return None, [new_call(it["name"], it["parameters"]) for it in items]
+                return None, [self.new_call(it["name"], it["parameters"]) for it in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
-        if self.parser == "hermes":
-            return _parse_hermes(text)
-        if self.parser == "llama3_json":
-            return _parse_llama3_json(text)
-        if self.parser == "pythonic":
-            return _parse_pythonic(text)
-        if self.parser == "mistral":
-            return _parse_mistral(text)
-        return text, []
+        parse = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "pythonic": _parse_pythonic,
+                 "mistral": _parse_mistral}.get(self.parser)
+        if parse is None:
+            return text, []
+        content, calls = parse(text)
+        return content, [{**c, "id": _call_id(True)} for c in calls] if self.short_ids else calls
 
     def stream_prefix_len(self, text: str) -> int:
         """How much of the reply so far can stream: auto replies up to where a tool call starts
@@ -172,22 +175,23 @@ def tool_mode(tool_choice: Any, tools: Any, parser: str | None) -> tuple[ToolMod
         return ToolMode(), {}
     schemas = check_tools(tools)
     choice = "auto" if tool_choice is None else tool_choice
+    short = parser == "mistral"
     if choice == "none":
         return ToolMode(), schemas
     if choice == "required":
-        return ToolMode(required=True), schemas
+        return ToolMode(required=True, short_ids=short), schemas
     if choice == "auto":
         if parser is None:
             raise RequestError('"auto" tool choice requires the server to run with --enable-auto-tool-choice '
                                'and --tool-call-parser', param="tool_choice", code="unsupported_value")
-        return ToolMode(parser=parser), schemas
+        return ToolMode(parser=parser, short_ids=short), schemas
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or choice.get("type") != "function" or not isinstance(fn.get("name"), str):
         raise RequestError("tool_choice must be 'none', 'auto', 'required' or "
                            "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if fn["name"] not in schemas:
         raise RequestError(f"tool_choice names {fn['name']!r}, which is not among the tools", param="tool_choice")
-    return ToolMode(named=fn["name"]), schemas
+    return ToolMode(named=fn["name"], short_ids=short), schemas
 
 
 # ---- parsers -------------------------------------------------------------------------------------
