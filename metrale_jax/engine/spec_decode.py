@@ -595,9 +595,8 @@ def sync_for_drafts(engine, f) -> bool:
     after the token in flight likely finds one too), or when a row's grammar forced 2+ tokens
     after its last fed one (`Sequence.grammar_forced`: the next step drafts the rest, jump-forward).
     Otherwise the step stays in flight and the next one is dispatched first, as without
-    speculation: stepping synchronously with no drafts
-    to verify cost 25% of tokens/s at batch 1 and 39% at batch 64 (Llama-3-8B shape, H200,
-    session 13)."""
+    speculation: stepping synchronously with no drafts to verify cost 25% of tokens/s at batch 1
+    and 39% at batch 64 (Llama-3-8B shape, H200, session 13)."""
     if engine._spec_overlap:  # (`overlaps`)
         if f.overlapped:
             return not can_overlap(engine)
