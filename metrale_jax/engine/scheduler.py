@@ -157,7 +157,8 @@ class Sequence:
     grammar_error: str | None = None  # why the matcher rejected a sampled token (the row then finishes)
     # speculative decoding: the grammar forced 2+ tokens after the last one fed to it, so a step
     # that reads this row's samples lets the next one draft the rest (jump-forward; a hint, set
-    # by the thread that feeds the grammar, read by `spec_decode.sync_for_drafts`)
+    # by the thread that feeds the grammar, cleared by a verify step, whose successor drafts the
+    # forced tokens itself; read by `spec_decode.sync_for_drafts`)
     grammar_forced: bool = False
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0  # summed when the request reports it (params.logprobs set)

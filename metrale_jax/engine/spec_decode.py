@@ -640,11 +640,10 @@ def finish_verify(engine, f):
             t = int(out["token_ids"][r * w + j])
             if seq.grammar is not None and t not in engine.eos_token_ids and not seq.grammar.consume_token(t):
                 seq.grammar_error = seq.grammar.get_error() or "token rejected"  # (`_append_token` finishes it)
-            elif seq.grammar is not None and j == a:
-                seq.grammar_forced = len(seq.grammar.compute_ff_tokens()) > 1
             engine._append_token(seq, r * w + j, out, f.want_lp)
             if seq.status == SeqStatus.FINISHED:
                 break
+        seq.grammar_forced = False  # (the next verify step drafts what the grammar forces itself)
         if seq.status == SeqStatus.RUNNING:
             live.append((seq, a))
             if "drafts" in out:  # the MTP head's drafts after the emitted tokens

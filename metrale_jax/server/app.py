@@ -341,7 +341,7 @@ class _Generation:
         if finish is None:
             if text:
                 payload["content"] = text
-            deltas = self._call_deltas(ch, self.tools.stream_calls(whole[ch.text_sent:]), self.tools)
+            deltas = self._call_deltas(ch, self.tools.stream_calls(whole[ch.text_sent:]))
             if deltas:
                 payload["tool_calls"] = deltas
             return payload, None
@@ -349,7 +349,7 @@ class _Generation:
         if ch.calls_sent:  # calls already streaming: the rest of their raw arguments (and any new call);
             # the content outside them if the reply parsed, none if it broke (the calls went out already)
             content = content if calls else None
-            calls = self._call_deltas(ch, self.tools.stream_calls(text), self.tools)
+            calls = self._call_deltas(ch, self.tools.stream_calls(text))
         else:
             calls = [{"index": i, **c} for i, c in enumerate(calls)]
         if content:
@@ -358,15 +358,14 @@ class _Generation:
             payload["tool_calls"] = calls
         return payload, ("tool_calls" if (calls or ch.calls_sent) and finish == "stop" else finish)
 
-    @staticmethod
-    def _call_deltas(ch: _Choice, partial: list[tuple[str, str]], tools: ToolMode) -> list[dict]:
+    def _call_deltas(self, ch: _Choice, partial: list[tuple[str, str]]) -> list[dict]:
         """The tool-call deltas that bring the streamed calls up to `partial` (`stream_calls`): a new
         call's id, type and name with its arguments so far, then each call's arguments as they grow."""
         out = []
         for i, (name, args) in enumerate(partial):
             if i == len(ch.calls_sent):
                 ch.calls_sent.append(len(args))
-                out.append({"index": i, **tools.new_call(name, args)})
+                out.append({"index": i, **self.tools.new_call(name, args)})
             elif len(args) > ch.calls_sent[i]:
                 out.append({"index": i, "function": {"arguments": args[ch.calls_sent[i]:]}})
                 ch.calls_sent[i] = len(args)

@@ -137,9 +137,10 @@ def serve_main(args: argparse.Namespace) -> int:
     from metrale_jax.server.tools import TOOL_CALL_PARSERS
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
+    auto_tools = getattr(args, "enable_auto_tool_choice", False)
+    if auto_tools and args.tool_call_parser is None:
         raise SystemExit(f"--enable-auto-tool-choice needs --tool-call-parser ({' | '.join(TOOL_CALL_PARSERS)})")
-    parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
+    parser = args.tool_call_parser if auto_tools else None
     if getattr(args, "coordinator_address", None) is not None:
         import jax
 

@@ -107,7 +107,7 @@ class ToolMode:
         schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
         return schema if parallel else {**schema, "maxItems": 1}
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+    def parse(self, text: str) -> tuple[str | None, list[tuple[str, Any]]]:
         """A whole reply -> (content, tool calls); a reply that does not parse stays content."""
         if self.named is not None:
             return None, [self.new_call(self.named, text)]
@@ -122,7 +122,7 @@ class ToolMode:
         if parse is None:
             return text, []
         content, calls = parse(text)
-        return content, [{**c, "id": _call_id(True)} for c in calls] if self.short_ids else calls
+        return content, [self.new_call(name, args) for name, args in calls]
 
     def stream_prefix_len(self, text: str) -> int:
         """How much of the reply so far can stream: auto replies up to where a tool call starts
@@ -234,14 +234,14 @@ def _value_end(s: str, i: int) -> int | None:
     return None
 
 
-def _as_call(obj: Any, args_key: str) -> dict | None:
+# The parsers: a whole reply -> (content, [(name, arguments)]), the calls made by `ToolMode.parse`
+def _as_call(obj: Any, args_key: str) -> tuple[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return new_call(obj["name"], args)
+    return obj["name"], obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[dict]]:
+def _parse_hermes(text: str) -> tuple[str | None, list[tuple[str, Any]]]:
     calls, content, pos = [], [], 0
     while (start := text.find(_HERMES_OPEN, pos)) >= 0:
         end = text.find(_HERMES_CLOSE, start)
@@ -260,7 +260,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     return (rest or None) if calls else text, calls
 
 
-def _parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
+def _parse_llama3_json(text: str) -> tuple[str | None, list[tuple[str, Any]]]:
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return text, []
@@ -292,7 +292,7 @@ def _literal(node: ast.AST) -> Any:
     return ast.literal_eval(node)
 
 
-def _parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
+def _parse_pythonic(text: str) -> tuple[str | None, list[tuple[str, Any]]]:
     body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
     if not body.startswith("["):
         return text, []
@@ -306,13 +306,13 @@ def _parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
                     any(kw.arg is None for kw in c.keywords):
                 return text, []
             args = {kw.arg: _literal(kw.value) for kw in c.keywords}
-            calls.append(new_call(c.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))  # JSON or raise
+            calls.append((c.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))  # JSON or raise
     except (SyntaxError, ValueError, TypeError, RecursionError):  # (the model's text: anything may come)
         return text, []
     return None, calls
 
 
-def _parse_mistral(text: str) -> tuple[str | None, list[dict]]:
+def _parse_mistral(text: str) -> tuple[str | None, list[tuple[str, Any]]]:
     at = text.find(_MISTRAL_TAG)
     if at < 0 and not text.lstrip().startswith("["):
         return text, []
@@ -340,5 +340,5 @@ def _parse_mistral(text: str) -> tuple[str | None, list[dict]]:
             return text, []
         if not re.fullmatch(_FN_NAME, name.strip()) or not isinstance(arguments, dict):
             return text, []
-        calls.append(new_call(name.strip(), arguments))
+        calls.append((name.strip(), arguments))
     return (content or None, calls) if calls else (text, [])
