@@ -54,6 +54,8 @@
 # cold, of Qwen3-Next + Nemotron-H 383 s warm, `structured` (5 repeats) 69 s warm, `gen4` (3 kinds,
 # batches 1,64) 273 s warm; the next call (`w4` sweep + two generates) lost its machine mid-call and
 # the rest of the budget with it (~470 s): keep a call well inside what is left.
+# Session 37: no GPU lent. Next: `GPU_TEST_FILES=tests/test_w4.py bash bench/gpu_session.sh tests fp4dot`
+# (~40 s + ~300 s: the NVFP4 tensor-core kernel's gpu tests, its sweep, three batch-64 generates), then `m1pack`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -250,16 +252,16 @@ if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with pa
     grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1.log" | tail -4
   done
 fi
-if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows (the Triton dot path, swap_ab variants), the
-  # table merged into the tree's tuned_w4.json (copied to $OUT), then generate NVFP4 and bf16 at batch 64
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP4DOT_LIMIT:-200} python3 bench/kernels/w4.py --out "$OUT/fp4dot" \
-    --budget-s $(( ${FP4DOT_LIMIT:-200} - 40 )) --kinds fp4 --ms ${FP4DOT_MS:-64,16} --only scale_tile --with-tuned \
-    2>&1 | tail -12
-  merge_w4_table "$OUT/fp4dot/tuned_w4.json"
-  for q in nvfp4 bf16; do
-    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows through the 4-bit tensor-core kernel (session
+  # 37, `fp4_tensor_cores`, off by default) beside bf16 and the streaming kernel's dot path, then generate at
+  # batch 64: bf16, NVFP4 by default, NVFP4 with fp4_tensor_cores (run `tests` with test_w4.py first)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP4DOT_LIMIT:-200} python3 bench/kernels/w4_mgpu.py \
+    --out "$OUT/fp4dot" --kind fp4 --ms ${FP4DOT_MS:-16,64} ${FP4DOT_ARGS:-} 2>&1 | grep "^|" | tail -12
+  for q in bf16 nvfp4 nvfp4_tc; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization nvfp4")
+    ta=$([[ $q == nvfp4_tc ]] && echo '{"fp4_tensor_cores": true}' || echo '{}')
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 64 \
-      $qa --out "$OUT/generate_llama3_8b_${q}_b64.json" > "$OUT/generate_llama3_8b_${q}_b64.log" 2>&1
+      $qa --attention "$ta" --out "$OUT/generate_llama3_8b_${q}_b64.json" > "$OUT/generate_llama3_8b_${q}_b64.log" 2>&1
     grep "batch  64" "$OUT/generate_llama3_8b_${q}_b64.log" | tail -4
   done
 fi

@@ -316,13 +316,14 @@ def test_w4_kernel_gpu(kind, m, n, k, g, params):
 
 
 # ---- the int4 tensor-core kernel (Mosaic GPU, 2-64 rows on Hopper) -------------------------------------
-def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
+def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16, kind="int4"):
+    """-> x, packed, scales, aux (int4: zeros; fp4: the global row scale), the kernel's scales."""
     from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales
 
-    packed, scales, zeros = _random_w4(rng, n, k, k if g == -1 else g, "int4")
+    packed, scales, aux = _random_w4(rng, n, k, k if g == -1 else g, kind)
     x = jnp.asarray(rng.standard_normal((m, k)), dt)
-    ks = w4_mgpu_scales(jnp.asarray(scales), jnp.asarray(zeros))
-    return x, packed, scales, zeros, ks
+    ks = w4_mgpu_scales(jnp.asarray(scales), jnp.asarray(aux) if kind == "int4" else None)
+    return x, packed, scales, aux, ks
 
 
 @pytest.mark.parametrize("m,n,k,g,split,dt,variant", [
@@ -336,6 +337,11 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16):
     (16, 200, 512, 128, 2, jnp.bfloat16, {"compute_wgs": 2}),  # two compute warpgroups, a TMA one
     (100, 72, 256, 128, 1, jnp.bfloat16, {"block_m": 32}),  # prefill: 4 tiles of x's rows, the last padded
     (40, 136, 512, 128, 2, jnp.float16, {"block_m": 16, "compute_wgs": 2}),  # the same with split K, 2 WGs
+    # NVFP4: e2m1 codes, e4m3 scales per 16 columns (8 a step), a global scale per row
+    (3, 72, 256, 16, 1, jnp.bfloat16, {"kind": "fp4"}),
+    (15, 136, 512, 16, 2, jnp.float16, {"kind": "fp4"}),  # f16 x (the products e2m1 x e4m3 exact in f16)
+    (9, 64, 512, 16, 1, jnp.bfloat16, {"kind": "fp4", "chunks": 2, "overlap": True}),
+    (65, 72, 256, 16, 1, jnp.bfloat16, {"kind": "fp4", "block_m": 32}),  # prefill tiles
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
@@ -343,14 +349,19 @@ def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     from pallas_kernels.linear.w4_mgpu import W4MgpuParams, skinny_matmul_w4_mgpu
 
     rng = np.random.default_rng(m * 100 + n + k)
-    x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, dt)
+    variant = dict(variant)
+    kind = variant.pop("kind", "int4")
+    x, packed, scales, aux, ks = _mgpu_case(rng, m, n, k, g, dt, kind)
     params = W4MgpuParams(split_k=split, max_concurrent_steps=2, a_smem=True, **variant)
-    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params, interpret=True)
+    row_scale = jnp.asarray(aux) if kind == "fp4" else None
+    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, row_scale, group_size=g, kind=kind, params=params,
+                              interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.float32
-    want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, zeros, k, k if g == -1 else g,
-                                                                          "int4").T
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, aux, k, k if g == -1 else g,
+                                                                          kind).T
     err = np.abs(np.asarray(y, np.float64) - want).max(axis=1) / np.abs(want).max(axis=1)
-    assert err.max() < 1e-2, err  # the weights rounded to x's dtype, f32 accumulation and output
+    # the weights rounded to x's dtype (int4; NVFP4's products are exact), f32 accumulation and output
+    assert err.max() < (1e-5 if kind == "fp4" else 1e-2), err
 
 
 def test_w4_mgpu_rejects_bad_input():
@@ -373,8 +384,21 @@ def test_w4_mgpu_rejects_bad_input():
         skinny_matmul_w4_mgpu(jnp.zeros((0, 256), jnp.bfloat16), jnp.asarray(packed), ks, group_size=128)
     with pytest.raises(ValueError, match="block_m"):
         W4MgpuParams(block_m=12)
-    with pytest.raises(ValueError, match="kscales shape"):
+    with pytest.raises(ValueError, match="kscales"):
         skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks[:, :1], group_size=128)
+    # NVFP4: groups of 16, e4m3 scales in one plane, the global row scale required (and int4's refused)
+    assert "must be 16" in w4_mgpu_supports(4, 64, 256, 32, kind="fp4")
+    assert "compute_wgs" in w4_mgpu_supports(4, 64, 256, 16, W4MgpuParams(compute_wgs=2), kind="fp4")
+    _, p4, _, rs, ks4 = _mgpu_case(rng, 4, 64, 256, 16, kind="fp4")
+    rs = jnp.asarray(rs)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        skinny_matmul_w4_mgpu(x, jnp.asarray(p4), ks4.astype(jnp.float32), rs, group_size=16, kind="fp4")
+    with pytest.raises(ValueError, match="row_scale"):
+        skinny_matmul_w4_mgpu(x, jnp.asarray(p4), ks4, group_size=16, kind="fp4")
+    with pytest.raises(ValueError, match="row_scale"):
+        skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, rs, group_size=128)
+    with pytest.raises(ValueError, match="kind"):
+        skinny_matmul_w4_mgpu(x, jnp.asarray(p4), ks4, rs, group_size=16, kind="nvfp4")
     with pytest.raises(ValueError, match="packed must be"):
         skinny_matmul_w4_mgpu(x, jnp.asarray(packed)[:, :64], ks, group_size=128)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
@@ -384,8 +408,9 @@ def test_w4_mgpu_rejects_bad_input():
 def test_w4_mgpu_routing():
     """`use_fp8_kernel(..., w8a8=True)` (Hopper) gives int4 linears the tensor-core kernel's scales:
     2-64 rows and prefill (tiles of x's rows) run it, one row the streaming kernel; without it
-    (not Hopper) prefill runs XLA; NVFP4 and shapes it cannot tile keep the streaming kernel. Each
-    path against the numpy oracle (interpret mode)."""
+    (not Hopper) prefill runs XLA; NVFP4 the same with `fp4_tensor_cores`; shapes it cannot tile
+    keep the streaming kernel.
+    Each path against the numpy oracle (interpret mode)."""
     from metrale_jax.layers.linear import linear
 
     rng = np.random.default_rng(3)
@@ -421,9 +446,20 @@ def test_w4_mgpu_routing():
     g64 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 64, "int4")), None, None, k=k, group_size=64)
     ks64 = use_fp8_kernel({"w": g64}, interpret=True, w8a8=True)["w"].kernel_scales  # groups of 64: two slices a step
     np.testing.assert_array_equal(ks64, w4_mgpu_scales(g64.scales, g64.zeros))
-    fp4 = W4Linear(*(jnp.asarray(a) for a in _random_w4(rng, n, k, 16, "fp4")[:2]), None,
-                   jnp.ones(n, jnp.float32), None, k=k, group_size=16, kind="fp4")
-    assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"].kernel_scales is None
+    # NVFP4: the same routing, e4m3 scales in one plane, the global scale on the output
+    p4, s4, rs4 = _random_w4(rng, n, k, 16, "fp4")
+    fp4 = W4Linear(jnp.asarray(p4), jnp.asarray(s4), None, jnp.asarray(rs4), None, k=k, group_size=16, kind="fp4")
+    assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"].kernel_scales is None  # (opt-in)
+    m4 = use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True, fp4_tensor_cores=True)["w"]
+    assert m4.kernel_scales.shape == (1, k // 16, n) and m4.kernel_scales.dtype == jnp.float8_e4m3fn
+    oracle4 = _oracle_weight(p4, s4, rs4, k, 16, "fp4")
+    for m, kernel in ((5, "skinny_matmul_w4_mgpu"), (1, "skinny_matmul_w4"), (70, "skinny_matmul_w4_mgpu")):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        jaxpr = str(jax.make_jaxpr(linear)(x, m4))
+        assert ("skinny_matmul_w4_mgpu" in jaxpr) == (kernel == "skinny_matmul_w4_mgpu") and kernel in jaxpr
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle4.T
+        got = np.asarray(linear(x, m4).astype(jnp.float32), np.float64)
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-2, m
 
 
 def test_w4_mgpu_lowers_for_h200():
@@ -447,6 +483,15 @@ def test_w4_mgpu_lowers_for_h200():
         traced = skinny_matmul_w4_mgpu.trace(sds((m, k), dt), sds((n, k // 2), jnp.uint8),
                                              sds((2, k // g, n), jnp.float32), group_size=g, params=params)
         assert "skinny_matmul_w4_mgpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    # NVFP4: the float16 bit pattern, e4m3 scales converted in registers, 16-column pieces joined
+    for m, k, n, dt, variant in ((2, 4096, 6144, jnp.bfloat16, {}), (64, 14336, 4096, jnp.float16, {}),
+                                 (300, 4096, 6144, jnp.bfloat16, {}),
+                                 (64, 4096, 4096, jnp.bfloat16, {"overlap": True, "chunks": 2})):
+        params = dataclasses.replace(w4_mgpu_params_for(m, n, k, 16), **variant)
+        traced = skinny_matmul_w4_mgpu.trace(sds((m, k), dt), sds((n, k // 2), jnp.uint8),
+                                             sds((1, k // 16, n), jnp.float8_e4m3fn), sds((n,), jnp.float32),
+                                             group_size=16, kind="fp4", params=params)
+        assert "skinny_matmul_w4_mgpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
@@ -457,6 +502,10 @@ def test_w4_mgpu_lowers_for_h200():
     (64, 4096, 4096, 128, {"overlap": True, "chunks": 2}), (40, 6144, 4096, 128, {"compute_wgs": 2}),
     (300, 6144, 4096, 128, {}), (1000, 4096, 14336, 64, {}),  # prefill: tiles of 128 rows of x
     (256, 4096, 4096, 128, {"block_m": 256, "max_concurrent_steps": 2}),
+    # NVFP4 (groups of 16), bf16 and f16 x, decode and prefill sizes
+    (2, 6144, 4096, 16, {"kind": "fp4"}), (64, 4096, 14336, 16, {"kind": "fp4"}),
+    (17, 1024, 4096, 16, {"kind": "fp4", "dtype": jnp.float16}), (300, 6144, 4096, 16, {"kind": "fp4"}),
+    (64, 4096, 4096, 16, {"kind": "fp4", "overlap": True, "chunks": 2}),
 ])
 def test_w4_mgpu_gpu(m, n, k, g, variant):
     """The register-operand kernel and its variants on the GPU against the float32 reference."""
@@ -464,11 +513,15 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
     rng = np.random.default_rng(1)
-    x, packed, scales, zeros, ks = _mgpu_case(rng, m, n, k, g, jnp.float16 if g == 64 else jnp.bfloat16)
+    variant = dict(variant)
+    kind = variant.pop("kind", "int4")
+    dt = variant.pop("dtype", jnp.float16 if g == 64 else jnp.bfloat16)
+    x, packed, scales, aux, ks = _mgpu_case(rng, m, n, k, g, dt, kind)
     params = dataclasses.replace(w4_mgpu_params_for(m, n, k, g), **variant)
-    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, group_size=g, params=params)
-    want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros), k=k,
-                                      group_size=k if g == -1 else g, kind="int4")
+    row_scale = jnp.asarray(aux) if kind == "fp4" else None
+    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, row_scale, group_size=g, kind=kind, params=params)
+    want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k,
+                                      group_size=k if g == -1 else g, kind=kind)
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
 
 

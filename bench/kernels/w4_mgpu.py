@@ -1,14 +1,15 @@
-"""int4 tensor-core GEMM (`pallas_kernels/linear/w4_mgpu.py`) at decode batch sizes (GPU machine).
+"""4-bit tensor-core GEMM (`pallas_kernels/linear/w4_mgpu.py`) at decode batch sizes (GPU machine).
 
 Llama-3-8B projections, M in {8, 16, 32, 64} (and prefill sizes: --ms 256,1024), int4 group 128
-(float16 scales, uint8 zeros), on weights rotating through >= 256 MB of copies (HBM, not L2),
+(float16 scales, uint8 zeros) or with --kind fp4 NVFP4 (groups of 16, e4m3 scales, a global
+scale per row), on weights rotating through >= 256 MB of copies (HBM, not L2),
 beside: XLA's bf16 dot on a bf16 W (what a bf16 checkpoint runs: the issue's bar is 4-bit >= 1.0x
 bf16 at batch 64), the Triton 4-bit kernel with its tuned table (`skinny_matmul_w4`, the engine's
 path before this kernel; above 64 rows XLA's dequantize-then-dot, the engine's earlier prefill
 path) and a torch `copy_` (the roofline). Each kernel's output on copy 0 is checked against a
 float32 dot on the dequantized weight. Results: DIR/w4_mgpu.json and w4_mgpu.md.
 
-    PYTHONPATH=. python3 bench/kernels/w4_mgpu.py --out DIR [--ms 16,64] [--shapes qkv,o]
+    PYTHONPATH=. python3 bench/kernels/w4_mgpu.py --out DIR [--ms 16,64] [--shapes qkv,o] [--kind fp4]
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from pallas_kernels.linear.w4_mgpu import (  # noqa: E402
     w4_mgpu_scales,
 )
 
-GROUP = 128
+GROUPS = {"int4": 128, "fp4": 16}
 
 
-def _variants(m, n, k):
-    auto = w4_mgpu_params_for(m, n, k)
+def _variants(m, n, k, kind):
+    auto = w4_mgpu_params_for(m, n, k, GROUPS[kind])
     out = {"auto": auto}
     if m > 64:  # prefill: x's rows in tiles of block_m (a grid axis)
         for bm, d in ((64, 4), (128, 2), (128, 3), (128, 4), (256, 2)):
@@ -51,7 +52,16 @@ def _variants(m, n, k):
             if p != auto:  # (the defaults' tile is `auto` already)
                 out[f"bm{bm}_d{d}"] = p
         out["auto_overlap"] = dataclasses.replace(auto, overlap=True)
-        out["bm128_wgs2"] = dataclasses.replace(auto, compute_wgs=2)
+        if kind == "int4":
+            out["bm128_wgs2"] = dataclasses.replace(auto, compute_wgs=2)
+        return out
+    if kind == "fp4":  # (no signed upcast, no second compute warpgroup)
+        for d in (2, 3, 4):
+            for s in sorted({1, 2, 4, auto.split_k}):
+                out[f"d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s)
+        out["auto_chunks2"] = dataclasses.replace(auto, chunks=2)
+        out["auto_overlap"] = dataclasses.replace(auto, overlap=True)
+        out["auto_overlap_chunks2"] = dataclasses.replace(auto, overlap=True, chunks=2)
         return out
     for d in (2, 3, 4, 8):  # (2-3: less shared memory per CTA, more CTAs per SM; not yet run)
         for s in sorted({1, 2, 4, auto.split_k}):
@@ -67,7 +77,8 @@ def _variants(m, n, k):
 
 
 def main(argv=None):
-    args, out_dir = shape_args(__doc__, argv, "8,16,32,64")
+    args, out_dir = shape_args(__doc__, argv, "8,16,32,64", kind=True)
+    kind, group = args.kind, GROUPS[args.kind]
     memcpy = _memcpy()
     rows, table = [], []
     key = jax.random.key(0)
@@ -75,25 +86,26 @@ def main(argv=None):
         k, n = SHAPES[name]
         packed_bytes = n * k // 2
         copies = max(2, int(MIN_ROTATION_BYTES // packed_bytes) + 1)
-        ws = _weights(key, n, k, "int4", GROUP, copies)
-        ks = [(p, w4_mgpu_scales(s, z)) for p, s, z in ws]
+        ws = _weights(key, n, k, kind, group, copies)
+        # (int4: zeros folded into the kernel's scales; fp4: the global row scale passed beside them)
+        ks = [(p, w4_mgpu_scales(s, z)) if kind == "int4" else (p, w4_mgpu_scales(s), z) for p, s, z in ws]
         bf_copies = max(2, int(MIN_ROTATION_BYTES // (2 * n * k)) + 1)
         wb = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (n, k), jnp.bfloat16) * 0.02,)
               for i in range(bf_copies)]
         jax.block_until_ready(ks)
         for m in map(int, args.ms.split(",")):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
-            ref = np.asarray(skinny_matmul_w4_reference(x, *ws[0], k=k, group_size=GROUP, kind="int4"))
+            ref = np.asarray(skinny_matmul_w4_reference(x, *ws[0], k=k, group_size=group, kind=kind))
             res = {"shape": name, "k": k, "n": n, "m": m}
             if m <= 64:  # the streaming kernel's dot path
-                w4_old = lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=GROUP, kind="int4")  # noqa: E731
+                w4_old = lambda x, p, s, z, k=k: skinny_matmul_w4(x, p, s, z, k=k, group_size=group, kind=kind)  # noqa: E731
             else:  # the engine's prefill path before this kernel took it: XLA's dequantize-then-dot
-                w4_old = lambda x, p, s, z, k=k: _dequant_dot(x, p, s, z, k=k, group_size=GROUP, kind="int4")  # noqa: E731
+                w4_old = lambda x, p, s, z, k=k: _dequant_dot(x, p, s, z, k=k, group_size=group, kind=kind)  # noqa: E731
             cells = {"bf16": (lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, wb),
                      "triton_w4": (w4_old, x, ws)}
-            for vname, params in _variants(m, n, k).items():
-                cells[f"mgpu_{vname}"] = (lambda x, p, s, params=params: skinny_matmul_w4_mgpu(
-                    x, p, s, group_size=GROUP, params=params), x, ks)
+            for vname, params in _variants(m, n, k, kind).items():
+                cells[f"mgpu_{vname}"] = (lambda x, p, s, *rs, params=params: skinny_matmul_w4_mgpu(
+                    x, p, s, *rs, group_size=group, kind=kind, params=params), x, ks)
             for cname, r in _time_interleaved(cells).items():
                 if isinstance(r, Exception):  # (a variant that does not compile is reported)
                     res[f"{cname}_error"] = f"{type(r).__name__}: {str(r)[:300]}"
@@ -114,7 +126,7 @@ def main(argv=None):
             print(line, {kk: round(v, 1) for kk, v in res.items() if kk.endswith("_us")}, flush=True)
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "platform": platform.platform(),
-            "memcpy_TBps": memcpy / 1e12, "group_size": GROUP}
+            "memcpy_TBps": memcpy / 1e12, "kind": kind, "group_size": group}
     (out_dir / "w4_mgpu.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     head = ("| shape | M | bf16 XLA (us) | Triton w4 (us) | mgpu auto (us) | mgpu best (us) | best vs bf16 | "
             "packed TB/s | auto rel err |\n|---|---|---|---|---|---|---|---|---|\n")

@@ -149,7 +149,8 @@ class LLMEngine:
             # (unless the caller keeps other references to them); see layers/stack.py
             self.params = split_layers(params)
         if c.attention.fp8_kernel:
-            self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret, w8a8=c.attention.fp8_w8a8)
+            self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret, w8a8=c.attention.fp8_w8a8,
+                                         fp4_tensor_cores=c.attention.fp4_tensor_cores)
         phases["split_layers"] = time.perf_counter() - t
         self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
         if c.enable_lora:

@@ -76,8 +76,9 @@ class W4Linear:
     zeros: jax.Array | None  # u8[..., N, ceil(K / G)] (int4), None (fp4)
     row_scale: jax.Array | None  # f32[..., N] (fp4: the per-part global scale), None (int4)
     perm: jax.Array | None  # i32[..., K]: the input column of weight column k (GPTQ act-order), None = identity
-    # f32[..., 2, ceil(K / G), N]: scales and -zeros * scales transposed, for the tensor-core kernel
-    # of 2-64 rows (`pallas_kernels/linear/w4_mgpu.py`; int4 on Hopper, set by `use_fp8_kernel`), else None
+    # the tensor-core kernel's scales (`pallas_kernels/linear/w4_mgpu.py`; Hopper, set by
+    # `use_fp8_kernel`): int4 f32[..., 2, ceil(K / G), N] (scales and -zeros * scales transposed),
+    # fp4 e4m3[..., 1, K / 16, N] (scales transposed); else None
     kernel_scales: jax.Array | None = None
     k: int = dataclasses.field(metadata=dict(static=True), default=0)  # input features
     group_size: int = dataclasses.field(metadata=dict(static=True), default=128)
@@ -153,18 +154,19 @@ def has_quantized_linears(params) -> bool:
     return any(isinstance(w, kinds) for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, kinds)))
 
 
-def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True):
+def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = False):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
-    FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones of 2-64 rows
-    through the int4 GEMM (`linear_w4.w4_matmul`; it gets its transposed scales here)."""
+    FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones (and with
+    `fp4_tensor_cores` the NVFP4 ones) of 2-1,024 rows through the 4-bit GEMM
+    (`linear_w4.w4_matmul`; it gets its transposed scales here)."""
     def mark(w):
         if isinstance(w, Fp8Linear):
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
         if isinstance(w, W4Linear):
             from metrale_jax.layers.linear_w4 import w4_kernel_scales
 
-            ks = w4_kernel_scales(w) if w8a8 else None
+            ks = w4_kernel_scales(w) if w8a8 and (w.kind == "int4" or fp4_tensor_cores) else None
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks)
         return w
 

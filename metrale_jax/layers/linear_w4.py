@@ -2,12 +2,12 @@
 
 bf16 or f16 inputs of weights marked `use_kernel` (the engine's GPU default,
 `linear.use_fp8_kernel`) go through a Pallas kernel that reads the packed bytes and dequantizes
-in registers: int4 weights of 2..`W4_MGPU_MAX_M` rows on Hopper the tensor-core GEMM
-(`pallas_kernels/linear/w4_mgpu.py`: 1.1-1.5x bf16's dot at 64 rows on the H200, against 0.3-0.4x
-for the streaming kernel's dot; prefill steps up to 1,024 rows in tiles of x's rows), one row and
-the rest of the decode sizes (1..`W4_KERNEL_MAX_M` rows) the weight-streaming kernel
-(`pallas_kernels/linear/w4.py`); everything else (larger prefill steps, NVFP4 prefill, the CPU)
-dequantizes the whole weight in XLA and runs one GEMM.
+in registers: 2..`W4_MGPU_MAX_M` rows on Hopper the tensor-core GEMM
+(`pallas_kernels/linear/w4_mgpu.py`; int4: 1.1-1.5x bf16's dot at 64 rows on the H200, against
+0.3-0.4x for the streaming kernel's dot; prefill steps up to 1,024 rows in tiles of x's rows;
+NVFP4 too since session 37), one row and the rest of the decode sizes (1..`W4_KERNEL_MAX_M` rows)
+the weight-streaming kernel (`pallas_kernels/linear/w4.py`); everything else (larger prefill
+steps, the CPU) dequantizes the whole weight in XLA and runs one GEMM.
 GPTQ act-order weights keep their groups contiguous in the packed order (`perm`): the kernel path
 gathers x's columns into that order, the XLA path puts the dequantized weight's columns back.
 """
@@ -27,18 +27,19 @@ W4_MGPU_MAX_M = 1024
 
 
 def w4_kernel_scales(w):
-    """The int4 tensor-core kernel's f32[..., 2, G, N] scales for `w`, or None where that kernel
-    does not take it (NVFP4, or shapes it cannot tile: `w4_mgpu_supports`)."""
+    """The tensor-core kernel's scales for `w` (int4: f32[..., 2, G, N]; NVFP4: e4m3[..., 1, G, N]),
+    or None where that kernel does not take it (shapes it cannot tile: `w4_mgpu_supports`)."""
     from metrale_jax.layers.stack import Unstacked
     from pallas_kernels.linear.w4_mgpu import w4_mgpu_params_for, w4_mgpu_scales, w4_mgpu_supports
 
     per_layer = isinstance(w.packed, Unstacked)  # (the engine's unrolled layers, `split_layers`)
     n = (w.packed.parts[0] if per_layer else w.packed).shape[-2]
     params = w4_mgpu_params_for(2, n, w.k, w.group_size)
-    if w.kind != "int4" or w4_mgpu_supports(2, n, w.k, w.group_size, params):
+    if w4_mgpu_supports(2, n, w.k, w.group_size, params, w.kind):
         return None
     if per_layer:
-        return Unstacked([w4_mgpu_scales(s, z) for s, z in zip(w.scales.parts, w.zeros.parts)])
+        zeros = w.zeros.parts if w.kind == "int4" else [None] * len(w.scales.parts)
+        return Unstacked([w4_mgpu_scales(s, z) for s, z in zip(w.scales.parts, zeros)])
     return w4_mgpu_scales(w.scales, w.zeros)
 
 
@@ -64,8 +65,8 @@ def w4_matmul(x: jax.Array, w) -> jax.Array:
             x = jnp.take(x, w.perm, axis=-1)
         if tc:  # the tensor cores (one row: the streaming kernel)
             params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, w.group_size, interpret=w.interpret)
-            y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, group_size=w.group_size,
-                                      params=params, interpret=w.interpret)
+            y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, w.row_scale,
+                                      group_size=w.group_size, kind=w.kind, params=params, interpret=w.interpret)
             return y.reshape(x.shape[:-1] + (-1,))
         aux = w.row_scale if w.kind == "fp4" else w.zeros
         y = skinny_matmul_w4(x.reshape(m, x.shape[-1]), w.packed, w.scales, aux, k=w.k, group_size=w.group_size,

@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper: TMA + wgmma) GEMM for int4 weights at decode and prefill sizes: y = x @ W^T.
+"""Mosaic GPU (Hopper: TMA + wgmma) GEMM for 4-bit weights (int4, NVFP4) at decode and prefill sizes: y = x @ W^T.
 
 The Triton 4-bit kernel (`w4.py`) streams weights at M = 1 on the CUDA cores; its dot path for
 M = 8..64 measured 1.5-2.9x slower than bf16 (session 15), so a batch-64 step with 4-bit weights
@@ -27,9 +27,17 @@ padding x to 64 rows.
   writes f32 partials that XLA adds. The caller gets f32[M, N] (XLA transposes the result;
   `matmul_f32` wants f32).
 
-int4 only (NVFP4's groups of 16 are narrower than a slice). K must be a multiple of block_k and N
-of 8 (TMA); the group size a multiple of block_k, the whole K (per-channel scales), or 64 with
-two slices a step.
+NVFP4 (`kind="fp4"`: e2m1 codes, an FP8 e4m3 scale per 16 codes, a global scale per row): the
+scales come as `w4_mgpu_scales(scales)`, e4m3[1, G, N] (1/8 of the packed bytes more, as for int4). A code's
+value is made exactly with integer operations, as a float16 bit pattern: sign to bit 15, its two
+exponent and one mantissa bits to bits 10..11 and 9, which reads as e2m1 / 2^14 (a float16
+subnormal for the codes 0 and 0.5, converted exactly to f32). The step's tile is then scaled in
+16-column pieces, each by its group's scale row (times 2^14), and the pieces joined back for one
+wgmma (the products e2m1 x e4m3 are exact in bf16 and f16). The global scale multiplies the f32
+output. Hopper has no FP4 conversion (`cvt.*.e2m1x2` is Blackwell's) and no FP4 tensor cores.
+
+K must be a multiple of block_k and N of 8 (TMA); int4's group size a multiple of block_k, the
+whole K (per-channel scales), or 64 with two slices a step; NVFP4's 16.
 
 H200 (session 27, `bench/kernels/w4_mgpu.py`, `bench/results/w4_mgpu_h200_2026-12-04_s27_*`),
 Llama-3-8B projections at 64 rows against XLA's bf16 dot in the same run: q/k/v 20.1 / 21.4 us,
@@ -109,6 +117,7 @@ class W4MgpuParams:
 
 
 _SMS = 132  # H200 streaming multiprocessors
+FP4_GROUP = 16
 
 
 def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpret: bool = False) -> W4MgpuParams:
@@ -139,15 +148,19 @@ def w4_mgpu_params_for(m: int, n: int, k: int, group_size: int = 128, *, interpr
 
 
 @jax.jit
-def w4_mgpu_scales(scales, zeros):
-    """scales [..., N, G] (any float), zeros u8[..., N, G] -> f32[..., 2, G, N]: scale and
-    -zero * scale, the kernel's per-group affine map of a code, transposed."""
+def w4_mgpu_scales(scales, zeros=None):
+    """int4: scales [..., N, G] (any float), zeros u8[..., N, G] -> f32[..., 2, G, N]: scale and
+    -zero * scale, the kernel's per-group affine map of a code, transposed. NVFP4 (zeros None):
+    scales e4m3[..., N, G] -> e4m3[..., 1, G, N], transposed."""
+    if zeros is None:
+        return jnp.swapaxes(scales, -1, -2)[..., None, :, :]
     s = scales.astype(jnp.float32)
     b = -zeros.astype(jnp.float32) * s
     return jnp.swapaxes(jnp.stack([s, b], axis=-3), -1, -2)
 
 
-def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuParams | None = None) -> str | None:
+def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuParams | None = None,
+                     kind: str = "int4") -> str | None:
     """None if the kernel takes these shapes, else why not."""
     bk = (params or W4MgpuParams()).block_k
     g = k if group_size in (-1, k) else group_size
@@ -156,6 +169,12 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
     if k % bk or n % 8:
         return f"K={k} must be a multiple of block_k={bk} and N={n} of 8"
     p = params or W4MgpuParams()
+    if kind == "fp4":
+        if g != FP4_GROUP:
+            return f"NVFP4 group size {group_size} must be {FP4_GROUP}"
+        if p.compute_wgs == 2 or p.signed_upcast:
+            return "NVFP4 takes neither compute_wgs=2 nor signed_upcast"
+        return None
     chunk = bk // p.chunks
     if p.compute_wgs == 2 and g % bk:
         return f"group size {group_size} must be a multiple of block_k={bk} with two compute warpgroups"
@@ -164,9 +183,18 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
     return None
 
 
-def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split, group, dtype):
-    """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N], o_gmem f32[N, Mpad] | f32[S, N, Mpad];
-    this CTA: 64 weight rows (n), a K range (s), `tile_m` rows of x (m)."""
+def _fp4_values(codes):
+    """i32 e2m1 codes (sign in bit 3) -> f32 value / 2^14, exactly: the float16 whose sign is the
+    code's bit 3 and whose exponent's two low bits and mantissa's top bit are its bits 2..0."""
+    h = ((codes & 8) << 12) | ((codes & 7) << 9)
+    return lax.bitcast_convert_type(h.astype(jnp.int16), jnp.float16).astype(jnp.float32)
+
+
+def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split, group, dtype,
+          fp4):
+    """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N] | e4m3[1, G, N] (fp4),
+    o_gmem f32[N, Mpad] | f32[S, N, Mpad]; this CTA: 64 weight rows (n), a K range (s), `tile_m`
+    rows of x (m)."""
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
@@ -185,13 +213,22 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
                 cols = pl.ds(c * wc, wc)
                 w_c, x_c = (w_smem, x_smem) if params.chunks == 1 else (w_smem.at[:, cols], x_smem.at[:, cols])
                 gi = (c * wc) // group if bk > group else 0  # the slice's group in this step's scale rows
-                s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, gi], (), layout=row), (_ROWS, wc), [0])
-                b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, gi], (), layout=row), (_ROWS, wc), [0])
-                if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
-                    codes = (w_c[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
+                if fp4:  # 16-column pieces, each times its group's scales (x 2^14), joined for one wgmma
+                    v = _fp4_values(w_c[...].astype(jnp.int32))  # f32[64, WC]
+                    pieces = []
+                    for j in range(wc // group):
+                        sj = plgpu.load(ks_smem.at[0, gi + j], (), layout=row).astype(jnp.float16)
+                        sj = lax.broadcast_in_dim(sj.astype(jnp.float32) * 16384.0, (_ROWS, group), [0])
+                        pieces.append((v[:, j * group:(j + 1) * group] * sj).astype(dtype))
+                    a = jnp.concatenate(pieces, axis=1)
                 else:
-                    codes = w_c[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, WC]
-                a = (codes * s + b).astype(dtype)
+                    s = lax.broadcast_in_dim(plgpu.load(ks_smem.at[0, gi], (), layout=row), (_ROWS, wc), [0])
+                    b = lax.broadcast_in_dim(plgpu.load(ks_smem.at[1, gi], (), layout=row), (_ROWS, wc), [0])
+                    if params.signed_upcast:  # code - 8: the top bit flipped, read as int4 (Mosaic's fast upcast)
+                        codes = (w_c[...] ^ jnp.int4(-8)).astype(jnp.bfloat16).astype(jnp.float32) + 8.0
+                    else:
+                        codes = w_c[...].astype(jnp.int32).astype(jnp.float32)  # f32[64, WC]
+                    a = (codes * s + b).astype(dtype)
                 if params.overlap and c == 0:  # the previous step's wgmma ran beside this conversion
                     plgpu.wgmma_wait(0)
                 if params.a_smem:
@@ -213,7 +250,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
                 plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk), delay_release=int(params.a_smem)),
                 plgpu.BlockSpec((tile_m, bk), lambda kk: (mi, k_step0 + kk),
                                 delay_release=int(params.a_smem or params.overlap)),
-                plgpu.BlockSpec((2, per_step, _ROWS),
+                plgpu.BlockSpec((1 if fp4 else 2, per_step, _ROWS),
                                 lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
             ],
             max_concurrent_steps=params.max_concurrent_steps,
@@ -289,11 +326,12 @@ def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, tile_m, params: 
     )(w_gmem, x_gmem, ks_gmem)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "params", "interpret"))
-def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4MgpuParams | None = None,
-                          interpret: bool = False):
-    """x bf16|f16[M, K] @ W^T -> f32[M, N] for int4 W: packed u8[N, K/2] (`W4Linear`'s layout),
-    kscales f32[2, G, N] (`w4_mgpu_scales`). Shapes: `w4_mgpu_supports`."""
+@functools.partial(jax.jit, static_argnames=("group_size", "kind", "params", "interpret"))
+def skinny_matmul_w4_mgpu(x, packed, kscales, row_scale=None, *, group_size: int, kind: str = "int4",
+                          params: W4MgpuParams | None = None, interpret: bool = False):
+    """x bf16|f16[M, K] @ W^T -> f32[M, N] for 4-bit W: packed u8[N, K/2] (`W4Linear`'s layout),
+    kscales (`w4_mgpu_scales`) f32[2, G, N] (kind "int4") or e4m3[1, G, N] ("fp4", with the global
+    scale row_scale f32[N]). Shapes: `w4_mgpu_supports`."""
     m, k = x.shape
     n = packed.shape[0]
     if packed.shape != (n, k // 2) or packed.dtype != jnp.uint8:
@@ -301,13 +339,20 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
                          f"{packed.dtype}{list(packed.shape)}")
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"skinny_matmul_w4_mgpu: x must be bfloat16 or float16; got {x.dtype}")
+    if kind not in ("int4", "fp4"):
+        raise ValueError(f"skinny_matmul_w4_mgpu: kind must be 'int4' or 'fp4'; got {kind!r}")
+    fp4 = kind == "fp4"
     params = params or w4_mgpu_params_for(m, n, k, group_size, interpret=interpret)
-    why = w4_mgpu_supports(m, n, k, group_size, params)
+    why = w4_mgpu_supports(m, n, k, group_size, params, kind)
     if why:
         raise ValueError(f"skinny_matmul_w4_mgpu: {why}")
     g = k if group_size in (-1, k) else group_size
-    if kscales.shape != (2, k // g, n):
-        raise ValueError(f"skinny_matmul_w4_mgpu: kscales shape {kscales.shape} must be {(2, k // g, n)}")
+    want = (1 if fp4 else 2, k // g, n)
+    if kscales.shape != want or (fp4 and kscales.dtype != jnp.float8_e4m3fn):
+        raise ValueError(f"skinny_matmul_w4_mgpu: kscales {kscales.dtype}{list(kscales.shape)} must be "
+                         f"{'float8_e4m3fn' if fp4 else 'float'}{list(want)}")
+    if fp4 != (row_scale is not None) or (fp4 and row_scale.shape != (n,)):
+        raise ValueError(f"skinny_matmul_w4_mgpu: row_scale [N={n}] goes with kind 'fp4' only")
     bk = params.block_k
     mpad = -(-m // 8) * 8  # x's rows as the kernel sees them: a tile of tm rows per CTA
     tm = mpad if mpad <= params.block_m else params.block_m
@@ -324,7 +369,7 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     a_scratch = [plgpu.SMEM((2, _ROWS, bk) if ws else (_ROWS, bk), x.dtype)] if params.a_smem else []
     f = plgpu.kernel(
         functools.partial(_body_ws if ws else _body, tile_m=tm, params=params, steps_per_split=steps_per_split,
-                          group=g, dtype=x.dtype),
+                          group=g, dtype=x.dtype, **({} if ws else dict(fp4=fp4))),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(-(-n // (_ROWS * params.compute_wgs)), split_k, mpad // tm),
         grid_names=("n", "s", "m"),
@@ -336,7 +381,9 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, *, group_size: int, params: W4Mgpu
     )
     if m > 8 and m != mpad:  # TMA: a dimension beyond its tile (8+ rows) must be a multiple of it
         x = jnp.pad(x, ((0, mpad - m), (0, 0)))
-    out = f(codes, x, kscales.astype(jnp.float32))
+    out = f(codes, x, kscales if fp4 else kscales.astype(jnp.float32))
     if split_k > 1:
         out = jnp.sum(out, axis=0)
+    if fp4:
+        out = out * row_scale.astype(jnp.float32)[:, None]
     return out[:, :m].T  # f32[M, N]
