@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [pdl] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -55,7 +55,8 @@
 # batches 1,64) 273 s warm; the next call (`w4` sweep + two generates) lost its machine mid-call and
 # the rest of the budget with it (~470 s): keep a call well inside what is left.
 # Session 37: no GPU lent. Next: `GPU_TEST_FILES=tests/test_w4.py bash bench/gpu_session.sh tests fp4dot`
-# (~40 s + ~300 s: the NVFP4 tensor-core kernel's gpu tests, its sweep, three batch-64 generates), then `m1pack`.
+# (~40 s + ~300 s: the NVFP4 tensor-core kernel's gpu tests, its sweep, three batch-64 generates), then `m1pack`,
+# then `pdl` (~300 s: four generates, with and without XLA's programmatic dependent launch).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -263,6 +264,18 @@ if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows through the 4-
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 64 \
       $qa --attention "$ta" --out "$OUT/generate_llama3_8b_${q}_b64.json" > "$OUT/generate_llama3_8b_${q}_b64.log" 2>&1
     grep "batch  64" "$OUT/generate_llama3_8b_${q}_b64.log" | tail -4
+  done
+fi
+if [[ $parts == *pdl* ]]; then  # issue 19: XLA's programmatic dependent launch (`AttentionConfig.xla_pdl`, off by
+  # default) beside the default, Llama-3-8B bf16 and int4 at batches 1 and 64
+  for q in bf16 int4; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    for pdl in false true; do
+      timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
+        --batches 1,64 $qa --attention "{\"xla_pdl\": $pdl}" --out "$OUT/generate_llama3_8b_${q}_pdl_$pdl.json" \
+        > "$OUT/generate_llama3_8b_${q}_pdl_$pdl.log" 2>&1
+      echo "$q xla_pdl=$pdl"; grep "batch  *[0-9]" "$OUT/generate_llama3_8b_${q}_pdl_$pdl.log" | tail -4
+    done
   done
 fi
 if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)

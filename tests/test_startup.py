@@ -216,3 +216,25 @@ def test_warm_start_in_a_fresh_process_gpu(tmp_path):
     assert cold["hits"] == 0 and warm["misses"] == {}
     assert warm["hits"] == warm["n"] == cold["n"]
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_compiler_options_exist_in_this_jaxlib(monkeypatch):
+    """The XLA options the step executables may get (`CompilationManager.compiler_options`: command
+    buffers with conditionals, no rematerialization, programmatic dependent launch) are options
+    this jaxlib knows: XLA refuses an unknown name ("No such compile option") at compile time,
+    which would otherwise show only on the GPU."""
+    from metrale_jax.layers.attention import AttentionConfig
+
+    monkeypatch.setattr(compile_mod.jax, "default_backend", lambda: "gpu")
+    attn = AttentionConfig(sampler_skip=True, xla_remat=False, xla_pdl=True)
+    model, _ = load_model(FIXTURES / "llama_tiny", dtype="float32", show_progress=False)
+    builder = BuilderConfig(block_size=4, max_blocks_per_seq=16, vocab_size=model.cfg.vocab_size)
+    cm = CompilationManager(model, dataclasses.replace(CFG, attention=attn), builder)
+    opts = cm.compiler_options
+    assert {"xla_gpu_enable_command_buffer", "xla_disable_hlo_passes", "xla_gpu_enable_pdl"} <= set(opts)
+    monkeypatch.undo()
+    assert jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options=opts)(jnp.ones(3))[0] == 2
+    with pytest.raises(Exception, match="No such compile option"):  # (the check can fail)
+        jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_pdl_typo": True})
+    off = CompilationManager(model, dataclasses.replace(CFG, attention=AttentionConfig()), builder).compiler_options
+    assert not off or "xla_gpu_enable_pdl" not in off

@@ -70,6 +70,12 @@ class AttentionConfig:
     # memory that it cannot save; off = `xla_disable_hlo_passes=rematerialization`. Off in the
     # GPU default of LoRA engines (`engine.config.default_kernels`), where it recomputed GEMMs.
     xla_remat: bool = True
+    # XLA's programmatic dependent launch on the GPU's step executables (`xla_gpu_enable_pdl`,
+    # `xla_gpu_enable_pdl_launch`, in jaxlib 0.11.2's CUDA plugin): a kernel XLA emits may start
+    # its prologue while the kernel before it drains (Hopper's griddepcontrol). At batch 1 a step
+    # is ~450 kernels of a few microseconds each. Off until measured on a GPU (session 37: the
+    # options exist; nothing run).
+    xla_pdl: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,
