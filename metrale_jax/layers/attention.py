@@ -73,7 +73,7 @@ class AttentionConfig:
     # XLA's programmatic dependent launch on the GPU's step executables (`xla_gpu_enable_pdl`,
     # `xla_gpu_enable_pdl_launch`, in jaxlib 0.11.2's CUDA plugin): a kernel XLA emits may start
     # its prologue while the kernel before it drains (Hopper's griddepcontrol). At batch 1 a step
-    # is ~450 kernels of a few microseconds each. Off until measured on a GPU (session 37: the
+    # is a few hundred kernels of a few microseconds each. Off until measured on a GPU (session 37: the
     # options exist; nothing run).
     xla_pdl: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
