@@ -236,5 +236,8 @@ def test_compiler_options_exist_in_this_jaxlib(monkeypatch):
     assert jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options=opts)(jnp.ones(3))[0] == 2
     with pytest.raises(Exception, match="No such compile option"):  # (the check can fail)
         jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_pdl_typo": True})
-    off = CompilationManager(model, dataclasses.replace(CFG, attention=AttentionConfig()), builder).compiler_options
-    assert not off or "xla_gpu_enable_pdl" not in off
+    monkeypatch.setattr(compile_mod.jax, "default_backend", lambda: "gpu")
+    off = CompilationManager(model, dataclasses.replace(CFG, attention=AttentionConfig(xla_pdl=False)), builder)
+    assert off.compiler_options == {"xla_gpu_enable_pdl": False, "xla_gpu_enable_pdl_launch": False}
+    default = CompilationManager(model, dataclasses.replace(CFG, attention=AttentionConfig()), builder)
+    assert default.compiler_options is None  # (jaxlib's own choice)

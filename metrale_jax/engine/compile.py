@@ -129,7 +129,7 @@ EXE_CACHE_PLATFORMS = ("gpu",)
 # which CUDA graphs then run as conditional nodes (the predicate read on the device): the step
 # executables of `AttentionConfig.sampler_skip` (sampling.sample's `skip`) compile with it
 COMMAND_BUFFER_WITH_CONDITIONALS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"
-PDL_OPTIONS = {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}  # (`AttentionConfig.xla_pdl`)
+PDL_OPTIONS = ("xla_gpu_enable_pdl", "xla_gpu_enable_pdl_launch")  # (`AttentionConfig.xla_pdl`)
 
 
 def executable_cache_dir() -> str | None:
@@ -267,13 +267,13 @@ class CompilationManager:
         """XLA options of the step executables: conditionals inside the command buffers when the
         sampler skips under `lax.cond` on the GPU (`AttentionConfig.sampler_skip`); no
         rematerialization pass without `AttentionConfig.xla_remat`; programmatic dependent launch
-        with `AttentionConfig.xla_pdl` on the GPU."""
+        forced on or off by `AttentionConfig.xla_pdl` on the GPU."""
         opts = {}
         gpu = jax.default_backend() == "gpu"
         if self.cfg.attention.sampler_skip and gpu:
             opts["xla_gpu_enable_command_buffer"] = COMMAND_BUFFER_WITH_CONDITIONALS
-        if self.cfg.attention.xla_pdl and gpu:
-            opts.update(PDL_OPTIONS)
+        if self.cfg.attention.xla_pdl is not None and gpu:
+            opts.update(dict.fromkeys(PDL_OPTIONS, self.cfg.attention.xla_pdl))
         if not self.cfg.attention.xla_remat:
             opts["xla_disable_hlo_passes"] = "rematerialization"
         return opts or None

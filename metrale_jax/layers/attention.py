@@ -73,9 +73,10 @@ class AttentionConfig:
     # XLA's programmatic dependent launch on the GPU's step executables (`xla_gpu_enable_pdl`,
     # `xla_gpu_enable_pdl_launch`, in jaxlib 0.11.2's CUDA plugin): a kernel XLA emits may start
     # its prologue while the kernel before it drains (Hopper's griddepcontrol). At batch 1 a step
-    # is a few hundred kernels of a few microseconds each. Off until measured on a GPU (session 37: the
-    # options exist; nothing run).
-    xla_pdl: bool = False
+    # is a few hundred kernels of a few microseconds each. True / False force both on / off; None
+    # leaves jaxlib's default, unchecked here (a note on OpenXLA's main says both are on by default
+    # on Hopper). Not measured yet (session 37: the options exist; nothing run).
+    xla_pdl: bool | None = None
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,
