@@ -165,6 +165,16 @@ def test_chat_equals_llm_chat(client, refs):
     assert chunks[-1].choices[0].finish_reason == refs["chat"].outputs[0].finish_reason
 
 
+def test_tokenize_matches_what_the_engine_is_given(http, refs):
+    """/tokenize of the chat gives the prompt ids `LLM.chat` ran; of a prompt, those `generate` ran;
+    /detokenize gives back the text."""
+    r = http.post("/tokenize", json={"model": MODEL, "messages": CHAT})
+    assert r.status_code == 200 and r.json()["tokens"] == list(refs["chat"].prompt_token_ids)
+    ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    assert ids == list(refs["greedy"][0].prompt_token_ids)
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith(PROMPTS[0])
+
+
 def test_n_seed_and_stop_strings(client, refs):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=3, seed=11)
     a = client.completions.create(**kw)

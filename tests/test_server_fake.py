@@ -137,6 +137,39 @@ def test_n_and_several_prompts(http):
     assert j["choices"][0]["text"] == FakeTokenizer().decode([5, 6, 7]) + expected_fake_text([5, 6, 7], 0, 3)
 
 
+def test_tokenize_detokenize_version(http):
+    """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize and /version."""
+    tok = FakeTokenizer()
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "hello there", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("hello there") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 96 and body["token_strs"] == [tok.decode([i]) for i in body["tokens"]]
+    assert http.post("/tokenize", json={"prompt": "x"}).json()["token_strs"] is None
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    body = http.post("/tokenize", json={"messages": msgs}).json()
+    assert body["tokens"] == tok.encode("[system]be brief[user]hi[assistant]")  # as /v1/chat/completions renders
+    body = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert body["tokens"] == tok.encode("[system]be brief[user]hi")
+    r = http.post("/detokenize", json={"tokens": tok.encode("round trip")})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(tok.encode("round trip"))}
+    kept = http.post("/detokenize", json={"tokens": [1, 5]}).json()["prompt"]  # special tokens kept
+    assert kept == "<s>" + tok.decode([5])
+    v = http.get("/version").json()["version"]
+    assert isinstance(v, str) and v
+    for path, body, status, param, code in [
+            ("/tokenize", {"prompt": "a", "messages": msgs}, 400, "prompt", "invalid_value"),
+            ("/tokenize", {}, 400, "prompt", "invalid_value"),
+            ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model", "model_not_found"),
+            ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "chat_template_error"),
+            ("/detokenize", {"tokens": [3, 64]}, 400, None, "invalid_prompt"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0", "invalid_value"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens", "invalid_value")]:
+        r = http.post(path, json=body)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"], err["code"]) == (status, param, code), (body, r.text)
+
+
 def test_logprobs_formats(http):
     j = http.post("/v1/completions", json={"prompt": "lp", "max_tokens": 5, "logprobs": 2}).json()
     lp = j["choices"][0]["logprobs"]

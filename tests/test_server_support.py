@@ -107,6 +107,7 @@ class FakeEngine:
                  max_logprobs: int = 5):
         self.config = SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = VOCAB
         self.model_name = "fake-model"
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -1,5 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (a request's `model` may name an adapter).
+and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (a request's `model` may name an adapter),
+/tokenize, /detokenize and /version.
 
 `create_app(engine, ServerConfig(...))` wraps an `LLMEngine` (or anything with its API). The
 engine runs on the `EngineLoop` thread, started and stopped by the app's lifespan; see
@@ -28,7 +29,7 @@ request field at fault or null.
                                    empty_prompt, invalid_prompt: no tokens; text that cannot be
                                      tokenized; a token id outside the vocabulary
                                    invalid_sampling_params: a value the engine refuses
-                                   chat_template_error, no_chat_template, invalid_messages
+                                   chat_template_error, no_chat_template, no_tokenizer, invalid_messages
                                    invalid_structured_outputs: a JSON schema, regex, choice list or
                                      grammar that does not compile (`response_format`,
                                      `structured_outputs`, `guided_*`), or more than one of them
@@ -84,9 +85,12 @@ from metrale_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from metrale_jax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
+    TokenizeRequest,
     error_body,
     parse_request,
+    template_messages,
 )
 from metrale_jax.server.tools import TOOL_CALL_PARSERS, ToolMode, tool_mode
 
@@ -616,6 +620,68 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/version")
+    async def version():
+        from metrale_jax import __version__
+
+        return {"version": __version__}
+
+    def need_tokenizer(what: str) -> Any:
+        if tokenizer is None:
+            raise RequestError(f"this model has no tokenizer, so no {what}", code="no_tokenizer")
+        return tokenizer
+
+    async def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None,
+                          add_special_tokens: bool = False) -> list[int]:
+        """The token ids of a conversation rendered with the model's chat template."""
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
+        extra = {"tools": tools} if tools else {}
+        try:
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+        except Exception as e:  # noqa: BLE001 - jinja2 errors from the model's template are the caller's
+            raise RequestError(chat_template_error_message(e), param="messages", code="chat_template_error") from None
+        try:  # as apply_chat_template(tokenize=True): the template writes its own special tokens
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises bare TypeError / Exception
+            raise InvalidPromptError(f"the rendered chat prompt cannot be tokenized: {type(e).__name__}: {e}") from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's endpoint: {"count", "max_model_len", "tokens", "token_strs"}."""
+        check_auth(request)
+        req = parse_request(TokenizeRequest, await _read_body(request, config.max_request_bytes))
+        req.check()
+        check_model(req.model)
+        tok = need_tokenizer("tokenization")
+        if req.messages is not None:
+            ids = await render_chat(template_messages(req.messages), req.add_generation_prompt is not False,
+                                    req.tools, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            try:
+                ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
+            except Exception as e:  # noqa: BLE001 - lone surrogates, or what else the tokenizer refuses
+                raise InvalidPromptError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}") from None
+        strs = None
+        if req.return_token_strs:
+            convert = getattr(tok, "convert_ids_to_tokens", None)
+            strs = list(convert(ids)) if convert else [tok.decode([i], skip_special_tokens=False) for i in ids]
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's endpoint: {"tokens": [...]} -> {"prompt": text}, special tokens kept."""
+        check_auth(request)
+        req = parse_request(DetokenizeRequest, await _read_body(request, config.max_request_bytes))
+        check_model(req.model)
+        tok = need_tokenizer("detokenization")
+        vocab = int(getattr(engine, "vocab_size", 0) or 0)
+        bad = [t for t in req.tokens if vocab and t >= vocab]
+        if bad:
+            raise InvalidPromptError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
     @app.get("/v1/models")
     async def list_models(request: Request):
         check_auth(request)
@@ -748,20 +814,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         tools, schemas = tool_mode(req.tool_choice, req.tools, config.tool_call_parser)
         parallel_calls = req.parallel_tool_calls is not False
         kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, parallel_calls))
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
-        messages = req.template_messages()
-        extra = {"tools": req.tools} if req.tools else {}
-        try:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
-                                           add_generation_prompt=req.add_generation_prompt is not False,
-                                           tokenize=False, **extra)
-        except Exception as e:  # noqa: BLE001 - jinja2 errors from the model's template are the caller's
-            raise RequestError(chat_template_error_message(e), param="messages", code="chat_template_error") from None
-        try:  # as apply_chat_template(tokenize=True): the template writes its own special tokens
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises bare TypeError / Exception
-            raise InvalidPromptError(f"the rendered chat prompt cannot be tokenized: {type(e).__name__}: {e}") from None
+        ids = await render_chat(req.template_messages(), req.add_generation_prompt is not False, req.tools)
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,

@@ -289,14 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool | None = True
 
     def template_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for i, m in enumerate(self.messages):
-            d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
-            for key in ("name", "tool_calls", "tool_call_id"):
-                if getattr(m, key) is not None:
-                    d[key] = getattr(m, key)
-            out.append(d)
-        return template_tool_calls(out)
+        return template_messages(self.messages)
 
     def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
         """`tool_schema`: the JSON schema a forced tool call constrains the reply to (tools.py)."""
@@ -314,6 +307,43 @@ class ChatCompletionRequest(_SamplingFields):
             except InvalidStructuredOutputsError as e:
                 raise RequestError(f"tools: {e}", param="tools", code=e.code) from None
         return kwargs
+
+
+class TokenizeRequest(_Base):
+    """POST /tokenize (vLLM's): `prompt`, or chat `messages` rendered as /v1/chat/completions
+    renders them. add_special_tokens defaults to true for a prompt and false for messages (the
+    chat template writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+    tools: list[Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give either 'prompt' or 'messages'", param="prompt")
+
+
+class DetokenizeRequest(_Base):
+    """POST /detokenize (vLLM's): token ids -> {"prompt": text} (special tokens kept)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: text content joined, the tool-call keys kept."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                d[key] = getattr(m, key)
+        out.append(d)
+    return template_tool_calls(out)
 
 
 def template_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
