@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from metrale_jax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import EngineStats, LLMEngine
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -169,6 +170,14 @@ class LLM:
                                          f"UTF-8?): {type(e).__name__}: {e}") from e
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self._run(prompts, sampling_params, use_tqdm, lora_request)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`metrale_jax.beam_search`): the `params.beam_width` best beams of
+        each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}), best first."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params, lora_request, use_tqdm)
 
     def abort(self, request_id: str) -> None:
         self.llm_engine.abort(request_id)
