@@ -76,55 +76,84 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: tuple[int, ...], length_
     return beam.cum_logprob / (max(n, 1) ** length_penalty)
 
 
+class BeamSearch:
+    """One search's state between rounds, so that the offline API and the server can drive it:
+    `round()` gives the live beams' token lists to run as one-token requests (`step_params`; []
+    when the search is over), `advance(...)` takes each one's logprob dict, `results()` ranks."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: tuple[int, ...],
+                 max_model_len: int):
+        self.params = params
+        self.eos = tuple(eos_token_ids)
+        self.max_len = int(max_model_len)
+        self.live = [[BeamSearchSequence(tokens=list(p))] for p in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.rounds = 0
+
+    def key(self, b: BeamSearchSequence) -> float:
+        return beam_score(b, self.eos, self.params.length_penalty)
+
+    def round(self) -> list[list[int]]:
+        if self.rounds >= self.params.max_tokens:
+            return []
+        for i, beams in enumerate(self.live):  # a beam at max_model_len can take no more tokens
+            self.done[i] += [_finish(b, "length") for b in beams if len(b.tokens) >= self.max_len]
+            self.live[i] = [b for b in beams if len(b.tokens) < self.max_len]
+        return [b.tokens for beams in self.live for b in beams]
+
+    def advance(self, logprobs: list[PositionLogprobs]) -> None:
+        """One dict per beam `round()` gave, in its order: the candidates of the beam's next token."""
+        it = iter(logprobs)
+        width = self.params.beam_width
+        for i, beams in enumerate(self.live):
+            grown = []
+            for b in beams:
+                lps = next(it)
+                for t, lp in lps.items():
+                    nb = BeamSearchSequence(b.tokens + [t], b.logprobs + [lps], b.cum_logprob + lp.logprob)
+                    if t in self.eos and not self.params.ignore_eos:
+                        self.done[i].append(_finish(nb, "stop"))
+                    else:
+                        grown.append(nb)
+            self.live[i] = sorted(grown, key=self.key, reverse=True)[:width]
+        self.rounds += 1
+
+    def results(self) -> list[BeamSearchOutput]:
+        """Per prompt the beam_width best of the finished and live beams, best first (no text)."""
+        return [BeamSearchOutput(sorted(done + [_finish(b, "length") for b in live], key=self.key,
+                                        reverse=True)[:self.params.beam_width])
+                for done, live in zip(self.done, self.live)]
+
+
+def step_params(params: BeamSearchParams, max_logprobs: int) -> SamplingParams:
+    """The SamplingParams of a round's one-token requests (InvalidSamplingParamsError when the
+    engine's max_logprobs is below 2 x beam_width)."""
+    if not isinstance(params, BeamSearchParams):
+        raise InvalidSamplingParamsError(f"params must be BeamSearchParams, got {type(params).__name__}")
+    k = 2 * params.beam_width
+    if k > max_logprobs:
+        raise InvalidSamplingParamsError(f"beam_width={params.beam_width} needs the top {k} logprobs a round; "
+                                         f"this engine's max_logprobs is {max_logprobs}")
+    return SamplingParams(max_tokens=1, logprobs=k, temperature=0.0, ignore_eos=True)
+
+
 def beam_search(llm: Any, prompts: list[Any], params: BeamSearchParams, lora_request: Any = None,
                 use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """`LLM.beam_search`: see the module docstring."""
-    if not isinstance(params, BeamSearchParams):
-        raise InvalidSamplingParamsError(f"params must be BeamSearchParams, got {type(params).__name__}")
     eng = llm.llm_engine
-    width = params.beam_width
-    if 2 * width > eng.config.max_logprobs:
-        raise InvalidSamplingParamsError(f"beam_width={width} needs the top {2 * width} logprobs a round; this "
-                                         f"engine's max_logprobs is {eng.config.max_logprobs}")
-    eos = tuple(eng.eos_token_ids)
-    max_len = int(eng.config.max_model_len)
-    step = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=0.0, ignore_eos=True)
-    live: list[list[BeamSearchSequence]] = []
-    for p in prompts:
-        ids = eng.validate(p, step)[1]
-        live.append([BeamSearchSequence(tokens=list(ids))])
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-
-    def key(b: BeamSearchSequence) -> float:
-        return beam_score(b, eos, params.length_penalty)
-
-    for _ in tqdm(range(params.max_tokens), desc="beam search", unit="token", disable=not use_tqdm):
-        for i, beams in enumerate(live):  # a beam at max_model_len can take no more tokens
-            done[i] += [_finish(b, "length") for b in beams if len(b.tokens) >= max_len]
-            live[i] = [b for b in beams if len(b.tokens) < max_len]
-        batch = [b for beams in live for b in beams]
-        if not batch:
-            break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for b in batch], step, lora_request=lora_request)
-        it = iter(outs)
-        for i, beams in enumerate(live):
-            grown = []
-            for b in beams:
-                lps = next(it).outputs[0].logprobs[0]
-                for t, lp in lps.items():
-                    nb = BeamSearchSequence(b.tokens + [t], b.logprobs + [lps], b.cum_logprob + lp.logprob)
-                    if t in eos and not params.ignore_eos:
-                        done[i].append(_finish(nb, "stop"))
-                    else:
-                        grown.append(nb)
-            live[i] = sorted(grown, key=key, reverse=True)[:width]
+    step = step_params(params, eng.config.max_logprobs)
+    search = BeamSearch([eng.validate(p, step)[1] for p in prompts], params, eng.eos_token_ids,
+                        eng.config.max_model_len)
+    with tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=not use_tqdm) as bar:
+        while batch := search.round():
+            outs = llm.generate([{"prompt_token_ids": t} for t in batch], step, lora_request=lora_request)
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+            bar.update(1)
+    results = search.results()
     tok = eng.tokenizer
-    results = []
-    for i, beams in enumerate(live):
-        best = sorted(done[i] + [_finish(b, "length") for b in beams], key=key, reverse=True)[:width]
-        for b in best:
+    for out in results:
+        for b in out.sequences:
             b.text = tok.decode(b.tokens) if tok is not None else None
-        results.append(BeamSearchOutput(best))
     return results
 
 
@@ -133,4 +162,5 @@ def _finish(beam: BeamSearchSequence, reason: str) -> BeamSearchSequence:
     return beam
 
 
-__all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_search", "beam_score"]
+__all__ = ["BeamSearch", "BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_search", "beam_score",
+           "step_params"]

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server_support import make_tiny_text_model, sse_events
 
+from metrale_jax.beam_search import BeamSearchParams
 from metrale_jax.engine import EngineConfig, LLMEngine
 from metrale_jax.llm import LLM
 from metrale_jax.sampling import SamplingParams
@@ -69,6 +70,7 @@ def refs_and_server(model_dir):
         "load": llm.generate([{"prompt_token_ids": p} for p in _load_prompts()],
                              SamplingParams(temperature=0, max_tokens=LOAD_TOKENS, ignore_eos=True)),
         "long": llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0],
+        "beam": llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=6)),
     }
     assert engine.stats().kv_blocks_used == 0
     cfg = ServerConfig(model_names=(MODEL,), max_waiting_requests=512, max_request_bytes=64 << 10)
@@ -173,6 +175,24 @@ def test_tokenize_matches_what_the_engine_is_given(http, refs):
     ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
     assert ids == list(refs["greedy"][0].prompt_token_ids)
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith(PROMPTS[0])
+
+
+def test_beam_search_equals_llm_beam_search(client, refs, model_dir):
+    """use_beam_search=true with n=3: the choices are LLM.beam_search's beams, best first (text
+    without the prompt and a final EOS)."""
+    from metrale_jax.loading.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=3, max_tokens=6,
+                                  extra_body={"use_beam_search": True})
+    for pi, (prompt, out) in enumerate(zip(PROMPTS[:2], refs["beam"])):
+        plen = len(tok.encode(prompt))
+        want = []
+        for s in out.sequences:
+            new = s.tokens[plen:]
+            want.append((tok.decode(new[:-1] if s.finish_reason == "stop" else new), s.finish_reason))
+        got = [(c.text, c.finish_reason) for c in r.choices[3 * pi:3 * pi + 3]]
+        assert got == want
 
 
 def test_n_seed_and_stop_strings(client, refs):

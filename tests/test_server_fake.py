@@ -170,6 +170,35 @@ def test_tokenize_detokenize_version(http):
         assert (r.status_code, err["param"], err["code"]) == (status, param, code), (body, r.text)
 
 
+def test_beam_search_wire_format(http):
+    """use_beam_search: n beams a prompt as the choices, streamed or not; the fields beam search does
+    not take are 400s. (The beams themselves: test_server.py against LLM.beam_search.)"""
+    body = {"model": MODEL, "prompt": ["hi", "there"], "n": 2, "max_tokens": 3, "use_beam_search": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert all(c["finish_reason"] == "length" and c["text"] for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 4 * 3 and out["usage"]["prompt_tokens"] == 2 + 5
+    events = stream_post(http, "/v1/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    texts = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in out["choices"]}
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                   "n": 2, "max_tokens": 2, "use_beam_search": True,
+                                                   "length_penalty": 0.5}).json()
+    assert len(chat["choices"]) == 2 and all(c["message"]["content"] for c in chat["choices"])
+    for extra, param_name in [({"logprobs": 1}, "logprobs"), ({"stop": ["x"]}, "stop"),
+                              ({"presence_penalty": 0.5}, "presence_penalty"), ({"guided_regex": "a+"}, "structured"),
+                              ({"n": 3}, "max_logprobs")]:
+        r = http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400 and param_name in r.json()["error"]["message"], (extra, r.text)
+    assert http.post("/v1/completions", json={**body, "prompt": [[1, 99]]}).status_code == 400  # the engine's 400
+
+
 def test_logprobs_formats(http):
     j = http.post("/v1/completions", json={"prompt": "lp", "max_tokens": 5, "logprobs": 2}).json()
     lp = j["choices"][0]["logprobs"]

@@ -105,9 +105,11 @@ class FakeEngine:
     def __init__(self, *, max_model_len: int = 96, max_num_seqs: int = 4, block_size: int = 4,
                  num_blocks: int = 4096, step_delay_s: float = 0.0, fail_after_steps: int | None = None,
                  max_logprobs: int = 5):
-        self.config = SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        self.config = SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                      max_logprobs=max_logprobs)
         self.tokenizer = FakeTokenizer()
         self.vocab_size = VOCAB
+        self.eos_token_ids = (2,)
         self.model_name = "fake-model"
         self.block_size = block_size
         self.num_blocks = num_blocks

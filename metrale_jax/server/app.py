@@ -68,7 +68,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metrale_jax.engine.outputs import CompletionOutput
+from metrale_jax.beam_search import BeamSearch, step_params
+from metrale_jax.engine.outputs import CompletionOutput, RequestOutput
 from metrale_jax.errors import InvalidPromptError, InvalidRequestError, MetraleError
 from metrale_jax.llm import chat_template_error_message
 from metrale_jax.lora.request import LoRARequest
@@ -422,6 +423,56 @@ class _Generation:
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
 
 
+class _BeamRun:
+    """`use_beam_search` through the engine loop, shaped like a `Subscription` for `run`: each round
+    of the search (`beam_search.BeamSearch`: one-token requests with the top 2n logprobs) is a
+    group of engine requests of its own; `updates()` yields, when the search is over, one final
+    output per prompt whose n beams are the choices (text without the prompt and a final EOS)."""
+
+    def __init__(self, loop_: EngineLoop, search: BeamSearch, step: SamplingParams, lora: Any,
+                 engine_ids: list[str], tokenizer: Any, skip_special_tokens: bool):
+        self.loop, self.search, self.step, self.lora = loop_, search, step, lora
+        self.engine_ids, self.tok, self.skip = engine_ids, tokenizer, skip_special_tokens
+        self.prompts = [b[0].tokens for b in search.live]
+        self._sub: Subscription | None = None
+        self._rids: list[str] = []
+        self._round = 0
+
+    async def start(self) -> None:
+        """Queue the first round now: a prompt the engine refuses is then the request's 400."""
+        await self._submit(self.search.round())
+
+    async def _submit(self, batch: list[list[int]]) -> None:
+        self._sub = None
+        if batch:
+            self._rids = [f"{self.engine_ids[0]}-beam{self._round}.{j}" for j in range(len(batch))]
+            self._sub = await self.loop.submit([(rid, {"prompt_token_ids": t}, self.step, self.lora)
+                                                for rid, t in zip(self._rids, batch)])
+
+    async def updates(self) -> AsyncIterator[list[Any]]:
+        while self._sub is not None:
+            final: dict[str, Any] = {}
+            async for outs in self._sub.updates():
+                final.update((o.request_id, o) for o in outs)
+            self.search.advance([final[r].outputs[0].logprobs[0] for r in self._rids])
+            self._round += 1
+            await self._submit(self.search.round())
+        outs = []
+        for rid, prompt, res in zip(self.engine_ids, self.prompts, self.search.results()):
+            choices = []
+            for j, b in enumerate(res.sequences):
+                new = b.tokens[len(prompt):]
+                text = self.tok.decode(new[:-1] if b.finish_reason == "stop" else new,
+                                       skip_special_tokens=self.skip) if self.tok is not None else ""
+                choices.append(CompletionOutput(j, text, new, b.cum_logprob, None, b.finish_reason))
+            outs.append(RequestOutput(rid, None, prompt, None, choices, True))
+        yield outs
+
+    def abort(self) -> None:
+        if self._sub is not None:
+            self._sub.abort()
+
+
 class _EventStream(StreamingResponse):
     """An SSE response that runs `on_close` however it ends: finished, client gone, or cancelled.
 
@@ -729,7 +780,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         log.info("LoRA adapter %r unloaded", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    async def run(request: Request, gen: _Generation, sub: Subscription, stream: bool, include_usage: bool):
+    async def run(request: Request, gen: _Generation, sub: Subscription | _BeamRun, stream: bool,
+                  include_usage: bool):
         if stream:
             async def events() -> AsyncIterator[str]:
                 try:
@@ -776,11 +828,28 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return JSONResponse(gen.response())
 
     async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any],
-                     lora: Any = None) -> Subscription:
+                     lora: Any = None, beam: Any = None) -> Subscription | _BeamRun:
+        """The engine requests of `gen` queued; with `beam` (the request, use_beam_search) a beam search."""
         access = request.scope.get("metrale.access")
         if access is not None:
             access["request_id"] = gen.id
             access["gen"] = gen
+        if beam is not None:
+            ids = []
+            for p in prompts:
+                if isinstance(p, dict):
+                    ids.append(list(p["prompt_token_ids"]))
+                elif tokenizer is None:
+                    raise RequestError("this model has no tokenizer: send token ids", param="prompt")
+                else:
+                    ids.append(list(tokenizer.encode(p)))
+            bp = beam.beam_search_params(kwargs, max_model_len, max(map(len, ids)))
+            step = step_params(bp, engine.config.max_logprobs).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            eos = tuple(getattr(engine, "eos_token_ids", ()) or getattr(tokenizer, "eos_token_ids", ()))
+            run_ = _BeamRun(loop_, BeamSearch(ids, bp, eos, max_model_len), step, lora, gen.engine_ids(len(ids)),
+                            tokenizer, kwargs["skip_special_tokens"])
+            await run_.start()
+            return run_
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)  # _Generation joins them
         reqs = [(rid, p, params, lora) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
         return await loop_.submit(reqs)
@@ -801,7 +870,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo)
-        sub = await submit(request, gen, prompts, kwargs, lora)
+        sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -819,7 +888,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
                           tools=tools)
-        sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora)
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora,
+                           beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     return app

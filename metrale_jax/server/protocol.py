@@ -119,6 +119,8 @@ class _SamplingFields(_Base):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    use_beam_search: bool | None = False  # n beams a prompt (metrale_jax/beam_search.py)
+    length_penalty: Annotated[float, Field(ge=-100.0, le=100.0)] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -208,6 +210,25 @@ class _SamplingFields(_Base):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             structured_outputs=self._structured_outputs(),
         )
+
+    def beam_search_params(self, kwargs: dict[str, Any], max_model_len: int, prompt_len: int):
+        """use_beam_search: vLLM's BeamSearchParams (n beams; max_tokens None = up to the context),
+        or a 400 for the fields beam search does not take (it ranks by raw logprobs and ends at EOS)."""
+        from metrale_jax.beam_search import BeamSearchParams
+
+        unsupported = [("logprobs", kwargs["logprobs"] is not None), ("stop", bool(kwargs["stop"])),
+                       ("stop_token_ids", bool(kwargs["stop_token_ids"])), ("min_tokens", kwargs["min_tokens"] > 0),
+                       ("structured outputs", kwargs["structured_outputs"] is not None),
+                       ("presence_penalty", kwargs["presence_penalty"] != 0),
+                       ("frequency_penalty", kwargs["frequency_penalty"] != 0),
+                       ("repetition_penalty", kwargs["repetition_penalty"] != 1)]
+        bad = [name for name, given in unsupported if given]
+        if bad:
+            raise RequestError(f"use_beam_search does not take {', '.join(bad)}", param="use_beam_search",
+                               code="unsupported_parameter")
+        max_tokens = kwargs["max_tokens"] if kwargs["max_tokens"] is not None else max_model_len - prompt_len
+        return BeamSearchParams(beam_width=kwargs["n"], max_tokens=max(1, max_tokens), ignore_eos=kwargs["ignore_eos"],
+                                length_penalty=1.0 if self.length_penalty is None else self.length_penalty)
 
     @property
     def include_usage(self) -> bool:
