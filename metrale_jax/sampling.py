@@ -76,6 +76,10 @@ class SamplingParams:
     logprobs / prompt_logprobs: None = off, k >= 0 = the chosen/prompt token plus the top k.
     structured_outputs: None = free text; else a `StructuredOutputsParams` constraint (JSON schema,
     regex, choice, grammar) every sampled token obeys (`metrale_jax.structured_output`).
+    allowed_token_ids: None = any token; else only these are sampled (vLLM's).
+    logit_bias: {token id: bias}, OpenAI's: -100 bans the token, 100 allows only the tokens given
+    100 (as OpenAI describes the two ends); 0 does nothing. Other values are refused: the engine
+    applies these as a token mask (`token_mask`), never as an added bias.
     """
 
     n: int = 1
@@ -98,6 +102,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -164,6 +170,46 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be None or a StructuredOutputsParams")
             self.structured_outputs.validate()
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
+                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be None or a non-empty list of token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_int(k) and k >= 0 and is_num(v) for k, v in self.logit_bias.items()):
+                bad("logit_bias", "must be None or a dict of token id -> number")
+            odd = [(k, v) for k, v in self.logit_bias.items() if v not in (-100, 0, 100)]
+            if odd:
+                raise InvalidSamplingParamsError(
+                    f"logit_bias {odd[0][0]}: {odd[0][1]!r}: this engine takes -100 (ban the token) and 100 "
+                    f"(only the tokens given 100), applied as a mask; other biases are not supported")
+
+    def token_mask(self, vocab_size: int) -> np.ndarray | None:
+        """allowed_token_ids and logit_bias as a packed mask i32[ceil(vocab_size / 32)] (bit i of
+        word w: token 32w + i may be sampled), or None when neither restricts anything.
+        InvalidSamplingParamsError for an id >= vocab_size or a mask that allows nothing."""
+        bias = self.logit_bias or {}
+        only = [k for k, v in bias.items() if v == 100]
+        ban = [k for k, v in bias.items() if v == -100]
+        if self.allowed_token_ids is None and not only and not ban:
+            return None
+        ids = [*(self.allowed_token_ids or ()), *bias]
+        if any(int(t) >= vocab_size for t in ids):
+            raise InvalidSamplingParamsError(f"allowed_token_ids / logit_bias: token id {max(ids)} is outside the "
+                                             f"vocabulary [0, {vocab_size})")
+        width = -(-int(vocab_size) // 32)
+        allow = np.zeros(width * 32, bool)
+        if self.allowed_token_ids is None and not only:
+            allow[:vocab_size] = True
+        else:
+            keep = set(map(int, self.allowed_token_ids)) if self.allowed_token_ids is not None else set(map(int, only))
+            if self.allowed_token_ids is not None and only:
+                keep &= set(map(int, only))
+            allow[list(keep)] = True
+        allow[list(map(int, ban))] = False
+        if not allow.any():
+            raise InvalidSamplingParamsError("allowed_token_ids and logit_bias leave no token to sample")
+        return np.packbits(allow, bitorder="little").view(np.int32)
 
     @property
     def greedy(self) -> bool:
@@ -181,6 +227,13 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def and_token_masks(out: np.ndarray, rows: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """`out` i32[R, W] (-1 = all allowed) with each (row, mask i32[W]) of `rows` ANDed in, in place."""
+    for r, m in rows:
+        out[r] &= m
+    return out
 
 
 # ---- device side ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ PROMPTS = ["Hello, my name is", "The capital of France", "a", "Once upon a time,
 LOAD_N = 200
 LOAD_TOKENS = 5
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+MASKED = dict(allowed_token_ids=list(range(60, 120)), logit_bias={60: -100, 61: -100})
 
 
 def _load_prompts() -> list[list[int]]:
@@ -71,6 +72,8 @@ def refs_and_server(model_dir):
                              SamplingParams(temperature=0, max_tokens=LOAD_TOKENS, ignore_eos=True)),
         "long": llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0],
         "beam": llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=6)),
+        "masked": llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                           **MASKED))[0],
     }
     assert engine.stats().kv_blocks_used == 0
     cfg = ServerConfig(model_names=(MODEL,), max_waiting_requests=512, max_request_bytes=64 << 10)
@@ -193,6 +196,16 @@ def test_beam_search_equals_llm_beam_search(client, refs, model_dir):
             want.append((tok.decode(new[:-1] if s.finish_reason == "stop" else new), s.finish_reason))
         got = [(c.text, c.finish_reason) for c in r.choices[3 * pi:3 * pi + 3]]
         assert got == want
+
+
+def test_logit_bias_and_allowed_token_ids(client, refs):
+    """OpenAI's logit_bias (-100 bans) and vLLM's allowed_token_ids: what LLM.generate gives."""
+    want = refs["masked"].outputs[0]
+    assert set(want.token_ids) <= set(range(62, 120))
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  logit_bias={str(k): v for k, v in MASKED["logit_bias"].items()},
+                                  extra_body={"allowed_token_ids": MASKED["allowed_token_ids"], "ignore_eos": True})
+    assert r.choices[0].text == want.text
 
 
 def test_n_seed_and_stop_strings(client, refs):

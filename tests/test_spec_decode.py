@@ -255,14 +255,19 @@ def test_seeded_sampling_with_every_parameter_equals_plain(name, monkeypatch):
     base, eng = _engine(name, None), _engine(name, 4)
     vocab = base.vocab_size
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, vocab, n).tolist() for n in (6, 11, 3)]
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (6, 11, 3, 5)]
     eos = base.eos_token_ids[0] if base.eos_token_ids else 1
+    allowed = rng.choice(np.arange(3, vocab), 12, replace=False).tolist()
     sps = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=1, logprobs=1),
            SamplingParams(temperature=1.0, min_p=0.05, top_k=40, presence_penalty=0.7, frequency_penalty=0.4,
                           repetition_penalty=1.3, max_tokens=20, seed=2, min_tokens=12, stop_token_ids=[eos]),
-           SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16, ignore_eos=True, seed=3)]
+           SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16, ignore_eos=True, seed=3),
+           # allowed_token_ids / logit_bias: every window position masked, drafts cut where it bans
+           SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, seed=4, allowed_token_ids=allowed,
+                          logit_bias={allowed[0]: -100, allowed[1]: -100})]
     outs = base.generate([{"prompt_token_ids": p} for p in prompts], sps)
     ref = _ids(outs)
+    assert set(ref[3]) <= set(allowed[2:])
     overlapped = _patch_oracle(monkeypatch, [p + r for p, r in zip(prompts, ref)], vocab)
     b0 = _spec_now(eng)
     got = eng.generate([{"prompt_token_ids": p} for p in prompts], sps)

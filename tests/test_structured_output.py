@@ -364,6 +364,21 @@ def test_regex_and_choice_with_free_rows(llm, monkeypatch):
     assert not eng.has_unfinished_requests() and eng.stats().kv_blocks_used == 0
 
 
+def test_grammar_and_allowed_token_ids_together(llm):
+    """A choice constraint ANDed with allowed_token_ids (the fixed mask over the grammar's, filled
+    on the mask thread): only "dark blue" can be spelled with the allowed tokens; a free row beside."""
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    allowed = tok.encode("dark blue", add_special_tokens=False) + list(eng.eos_token_ids)
+    sps = [SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=12, allowed_token_ids=allowed,
+                          structured_outputs=StructuredOutputsParams(choice=["red", "green", "dark blue"])),
+           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate([_chat_prompt(llm, "Pick a colour."), _chat_prompt(llm, "Hi.")], sps, use_tqdm=False)
+    assert [c.text for c in outs[0].outputs] == ["dark blue"] * 3
+    assert len(outs[1].outputs[0].token_ids) == 6
+    assert not eng.has_unfinished_requests() and eng.stats().kv_blocks_used == 0
+
+
 def test_structural_tag_through_generate(llm):
     """A structural tag through `LLM.chat`: free text, and every ```json code block the model opens
     holds an object of the schema and is closed (SmolLM2 opens one when asked to)."""

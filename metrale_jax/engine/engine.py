@@ -48,7 +48,7 @@ from metrale_jax.metadata_builder import (
     pack,
 )
 from metrale_jax.parallel import Sharder, local, make_mesh
-from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams
+from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams, and_token_masks
 from metrale_jax.step import StepState, init_step_state
 
 log = logging.getLogger(__name__)
@@ -536,6 +536,13 @@ class LLMEngine:
             raise InvalidSamplingParamsError("penalties are disabled in this engine (max_penalty_rows=0)")
         if params.structured_outputs is not None:
             self.grammar_compiler().compile(params.structured_outputs)  # cached; raises if invalid
+        mask = params.token_mask(self.vocab_size)  # (raises for ids outside the vocabulary, an empty mask)
+        if mask is not None and params.min_tokens > 0:
+            stop = np.zeros(mask.size * 32, bool)
+            stop[list(self._stop_ids(params))] = True
+            if not np.any(np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool) & ~stop):
+                raise InvalidSamplingParamsError("with min_tokens > 0, allowed_token_ids / logit_bias leave only "
+                                                 "stop tokens, which min_tokens bans")
         return text, ids
 
     def grammar_compiler(self):
@@ -569,7 +576,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
                       stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
-                      lora_request=lora_request)
+                      lora_request=lora_request, token_mask=params.token_mask(self.vocab_size))
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -813,6 +820,9 @@ class LLMEngine:
         sampled = [(i, s) for i, s in enumerate(sched.decode)]
         sampled += [(n_bucket + j, c.seq) for j, c in enumerate(sched.chunks) if c.samples]
         masked = [(s.grammar, row) for row, s in sampled if s.grammar is not None and s.status != SeqStatus.FINISHED]
+        # allowed_token_ids / logit_bias: a fixed mask per row, ANDed into the grammars' (or alone)
+        fixed = [(row, s.request.token_mask) for row, s in sampled
+                 if s.request.token_mask is not None and s.status != SeqStatus.FINISHED]
         bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
         split = bool(masked) and self.compiler.has_split(bucket) and self.lockstep is None
         if split:  # the forward first: it runs while the host fills the masks below
@@ -834,12 +844,18 @@ class LLMEngine:
                     prev.advanced, prev.fed = True, threading.Event()
                     feed = functools.partial(self._feed_grammars, prev)
                 bitmask = self._grammars.fill_async(masked, bucket.num_sample_rows, before=feed)
+                if fixed:
+                    bitmask = functools.partial(lambda fill: and_token_masks(fill(), fixed), bitmask)
             else:
                 if prev is not None:
                     self._advance_grammars(prev)  # waits for the previous step's samples
-                bitmask = self._grammars.fill(masked, bucket.num_sample_rows)
+                bitmask = and_token_masks(self._grammars.fill(masked, bucket.num_sample_rows), fixed)
                 self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
                 bitmask = self.compiler.put(bitmask)
+        elif fixed:
+            bitmask = and_token_masks(np.full((bucket.num_sample_rows, fixed[0][1].size), -1, np.int32), fixed)
+            self._announce("step", inputs.bucket, ibuf, fbuf, bitmask)
+            bitmask = self.compiler.put(bitmask)
         else:
             self._announce("step", inputs.bucket, ibuf, fbuf, None)
         want_lp = bool(inputs.smd.flags[F_LOGPROBS])

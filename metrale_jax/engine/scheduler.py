@@ -107,6 +107,8 @@ class Request:
     finish_time: float | None = None
     aborted: bool = False
     lora_request: Any = None  # metrale_jax.lora.LoRARequest, or None for the base model
+    # i32[ceil(V / 32)]: the tokens allowed_token_ids / logit_bias leave (`SamplingParams.token_mask`)
+    token_mask: Any = None
 
     @property
     def finished(self) -> bool:

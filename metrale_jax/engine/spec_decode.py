@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
+from metrale_jax.sampling import and_token_masks
 
 SPEC_METHODS = ("ngram", "mtp")
 
@@ -144,6 +145,14 @@ class NgramIndex:
 
 
 _INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
+
+
+def allowed_prefix(mask: np.ndarray, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` whose tokens the packed mask i32[W] allows."""
+    for i, t in enumerate(drafts):
+        if not (int(mask[t >> 5]) >> (t & 31)) & 1:
+            return list(drafts[:i])
+    return list(drafts)
 
 
 def draft_tokens(seq, k: int, spec: SpeculativeConfig) -> list[int]:
@@ -543,6 +552,8 @@ def dispatch_verify(engine, sched):
             t0, src = s.token_ids[-1], -1
         if s.grammar is not None:  # what the grammar forces first (jump-forward), then what it accepts
             drafts = engine._grammars.forced_drafts(s.grammar, drafts, s.spec_len)
+        if s.request.token_mask is not None:  # (allowed_token_ids / logit_bias: drafts it allows)
+            drafts = allowed_prefix(s.request.token_mask, drafts)
         p = s.request.params
         rows.append(VerifyRow(tokens=[t0, *drafts], position=s.num_computed, block_table=s.blocks,
                               sampling=engine._row_sampling(s), ssm_slot=s.ssm_slot, suppress_until=p.min_tokens,
@@ -559,6 +570,12 @@ def dispatch_verify(engine, sched):
     w = 1 + k
     masked = [(s.grammar, r * w, rows[r].tokens[1:]) for r, s, _ in sampled if s.grammar is not None]
     bitmask = engine._grammars.fill(masked, bucket.num_sample_rows) if masked else None
+    fixed = [(r * w + j, s.request.token_mask) for r, s, _ in sampled if s.request.token_mask is not None
+             for j in range(w)]  # every window position of a row with allowed_token_ids / logit_bias
+    if fixed:
+        if bitmask is None:
+            bitmask = np.full((bucket.num_sample_rows, fixed[0][1].size), -1, np.int32)
+        bitmask = and_token_masks(bitmask, fixed)
     engine._announce("step", bucket, ibuf, fbuf, bitmask)  # processes under jax.distributed run it too
     dev = engine.compiler.put(ibuf, fbuf)
     if bitmask is not None:

@@ -119,6 +119,7 @@ class _SamplingFields(_Base):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     use_beam_search: bool | None = False  # n beams a prompt (metrale_jax/beam_search.py)
     length_penalty: Annotated[float, Field(ge=-100.0, le=100.0)] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -173,9 +174,22 @@ class _SamplingFields(_Base):
         except InvalidStructuredOutputsError as e:
             raise RequestError(str(e), param=param, code=e.code) from None
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token ids as strings) with integer keys; the engine checks the values."""
+        if not self.logit_bias:
+            return None
+        try:
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
+        odd = [(k, v) for k, v in bias.items() if v not in (-100, 0, 100)]
+        if odd:
+            raise RequestError(f"logit_bias {odd[0][0]}: {odd[0][1]:g}: this server takes -100 (ban the token) and "
+                               "100 (only the tokens given 100); other biases are not supported", param="logit_bias",
+                               code="unsupported_value")
+        return bias
+
     def _common_checks(self) -> None:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         for s in stops:
             if not s:
@@ -209,6 +223,8 @@ class _SamplingFields(_Base):
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             structured_outputs=self._structured_outputs(),
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            logit_bias=self._logit_bias(),
         )
 
     def beam_search_params(self, kwargs: dict[str, Any], max_model_len: int, prompt_len: int):
@@ -221,7 +237,9 @@ class _SamplingFields(_Base):
                        ("structured outputs", kwargs["structured_outputs"] is not None),
                        ("presence_penalty", kwargs["presence_penalty"] != 0),
                        ("frequency_penalty", kwargs["frequency_penalty"] != 0),
-                       ("repetition_penalty", kwargs["repetition_penalty"] != 1)]
+                       ("repetition_penalty", kwargs["repetition_penalty"] != 1),
+                       ("logit_bias", bool(kwargs["logit_bias"])),
+                       ("allowed_token_ids", kwargs["allowed_token_ids"] is not None)]
         bad = [name for name, given in unsupported if given]
         if bad:
             raise RequestError(f"use_beam_search does not take {', '.join(bad)}", param="use_beam_search",
