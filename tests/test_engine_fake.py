@@ -162,6 +162,24 @@ def test_delta_outputs_concatenate_to_the_final_output(eng, W):
     assert sorted(joined.outputs, key=lambda c: c.index) == sorted(seen["cum"][-1].outputs, key=lambda c: c.index)
 
 
+def test_delta_prompt_logprobs_of_a_one_step_request(eng, W):
+    """A DELTA request that finishes in its prefill step (max_tokens=1: the scoring call) still
+    gets its prompt logprobs, in that one output (they were dropped: its finished sequence counted
+    no computed tokens, so the logprobs waited for an output that never came)."""
+    p = _ids(7, 19)
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        eng.add_request(f"one-{kind.name}", {"prompt_token_ids": p},
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, output_kind=kind))
+    seen = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    delta, cum = seen["one-DELTA"], seen["one-CUMULATIVE"]
+    assert [o.prompt_logprobs is not None for o in delta].count(True) == 1 and delta[-1].finished
+    plp = next(o.prompt_logprobs for o in delta if o.prompt_logprobs is not None)
+    assert plp == cum[-1].prompt_logprobs and plp[0] is None and all(d is not None for d in plp[1:])
+
+
 def test_min_tokens_suppresses_eos(eng, W):
     p, ref = _prompt_with_eos(W, start=50)
     k = len(ref) + 3

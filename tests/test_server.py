@@ -74,6 +74,8 @@ def refs_and_server(model_dir):
         "beam": llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=6)),
         "masked": llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                            **MASKED))[0],
+        "scored": llm.generate(PROMPTS[3:4], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                            logprobs=2, prompt_logprobs=2))[0],
     }
     assert engine.stats().kv_blocks_used == 0
     cfg = ServerConfig(model_names=(MODEL,), max_waiting_requests=512, max_request_bytes=64 << 10)
@@ -196,6 +198,33 @@ def test_beam_search_equals_llm_beam_search(client, refs, model_dir):
             want.append((tok.decode(new[:-1] if s.finish_reason == "stop" else new), s.finish_reason))
         got = [(c.text, c.finish_reason) for c in r.choices[3 * pi:3 * pi + 3]]
         assert got == want
+
+
+def test_echo_with_logprobs_scores_the_prompt(http, refs):
+    """The legacy scoring call (lm-eval's): echo + logprobs gives the prompt's logprobs (the first
+    token's null) before the completion's, as LLM.generate's prompt_logprobs; max_tokens=0 gives the
+    prompt alone."""
+    want = refs["scored"]
+    ids = list(want.prompt_token_ids)
+    body = {"model": MODEL, "prompt": PROMPTS[3], "echo": True, "logprobs": 2, "temperature": 0, "max_tokens": 2,
+            "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == PROMPTS[3] + want.outputs[0].text
+    assert len(lp["tokens"]) == len(ids) + 2 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    prompt_lps = [d[t].logprob for t, d in zip(ids[1:], want.prompt_logprobs[1:])]
+    np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], prompt_lps, atol=1e-5)
+    gen_lps = [d[t].logprob for t, d in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)]
+    np.testing.assert_allclose(lp["token_logprobs"][len(ids):], gen_lps, atol=1e-5)
+    assert all(len(t) >= 2 for t in lp["top_logprobs"][1:])  # the actual token and the top 2
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    r = http.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    c = r["choices"][0]
+    assert c["text"] == PROMPTS[3] and c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    assert len(c["logprobs"]["tokens"]) == len(ids)
+    np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], prompt_lps, atol=1e-5)
 
 
 def test_logit_bias_and_allowed_token_ids(client, refs):

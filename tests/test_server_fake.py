@@ -275,7 +275,8 @@ BAD = [
     (b'{"prompt": "' + b"y" * 200 + b'"}', 400, None),  # longer than max_model_len
     (b'{"max_tokens": 3}', 400, "prompt"),
     (b'{"prompt": "x", "model": "nope"}', 404, "model"),
-    (b'{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo"),
+    (b'{"prompt": "x", "echo": true, "logprobs": 1, "stream": true}', 400, "stream"),
+    (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),  # (with echo: scoring the prompt)
     (b'{"prompt": "x", "suffix": "s"}', 400, "suffix"),
     (b'{"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}', 400, "structured_outputs"),
     (b'{"prompt": "x", "structured_outputs": {"regexp": "a"}}', 400, "structured_outputs"),

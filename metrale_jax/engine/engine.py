@@ -1072,8 +1072,10 @@ class LLMEngine:
         if req.prompt_logprobs is not None and not (delta and req.prompt_logprobs_sent):
             plp = list(req.prompt_logprobs)
             plp[0] = None
-            # DELTA: sent once, complete (with the first output that follows the whole prompt)
-            req.prompt_logprobs_sent = delta and all(s.num_computed >= s.prompt_len for s in req.seqs)
+            # DELTA: sent once, complete: with the first output after every prompt position has its
+            # logprobs (not when the sequences' computed counts pass the prompt: those move when a step
+            # is dispatched, its logprobs arrive when it is read), or with the last output
+            req.prompt_logprobs_sent = delta and (req.finished or all(d is not None for d in plp[1:]))
             if delta and not req.prompt_logprobs_sent:
                 plp = None
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,

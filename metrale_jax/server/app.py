@@ -215,7 +215,7 @@ class _Generation:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
                  holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
-                 tools: ToolMode = ToolMode()):
+                 tools: ToolMode = ToolMode(), prompt_only: bool = False, detok: Any = None):
         self.chat = chat
         self.tools = tools
         self.id = request_id
@@ -226,6 +226,12 @@ class _Generation:
         self.top_logprobs = top_logprobs or 0
         self.want_logprobs = want_logprobs
         self.echo_texts = echo_texts
+        # completions with echo: max_tokens=0 (`prompt_only`: the generated token is dropped), and
+        # with logprobs the prompt's (`prompt_lps`, each prompt's ids and logprob dicts); `detok`
+        # names a token that has no logprob entry (the prompt's first)
+        self.prompt_only = prompt_only
+        self.detok = detok
+        self.prompt_lps: dict[int, tuple[list[int], list[Any]]] = {}
         self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
@@ -242,6 +248,8 @@ class _Generation:
         """Add a DELTA output to the choices' whole outputs so far (`final`, owned here)."""
         pi = self.prompt_index(out.request_id)
         self.prompt_tokens[pi] = len(out.prompt_token_ids or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[pi] = (list(out.prompt_token_ids), list(out.prompt_logprobs))
         res = []
         for o in out.outputs:
             ci = pi * self.n + o.index
@@ -255,12 +263,34 @@ class _Generation:
                 acc.logprobs.extend(o.logprobs)
             acc.cumulative_logprob, acc.finish_reason, acc.stop_reason = o.cumulative_logprob, o.finish_reason, \
                 o.stop_reason
-            self.completion_tokens[ci] = len(acc.token_ids)
+            self.completion_tokens[ci] = 0 if self.prompt_only else len(acc.token_ids)
             res.append((self.choices[ci], acc))
         return res
 
     def usage(self) -> dict:
         return _usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+    def _echo_logprobs(self, ids: list[int], lps: list[Any]) -> dict:
+        """The legacy logprobs object of an echoed prompt (its first token without a logprob, as
+        OpenAI's and vLLM's), with "end": the text offset after its last token."""
+        first = self.detok([ids[0]]) if self.detok is not None and ids else None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = 0
+        for i, (tid, entry) in enumerate(zip(ids, lps)):
+            if entry is None:
+                tok = first if i == 0 and first is not None else _token_str(tid, None)
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                lp = entry.get(tid)
+                tok = _token_str(tid, lp)
+                token_lps.append(_floor(lp.logprob) if lp is not None else _LOGPROB_FLOOR)
+                tops.append({_token_str(j, x): _floor(x.logprob) for j, x in _ranked(entry)})
+            tokens.append(tok)
+            offsets.append(off)
+            off += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets,
+                "end": off}
 
     # ---- streaming ----
     def _delta(self, ch: _Choice, o: Any) -> tuple[str, list[int], list[dict] | None, str | None]:
@@ -400,13 +430,21 @@ class _Generation:
             text = (o.text if o is not None else "") or ""
             ids = list(o.token_ids) if o is not None else []
             finish = o.finish_reason if o is not None else "abort"
+            if self.prompt_only and o is not None:
+                text, ids, finish = "", [], "length"
             lp_obj = None
             if self.want_logprobs and o is not None and o.logprobs is not None:
                 lps = list(o.logprobs[:len(ids)])
                 if self.chat:
                     lp_obj = {"content": _chat_logprobs(ids, lps, self.top_logprobs)}
                 else:
-                    lp_obj = _completion_logprobs(ids, lps, 0)
+                    echo = self.echo_texts[ci // self.n] if self.echo_texts is not None else ""
+                    if ci // self.n in self.prompt_lps:  # the echoed prompt's own logprobs first
+                        lp_obj = self._echo_logprobs(*self.prompt_lps[ci // self.n])
+                        gen = _completion_logprobs(ids, lps, lp_obj["end"])
+                        lp_obj = {k: lp_obj[k] + gen[k] for k in gen}
+                    else:
+                        lp_obj = _completion_logprobs(ids, lps, len(echo))
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.tools.active and o is not None:
@@ -870,7 +908,9 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                     for p in prompts]
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
-                          top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo)
+                          top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo,
+                          prompt_only=req.prompt_only,
+                          detok=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None)
         sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 

@@ -259,7 +259,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
         list[str], Field(min_length=1)] | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                                                     Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
+    # 0 with echo: score the prompt only (its logprobs with `logprobs`), generate nothing
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -281,10 +282,21 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise RequestError("best_of must equal n (or be omitted)", param="best_of", code="unsupported_value")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo together with logprobs is not supported", param="echo",
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens=0 generates nothing; it needs echo (to score the prompt)",
+                               param="max_tokens")
+        if self.stream and (self.max_tokens == 0 or (self.echo and self.logprobs is not None)):
+            raise RequestError("echo with logprobs, or max_tokens=0, does not stream", param="stream",
                                code="unsupported_parameter")
-        return self._sampling_kwargs(self.max_tokens, max_model_len, self.logprobs)
+        kwargs = self._sampling_kwargs(1 if self.max_tokens == 0 else self.max_tokens, max_model_len, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs too (the legacy API's scoring)
+            kwargs["prompt_logprobs"] = self.logprobs
+        return kwargs
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens=0 with echo: the one token the engine generates is not returned."""
+        return self.max_tokens == 0
 
 
 class ContentPart(_Base):
