@@ -80,6 +80,8 @@ class SamplingParams:
     logit_bias: {token id: bias}, OpenAI's: -100 bans the token, 100 allows only the tokens given
     100 (as OpenAI describes the two ends); 0 does nothing. Other values are refused: the engine
     applies these as a token mask (`token_mask`), never as an added bias.
+    truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens (vLLM's left truncation); -1
+    keeps as many as fit beside one generated token (max_model_len - 1).
     """
 
     n: int = 1
@@ -104,6 +106,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,6 +173,9 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be None or a StructuredOutputsParams")
             self.structured_outputs.validate()
+        t = self.truncate_prompt_tokens
+        if t is not None and (not is_int(t) or not (t == -1 or t >= 1)):
+            bad("truncate_prompt_tokens", "must be None, -1 or an integer >= 1")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
                 or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):

@@ -225,6 +225,31 @@ def test_echo_with_logprobs_scores_the_prompt(http, refs):
     assert c["text"] == PROMPTS[3] and c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
     assert len(c["logprobs"]["tokens"]) == len(ids)
     np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], prompt_lps, atol=1e-5)
+    # vLLM's prompt_logprobs field: {token id: {logprob, rank, decoded_token}} per prompt token
+    r = http.post("/v1/completions", json={**body, "echo": False, "logprobs": None, "prompt_logprobs": 1}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for t, d, w in zip(ids[1:], plp[1:], want.prompt_logprobs[1:]):
+        assert abs(d[str(t)]["logprob"] - w[t].logprob) < 1e-5 and d[str(t)]["rank"] == w[t].rank
+        assert all(x["rank"] <= 1 for k, x in d.items() if k != str(t)) and 1 <= len(d) <= 2
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == len(refs["chat"].prompt_token_ids) and chat["prompt_logprobs"][0] is None
+
+
+def test_truncate_prompt_tokens(http, refs):
+    """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens: the completion is that of
+    the truncated prompt; -1 lets a prompt longer than the context run on its tail."""
+    ids = list(refs["greedy"][3].prompt_token_ids)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 5, "temperature": 0}
+    short = http.post("/v1/completions", json={**body, "prompt": ids[-6:]}).json()
+    r = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 6}).json()
+    assert r["choices"][0]["text"] == short["choices"][0]["text"] and r["usage"]["prompt_tokens"] == 6
+    long = (ids * 10)[:MAX_MODEL_LEN + 20]
+    assert http.post("/v1/completions", json={**body, "prompt": long}).status_code == 400
+    r = http.post("/v1/completions", json={**body, "prompt": long, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
+    assert http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0}).status_code == 400
 
 
 def test_logit_bias_and_allowed_token_ids(client, refs):

@@ -170,6 +170,24 @@ def test_tokenize_detokenize_version(http):
         assert (r.status_code, err["param"], err["code"]) == (status, param, code), (body, r.text)
 
 
+def test_chat_template_kwargs_and_continue_final_message(http, fake):
+    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking) and continue_final_message reach
+    the template, on /v1/chat/completions and /tokenize; the renderer's own arguments cannot be set."""
+    tok = fake[1].tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert tok.calls[-1]["enable_thinking"] is False and "continue_final_message" not in tok.calls[-1]
+    r = http.post("/tokenize", json={**body, "continue_final_message": True, "add_generation_prompt": False})
+    assert r.status_code == 200 and tok.calls[-1]["continue_final_message"] is True
+    for extra, param in [({"continue_final_message": True}, "continue_final_message"),  # (and the default
+                         # add_generation_prompt: vLLM's 400 too)
+                         ({"chat_template_kwargs": {"chat_template": "{{ 7 }}"}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+        r = http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_beam_search_wire_format(http):
     """use_beam_search: n beams a prompt as the choices, streamed or not; the fields beam search does
     not take are 400s. (The beams themselves: test_server.py against LLM.beam_search.)"""

@@ -505,6 +505,9 @@ class LLMEngine:
             raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         text, ids = self._prompt_ids(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.config.max_model_len - 1 if keep == -1 else keep):]
         if not ids:
             raise EmptyPromptError("the prompt is empty (no tokens)")
         mml = self.config.max_model_len

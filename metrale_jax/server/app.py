@@ -215,7 +215,8 @@ class _Generation:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
                  holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
-                 tools: ToolMode = ToolMode(), prompt_only: bool = False, detok: Any = None):
+                 tools: ToolMode = ToolMode(), prompt_only: bool = False, detok: Any = None,
+                 prompt_logprobs: int | None = None):
         self.chat = chat
         self.tools = tools
         self.id = request_id
@@ -232,6 +233,7 @@ class _Generation:
         self.prompt_only = prompt_only
         self.detok = detok
         self.prompt_lps: dict[int, tuple[list[int], list[Any]]] = {}
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field: its top k
         self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
@@ -458,8 +460,29 @@ class _Generation:
                 if self.echo_texts is not None:
                     text = self.echo_texts[ci // self.n] + text
                 choices.append({"index": ci, "text": text, "logprobs": lp_obj, "finish_reason": finish})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+                if self.want_prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(ci // self.n)
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+        if self.chat and self.want_prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(0)
+        return out
+
+    def _prompt_logprobs(self, pi: int) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs format: per prompt token None (the first) or {token id: {"logprob",
+        "rank", "decoded_token"}} with the actual token and the top k."""
+        if pi not in self.prompt_lps:
+            return None
+        k = self.want_prompt_logprobs
+        out: list[dict | None] = []
+        for tid, entry in zip(*self.prompt_lps[pi]):
+            if entry is None:
+                out.append(None)
+                continue
+            keep = {i: x for i, x in entry.items() if i == tid or (x.rank is not None and x.rank <= k)}
+            out.append({str(i): {"logprob": _floor(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
+                        for i, x in keep.items()})
+        return out
 
 
 class _BeamRun:
@@ -722,11 +745,11 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return tokenizer
 
     async def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The token ids of a conversation rendered with the model's chat template."""
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
                                            add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
@@ -747,7 +770,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         tok = need_tokenizer("tokenization")
         if req.messages is not None:
             ids = await render_chat(template_messages(req.messages), req.add_generation_prompt is not False,
-                                    req.tools, add_special_tokens=bool(req.add_special_tokens))
+                                    req.tools, add_special_tokens=bool(req.add_special_tokens),
+                                    template_kwargs=req.template_kwargs())
         else:
             try:
                 ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
@@ -909,7 +933,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo,
-                          prompt_only=req.prompt_only,
+                          prompt_only=req.prompt_only, prompt_logprobs=req.prompt_logprobs,
                           detok=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None)
         sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
@@ -924,11 +948,12 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         tools, schemas = tool_mode(req.tool_choice, req.tools, config.tool_call_parser)
         parallel_calls = req.parallel_tool_calls is not False
         kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, parallel_calls))
-        ids = await render_chat(req.template_messages(), req.add_generation_prompt is not False, req.tools)
+        ids = await render_chat(req.template_messages(), req.add_generation_prompt is not False, req.tools,
+                                template_kwargs=req.template_kwargs())
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
-                          tools=tools)
+                          tools=tools, prompt_logprobs=req.prompt_logprobs)
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora,
                            beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)

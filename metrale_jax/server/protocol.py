@@ -120,6 +120,8 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     use_beam_search: bool | None = False  # n beams a prompt (metrale_jax/beam_search.py)
     length_penalty: Annotated[float, Field(ge=-100.0, le=100.0)] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -190,6 +192,9 @@ class _SamplingFields(_Base):
         return bias
 
     def _common_checks(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs does not stream", param="prompt_logprobs",
+                               code="unsupported_parameter")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         for s in stops:
             if not s:
@@ -224,6 +229,8 @@ class _SamplingFields(_Base):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             structured_outputs=self._structured_outputs(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias=self._logit_bias(),
         )
 
@@ -239,6 +246,7 @@ class _SamplingFields(_Base):
                        ("frequency_penalty", kwargs["frequency_penalty"] != 0),
                        ("repetition_penalty", kwargs["repetition_penalty"] != 1),
                        ("logit_bias", bool(kwargs["logit_bias"])),
+                       ("prompt_logprobs", kwargs["prompt_logprobs"] is not None),
                        ("allowed_token_ids", kwargs["allowed_token_ids"] is not None)]
         bad = [name for name, given in unsupported if given]
         if bad:
@@ -290,7 +298,7 @@ class CompletionRequest(_SamplingFields):
                                code="unsupported_parameter")
         kwargs = self._sampling_kwargs(1 if self.max_tokens == 0 else self.max_tokens, max_model_len, self.logprobs)
         if self.echo and self.logprobs is not None:  # the prompt's logprobs too (the legacy API's scoring)
-            kwargs["prompt_logprobs"] = self.logprobs
+            kwargs["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return kwargs
 
     @property
@@ -338,9 +346,14 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM extras.
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return chat_template_kwargs(self)
 
     def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
         """`tool_schema`: the JSON schema a forced tool call constrains the reply to (tools.py)."""
@@ -370,6 +383,8 @@ class TokenizeRequest(_Base):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
     tools: list[Any] | None = None
 
@@ -377,12 +392,36 @@ class TokenizeRequest(_Base):
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give either 'prompt' or 'messages'", param="prompt")
 
+    def template_kwargs(self) -> dict[str, Any]:
+        return chat_template_kwargs(self)
+
 
 class DetokenizeRequest(_Base):
     """POST /detokenize (vLLM's): token ids -> {"prompt": text} (special tokens kept)."""
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+# what a request's chat_template_kwargs may not set: the renderer's own arguments, and the
+# template itself (a request-supplied template is what vLLM guards with a server flag)
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                                       "continue_final_message", "chat_template"})
+
+
+def chat_template_kwargs(req: Any) -> dict[str, Any]:
+    """The extra keyword arguments of a request's chat-template rendering (vLLM's
+    chat_template_kwargs, e.g. Qwen3's {"enable_thinking": false}, and continue_final_message)."""
+    kw = dict(req.chat_template_kwargs or {})
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS & set(kw))
+    if bad:
+        raise RequestError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
+    if req.continue_final_message:
+        if req.add_generation_prompt is not False:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true (set "
+                               "add_generation_prompt to false)", param="continue_final_message")
+        kw["continue_final_message"] = True
+    return kw
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
