@@ -252,6 +252,23 @@ def test_truncate_prompt_tokens(http, refs):
     assert http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0}).status_code == 400
 
 
+def test_add_special_tokens_false(http, refs):
+    """add_special_tokens=false encodes a text prompt without BOS: the completion of the ids without
+    it, and one prompt token fewer."""
+    ids = list(refs["greedy"][1].prompt_token_ids)
+    plain = http.post("/tokenize", json={"prompt": PROMPTS[1], "add_special_tokens": False}).json()["tokens"]
+    assert plain == ids[1:]  # (this tokenizer's only special token here is the BOS)
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = http.post("/v1/completions", json={**body, "prompt": plain}).json()["choices"][0]["text"]
+    with_bos = http.post("/v1/completions", json={**body, "prompt": PROMPTS[1]}).json()["choices"][0]["text"]
+    r = http.post("/v1/completions", json={**body, "prompt": PROMPTS[1], "add_special_tokens": False}).json()
+    assert r["usage"]["prompt_tokens"] == len(ids) - 1 and r["choices"][0]["text"] == want
+    assert with_bos == refs["greedy"][1].outputs[0].text[:len(with_bos)]
+    echo = http.post("/v1/completions", json={**body, "prompt": PROMPTS[1], "add_special_tokens": False,
+                                              "echo": True}).json()["choices"][0]["text"]
+    assert echo == PROMPTS[1] + want  # the echo is the text as sent
+
+
 def test_logit_bias_and_allowed_token_ids(client, refs):
     """OpenAI's logit_bias (-100 bans) and vLLM's allowed_token_ids: what LLM.generate gives."""
     want = refs["masked"].outputs[0]

@@ -188,6 +188,21 @@ def test_chat_template_kwargs_and_continue_final_message(http, fake):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
+def test_return_tokens_as_token_ids(http):
+    """vLLM's return_tokens_as_token_ids: every logprob token, chosen and top, is "token_id:<id>"."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 3, "logprobs": 2,
+                                           "return_tokens_as_token_ids": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp["tokens"])
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp["top_logprobs"] for t in top)
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                   "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
+                                                   "return_tokens_as_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(c["token"].startswith("token_id:") and c["top_logprobs"][0]["token"].startswith("token_id:")
+               for c in content)
+
+
 def test_beam_search_wire_format(http):
     """use_beam_search: n beams a prompt as the choices, streamed or not; the fields beam search does
     not take are 400s. (The beams themselves: test_server.py against LLM.beam_search.)"""
@@ -377,6 +392,11 @@ def test_unknown_fields_are_ignored_and_limits(http, caplog):
                                                "stream_options": {"zz": 1}})
     assert r.status_code == 200
     assert "frobnicate" in caplog.text and "stream_options.zz" in caplog.text
+    assert [r.levelname for r in caplog.records if "frobnicate" in r.getMessage()] == ["WARNING"]
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="metrale_jax.server.protocol"):  # each name warned of once
+        http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": 2})
+    assert [r.levelname for r in caplog.records if "frobnicate" in r.getMessage()] == ["DEBUG"]
     r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (40 << 10) + b'"}')
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert http.get("/v1/nothing").status_code == 404

@@ -53,6 +53,7 @@ per request. `ServerConfig(log_requests=False)` (`--disable-log-requests`) turns
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
@@ -216,7 +217,7 @@ class _Generation:
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
                  holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
                  tools: ToolMode = ToolMode(), prompt_only: bool = False, detok: Any = None,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, token_ids_as_tokens: bool = False):
         self.chat = chat
         self.tools = tools
         self.id = request_id
@@ -234,6 +235,10 @@ class _Generation:
         self.detok = detok
         self.prompt_lps: dict[int, tuple[list[int], list[Any]]] = {}
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field: its top k
+        # vLLM's return_tokens_as_token_ids: every logprob's token is "token_id:<id>"
+        self.as_ids = token_ids_as_tokens
+        if token_ids_as_tokens:
+            self.detok = lambda ids: f"token_id:{ids[0]}"
         self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
@@ -251,7 +256,7 @@ class _Generation:
         pi = self.prompt_index(out.request_id)
         self.prompt_tokens[pi] = len(out.prompt_token_ids or ())
         if out.prompt_logprobs is not None:
-            self.prompt_lps[pi] = (list(out.prompt_token_ids), list(out.prompt_logprobs))
+            self.prompt_lps[pi] = (list(out.prompt_token_ids), [self._ids_named(d) for d in out.prompt_logprobs])
         res = []
         for o in out.outputs:
             ci = pi * self.n + o.index
@@ -262,7 +267,7 @@ class _Generation:
             acc.token_ids.extend(o.token_ids)
             if o.logprobs is not None:
                 acc.logprobs = acc.logprobs or []
-                acc.logprobs.extend(o.logprobs)
+                acc.logprobs.extend(map(self._ids_named, o.logprobs))
             acc.cumulative_logprob, acc.finish_reason, acc.stop_reason = o.cumulative_logprob, o.finish_reason, \
                 o.stop_reason
             self.completion_tokens[ci] = 0 if self.prompt_only else len(acc.token_ids)
@@ -271,6 +276,12 @@ class _Generation:
 
     def usage(self) -> dict:
         return _usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+    def _ids_named(self, entry: dict | None) -> dict | None:
+        """A position's logprobs, each token named "token_id:<id>" under return_tokens_as_token_ids."""
+        if not self.as_ids or entry is None:
+            return entry
+        return {t: dataclasses.replace(x, decoded_token=f"token_id:{t}") for t, x in entry.items()}
 
     def _echo_logprobs(self, ids: list[int], lps: list[Any]) -> dict:
         """The legacy logprobs object of an echoed prompt (its first token without a logprob, as
@@ -926,14 +937,19 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         lora = check_model(req.model)
         kwargs = req.to_sampling_params_kwargs(max_model_len)
         prompts = req.prompts()
+        if req.add_special_tokens is False and tokenizer is not None:  # text prompts encoded without BOS
+            prompts = [p if isinstance(p, dict) else
+                       {"prompt_token_ids": await asyncio.to_thread(tokenizer.encode, p, add_special_tokens=False),
+                        "prompt": p} for p in prompts]
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else (tokenizer.decode(p["prompt_token_ids"]) if tokenizer else "")
-                    for p in prompts]
+            echo = [p if isinstance(p, str) else p.get("prompt") if p.get("prompt") is not None else
+                    (tokenizer.decode(p["prompt_token_ids"]) if tokenizer else "") for p in prompts]
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo,
                           prompt_only=req.prompt_only, prompt_logprobs=req.prompt_logprobs,
+                          token_ids_as_tokens=bool(req.return_tokens_as_token_ids),
                           detok=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None)
         sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
@@ -953,7 +969,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
-                          tools=tools, prompt_logprobs=req.prompt_logprobs)
+                          tools=tools, prompt_logprobs=req.prompt_logprobs,
+                          token_ids_as_tokens=bool(req.return_tokens_as_token_ids))
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora,
                            beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)

@@ -121,6 +121,7 @@ class _SamplingFields(_Base):
     include_stop_str_in_output: bool | None = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    return_tokens_as_token_ids: bool | None = False  # logprobs' tokens as "token_id:<id>"
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     use_beam_search: bool | None = False  # n beams a prompt (metrale_jax/beam_search.py)
     length_penalty: Annotated[float, Field(ge=-100.0, le=100.0)] | None = None
@@ -271,6 +272,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = False
+    add_special_tokens: bool | None = True  # vLLM's: False encodes a text prompt without BOS
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
@@ -465,8 +467,16 @@ def parse_request[T: _Base](model: type[T], body: bytes) -> T:
         raise RequestError(msg, param=loc or None) from None
     unknown = req.unknown_fields()
     if unknown:
-        log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
+        # (as vLLM warns of them; each name once per process, so that a client's habit does not
+        # fill the log)
+        new = [u for u in unknown if u not in _WARNED_FIELDS]
+        _WARNED_FIELDS.update(new)
+        (log.warning if new else log.debug)("ignoring request fields this server does not know: %s",
+                                            ", ".join(unknown))
     return req
+
+
+_WARNED_FIELDS: set[str] = set()
 
 
 def _is_union_tag(x: Any) -> bool:
