@@ -72,3 +72,29 @@ def test_stats_and_metrics():
     for name, v in (("metrale_prefix_cache_queries_total", 63), ("metrale_prefix_cache_hits_total", 20)):
         assert re.search(rf"^{name} {v}\.0$", text, re.M), name
     eng.scheduler = eng._new_scheduler()
+
+
+def test_num_cached_tokens_and_cache_salt():
+    """RequestOutput.num_cached_tokens counts the prompt tokens the cache served; vLLM's cache_salt
+    (a prompt key) shares blocks only between requests with the same salt."""
+    from metrale_jax.errors import InvalidPromptError
+
+    eng = fake_engine(use_ssm=False)
+    eng.scheduler = eng._new_scheduler()
+    llm = LLM.from_engine(eng)
+    prompt = list(range(3, 24))  # 21 tokens: 5 full blocks of 4
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def run(**salt):
+        o = llm.generate([{"prompt_token_ids": prompt, **salt}], sp)[0]
+        return o.num_cached_tokens, o.outputs[0].token_ids
+
+    cold, first = run()
+    assert cold == 0
+    assert run() == (20, first)  # 5 blocks (the last token is always computed)
+    assert run(cache_salt="alice") == (0, first)  # another tenant: nothing shared, same tokens
+    assert run(cache_salt="alice") == (20, first)
+    assert run(cache_salt="bob")[0] == 0 and run()[0] == 20
+    with pytest.raises(InvalidPromptError, match="cache_salt"):
+        llm.generate([{"prompt_token_ids": prompt, "cache_salt": 7}], sp)
+    eng.scheduler = eng._new_scheduler()

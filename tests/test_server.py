@@ -269,6 +269,24 @@ def test_add_special_tokens_false(http, refs):
     assert echo == PROMPTS[1] + want  # the echo is the text as sent
 
 
+def test_cached_tokens_and_cache_salt(http):
+    """usage.prompt_tokens_details.cached_tokens reports the prefix cache's share of the prompt;
+    cache_salt keeps requests with other salts from it."""
+    prompt = list(range(40, 40 + 50))  # 3 full blocks of 16, then a tail
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+    def cached(**extra):
+        r = http.post("/v1/completions", json={**body, **extra}).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached() == 0 and cached() == 48
+    assert cached(cache_salt="t1") == 0 and cached(cache_salt="t1") == 48
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1, "cache_salt": "t2"}
+    first = http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    again = http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first == 0 and again > 0
+
+
 def test_logit_bias_and_allowed_token_ids(client, refs):
     """OpenAI's logit_bias (-100 bans) and vLLM's allowed_token_ids: what LLM.generate gives."""
     want = refs["masked"].outputs[0]

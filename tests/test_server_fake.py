@@ -76,7 +76,8 @@ def test_completion_stream_and_not_agree(http, fake):
     want = expected_fake_text(ids_of("Hello there"), 0, 11)
     assert j["object"] == "text_completion" and j["model"] == MODEL
     assert j["choices"][0]["text"] == want and j["choices"][0]["finish_reason"] == "length"
-    assert j["usage"] == {"prompt_tokens": 11, "completion_tokens": 11, "total_tokens": 22}
+    assert j["usage"] == {"prompt_tokens": 11, "completion_tokens": 11, "total_tokens": 22,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
 
     # steps of 20 ms, so that a loaded machine's server still sends each token as it comes (at 1
     # ms, chunks coalesced under a full test run on 2 cores: 4 instead of >= 5, session 23)

@@ -224,7 +224,7 @@ class PrefixCache:
         st = self._state(seq)
         bs = self.block_size
         n = len(seq.token_ids) // bs if upto_blocks is None else min(upto_blocks, len(seq.token_ids) // bs)
-        extra = getattr(seq, "lora_key", None)  # the LoRA adapter (None = the base model)
+        extra = getattr(seq, "cache_extra", None)  # the LoRA adapter and the cache salt (None: neither)
         while len(st.keys) < n:
             i = len(st.keys)
             st.keys.append(block_hash(st.keys[-1] if i else None, seq.token_ids[i * bs:(i + 1) * bs], extra))

@@ -461,6 +461,9 @@ class LLMEngine:
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         text = None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")  # (vLLM's prompt key; `Request.cache_salt`)
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise InvalidPromptError(f"cache_salt must be a non-empty string, got {salt!r}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 text = prompt.get("prompt")
@@ -579,7 +582,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
                       stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
-                      lora_request=lora_request, token_mask=params.token_mask(self.vocab_size))
+                      lora_request=lora_request, token_mask=params.token_mask(self.vocab_size),
+                      cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -1084,7 +1088,7 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, req.finished,
-                             metrics=metrics)
+                             num_cached_tokens=max(0, req.seqs[0].num_cached_tokens), metrics=metrics)
 
     # ---- convenience -----------------------------------------------------------------------------
     def run_to_completion(self) -> dict[str, RequestOutput]:

@@ -109,6 +109,7 @@ class Request:
     lora_request: Any = None  # metrale_jax.lora.LoRARequest, or None for the base model
     # i32[ceil(V / 32)]: the tokens allowed_token_ids / logit_bias leave (`SamplingParams.token_mask`)
     token_mask: Any = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached KV blocks
 
     @property
     def finished(self) -> bool:
@@ -127,6 +128,11 @@ class Request:
         r = self.lora_request
         return None if r is None else (r.lora_int_id, r.lora_name, r.lora_path)
 
+    @property
+    def cache_extra(self) -> Any:
+        """The prefix cache's extra block key: the adapter (`lora_key`), and the cache salt if any."""
+        return self.lora_key if self.cache_salt is None else (self.lora_key, "salt", self.cache_salt)
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -137,6 +143,7 @@ class Sequence:
     prompt_len: int
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = -1  # prompt tokens the prefix cache (or its leader) gave it when first admitted
     blocks: list[int] = field(default_factory=list)
     pen_row: int = -1
     ssm_slot: int = -1
@@ -180,8 +187,13 @@ class Sequence:
 
     @property
     def lora_key(self) -> tuple | None:
-        """Its request's `lora_key`: prefix caching keys KV blocks by it (None = base model)."""
+        """Its request's `lora_key` (None = base model)."""
         return self.request.lora_key
+
+    @property
+    def cache_extra(self) -> Any:
+        """Its request's `cache_extra`: prefix caching keys KV blocks by it."""
+        return self.request.cache_extra
 
     @property
     def num_outputs(self) -> int:
@@ -550,6 +562,8 @@ class Scheduler:
             if hit is not None and hit.onload:
                 seq.blocks += self.prefix_cache.onload(hit.onload, step)
             seq.num_computed = start
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = start
             seq.blocks += self.blocks.allocate(self._blocks_needed(seq, start + length))
             if wants_pen:
                 seq.pen_row = self.pen_rows.allocate()

@@ -206,9 +206,10 @@ def _chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], top_k: 
     return out
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class _Generation:
@@ -241,6 +242,7 @@ class _Generation:
             self.detok = lambda ids: f"token_id:{ids[0]}"
         self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
         self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}  # prompt tokens the prefix cache served
         self.completion_tokens: dict[int, int] = {}
         self.final: dict[int, Any] = {}  # choice index -> CompletionOutput: the deltas so far, joined
 
@@ -255,6 +257,7 @@ class _Generation:
         """Add a DELTA output to the choices' whole outputs so far (`final`, owned here)."""
         pi = self.prompt_index(out.request_id)
         self.prompt_tokens[pi] = len(out.prompt_token_ids or ())
+        self.cached_tokens[pi] = getattr(out, "num_cached_tokens", 0)
         if out.prompt_logprobs is not None:
             self.prompt_lps[pi] = (list(out.prompt_token_ids), [self._ids_named(d) for d in out.prompt_logprobs])
         res = []
@@ -275,7 +278,8 @@ class _Generation:
         return res
 
     def usage(self) -> dict:
-        return _usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+        return _usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()),
+                      sum(self.cached_tokens.values()))
 
     def _ids_named(self, entry: dict | None) -> dict | None:
         """A position's logprobs, each token named "token_id:<id>" under return_tokens_as_token_ids."""
@@ -911,12 +915,12 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         if beam is not None:
             ids = []
             for p in prompts:
-                if isinstance(p, dict):
+                if isinstance(p, dict) and "prompt_token_ids" in p:
                     ids.append(list(p["prompt_token_ids"]))
                 elif tokenizer is None:
                     raise RequestError("this model has no tokenizer: send token ids", param="prompt")
                 else:
-                    ids.append(list(tokenizer.encode(p)))
+                    ids.append(list(tokenizer.encode(p["prompt"] if isinstance(p, dict) else p)))
             bp = beam.beam_search_params(kwargs, max_model_len, max(map(len, ids)))
             step = step_params(bp, engine.config.max_logprobs).clone(output_kind=RequestOutputKind.FINAL_ONLY)
             eos = tuple(getattr(engine, "eos_token_ids", ()) or getattr(tokenizer, "eos_token_ids", ()))
@@ -941,6 +945,9 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             prompts = [p if isinstance(p, dict) else
                        {"prompt_token_ids": await asyncio.to_thread(tokenizer.encode, p, add_special_tokens=False),
                         "prompt": p} for p in prompts]
+        if req.cache_salt is not None:
+            prompts = [{**p, "cache_salt": req.cache_salt} if isinstance(p, dict) else
+                       {"prompt": p, "cache_salt": req.cache_salt} for p in prompts]
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else p.get("prompt") if p.get("prompt") is not None else
@@ -971,7 +978,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
                           tools=tools, prompt_logprobs=req.prompt_logprobs,
                           token_ids_as_tokens=bool(req.return_tokens_as_token_ids))
-        sub = await submit(request, gen, [{"prompt_token_ids": list(ids)}], kwargs, lora,
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
                            beam=req if req.use_beam_search else None)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 

@@ -122,6 +122,7 @@ class _SamplingFields(_Base):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     return_tokens_as_token_ids: bool | None = False  # logprobs' tokens as "token_id:<id>"
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # prefix-cache sharing only with this salt
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     use_beam_search: bool | None = False  # n beams a prompt (metrale_jax/beam_search.py)
     length_penalty: Annotated[float, Field(ge=-100.0, le=100.0)] | None = None
