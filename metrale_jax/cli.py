@@ -67,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/metrale_jax/jax_cache)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (for requests without their own)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="the order requests are admitted and preempted in: arrival, or each request's "
+                        "priority (lower first; vLLM's)")
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when the KV pool runs out: swap the sequence's state to host memory, or recompute "
                         "it later (auto: swap for models with SSM state)")
@@ -124,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         attention=kernels_from_args(args),
         compilation_cache_dir=args.compilation_cache_dir or DEFAULT_CACHE_DIR, seed=args.seed,
         preemption_mode=args.preemption_mode, tensor_parallel_size=args.tensor_parallel_size,
+        scheduling_policy=args.scheduling_policy,
         enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=getattr(args, "speculative_config", None),
     )

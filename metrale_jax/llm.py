@@ -82,7 +82,7 @@ class LLM:
 
     # ---- generation ------------------------------------------------------------------------------
     def _run(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool, lora_request: Any = None) -> list[RequestOutput]:
+             use_tqdm: bool, lora_request: Any = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         eng = self.llm_engine
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
@@ -91,15 +91,19 @@ class LLM:
         llist = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
         if len(llist) != len(prompts):
             raise InvalidRequestError(f"{len(llist)} LoRA requests for {len(prompts)} prompts")
-        for p, sp, lr in zip(prompts, plist, llist):  # reject a bad batch before queuing any of it
+        prio = [0] * len(prompts) if priority is None else list(priority)
+        if len(prio) != len(prompts):
+            raise InvalidRequestError(f"{len(prio)} priorities for {len(prompts)} prompts")
+        for p, sp, lr, pr in zip(prompts, plist, llist, prio):  # reject a bad batch before queuing any of it
             eng.validate(p, sp)
             eng._resolve_lora(lr)
+            eng._check_priority(pr)
         # only final outputs are read here (as vLLM's LLM does): no per-step output copies
         plist = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in plist]
         rids = []
-        for p, sp, lr in zip(prompts, plist, llist):
+        for p, sp, lr, pr in zip(prompts, plist, llist, prio):
             rid = str(next(self._ids))
-            eng.add_request(rid, p, sp, lora_request=lr)
+            eng.add_request(rid, p, sp, lora_request=lr, priority=pr)
             rids.append(rid)
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(rids), desc="generating", unit="req", disable=not use_tqdm)
@@ -123,13 +127,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, or {"prompt_token_ids": [...]}); outputs in order.
         lora_request: a `LoRARequest` for every prompt, or a list with one (or None) per prompt
-        (needs `enable_lora=True`)."""
+        (needs `enable_lora=True`). priority: one per prompt, lower first (needs
+        scheduling_policy="priority")."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm, lora_request)
+        return self._run(list(prompts), sampling_params, use_tqdm, lora_request, priority)
 
     def chat(
         self,

@@ -185,3 +185,36 @@ def test_startup_heap_frozen_and_dropped_engines_freed():
     b = LLMEngine(model, model.init_params(), cfg)
     assert ref() is None and gc.get_freeze_count() > 0
     del b
+
+
+def test_priority_scheduling():
+    """scheduling_policy="priority" (vLLM's): waiting requests are admitted lowest priority first,
+    whatever their arrival; under "fcfs" a nonzero priority is refused."""
+    from metrale_jax.errors import InvalidRequestError
+
+    eng = fake_engine(use_ssm=False, scheduling_policy="priority")
+    eng.scheduler = eng._new_scheduler()
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prios = [5, 5, 5, 5, 0, -1, 0, 2]  # max_num_seqs=4, two prefill streams a step
+    for i, pr in enumerate(prios):
+        eng.add_request(f"p{i}", {"prompt_token_ids": [3 + i, 4, 5]}, sp, priority=pr)
+    admitted = []
+    for _ in range(2):
+        eng.step()
+        admitted.append(sorted(s.request.request_id for s in eng.scheduler.running
+                               if s.request.request_id not in sum(admitted, [])))
+    assert admitted == [["p4", "p5"], ["p6", "p7"]]  # (-1, 0 first; then 0, 2; the 5s wait)
+    order = []
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert set(order[:4]) == {"p4", "p5", "p6", "p7"} and len(order) == 8
+    llm = LLM.from_engine(eng)
+    outs = llm.generate([{"prompt_token_ids": [9, 9]}] * 2, sp, priority=[3, -3])
+    assert len(outs) == 2
+    with pytest.raises(InvalidRequestError, match="2 priorities for 1 prompts"):
+        llm.generate([{"prompt_token_ids": [9, 9]}], sp, priority=[1, 2])
+    fcfs = fake_engine(use_ssm=False)
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'"):
+        fcfs.add_request("x", {"prompt_token_ids": [3, 4]}, sp, priority=1)
+    assert not fcfs.has_unfinished_requests() and not eng.has_unfinished_requests()
+    eng.scheduler = eng._new_scheduler()

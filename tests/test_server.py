@@ -287,6 +287,14 @@ def test_cached_tokens_and_cache_salt(http):
     assert first == 0 and again > 0
 
 
+def test_priority_needs_the_priority_policy(http):
+    """A request's priority reaches the engine, which (scheduling "fcfs" here) refuses a nonzero one."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert http.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+    r = http.post("/v1/completions", json={**body, "priority": 3})
+    assert r.status_code == 400 and "scheduling_policy" in r.json()["error"]["message"]
+
+
 def test_logit_bias_and_allowed_token_ids(client, refs):
     """OpenAI's logit_bias (-100 bans) and vLLM's allowed_token_ids: what LLM.generate gives."""
     want = refs["masked"].outputs[0]

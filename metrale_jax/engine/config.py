@@ -118,6 +118,9 @@ class EngineConfig:
     # memory, write them back on resume), "recompute" (free them, prefill again), or "auto": swap
     # for models with SSM state (a recompute replays the whole recurrence), recompute otherwise.
     preemption_mode: str = "auto"
+    # vLLM's: "fcfs" (arrival order) or "priority" (a request's `priority`, lower first, then
+    # arrival): the order waiting requests are admitted in and running ones are preempted in
+    scheduling_policy: str = "fcfs"
     swap_block_buckets: tuple[int, ...] = ()  # block counts of the swap copies; () = powers of 4 (+ the max)
     swap_space_gb: float = 4.0  # host memory for swapped sequences; beyond it, recompute
     # Automatic prefix caching (vLLM's name; on by default as in vLLM): freed full KV blocks stay
@@ -198,6 +201,8 @@ class EngineConfig:
             mode = "swap" if uses_ssm else "recompute"
         if mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'auto', 'swap' or 'recompute'")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.swap_space_gb < 0:

@@ -551,6 +551,13 @@ class LLMEngine:
                                                  "stop tokens, which min_tokens bans")
         return text, ids
 
+    def _check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority={priority} needs scheduling_policy='priority' (this engine "
+                                      f"schedules {self.config.scheduling_policy!r})")
+
     def grammar_compiler(self):
         """The structured-output `GrammarCompiler` over this model's tokenizer (built on first use)."""
         if self._grammars is None:
@@ -568,22 +575,25 @@ class LLMEngine:
         return frozenset(ids)
 
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None, lora_request=None) -> None:
+                    *, arrival_time: float | None = None, lora_request=None, priority: int = 0) -> None:
         """Validate and queue a request. Raises InvalidRequestError (subclasses) before queuing.
-        lora_request: a `metrale_jax.lora.LoRARequest` (needs enable_lora), None = base model."""
+        lora_request: a `metrale_jax.lora.LoRARequest` (needs enable_lora), None = base model.
+        priority: with scheduling_policy "priority", lower runs first (vLLM's); else it must be 0."""
         params = params if params is not None else SamplingParams()
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.validate(prompt, params)
         self._resolve_lora(lora_request)
+        self._check_priority(priority)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
                       stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
                       lora_request=lora_request, token_mask=params.token_mask(self.vocab_size),
-                      cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+                      cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+                      priority=int(priority))
         self._arrivals += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)

@@ -110,6 +110,7 @@ class Request:
     # i32[ceil(V / 32)]: the tokens allowed_token_ids / logit_bias leave (`SamplingParams.token_mask`)
     token_mask: Any = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached KV blocks
+    priority: int = 0  # scheduling_policy "priority": lower first (then arrival)
 
     @property
     def finished(self) -> bool:
@@ -177,8 +178,9 @@ class Sequence:
     stop_reason: int | str | None = None
 
     @property
-    def priority(self) -> tuple[int, int]:
-        return (self.request.arrival, self.index)
+    def priority(self) -> tuple[int, int, int]:
+        """Scheduling order, first first: the request's priority (0 under "fcfs"), arrival, index."""
+        return (self.request.priority, self.request.arrival, self.index)
 
     @property
     def lora_int_id(self) -> int:

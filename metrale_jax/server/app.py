@@ -507,8 +507,8 @@ class _BeamRun:
     output per prompt whose n beams are the choices (text without the prompt and a final EOS)."""
 
     def __init__(self, loop_: EngineLoop, search: BeamSearch, step: SamplingParams, lora: Any,
-                 engine_ids: list[str], tokenizer: Any, skip_special_tokens: bool):
-        self.loop, self.search, self.step, self.lora = loop_, search, step, lora
+                 engine_ids: list[str], tokenizer: Any, skip_special_tokens: bool, priority: int = 0):
+        self.loop, self.search, self.step, self.lora, self.priority = loop_, search, step, lora, priority
         self.engine_ids, self.tok, self.skip = engine_ids, tokenizer, skip_special_tokens
         self.prompts = [b[0].tokens for b in search.live]
         self._sub: Subscription | None = None
@@ -523,7 +523,7 @@ class _BeamRun:
         self._sub = None
         if batch:
             self._rids = [f"{self.engine_ids[0]}-beam{self._round}.{j}" for j in range(len(batch))]
-            self._sub = await self.loop.submit([(rid, {"prompt_token_ids": t}, self.step, self.lora)
+            self._sub = await self.loop.submit([(rid, {"prompt_token_ids": t}, self.step, self.lora, self.priority)
                                                 for rid, t in zip(self._rids, batch)])
 
     async def updates(self) -> AsyncIterator[list[Any]]:
@@ -906,7 +906,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return JSONResponse(gen.response())
 
     async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any],
-                     lora: Any = None, beam: Any = None) -> Subscription | _BeamRun:
+                     lora: Any = None, beam: Any = None, priority: int = 0) -> Subscription | _BeamRun:
         """The engine requests of `gen` queued; with `beam` (the request, use_beam_search) a beam search."""
         access = request.scope.get("metrale.access")
         if access is not None:
@@ -925,11 +925,11 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             step = step_params(bp, engine.config.max_logprobs).clone(output_kind=RequestOutputKind.FINAL_ONLY)
             eos = tuple(getattr(engine, "eos_token_ids", ()) or getattr(tokenizer, "eos_token_ids", ()))
             run_ = _BeamRun(loop_, BeamSearch(ids, bp, eos, max_model_len), step, lora, gen.engine_ids(len(ids)),
-                            tokenizer, kwargs["skip_special_tokens"])
+                            tokenizer, kwargs["skip_special_tokens"], priority)
             await run_.start()
             return run_
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)  # _Generation joins them
-        reqs = [(rid, p, params, lora) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
+        reqs = [(rid, p, params, lora, priority) for rid, p in zip(gen.engine_ids(len(prompts)), prompts)]
         return await loop_.submit(reqs)
 
     @app.post("/v1/completions")
@@ -958,7 +958,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                           prompt_only=req.prompt_only, prompt_logprobs=req.prompt_logprobs,
                           token_ids_as_tokens=bool(req.return_tokens_as_token_ids),
                           detok=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None)
-        sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None)
+        sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None,
+                           priority=req.priority or 0)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -980,7 +981,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                           token_ids_as_tokens=bool(req.return_tokens_as_token_ids))
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
-                           beam=req if req.use_beam_search else None)
+                           beam=req if req.use_beam_search else None, priority=req.priority or 0)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     return app

@@ -393,11 +393,14 @@ class EngineLoop:
             return  # the handler was cancelled before we got here
         added = []
         try:
-            for rid, prompt, params, *lora in requests:  # (an optional 4th item: the LoRARequest)
-                if lora and lora[0] is not None:
-                    self.engine.add_request(rid, prompt, params, lora_request=lora[0])
-                else:
-                    self.engine.add_request(rid, prompt, params)
+            # (optional 4th and 5th items: the LoRARequest, the priority)
+            for rid, prompt, params, *extra in requests:
+                kw = {}
+                if extra and extra[0] is not None:
+                    kw["lora_request"] = extra[0]
+                if len(extra) > 1 and extra[1]:
+                    kw["priority"] = extra[1]
+                self.engine.add_request(rid, prompt, params, **kw)
                 added.append(rid)
         except Exception as e:  # noqa: BLE001 - handed to the awaiting handler
             for rid in added:

@@ -123,6 +123,7 @@ class _SamplingFields(_Base):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     return_tokens_as_token_ids: bool | None = False  # logprobs' tokens as "token_id:<id>"
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # prefix-cache sharing only with this salt
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = 0  # scheduling_policy "priority": lower first
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     use_beam_search: bool | None = False  # n beams a prompt (metrale_jax/beam_search.py)
     length_penalty: Annotated[float, Field(ge=-100.0, le=100.0)] | None = None
