@@ -189,6 +189,19 @@ def test_chat_template_kwargs_and_continue_final_message(http, fake):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
+def test_continuous_usage_stats(http):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far."""
+    ev = stream_post(http, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 4,
+                                                "stream": True, "stream_options": {"include_usage": True,
+                                                                                   "continuous_usage_stats": True}})
+    chunks = [e for e in ev[:-1] if e["choices"]]
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert chunks and all(c["usage"]["prompt_tokens"] == 5 for c in chunks)
+    assert done == sorted(done) and done[-1] == 4 and ev[-2]["usage"]["completion_tokens"] == 4
+    plain = stream_post(http, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": True})
+    assert all("usage" not in e for e in plain[:-1])
+
+
 def test_return_tokens_as_token_ids(http):
     """vLLM's return_tokens_as_token_ids: every logprob token, chosen and top, is "token_id:<id>"."""
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 3, "logprobs": 2,

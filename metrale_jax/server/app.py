@@ -212,13 +212,29 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+@dataclass(frozen=True)
+class _Extras:
+    """A request's vLLM output extras: max_tokens=0 with echo (`prompt_only`: the one generated token
+    is dropped), prompt_logprobs (its k), return_tokens_as_token_ids, and
+    stream_options.continuous_usage_stats."""
+
+    prompt_only: bool = False
+    prompt_logprobs: int | None = None
+    token_ids: bool = False
+    continuous_usage: bool = False
+
+    @staticmethod
+    def of(req: Any) -> _Extras:
+        return _Extras(bool(getattr(req, "prompt_only", False)), req.prompt_logprobs,
+                       bool(req.return_tokens_as_token_ids), req.continuous_usage)
+
+
 class _Generation:
     """One HTTP generation request: its engine requests, the choices and the wire format."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
                  holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
-                 tools: ToolMode = ToolMode(), prompt_only: bool = False, detok: Any = None,
-                 prompt_logprobs: int | None = None, token_ids_as_tokens: bool = False):
+                 tools: ToolMode = ToolMode(), extras: _Extras = _Extras(), detok: Any = None):
         self.chat = chat
         self.tools = tools
         self.id = request_id
@@ -229,17 +245,14 @@ class _Generation:
         self.top_logprobs = top_logprobs or 0
         self.want_logprobs = want_logprobs
         self.echo_texts = echo_texts
-        # completions with echo: max_tokens=0 (`prompt_only`: the generated token is dropped), and
-        # with logprobs the prompt's (`prompt_lps`, each prompt's ids and logprob dicts); `detok`
-        # names a token that has no logprob entry (the prompt's first)
-        self.prompt_only = prompt_only
-        self.detok = detok
+        # `extras` (see there); the prompts' logprobs when asked (`prompt_lps`: each prompt's ids
+        # and logprob dicts); `detok` names a token without a logprob entry (a prompt's first)
+        self.prompt_only = extras.prompt_only
+        self.want_prompt_logprobs = extras.prompt_logprobs
+        self.continuous_usage = extras.continuous_usage
+        self.as_ids = extras.token_ids  # every logprob's token "token_id:<id>"
+        self.detok = (lambda ids: f"token_id:{ids[0]}") if extras.token_ids else detok
         self.prompt_lps: dict[int, tuple[list[int], list[Any]]] = {}
-        self.want_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field: its top k
-        # vLLM's return_tokens_as_token_ids: every logprob's token is "token_id:<id>"
-        self.as_ids = token_ids_as_tokens
-        if token_ids_as_tokens:
-            self.detok = lambda ids: f"token_id:{ids[0]}"
         self.choices = {i: _Choice(i) for i in range(n * num_prompts)}
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}  # prompt tokens the prefix cache served
@@ -345,11 +358,15 @@ class _Generation:
     def _chunk(self, index: int, payload: Any, logprobs: Any, finish: str | None) -> dict:
         if self.chat:
             choice = {"index": index, "delta": payload, "logprobs": logprobs, "finish_reason": finish}
-            return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model, "choices": [choice]}
-        choice = {"index": index, "text": payload, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice]}
+            out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                   "model": self.model, "choices": [choice]}
+        else:
+            choice = {"index": index, "text": payload, "logprobs": logprobs, "finish_reason": finish}
+            out = {"id": self.id, "object": "text_completion", "created": self.created,
+                   "model": self.model, "choices": [choice]}
+        if self.continuous_usage:
+            out["usage"] = self.usage()
+        return out
 
     def stream_chunks(self, batch: list[Any]) -> list[str]:
         chunks = []
@@ -955,8 +972,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo,
-                          prompt_only=req.prompt_only, prompt_logprobs=req.prompt_logprobs,
-                          token_ids_as_tokens=bool(req.return_tokens_as_token_ids),
+                          extras=_Extras.of(req),
                           detok=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None)
         sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None,
                            priority=req.priority or 0)
@@ -977,8 +993,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
-                          tools=tools, prompt_logprobs=req.prompt_logprobs,
-                          token_ids_as_tokens=bool(req.return_tokens_as_token_ids))
+                          tools=tools, extras=_Extras.of(req))
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
                            beam=req if req.use_beam_search else None, priority=req.priority or 0)

@@ -70,6 +70,7 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: the usage so far in every chunk
 
 
 class JsonSchemaFormat(_Base):
@@ -258,6 +259,11 @@ class _SamplingFields(_Base):
         max_tokens = kwargs["max_tokens"] if kwargs["max_tokens"] is not None else max_model_len - prompt_len
         return BeamSearchParams(beam_width=kwargs["n"], max_tokens=max(1, max_tokens), ignore_eos=kwargs["ignore_eos"],
                                 length_penalty=1.0 if self.length_penalty is None else self.length_penalty)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
     @property
     def include_usage(self) -> bool:
