@@ -93,13 +93,14 @@ class BeamSearch:
     def key(self, b: BeamSearchSequence) -> float:
         return beam_score(b, self.eos, self.params.length_penalty)
 
-    def round(self) -> list[list[int]]:
+    def round(self) -> list[tuple[int, list[int]]]:
+        """(prompt index, tokens) of each live beam, the next round's requests; [] when over."""
         if self.rounds >= self.params.max_tokens:
             return []
         for i, beams in enumerate(self.live):  # a beam at max_model_len can take no more tokens
             self.done[i] += [_finish(b, "length") for b in beams if len(b.tokens) >= self.max_len]
             self.live[i] = [b for b in beams if len(b.tokens) < self.max_len]
-        return [b.tokens for beams in self.live for b in beams]
+        return [(i, b.tokens) for i, beams in enumerate(self.live) for b in beams]
 
     def advance(self, logprobs: list[PositionLogprobs]) -> None:
         """One dict per beam `round()` gave, in its order: the candidates of the beam's next token."""
@@ -144,9 +145,11 @@ def beam_search(llm: Any, prompts: list[Any], params: BeamSearchParams, lora_req
     step = step_params(params, eng.config.max_logprobs)
     search = BeamSearch([eng.validate(p, step)[1] for p in prompts], params, eng.eos_token_ids,
                         eng.config.max_model_len)
+    salts = [cache_salt(p) for p in prompts]  # (each prompt's rounds keep its cache_salt)
     with tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=not use_tqdm) as bar:
         while batch := search.round():
-            outs = llm.generate([{"prompt_token_ids": t} for t in batch], step, lora_request=lora_request)
+            outs = llm.generate([{"prompt_token_ids": t, **salts[i]} for i, t in batch], step,
+                                lora_request=lora_request)
             search.advance([o.outputs[0].logprobs[0] for o in outs])
             bar.update(1)
     results = search.results()
@@ -155,6 +158,12 @@ def beam_search(llm: Any, prompts: list[Any], params: BeamSearchParams, lora_req
         for b in out.sequences:
             b.text = tok.decode(b.tokens) if tok is not None else None
     return results
+
+
+def cache_salt(prompt: Any) -> dict:
+    """{"cache_salt": ...} of a prompt dict that has one, else {}."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    return {} if salt is None else {"cache_salt": salt}
 
 
 def _finish(beam: BeamSearchSequence, reason: str) -> BeamSearchSequence:

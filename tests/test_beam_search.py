@@ -145,3 +145,16 @@ def test_real_model_cum_logprobs_match_the_dense_forward():
     (one,) = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=1, max_tokens=5,
                                                                             ignore_eos=True))[0].sequences
     assert one.tokens[len(prompt):] == greedy[0].outputs[0].token_ids
+
+
+def test_rounds_keep_the_prompts_cache_salt(llm):
+    """A salted prompt's rounds run under its salt: the blocks they leave serve the same salt only."""
+    eng = llm.llm_engine
+    eng.reset_prefix_cache()
+    p = [4, 8, 15, 16, 23, 42, 7, 9, 11]  # two full blocks of 4
+    llm.beam_search({"prompt_token_ids": p, "cache_salt": "tenant-a"}, BeamSearchParams(beam_width=2, max_tokens=3))
+    from metrale_jax.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    assert llm.generate({"prompt_token_ids": p}, sp)[0].num_cached_tokens == 0
+    assert llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-a"}, sp)[0].num_cached_tokens == 8

@@ -70,7 +70,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metrale_jax.beam_search import BeamSearch, step_params
+from metrale_jax.beam_search import BeamSearch, cache_salt, step_params
 from metrale_jax.engine.outputs import CompletionOutput, RequestOutput
 from metrale_jax.errors import InvalidPromptError, InvalidRequestError, MetraleError
 from metrale_jax.llm import chat_template_error_message
@@ -524,8 +524,10 @@ class _BeamRun:
     output per prompt whose n beams are the choices (text without the prompt and a final EOS)."""
 
     def __init__(self, loop_: EngineLoop, search: BeamSearch, step: SamplingParams, lora: Any,
-                 engine_ids: list[str], tokenizer: Any, skip_special_tokens: bool, priority: int = 0):
+                 engine_ids: list[str], tokenizer: Any, skip_special_tokens: bool, priority: int = 0,
+                 salt: dict | None = None):
         self.loop, self.search, self.step, self.lora, self.priority = loop_, search, step, lora, priority
+        self.salt = salt or {}  # {"cache_salt": ...}: the rounds' requests keep the request's salt
         self.engine_ids, self.tok, self.skip = engine_ids, tokenizer, skip_special_tokens
         self.prompts = [b[0].tokens for b in search.live]
         self._sub: Subscription | None = None
@@ -536,12 +538,13 @@ class _BeamRun:
         """Queue the first round now: a prompt the engine refuses is then the request's 400."""
         await self._submit(self.search.round())
 
-    async def _submit(self, batch: list[list[int]]) -> None:
+    async def _submit(self, batch: list[tuple[int, list[int]]]) -> None:
         self._sub = None
         if batch:
             self._rids = [f"{self.engine_ids[0]}-beam{self._round}.{j}" for j in range(len(batch))]
-            self._sub = await self.loop.submit([(rid, {"prompt_token_ids": t}, self.step, self.lora, self.priority)
-                                                for rid, t in zip(self._rids, batch)])
+            self._sub = await self.loop.submit([
+                (rid, {"prompt_token_ids": t, **self.salt}, self.step, self.lora, self.priority)
+                for rid, (_, t) in zip(self._rids, batch)])
 
     async def updates(self) -> AsyncIterator[list[Any]]:
         while self._sub is not None:
@@ -942,7 +945,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             step = step_params(bp, engine.config.max_logprobs).clone(output_kind=RequestOutputKind.FINAL_ONLY)
             eos = tuple(getattr(engine, "eos_token_ids", ()) or getattr(tokenizer, "eos_token_ids", ()))
             run_ = _BeamRun(loop_, BeamSearch(ids, bp, eos, max_model_len), step, lora, gen.engine_ids(len(ids)),
-                            tokenizer, kwargs["skip_special_tokens"], priority)
+                            tokenizer, kwargs["skip_special_tokens"], priority, cache_salt(prompts[0]))
             await run_.start()
             return run_
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)  # _Generation joins them
