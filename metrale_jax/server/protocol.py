@@ -181,7 +181,7 @@ class _SamplingFields(_Base):
             raise RequestError(str(e), param=param, code=e.code) from None
 
     def _logit_bias(self) -> dict[int, float] | None:
-        """OpenAI's logit_bias (token ids as strings) with integer keys; the engine checks the values."""
+        """OpenAI's logit_bias (token ids as strings) with integer keys; values -100, 0 or 100 (a mask)."""
         if not self.logit_bias:
             return None
         try:
