@@ -305,6 +305,15 @@ def test_logit_bias_and_allowed_token_ids(client, refs):
     assert r.choices[0].text == want.text
 
 
+def test_responses_equals_llm_chat(client, refs):
+    """/v1/responses (the official client): instructions + input give LLM.chat's reply."""
+    r = client.responses.create(model=MODEL, instructions=CHAT[0]["content"], input=CHAT[1]["content"],
+                                max_output_tokens=10, temperature=0)
+    want = refs["chat"].outputs[0]
+    assert r.output_text == want.text and r.usage.output_tokens == len(want.token_ids)
+    assert r.status == ("completed" if want.finish_reason == "stop" else "incomplete")
+
+
 def test_n_seed_and_stop_strings(client, refs):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=3, seed=11)
     a = client.completions.create(**kw)

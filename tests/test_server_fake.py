@@ -291,6 +291,41 @@ def test_openai_client_chat(fake):
         FakeTokenizer().apply_chat_template([{"role": "user", "content": "a\nb"}], tokenize=True), 0, 3)
 
 
+def test_openai_client_responses(fake):
+    """OpenAI's Responses API through the official client: `instructions` and `input` as the chat
+    template sees them, the text, the status and usage; the stream's events in order, its deltas
+    the text; what is not supported is a 400."""
+    srv, _ = fake
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    want = expected_fake_text(FakeTokenizer().apply_chat_template(msgs, tokenize=True), 0, 7)
+    r = client.responses.create(model=MODEL, instructions="be brief", input="hello", max_output_tokens=7,
+                                temperature=0)
+    assert r.output_text == want and r.object == "response" and r.id.startswith("resp_")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.usage.output_tokens == 7 and r.usage.input_tokens == len(FakeTokenizer().apply_chat_template(
+        msgs, tokenize=True))
+    items = [{"role": "developer", "content": "be brief"},  # (developer: a system message)
+             {"role": "user", "content": [{"type": "input_text", "text": "hello"}]}]
+    assert client.responses.create(model=MODEL, input=items, max_output_tokens=7).output_text == want
+    events = list(client.responses.create(model=MODEL, instructions="be brief", input="hello",
+                                          max_output_tokens=7, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want and [e.sequence_number for e in events] == list(range(len(events)))
+    for extra, param in [({"previous_response_id": "resp_x"}, "previous_response_id"),
+                         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+                         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0]"),
+                         ({"text": {"format": {"type": "xml"}}}, "text.format")]:
+        r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, "input": "hi", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 BAD = [
     # (body, status, param)
     (b"{not json", 400, None),

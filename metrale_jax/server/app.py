@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
 and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (a request's `model` may name an adapter),
-/tokenize, /detokenize and /version.
+/tokenize, /detokenize and /version, and OpenAI's /v1/responses for text (`_ResponsesGeneration`).
 
 `create_app(engine, ServerConfig(...))` wraps an `LLMEngine` (or anything with its API). The
 engine runs on the `EngineLoop` thread, started and stopped by the app's lifespan; see
@@ -90,6 +90,7 @@ from metrale_jax.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     RequestError,
+    ResponsesRequest,
     TokenizeRequest,
     error_body,
     parse_request,
@@ -515,6 +516,95 @@ class _Generation:
             out.append({str(i): {"logprob": _floor(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
                         for i, x in keep.items()})
         return out
+
+
+class _ResponsesGeneration(_Generation):
+    """/v1/responses: one choice, reported as a Response object (`response()`), or streamed as its
+    events (response.created ... response.output_text.delta ... response.completed), each an SSE
+    `event:` / `data:` pair with a sequence number."""
+
+    def __init__(self, req: Any, **kw):
+        super().__init__(chat=True, n=1, num_prompts=1, top_logprobs=None, want_logprobs=False, echo_texts=None,
+                         **kw)
+        self.req = req
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.seq = 0
+        self.created_at = time.time()
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+    def _message(self, status: str) -> dict:
+        o = self.final.get(0)
+        text = (o.text if o is not None else "") or ""
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        content = [part] if status != "in_progress" else []
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+
+    def response(self, status: str | None = None) -> dict:
+        o = self.final.get(0)
+        finish = o.finish_reason if o is not None else "abort"
+        if status is None:
+            status = "completed" if finish == "stop" else "incomplete"
+        r = self.req
+        fmt = (r.text or {}).get("format") or {"type": "text"}
+        u = self.usage()
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" and finish == "length"
+            else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+            "output": [] if status == "in_progress" else [self._message("completed" if status == "completed"
+                                                                         else "incomplete")],
+            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
+            "temperature": r.temperature if r.temperature is not None else 1.0,
+            "top_p": r.top_p if r.top_p is not None else 1.0, "tool_choice": "auto", "tools": [],
+            "text": {"format": fmt}, "truncation": "disabled", "user": r.user, "metadata": r.metadata or {},
+            "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                      "total_tokens": u["total_tokens"],
+                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        }
+
+    def first_chunks(self) -> list[str]:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._event("response.created", response=self.response("in_progress")),
+                self._event("response.in_progress", response=self.response("in_progress")),
+                self._event("response.output_item.added", output_index=0, item=self._message("in_progress")),
+                self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                            part=part)]
+
+    def stream_chunks(self, batch: list[Any]) -> list[str]:
+        out = []
+        for o_batch in batch:
+            for ch, o in self._observe(o_batch):
+                if ch.finished:
+                    continue
+                text, _, _, finish = self._delta(ch, o)
+                if text:
+                    out.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
+                                           content_index=0, delta=text, logprobs=[]))
+                if finish is not None:
+                    ch.finished = True
+                    out += self._done_events()
+        return out
+
+    def _done_events(self, status: str | None = None) -> list[str]:
+        final = self.response(status)
+        item = final["output"][0]
+        part = item["content"][0]
+        end = {"completed": "response.completed", "incomplete": "response.incomplete"}[final["status"]]
+        return [self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                            text=part["text"], logprobs=[]),
+                self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=0, item=item),
+                self._event(end, response=final)]
+
+    def abort_chunks(self) -> list[str]:
+        return [] if self.choices[0].finished else self._done_events("incomplete")
 
 
 class _BeamRun:
@@ -1001,6 +1091,25 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
                            beam=req if req.use_beam_search else None, priority=req.priority or 0)
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API for text (`ResponsesRequest`): the conversation through the chat
+        template, one output message; nothing is stored (`store` is accepted and ignored)."""
+        check_auth(request)
+        check_serving()
+        req = parse_request(ResponsesRequest, await _read_body(request, config.max_request_bytes))
+        lora = check_model(req.model)
+        messages = req.template_messages()
+        kwargs = req.to_sampling_params_kwargs(max_model_len)
+        ids = await render_chat(messages, req.add_generation_prompt is not False, None,
+                                template_kwargs=req.template_kwargs())
+        gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=req.model or model_name,
+                                   holdback=_holdback(kwargs), extras=_Extras.of(req))
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
+                           priority=req.priority or 0)
+        return await run(request, gen, sub, bool(req.stream), False)
 
     return app
 

@@ -491,3 +491,82 @@ def _is_union_tag(x: Any) -> bool:
     """pydantic puts union member names ('str', 'list[int]', 'constrained-int') into error locations."""
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x or x.startswith(
         ("constrained-", "function-", "list[", "dict[", "is-instance")))
+
+
+class ResponsesRequest(_SamplingFields):
+    """POST /v1/responses (OpenAI's Responses API, text in and out): `input` a string or a list of
+    messages ({"role", "content": str | [{"type": "input_text" | "output_text", "text"}]}),
+    `instructions` a system message first, `text.format` a structured-output constraint. Stored
+    responses (`previous_response_id`) and tools are 400s here."""
+
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    # (vLLM's chat extras, as on /v1/chat/completions)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as the chat template takes it."""
+        if self.previous_response_id is not None:
+            raise RequestError("previous_response_id is not supported: responses are not stored; send the "
+                               "conversation in `input`", param="previous_response_id", code="unsupported_parameter")
+        if self.tools:
+            raise RequestError("tools are not supported on /v1/responses yet (use /v1/chat/completions)",
+                               param="tools", code="unsupported_parameter")
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return out + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            where = f"input[{i}]"
+            role, content = item.get("role"), item.get("content")
+            if item.get("type", "message") != "message" or role not in ("system", "developer", "user", "assistant"):
+                raise RequestError(f"{where}: only messages with a role system, developer, user or assistant are "
+                                   f"supported (type {item.get('type', 'message')!r}, role {role!r})", param=where,
+                                   code="unsupported_value")
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
+                            or not isinstance(part.get("text"), str):
+                        raise RequestError("only input_text / output_text content parts are supported",
+                                           param=f"{where}.content[{j}]", code="unsupported_value")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            if not isinstance(content, str):
+                raise RequestError(f"{where}.content must be a string or a list of text parts",
+                                   param=f"{where}.content")
+            out.append({"role": "system" if role == "developer" else role, "content": content})
+        return out
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return chat_template_kwargs(self)
+
+    def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
+        kwargs = self._sampling_kwargs(self.max_output_tokens, max_model_len, None)
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise RequestError("text.format.type must be text, json_object or json_schema", param="text.format",
+                               code="unsupported_value")
+        if fmt["type"] != "text":
+            if kwargs["structured_outputs"] is not None:
+                raise RequestError("set one structured-output constraint", param="text.format",
+                                   code="invalid_structured_outputs")
+            if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
+                raise RequestError("text.format of type json_schema needs a schema", param="text.format.schema")
+            try:
+                kwargs["structured_outputs"] = StructuredOutputsParams(
+                    **({"json_object": True} if fmt["type"] == "json_object" else {"json": fmt["schema"]}))
+            except InvalidStructuredOutputsError as e:
+                raise RequestError(str(e), param="text.format", code=e.code) from None
+        return kwargs
