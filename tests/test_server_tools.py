@@ -329,3 +329,44 @@ def test_parser_names_are_checked_at_start():
     args = type("Args", (), {"log_level": "warning", "enable_auto_tool_choice": True, "tool_call_parser": None})()
     with pytest.raises(SystemExit, match="--tool-call-parser"):
         serve_main(args)  # before anything loads
+
+
+def test_responses_api_function_calls(auto):
+    """/v1/responses with function tools (the Responses API's flat form), through the official
+    client: the hermes calls become function_call items after the message, streamed whole at the
+    end; earlier calls and their outputs in `input` reach the template as tool_calls and tool
+    messages; a named tool_choice forces the call."""
+    eng, srv = auto
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]  # (the Responses API's flat form)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    eng.script = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+                  '</tool_call>')
+    r = client.responses.create(model="m", input="Weather in Paris?", tools=tools, max_output_tokens=400)
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.output_text == "Checking."
+    fc = r.output[1]
+    assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris", "unit": "C"} and fc.call_id
+    assert eng.tokenizer.calls[-1]["tools"] == TOOLS  # the template saw them in the chat form
+    events = list(client.responses.create(model="m", input="Weather in Paris?", tools=tools, max_output_tokens=400,
+                                          stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas.strip() == "Checking." and "<" not in deltas
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [d.type for d in done] == ["message", "function_call"] and done[1].name == "get_weather"
+    assert events[-1].type == "response.completed"
+    # the call and its output sent back: an assistant message with tool_calls, then a tool message
+    eng.script = "It is 20 C."
+    r = client.responses.create(model="m", tools=tools, max_output_tokens=400, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": fc.call_id, "name": "get_weather", "arguments": fc.arguments},
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "20 C"}])
+    assert r.output_text == "It is 20 C." and [o.type for o in r.output] == ["message"]
+    sent = eng.tokenizer.calls[-1]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}  # parsed for templates
+    assert sent[2] == {"role": "tool", "tool_call_id": fc.call_id, "content": "20 C"}
+    eng.script = '{"tz": "CET"}'
+    r = client.responses.create(model="m", input="Time?", tools=tools, max_output_tokens=400,
+                                tool_choice={"type": "function", "name": "get_time"})
+    assert [o.type for o in r.output] == ["function_call"] and r.output[0].name == "get_time"
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "m", "input": "x", "tools": [{"type": "web_search"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"

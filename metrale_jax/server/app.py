@@ -521,7 +521,9 @@ class _Generation:
 class _ResponsesGeneration(_Generation):
     """/v1/responses: one choice, reported as a Response object (`response()`), or streamed as its
     events (response.created ... response.output_text.delta ... response.completed), each an SSE
-    `event:` / `data:` pair with a sequence number."""
+    `event:` / `data:` pair with a sequence number. With tools, the reply's calls (`ToolMode.parse`)
+    become function_call output items after the message (if it has content); streamed, the content
+    streams while no call can be starting, and the calls come whole at the end."""
 
     def __init__(self, req: Any, **kw):
         super().__init__(chat=True, n=1, num_prompts=1, top_logprobs=None, want_logprobs=False, echo_texts=None,
@@ -530,18 +532,27 @@ class _ResponsesGeneration(_Generation):
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.seq = 0
         self.created_at = time.time()
+        self.msg_open = False  # streaming: the message item's added events went out
+        self.streamed = ""  # ... and the content its deltas carried
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
-    def _message(self, status: str) -> dict:
+    def _items(self, status: str) -> list[dict]:
+        """The output items: the assistant message (unless the reply is tool calls alone), the calls."""
         o = self.final.get(0)
         text = (o.text if o is not None else "") or ""
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        content = [part] if status != "in_progress" else []
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+        content, calls = self.tools.parse(text) if self.tools.active and o is not None else (text, [])
+        items = []
+        if content or not calls:
+            part = {"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}
+            items.append({"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                          "content": [part]})
+        items += [{"type": "function_call", "id": f"fc_{c['id']}", "call_id": c["id"], "name": c["function"]["name"],
+                   "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+        return items
 
     def response(self, status: str | None = None) -> dict:
         o = self.final.get(0)
@@ -556,12 +567,12 @@ class _ResponsesGeneration(_Generation):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" and finish == "length"
             else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-            "output": [] if status == "in_progress" else [self._message("completed" if status == "completed"
-                                                                         else "incomplete")],
-            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
-            "temperature": r.temperature if r.temperature is not None else 1.0,
-            "top_p": r.top_p if r.top_p is not None else 1.0, "tool_choice": "auto", "tools": [],
-            "text": {"format": fmt}, "truncation": "disabled", "user": r.user, "metadata": r.metadata or {},
+            "output": [] if status == "in_progress" else self._items(status),
+            "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": None, "temperature": r.temperature if r.temperature is not None else 1.0,
+            "top_p": r.top_p if r.top_p is not None else 1.0, "tool_choice": r.tool_choice or "auto",
+            "tools": r.tools or [], "text": {"format": fmt}, "truncation": "disabled", "user": r.user,
+            "metadata": r.metadata or {},
             "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                       "total_tokens": u["total_tokens"],
                       "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
@@ -569,10 +580,16 @@ class _ResponsesGeneration(_Generation):
         }
 
     def first_chunks(self) -> list[str]:
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [self._event("response.created", response=self.response("in_progress")),
-                self._event("response.in_progress", response=self.response("in_progress")),
-                self._event("response.output_item.added", output_index=0, item=self._message("in_progress")),
+                self._event("response.in_progress", response=self.response("in_progress"))]
+
+    def _open_message(self) -> list[str]:
+        if self.msg_open:
+            return []
+        self.msg_open = True
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._event("response.output_item.added", output_index=0, item=item),
                 self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
                             part=part)]
 
@@ -583,25 +600,40 @@ class _ResponsesGeneration(_Generation):
                 if ch.finished:
                     continue
                 text, _, _, finish = self._delta(ch, o)
-                if text:
-                    out.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                                           content_index=0, delta=text, logprobs=[]))
+                if text and finish is None:
+                    out += self._open_message() + [self._text_delta(text)]
                 if finish is not None:
                     ch.finished = True
                     out += self._done_events()
         return out
 
+    def _text_delta(self, text: str) -> str:
+        self.streamed += text
+        return self._event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
+                           delta=text, logprobs=[])
+
     def _done_events(self, status: str | None = None) -> list[str]:
+        """The stream's end: the rest of the message's content, each call, the final response."""
         final = self.response(status)
-        item = final["output"][0]
-        part = item["content"][0]
+        out = []
+        for i, item in enumerate(final["output"]):
+            if item["type"] == "message":
+                part = item["content"][0]
+                out += self._open_message()
+                if part["text"].startswith(self.streamed) and len(part["text"]) > len(self.streamed):
+                    out.append(self._text_delta(part["text"][len(self.streamed):]))
+                out += [self._event("response.output_text.done", item_id=self.msg_id, output_index=i,
+                                    content_index=0, text=part["text"], logprobs=[]),
+                        self._event("response.content_part.done", item_id=self.msg_id, output_index=i,
+                                    content_index=0, part=part)]
+            else:
+                out += [self._event("response.output_item.added", output_index=i, item={**item, "arguments": "",
+                                                                                        "status": "in_progress"}),
+                        self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                    arguments=item["arguments"])]
+            out.append(self._event("response.output_item.done", output_index=i, item=item))
         end = {"completed": "response.completed", "incomplete": "response.incomplete"}[final["status"]]
-        return [self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                            text=part["text"], logprobs=[]),
-                self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                            part=part),
-                self._event("response.output_item.done", output_index=0, item=item),
-                self._event(end, response=final)]
+        return out + [self._event(end, response=final)]
 
     def abort_chunks(self) -> list[str]:
         return [] if self.choices[0].finished else self._done_events("incomplete")
@@ -1101,11 +1133,13 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         req = parse_request(ResponsesRequest, await _read_body(request, config.max_request_bytes))
         lora = check_model(req.model)
         messages = req.template_messages()
-        kwargs = req.to_sampling_params_kwargs(max_model_len)
-        ids = await render_chat(messages, req.add_generation_prompt is not False, None,
+        tools, schemas = tool_mode(req.chat_tool_choice(), req.chat_tools(), config.tool_call_parser)
+        kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, req.parallel_tool_calls
+                                                                                is not False))
+        ids = await render_chat(messages, req.add_generation_prompt is not False, req.chat_tools(),
                                 template_kwargs=req.template_kwargs())
         gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=req.model or model_name,
-                                   holdback=_holdback(kwargs), extras=_Extras.of(req))
+                                   holdback=_holdback(kwargs), extras=_Extras.of(req), tools=tools)
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
                            priority=req.priority or 0)

@@ -495,9 +495,10 @@ def _is_union_tag(x: Any) -> bool:
 
 class ResponsesRequest(_SamplingFields):
     """POST /v1/responses (OpenAI's Responses API, text in and out): `input` a string or a list of
-    messages ({"role", "content": str | [{"type": "input_text" | "output_text", "text"}]}),
-    `instructions` a system message first, `text.format` a structured-output constraint. Stored
-    responses (`previous_response_id`) and tools are 400s here."""
+    items: messages ({"role", "content": str | [{"type": "input_text" | "output_text", "text"}]}),
+    earlier `function_call`s and their `function_call_output`s; `instructions` a system message
+    first; `text.format` a structured-output constraint; function `tools` as on the chat endpoint
+    (`chat_tools`). Stored responses (`previous_response_id`) are 400s: nothing is stored."""
 
     input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
@@ -521,16 +522,31 @@ class ResponsesRequest(_SamplingFields):
         if self.previous_response_id is not None:
             raise RequestError("previous_response_id is not supported: responses are not stored; send the "
                                "conversation in `input`", param="previous_response_id", code="unsupported_parameter")
-        if self.tools:
-            raise RequestError("tools are not supported on /v1/responses yet (use /v1/chat/completions)",
-                               param="tools", code="unsupported_parameter")
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             where = f"input[{i}]"
+            kind = item.get("type", "message")
+            if kind == "function_call":  # an earlier call: the assistant's tool_calls (consecutive ones joined)
+                if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                    raise RequestError(f"{where}: a function_call needs string call_id, name and arguments",
+                                       param=where)
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                continue
+            if kind == "function_call_output":
+                if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                    raise RequestError(f"{where}: a function_call_output needs string call_id and output",
+                                       param=where)
+                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+                continue
             role, content = item.get("role"), item.get("content")
-            if item.get("type", "message") != "message" or role not in ("system", "developer", "user", "assistant"):
+            if kind != "message" or role not in ("system", "developer", "user", "assistant"):
                 raise RequestError(f"{where}: only messages with a role system, developer, user or assistant are "
                                    f"supported (type {item.get('type', 'message')!r}, role {role!r})", param=where,
                                    code="unsupported_value")
@@ -547,13 +563,40 @@ class ResponsesRequest(_SamplingFields):
                 raise RequestError(f"{where}.content must be a string or a list of text parts",
                                    param=f"{where}.content")
             out.append({"role": "system" if role == "developer" else role, "content": content})
+        return template_tool_calls(out)
+
+    def chat_tools(self) -> list[dict] | None:
+        """The Responses API's function tools ({"type": "function", "name", "description",
+        "parameters"}) in the chat endpoint's form; other tool types are 400s."""
+        if not self.tools:
+            return None
+        out = []
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                raise RequestError("only function tools are supported", param=f"tools[{i}]",
+                                   code="unsupported_value")
+            out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                         if k in t}})
         return out
+
+    def chat_tool_choice(self) -> Any:
+        """tool_choice in the chat endpoint's form ({"type": "function", "name"} nests its name)."""
+        c = self.tool_choice
+        if isinstance(c, dict) and c.get("type") == "function" and "name" in c:
+            return {"type": "function", "function": {"name": c["name"]}}
+        return c
 
     def template_kwargs(self) -> dict[str, Any]:
         return chat_template_kwargs(self)
 
-    def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
+    def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
+        """`tool_schema`: a forced tool call's JSON schema (tools.py), as on the chat endpoint."""
         kwargs = self._sampling_kwargs(self.max_output_tokens, max_model_len, None)
+        if tool_schema is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise RequestError("a forced tool_choice cannot be combined with another structured-output "
+                                   "constraint", param="tool_choice", code="invalid_structured_outputs")
+            kwargs["structured_outputs"] = StructuredOutputsParams(json=tool_schema)
         fmt = (self.text or {}).get("format") or {"type": "text"}
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise RequestError("text.format.type must be text, json_object or json_schema", param="text.format",
