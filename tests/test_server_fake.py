@@ -319,9 +319,12 @@ def test_openai_client_responses(fake):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
     assert events[-1].response.output_text == want and [e.sequence_number for e in events] == list(range(len(events)))
     for extra, param in [({"previous_response_id": "resp_x"}, "previous_response_id"),
-                         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-                         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0]"),
-                         ({"text": {"format": {"type": "xml"}}}, "text.format")]:
+                         # (function tools need a tool-call parser: test_server_tools.py)
+                         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),
+                         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+                         ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
+                         ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"n": 2}, "n"),
+                         ({"use_beam_search": True}, "use_beam_search")]:
         r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, "input": "hi", **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 

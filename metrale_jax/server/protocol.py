@@ -591,6 +591,10 @@ class ResponsesRequest(_SamplingFields):
 
     def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
         """`tool_schema`: a forced tool call's JSON schema (tools.py), as on the chat endpoint."""
+        for name, given in (("n", (self.n or 1) != 1), ("use_beam_search", bool(self.use_beam_search))):
+            if given:
+                raise RequestError(f"/v1/responses makes one output; {name} is for the chat endpoint", param=name,
+                                   code="unsupported_parameter")
         kwargs = self._sampling_kwargs(self.max_output_tokens, max_model_len, None)
         if tool_schema is not None:
             if kwargs["structured_outputs"] is not None:
