@@ -370,32 +370,31 @@ class _Generation:
         return out
 
     def stream_chunks(self, batch: list[Any]) -> list[str]:
-        chunks = []
-        for out in batch:
-            for ch, o in self._observe(out):
-                if ch.finished:
-                    continue
-                text, ids, lps, finish = self._delta(ch, o)
-                if not text and not ids and finish is None:
-                    continue
-                lp_obj = None
-                if lps is not None:
-                    if self.chat:
-                        lp_obj = {"content": _chat_logprobs(ids, lps, self.top_logprobs)}
-                    else:
-                        lp_obj = _completion_logprobs(ids, lps, ch.text_offset)
-                        ch.text_offset += sum(len(t) for t in lp_obj["tokens"])
-                if self.tools.active:
-                    payload, finish = self._tool_payload(ch, text, finish, o.text or "")
-                    if not payload and finish is None and lp_obj is None:
-                        continue
-                elif not text and finish is None and lp_obj is None:
-                    continue
-                else:
-                    payload = ({"content": text} if text or finish is None else {}) if self.chat else text
-                ch.finished = finish is not None
-                chunks.append(_sse(self._chunk(ch.index, payload, lp_obj, finish)))
-        return chunks
+        """The SSE chunks of a batch of DELTA outputs (`_choice_chunks` of each unfinished choice)."""
+        return [c for out in batch for ch, o in self._observe(out) if not ch.finished
+                for c in self._choice_chunks(ch, o)]
+
+    def _choice_chunks(self, ch: _Choice, o: Any) -> list[str]:
+        text, ids, lps, finish = self._delta(ch, o)
+        if not text and not ids and finish is None:
+            return []
+        lp_obj = None
+        if lps is not None:
+            if self.chat:
+                lp_obj = {"content": _chat_logprobs(ids, lps, self.top_logprobs)}
+            else:
+                lp_obj = _completion_logprobs(ids, lps, ch.text_offset)
+                ch.text_offset += sum(len(t) for t in lp_obj["tokens"])
+        if self.tools.active:
+            payload, finish = self._tool_payload(ch, text, finish, o.text or "")
+            if not payload and finish is None and lp_obj is None:
+                return []
+        elif not text and finish is None and lp_obj is None:
+            return []
+        else:
+            payload = ({"content": text} if text or finish is None else {}) if self.chat else text
+        ch.finished = finish is not None
+        return [_sse(self._chunk(ch.index, payload, lp_obj, finish))]
 
     def _tool_payload(self, ch: _Choice, text: str, finish: str | None, whole: str) -> tuple[dict, str | None]:
         """A chat delta when tool calls are on: a named call's arguments as they come (its id and
@@ -593,19 +592,12 @@ class _ResponsesGeneration(_Generation):
                 self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
                             part=part)]
 
-    def stream_chunks(self, batch: list[Any]) -> list[str]:
-        out = []
-        for o_batch in batch:
-            for ch, o in self._observe(o_batch):
-                if ch.finished:
-                    continue
-                text, _, _, finish = self._delta(ch, o)
-                if text and finish is None:
-                    out += self._open_message() + [self._text_delta(text)]
-                if finish is not None:
-                    ch.finished = True
-                    out += self._done_events()
-        return out
+    def _choice_chunks(self, ch: _Choice, o: Any) -> list[str]:
+        text, _, _, finish = self._delta(ch, o)
+        if finish is None:
+            return self._open_message() + [self._text_delta(text)] if text else []
+        ch.finished = True
+        return self._done_events()
 
     def _text_delta(self, text: str) -> str:
         self.streamed += text
