@@ -54,9 +54,11 @@
 # cold, of Qwen3-Next + Nemotron-H 383 s warm, `structured` (5 repeats) 69 s warm, `gen4` (3 kinds,
 # batches 1,64) 273 s warm; the next call (`w4` sweep + two generates) lost its machine mid-call and
 # the rest of the budget with it (~470 s): keep a call well inside what is left.
-# Session 37: no GPU lent. Next: `GPU_TEST_FILES=tests/test_w4.py bash bench/gpu_session.sh tests fp4dot`
-# (~40 s + ~300 s: the NVFP4 tensor-core kernel's gpu tests, its sweep, three batch-64 generates), then `m1pack`,
-# then `pdl` (~300 s: four generates, with and without XLA's programmatic dependent launch).
+# Session 37: no GPU at the start; from 09:29 kinds were listed, but seven calls started no machine (706 s of
+# budget lost to the refusals). Next: `acceptance` (engine host code changed), then
+# `GPU_TEST_FILES=tests/test_w4.py bash bench/gpu_session.sh tests fp4dot` (~40 s + ~300 s: the NVFP4 tensor-core
+# kernel's gpu tests, its sweep, three batch-64 generates), then `m1pack`, then `pdl` (~300 s: four generates,
+# with and without XLA's programmatic dependent launch).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
