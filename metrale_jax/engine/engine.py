@@ -504,6 +504,10 @@ class LLMEngine:
 
     def validate(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Check a request without queuing it; raises an InvalidRequestError subclass."""
+        return self._checked(prompt, params)[:2]
+
+    def _checked(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int], np.ndarray | None]:
+        """`validate`'s (text, prompt ids), and the request's token mask (`SamplingParams.token_mask`)."""
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -549,7 +553,7 @@ class LLMEngine:
             if not np.any(np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool) & ~stop):
                 raise InvalidSamplingParamsError("with min_tokens > 0, allowed_token_ids / logit_bias leave only "
                                                  "stop tokens, which min_tokens bans")
-        return text, ids
+        return text, ids, mask
 
     def _check_priority(self, priority: Any) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
@@ -583,7 +587,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, ids = self.validate(prompt, params)
+        text, ids, mask = self._checked(prompt, params)
         self._resolve_lora(lora_request)
         self._check_priority(priority)
         if params.max_tokens is None:
@@ -591,7 +595,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
                       stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
-                      lora_request=lora_request, token_mask=params.token_mask(self.vocab_size),
+                      lora_request=lora_request, token_mask=mask,
                       cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
                       priority=int(priority))
         self._arrivals += 1
