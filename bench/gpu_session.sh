@@ -59,6 +59,11 @@
 # `GPU_TEST_FILES=tests/test_w4.py bash bench/gpu_session.sh tests fp4dot` (~40 s + ~300 s: the NVFP4 tensor-core
 # kernel's gpu tests, its sweep, three batch-64 generates), then `m1pack`, then `pdl` (~300 s: four generates,
 # with and without XLA's programmatic dependent launch).
+# Session 38: seven refused starts (~90 s of budget each), then one H200: `acceptance` of Llama-3-8B +
+# Qwen3-30B-A3B + Mamba-2 473 s cold, of Qwen3-Next + Nemotron-H 400 s warm, `tests` (test_w4.py, 56 s) +
+# the fp4 sweep at 64 rows (cut at 90 s after q|k|v and o) 188 s, one NVFP4 batch-64 generate 118 s.
+# Do not export XLA_PYTHON_CLIENT_PREALLOCATE=false around a generate: its KV pool then fails to allocate.
+# Next: `m1pack` (~360 s), `pdl` (~300 s), the fp4 sweep's gate|up and down (FP4DOT_MS=64,256).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -256,13 +261,13 @@ if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with pa
   done
 fi
 if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows through the 4-bit tensor-core kernel (session
-  # 37, `fp4_tensor_cores`, off by default) beside bf16 and the streaming kernel's dot path, then generate at
-  # batch 64: bf16, NVFP4 by default, NVFP4 with fp4_tensor_cores (run `tests` with test_w4.py first)
+  # 37, `fp4_tensor_cores`, the default since session 38) beside bf16 and the streaming kernel's dot path, then generate at
+  # batch 64: bf16, NVFP4 through the dot path (fp4_tensor_cores off), NVFP4 by default (run `tests` with test_w4.py first)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP4DOT_LIMIT:-200} python3 bench/kernels/w4_mgpu.py \
     --out "$OUT/fp4dot" --kind fp4 --ms ${FP4DOT_MS:-16,64} ${FP4DOT_ARGS:-} 2>&1 | grep "^|" | tail -12
   for q in bf16 nvfp4 nvfp4_tc; do
     qa=$([[ $q != bf16 ]] && echo "--quantization nvfp4")
-    ta=$([[ $q == nvfp4_tc ]] && echo '{"fp4_tensor_cores": true}' || echo '{}')
+    ta=$([[ $q == nvfp4 ]] && echo '{"fp4_tensor_cores": false}' || echo '{}')
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 64 \
       $qa --attention "$ta" --out "$OUT/generate_llama3_8b_${q}_b64.json" > "$OUT/generate_llama3_8b_${q}_b64.log" 2>&1
     grep "batch  64" "$OUT/generate_llama3_8b_${q}_b64.log" | tail -4

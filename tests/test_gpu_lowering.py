@@ -100,8 +100,9 @@ def test_fp8_w8a8_steps_lower_at_any_rows():
 
 
 def test_fp4_tensor_core_steps_lower():
-    """`fp4_tensor_cores`: NVFP4 linears of 2-1,024 rows take the 4-bit tensor-core kernel (Mosaic
-    GPU) in every step kind, at row counts that are not whole 8-row tiles; without it, none."""
+    """`fp4_tensor_cores` (the default): NVFP4 linears of 2-1,024 rows take the 4-bit tensor-core
+    kernel (Mosaic GPU) in every step kind, at row counts that are not whole 8-row tiles; without
+    it, none."""
     cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
@@ -109,9 +110,9 @@ def test_fp4_tensor_core_steps_lower():
     buckets = (StepBucket("decode", num_seqs=20), StepBucket("verify", num_seqs=4, num_spec=2),
                StepBucket("mixed", num_seqs=4, num_tokens=32, num_streams=1),
                StepBucket("prefill", num_tokens=64, num_streams=2))
-    for kind, text in _lower_steps(model, params, buckets=buckets, fp4_tensor_cores=True).items():
+    for kind, text in _lower_steps(model, params, buckets=buckets).items():
         assert "skinny_matmul_w4_mgpu" in text, kind
-    for kind, text in _lower_steps(model, params, buckets=buckets[:1]).items():
+    for kind, text in _lower_steps(model, params, buckets=buckets[:1], fp4_tensor_cores=False).items():
         assert "skinny_matmul_w4_mgpu" not in text and "_w4_kernel" in text, kind
 
 

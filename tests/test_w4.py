@@ -408,7 +408,7 @@ def test_w4_mgpu_rejects_bad_input():
 def test_w4_mgpu_routing():
     """`use_fp8_kernel(..., w8a8=True)` (Hopper) gives int4 linears the tensor-core kernel's scales:
     2-64 rows and prefill (tiles of x's rows) run it, one row the streaming kernel; without it
-    (not Hopper) prefill runs XLA; NVFP4 the same with `fp4_tensor_cores`; shapes it cannot tile
+    (not Hopper) prefill runs XLA; NVFP4 the same unless `fp4_tensor_cores=False`; shapes it cannot tile
     keep the streaming kernel.
     Each path against the numpy oracle (interpret mode)."""
     from metrale_jax.layers.linear import linear
@@ -449,8 +449,9 @@ def test_w4_mgpu_routing():
     # NVFP4: the same routing, e4m3 scales in one plane, the global scale on the output
     p4, s4, rs4 = _random_w4(rng, n, k, 16, "fp4")
     fp4 = W4Linear(jnp.asarray(p4), jnp.asarray(s4), None, jnp.asarray(rs4), None, k=k, group_size=16, kind="fp4")
-    assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"].kernel_scales is None  # (opt-in)
-    m4 = use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True, fp4_tensor_cores=True)["w"]
+    assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True, fp4_tensor_cores=False)["w"].kernel_scales is None
+    assert use_fp8_kernel({"w": fp4}, interpret=True, w8a8=False)["w"].kernel_scales is None  # (not Hopper)
+    m4 = use_fp8_kernel({"w": fp4}, interpret=True, w8a8=True)["w"]  # the default
     assert m4.kernel_scales.shape == (1, k // 16, n) and m4.kernel_scales.dtype == jnp.float8_e4m3fn
     oracle4 = _oracle_weight(p4, s4, rs4, k, 16, "fp4")
     for m, kernel in ((5, "skinny_matmul_w4_mgpu"), (1, "skinny_matmul_w4"), (70, "skinny_matmul_w4_mgpu")):

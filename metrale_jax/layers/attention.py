@@ -44,12 +44,13 @@ class AttentionConfig:
     # With fp8_kernel, decode steps of 9-64 rows take the W8A8 kernel (Mosaic GPU, wgmma: Hopper);
     # off, the W8A16 kernel up to 16 rows and XLA beyond. The default on Hopper GPUs.
     fp8_w8a8: bool = False
-    # With fp8_w8a8, NVFP4 linears of 2-1,024 rows through the 4-bit tensor-core kernel
+    # With fp8_w8a8 (Hopper), NVFP4 linears of 2-1,024 rows through the 4-bit tensor-core kernel
     # (pallas_kernels/linear/w4_mgpu.py, as int4's) instead of the streaming kernel's dot path
     # (2-64 rows; 0.39x bf16's batch-64 step on the H100, session 36) and XLA's
-    # dequantize-then-dot (prefill). Off until it has run on a GPU machine: written in session 37
-    # on the CPU (interpret mode and lowering for the H200 only).
-    fp4_tensor_cores: bool = False
+    # dequantize-then-dot (prefill). H200, session 38: at 64 rows q|k|v 23.3 us and o 16.3 us
+    # against the dot path's 73.1 / 56.2 (bf16 23.8 / 15.6); Llama-3-8B batch-64 device step
+    # 6.86 ms (bench/results/*_s38_call*). On by default; False keeps session 36's paths.
+    fp4_tensor_cores: bool = True
     # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
     # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,
     # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.2-1.5x the

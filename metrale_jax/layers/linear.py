@@ -154,7 +154,7 @@ def has_quantized_linears(params) -> bool:
     return any(isinstance(w, kinds) for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, kinds)))
 
 
-def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = False):
+def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = True):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
     FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones (and with
