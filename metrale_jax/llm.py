@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from metrale_jax.loading.hub import DEFAULT_MODEL
 from metrale_jax.sampling import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -34,6 +36,12 @@ class LLM:
     fixed pool. `max_model_len` above the model's max_position_embeddings raises ValueError; an
     unknown model path or alias raises ModelNotFoundError. Other `EngineConfig` fields can be
     passed as keyword arguments.
+
+    vLLM's arguments that ported scripts pass: `tokenizer` (another tokenizer: a folder, a GGUF
+    file, an alias or a hub id), `swap_space` (GiB of host memory for preempted sequences,
+    `EngineConfig.swap_space_gb`), `trust_remote_code` (accepted; nothing from a checkpoint is ever
+    run: every architecture is this package's own code) and `enforce_eager` (accepted; the steps
+    are always compiled ahead of time, there is no eager mode: True is logged once).
     """
 
     def __init__(
@@ -47,9 +55,17 @@ class LLM:
         block_size: int = 16,
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
+        tokenizer: str | None = None,
+        swap_space: float | None = None,
+        trust_remote_code: bool = False,
+        enforce_eager: bool = False,
         **engine_kwargs: Any,
     ):
-        config = EngineConfig(
+        if enforce_eager:
+            log.info("enforce_eager=True: metrale-jax has no eager mode; its steps are compiled ahead of time")
+        if swap_space is not None:
+            engine_kwargs["swap_space_gb"] = float(swap_space)
+        config = EngineConfig(tokenizer=tokenizer,
             model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs,
@@ -72,6 +88,12 @@ class LLM:
     @property
     def tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name: the SamplingParams `generate` uses when given none. SamplingParams' own
+        defaults; unlike vLLM, the sampling fields of the model's generation_config.json are not
+        applied."""
+        return SamplingParams()
 
     def stats(self) -> EngineStats:
         return self.llm_engine.stats()

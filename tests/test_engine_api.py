@@ -13,6 +13,7 @@ import pytest
 from metrale_jax.engine.testing import fake_engine, fake_greedy
 from metrale_jax.errors import EmptyPromptError, ModelNotFoundError
 from metrale_jax.llm import LLM, SamplingParams
+from tests._smollm2 import smollm2_gguf  # noqa: F401
 from tests.conftest import FIXTURES
 
 ROOT = FIXTURES.parents[2]
@@ -218,3 +219,38 @@ def test_priority_scheduling():
         fcfs.add_request("x", {"prompt_token_ids": [3, 4]}, sp, priority=1)
     assert not fcfs.has_unfinished_requests() and not eng.has_unfinished_requests()
     eng.scheduler = eng._new_scheduler()
+
+
+def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path, smollm2_gguf):
+    """What ported vLLM scripts pass: `tokenizer` (loaded in place of the model's: a GGUF file or a
+    folder with tokenizer.json), `swap_space` (GiB), `trust_remote_code` and `enforce_eager`
+    (accepted; the latter logged); unknown names still fail."""
+    from metrale_jax.engine import engine as engine_mod
+    from metrale_jax.loading.checkpoint import load_tokenizer
+
+    gguf_tok = load_tokenizer(smollm2_gguf)
+    gguf_tok.backend.save(str(tmp_path / "tokenizer.json"))
+    folder_tok = load_tokenizer(tmp_path)
+    ids = gguf_tok.encode("hello there, tokenizer")
+    assert ids == folder_tok.encode("hello there, tokenizer") and len(ids) > 3
+    assert gguf_tok.eos_token_id == gguf_tok.eos_token_ids[0] == gguf_tok.token_to_id("<|im_end|>")
+    with pytest.raises(ModelNotFoundError, match="neither tokenizer.json"):
+        load_tokenizer(FIXTURES / "llama_tiny")
+    # through the engine: llama_tiny has no tokenizer of its own
+    llm = LLM(model=str(FIXTURES / "llama_tiny"), tokenizer=str(tmp_path), dtype="float32", show_progress=False,
+              trust_remote_code=True)
+    assert llm.get_tokenizer().encode("hello there, tokenizer") == ids
+    prompt = "a,b+1"  # ids under llama_tiny's 256 (single characters)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert out.prompt_token_ids == gguf_tok.encode(prompt) and len(out.outputs[0].token_ids) == 3
+
+    seen = {}
+    monkeypatch.setattr(engine_mod.LLMEngine, "from_config", classmethod(lambda cls, c: seen.setdefault("c", c)))
+    with caplog.at_level("INFO", logger="metrale_jax.llm"):
+        LLM(model="m", tokenizer="t", swap_space=2, trust_remote_code=True, enforce_eager=True)
+    c = seen["c"]
+    assert (c.model, c.tokenizer, c.swap_space_gb) == ("m", "t", 2.0)
+    assert "enforce_eager" in caplog.text
+    with pytest.raises(TypeError, match="no_such_arg"):
+        LLM(model="m", no_such_arg=1)
+    assert llm.get_default_sampling_params() == SamplingParams()

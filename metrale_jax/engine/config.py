@@ -79,6 +79,9 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL  # path or alias (see metrale_jax.loading.hub)
     revision: str | None = None  # Hugging Face revision (branch, tag or commit) of a hub model id
+    # the tokenizer from elsewhere (vLLM's `tokenizer`): a folder with tokenizer.json, a GGUF file,
+    # an alias or a hub repo id; None = the model's own
+    tokenizer: str | None = None
     dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
     kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
     quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"

@@ -282,6 +282,10 @@ class LLMEngine:
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split,
                                    sharder=sharder, mtp=spec is not None and spec.method == "mtp")
+        if config.tokenizer is not None:
+            from metrale_jax.loading.checkpoint import load_tokenizer
+
+            model = dataclasses.replace(model, tokenizer=load_tokenizer(config.tokenizer, show_progress=config.show_progress))
         return cls(model, params, config, owns_params=True)
 
     @property

@@ -133,3 +133,17 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         path=p, config=config, tensors=tensors, tokenizer=tokenizer, generation_config=generation_config,
         eos_token_ids=resolve_eos_token_ids(generation_config, config, tokenizer), format="safetensors",
     )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, show_progress: bool = True) -> Tokenizer:
+    """A tokenizer alone (`EngineConfig.tokenizer`): a folder with tokenizer.json, a GGUF file (or a
+    folder holding one), an alias or a Hugging Face repo id (fetched as a model is)."""
+    from metrale_jax.loading.hub import resolve_model
+
+    p = resolve_model(name_or_path, show_progress=show_progress)
+    gguf_path = _find_gguf(p)
+    if gguf_path is not None:
+        return Tokenizer.from_gguf(gguf_path)
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(p)
+    raise ModelNotFoundError(f"tokenizer {name_or_path!r}: {p} holds neither tokenizer.json nor a .gguf file")

@@ -145,6 +145,9 @@ class Tokenizer:
             if i is not None and i not in ids:
                 ids.append(int(i))
         self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        # transformers' names: the first EOS id (None without one), the padding token's id
+        self.eos_token_id: int | None = ids[0] if ids else None
+        self.pad_token_id: int | None = self.token_to_id(pad_token) if pad_token is not None else None
         self._special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     # ---- construction ---------------------------------------------------------------------------
