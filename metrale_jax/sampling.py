@@ -82,6 +82,9 @@ class SamplingParams:
     applies these as a token mask (`token_mask`), never as an added bias.
     truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens (vLLM's left truncation); -1
     keeps as many as fit beside one generated token (max_model_len - 1).
+    detokenize: False = token ids only (empty text; stop strings then refused, as vLLM).
+    spaces_between_special_tokens: accepted for vLLM's scripts; no effect (it concerns slow Python
+    tokenizers; the `tokenizers` library decodes without it, as vLLM's fast path does).
     """
 
     n: int = 1
@@ -107,6 +110,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -159,6 +164,8 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            bad("stop", "needs detokenize=True (stop strings are matched in the text)")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < _MAX_SEED):

@@ -13,7 +13,6 @@ import pytest
 from metrale_jax.engine.testing import fake_engine, fake_greedy
 from metrale_jax.errors import EmptyPromptError, ModelNotFoundError
 from metrale_jax.llm import LLM, SamplingParams
-from tests._smollm2 import smollm2_gguf  # noqa: F401
 from tests.conftest import FIXTURES
 
 ROOT = FIXTURES.parents[2]
@@ -221,14 +220,15 @@ def test_priority_scheduling():
     eng.scheduler = eng._new_scheduler()
 
 
-def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path, smollm2_gguf):
+def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path):
     """What ported vLLM scripts pass: `tokenizer` (loaded in place of the model's: a GGUF file or a
     folder with tokenizer.json), `swap_space` (GiB), `trust_remote_code` and `enforce_eager`
     (accepted; the latter logged); unknown names still fail."""
     from metrale_jax.engine import engine as engine_mod
     from metrale_jax.loading.checkpoint import load_tokenizer
+    from tests._smollm2 import smollm2_gguf_path
 
-    gguf_tok = load_tokenizer(smollm2_gguf)
+    gguf_tok = load_tokenizer(smollm2_gguf_path())
     gguf_tok.backend.save(str(tmp_path / "tokenizer.json"))
     folder_tok = load_tokenizer(tmp_path)
     ids = gguf_tok.encode("hello there, tokenizer")

@@ -64,6 +64,12 @@ def test_eos_is_in_token_ids_not_text(eng, W):
     assert o.token_ids == ref and o.token_ids[-1] == EOS
     assert o.finish_reason == "stop" and o.stop_reason is None
     assert "</s>" not in o.text and o.text == eng.tokenizer.decode(ref[:-1])
+    # with include_stop_str_in_output, EOS's text when special tokens are kept (vLLM's)
+    for skip in (True, False):
+        sp = SamplingParams(temperature=0, max_tokens=20, include_stop_str_in_output=True, skip_special_tokens=skip)
+        o = _run(eng, p, sp).outputs[0]
+        assert o.token_ids == ref and o.text == eng.tokenizer.decode(ref, skip_special_tokens=skip)
+        assert o.text.endswith("</s>") != skip
     # ignore_eos runs on to max_tokens
     o2 = _run(eng, p, SamplingParams(temperature=0, max_tokens=len(ref) + 5, ignore_eos=True)).outputs[0]
     assert o2.token_ids == fake_greedy(W, p, len(ref) + 5, use_ssm=True, ignore_eos=True)
@@ -79,6 +85,12 @@ def test_stop_token_ids(eng, W):
     assert o.token_ids == full[: first + 1]
     assert o.finish_reason == "stop" and o.stop_reason == stop
     assert o.text == eng.tokenizer.decode(full[:first])
+    # include_stop_str_in_output: the stop token's text too (vLLM's)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop],
+                        include_stop_str_in_output=True)
+    o = _run(eng, p, sp).outputs[0]
+    assert o.token_ids == full[: first + 1] and o.text == eng.tokenizer.decode(full[: first + 1]) != \
+        eng.tokenizer.decode(full[:first])
 
 
 def test_stop_strings(eng, W):
@@ -93,6 +105,11 @@ def test_stop_strings(eng, W):
     assert o.token_ids == full[: cut + len(stop)]  # up to the token that completed the stop string
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
     assert _run(eng, p, sp).outputs[0].text == text[: cut + len(stop)]
+    # detokenize=False: ids only, no text; stop strings then need the text
+    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)).outputs[0]
+    assert o.token_ids == full[:12] and o.text == ""
+    with pytest.raises(InvalidSamplingParamsError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
 
 
 def test_streamed_text_only_grows(eng, W):

@@ -285,7 +285,8 @@ class LLMEngine:
         if config.tokenizer is not None:
             from metrale_jax.loading.checkpoint import load_tokenizer
 
-            model = dataclasses.replace(model, tokenizer=load_tokenizer(config.tokenizer, show_progress=config.show_progress))
+            tok = load_tokenizer(config.tokenizer, show_progress=config.show_progress)
+            model = dataclasses.replace(model, tokenizer=tok)
         return cls(model, params, config, owns_params=True)
 
     @property
@@ -616,7 +617,7 @@ class LLMEngine:
                 seq.logprobs = []
             if i > 0 and not params.has_penalties and not self.uses_ssm:
                 seq.leader = req.seqs[0]  # share the prompt's KV blocks with sequence 0
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 from metrale_jax.loading.tokenizer import IncrementalDetokenizer
 
                 seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -1053,11 +1054,21 @@ class LLMEngine:
             log.warning("request %s: token %d breaks its structured-output grammar (%s); finishing it",
                         seq.request.request_id, t, why)  # (one line: llguidance's errors carry the grammar)
             finish = "abort"
+            # the token is not part of the output: the grammar rejected it
+            seq.token_ids.pop()
+            self._gen_tokens -= 1
+            seq.cumulative_logprob -= lp
+            if seq.logprobs is not None and want_lp:
+                seq.logprobs.pop()
+        stop_token = False
         if finish is None and n_out >= p.min_tokens:
             if not p.ignore_eos and t in self.eos_token_ids:
-                finish = "stop"
+                finish, stop_token = "stop", True
             elif t in seq.request.stop_ids:
-                finish, reason = "stop", t
+                finish, reason, stop_token = "stop", t, True
+        if seq.detok is not None and stop_token and p.include_stop_str_in_output:
+            seq.detok.add(t)  # vLLM's: the stop token's text too (none for a special token skipped)
+            seq.text = seq.detok.text
         if seq.detok is not None and finish is None:
             delta = seq.detok.add(t)
             seq.text = seq.detok.text
