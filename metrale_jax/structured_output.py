@@ -57,10 +57,10 @@ class StructuredOutputsParams:
 
     disable_any_whitespace: JSON without free whitespace between tokens (compact `,` and `:`);
     by default any JSON whitespace is allowed, as vLLM. whitespace_pattern: a regex for the
-    whitespace between JSON tokens instead. disable_additional_properties: a schema's objects
-    that list `properties` and say nothing of `additionalProperties` take no other keys (as
-    xgrammar and outlines read them; JSON Schema's own default, which llguidance follows, allows
-    any other key).
+    whitespace between JSON tokens instead. disable_additional_properties (default True): a
+    schema's objects that list `properties` and say nothing of `additionalProperties` take no other
+    keys, as with vLLM's default backend (xgrammar's strict mode) and outlines; False gives JSON
+    Schema's own default, which llguidance (vLLM's "guidance" backend) follows: any other key.
     """
 
     json: str | dict | None = None
@@ -71,7 +71,7 @@ class StructuredOutputsParams:
     structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -198,17 +198,21 @@ def _structural_tag_grammar(llg, spec: str | dict, closed: bool, special: bool =
         raise InvalidStructuredOutputsError(f"structural_tag: {e}") from None
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
-               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+# the subschemas closed in turn: where an object schema describes a whole value (not `allOf`'s
+# branches, which each describe part of one, nor `not` / `if`, whose meaning closing would change)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "then", "else", "contains")
+# an object schema with these beside `properties` takes keys from elsewhere: left open
+_OPEN_BESIDE = ("additionalProperties", "unevaluatedProperties", "allOf", "$ref", "dependentSchemas", "if")
 
 
 def _closed_objects(schema: Any) -> Any:
     """A copy of a JSON schema in which every object schema with `properties` and no
     `additionalProperties` gets `additionalProperties: false`, at any depth of its subschemas
-    (properties, items, anyOf / allOf / oneOf branches, $defs, ...; not inside `enum` / `const`
-    values, which are data)."""
+    (properties, items, anyOf / oneOf branches, $defs, ...; not inside `enum` / `const` values,
+    which are data). Where keys may come from elsewhere (`allOf` branches, a `$ref` or `if` beside
+    `properties`) the object stays open: permissive rather than unsatisfiable."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -221,7 +225,7 @@ def _closed_objects(schema: Any) -> Any:
             out[key] = [_closed_objects(s) for s in v]
         elif isinstance(v, dict):
             out[key] = _closed_objects(v)
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_BESIDE):
         out["additionalProperties"] = False
     return out
 

@@ -165,9 +165,11 @@ def test_gbnf_and_lark_grammars(compiler, smollm2_tokenizer):  # noqa: F811
 
 
 def test_disable_additional_properties(compiler, smollm2_tokenizer):  # noqa: F811
-    """vLLM's `disable_additional_properties`: objects with `properties` and no `additionalProperties`
-    take no other keys, at any depth; without it, JSON Schema's default (any other key) holds. Data
-    (`const`, `enum`) and a property named "properties" are not schemas and stay as they are."""
+    """vLLM's `disable_additional_properties` (on by default, as vLLM's xgrammar backend): objects
+    with `properties` and no `additionalProperties` take no other keys, at any depth; off, JSON
+    Schema's default (any other key) holds. Data (`const`, `enum`) and a property named
+    "properties" are not schemas and stay as they are; objects whose keys may come from elsewhere
+    (`allOf` branches, `$ref` beside `properties`) stay open."""
     from metrale_jax.structured_output import _closed_objects
 
     schema = {"type": "object", "required": ["a"],
@@ -182,6 +184,13 @@ def test_disable_additional_properties(compiler, smollm2_tokenizer):  # noqa: F8
     assert closed["properties"]["properties"]["additionalProperties"] is True
     assert closed["properties"]["c"] == {"const": {"properties": {"x": 1}}}
     assert set(closed["properties"]) == {"a", "sub", "properties", "c"}
+    split = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                       {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert _closed_objects(split) == split  # closing each branch would allow no object with both keys
+    based = {"$ref": "#/$defs/B", "properties": {"c": {}}, "$defs": {"B": {"properties": {"b": {}}}}}
+    assert "additionalProperties" not in _closed_objects(based)
+    assert _closed_objects(based)["$defs"]["B"]["additionalProperties"] is False
+    assert StructuredOutputsParams(json=schema).disable_additional_properties  # vLLM's default (xgrammar)
     cases = [('{"a": 1, "z": 2}', True, False), ('{"a": 1, "sub": {"b": 2}}', True, True),
              ('{"a": 1, "sub": {"b": 2, "y": 3}}', True, False), ('{"a": 1, "properties": {"q": 1}}', True, True)]
     for flag in (False, True):
@@ -275,10 +284,10 @@ def test_server_protocol_mapping():
     assert so(CompletionRequest, {"prompt": "x", "guided_choice": ["a", "b"]}).choice == ["a", "b"]
     assert so(CompletionRequest, {"prompt": "x", "guided_grammar": "start: /a/"}).grammar == "start: /a/"
     got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
-    assert got.json == SCHEMA and got.disable_any_whitespace and not got.disable_additional_properties
+    assert got.json == SCHEMA and got.disable_any_whitespace and got.disable_additional_properties  # the default
     got = so(CompletionRequest, {"prompt": "x", "structured_outputs": {"json": SCHEMA,
-                                                                        "disable_additional_properties": True}})
-    assert got.disable_additional_properties
+                                                                        "disable_additional_properties": False}})
+    assert not got.disable_additional_properties
     tag = {"type": "structural_tag", "triggers": ["<f="],
            "structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"}]}
     got = so(ChatCompletionRequest, {"messages": msgs, "structured_outputs": {"structural_tag": tag}})
