@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -155,8 +155,8 @@ class LLM:
         lora_request: a `LoRARequest` for every prompt, or a list with one (or None) per prompt
         (needs `enable_lora=True`). priority: one per prompt, lower first (needs
         scheduling_policy="priority")."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
+        if isinstance(prompts, str | dict) or not isinstance(prompts, Iterable):
+            prompts = [prompts]  # (one prompt; one of a wrong type is refused by `validate`)
         return self._run(list(prompts), sampling_params, use_tqdm, lora_request, priority)
 
     def chat(

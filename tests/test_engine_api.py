@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from metrale_jax.engine.testing import fake_engine, fake_greedy
-from metrale_jax.errors import EmptyPromptError, ModelNotFoundError
+from metrale_jax.errors import EmptyPromptError, InvalidPromptError, ModelNotFoundError
 from metrale_jax.llm import LLM, SamplingParams
 from tests.conftest import FIXTURES
 
@@ -46,6 +46,9 @@ def test_llm_generate_and_chat(llm):
     # a bad prompt in a batch rejects the whole batch before anything is queued
     with pytest.raises(EmptyPromptError):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    for bad in (5, None, 2.5):  # not a prompt: InvalidPromptError, as for any bad prompt
+        with pytest.raises(InvalidPromptError, match="unsupported prompt type"):
+            llm.generate(bad, SamplingParams(max_tokens=2))
     assert not llm.llm_engine.has_unfinished_requests()
 
 
