@@ -90,10 +90,10 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's name: the SamplingParams `generate` uses when given none. SamplingParams' own
-        defaults; unlike vLLM, the sampling fields of the model's generation_config.json are not
-        applied."""
-        return SamplingParams()
+        """vLLM's: the SamplingParams `generate` / `chat` use when given none: SamplingParams'
+        defaults with the sampling fields of the model's generation_config.json over them
+        (`EngineConfig.generation_config`: "auto"; "vllm" leaves SamplingParams' own)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
 
     def stats(self) -> EngineStats:
         return self.llm_engine.stats()
@@ -106,7 +106,7 @@ class LLM:
     def _run(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, lora_request: Any = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         eng = self.llm_engine
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")

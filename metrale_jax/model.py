@@ -40,6 +40,8 @@ class Model:
     name: str = ""
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: Any = field(default=None, compare=False, hash=False, repr=False)
+    # generation_config.json (its sampling fields are the engine's request defaults, as vLLM's)
+    generation_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def family(self):
@@ -221,7 +223,8 @@ def load_model(
     finally:
         ckpt.close()
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=str(path),
-                  eos_token_ids=tuple(cfg.eos_token_ids), tokenizer=ckpt.tokenizer)
+                  eos_token_ids=tuple(cfg.eos_token_ids), tokenizer=ckpt.tokenizer,
+                  generation_config=dict(ckpt.generation_config))
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
              time.perf_counter() - t0)

@@ -42,7 +42,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +55,7 @@ from metrale_jax.errors import InvalidSamplingParamsError
 from metrale_jax.structured_output import StructuredOutputsParams
 
 Array = jax.Array
+log = logging.getLogger(__name__)
 
 _MAX_SEED = 2**64
 
@@ -776,3 +780,37 @@ __all__ = [
     "SEARCH_WAYS", "CPU_SEARCH_WAYS", "CountKernel", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
     "apply_token_bitmask", "top_k_plan",
 ]
+
+
+# generation_config.json's fields that are request defaults (vLLM's list), as SamplingParams names
+_GENERATION_DEFAULTS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+                        "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(source: str, model_generation_config: dict | None) -> dict:
+    """The SamplingParams defaults a model's generation config sets (`EngineConfig.generation_config`:
+    "auto" = the model's, "vllm" = none, else a folder holding generation_config.json). A value
+    SamplingParams refuses is left out, with a warning (the model still serves)."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        cfg = dict(model_generation_config or {})
+    else:
+        path = Path(source) / "generation_config.json"
+        if not path.is_file():
+            raise ValueError(f"generation_config={source!r}: {path} does not exist (or give 'auto' / 'vllm')")
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    out = {}
+    for theirs, ours in _GENERATION_DEFAULTS.items():
+        if cfg.get(theirs) is None:
+            continue
+        try:
+            SamplingParams(**{ours: cfg[theirs]})
+        except (InvalidSamplingParamsError, TypeError) as e:
+            log.warning("generation config: %s=%r left out (%s)", theirs, cfg[theirs], e)
+            continue
+        out[ours] = cfg[theirs]
+    if out:
+        log.warning("request defaults from the model's generation config: %s (EngineConfig(generation_config="
+                    "'vllm') keeps SamplingParams' own)", ", ".join(f"{k}={v}" for k, v in sorted(out.items())))
+    return out

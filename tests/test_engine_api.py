@@ -257,3 +257,37 @@ def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path):
     with pytest.raises(TypeError, match="no_such_arg"):
         LLM(model="m", no_such_arg=1)
     assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_generation_config_sampling_defaults(tmp_path, caplog):
+    """vLLM's `generation_config`: "auto" makes the sampling fields of the model's
+    generation_config.json the defaults of requests that set none (max_new_tokens as max_tokens);
+    "vllm" keeps SamplingParams' own; a folder gives its file; values SamplingParams refuses are
+    left out with a warning."""
+    import json
+    import shutil
+
+    from metrale_jax.sampling import sampling_defaults
+
+    ckpt = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_tiny", ckpt)
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    gen.update(temperature=0.0, max_new_tokens=5, top_p=0.5, do_sample=False)
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    with caplog.at_level("WARNING", logger="metrale_jax.sampling"):
+        llm = LLM(model=str(ckpt), dtype="float32", show_progress=False)
+    assert "generation config" in caplog.text
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5, top_p=0.5)
+    prompt = {"prompt_token_ids": [5, 17, 33]}
+    got = llm.generate(prompt)[0].outputs[0]
+    want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0]
+    assert len(got.token_ids) == 5 and got.token_ids == want.token_ids
+    plain = LLM.from_engine(llm.llm_engine)
+    plain.llm_engine.sampling_defaults = sampling_defaults("vllm", gen)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    folder = tmp_path / "g"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 7, "temperature": -1, "max_new_tokens": 0}))
+    assert sampling_defaults(str(folder), gen) == {"top_k": 7}  # (the refused values left out)
+    with pytest.raises(ValueError, match="does not exist"):
+        sampling_defaults(str(tmp_path / "nowhere"), gen)

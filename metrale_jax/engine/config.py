@@ -82,6 +82,11 @@ class EngineConfig:
     # the tokenizer from elsewhere (vLLM's `tokenizer`): a folder with tokenizer.json, a GGUF file,
     # an alias or a hub repo id; None = the model's own
     tokenizer: str | None = None
+    # vLLM's `generation_config`: "auto" = the sampling fields of the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) are the defaults of
+    # requests that do not set them; "vllm" = SamplingParams' own defaults; a folder = its
+    # generation_config.json
+    generation_config: str = "auto"
     dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
     kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
     quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"

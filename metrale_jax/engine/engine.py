@@ -48,7 +48,7 @@ from metrale_jax.metadata_builder import (
     pack,
 )
 from metrale_jax.parallel import Sharder, local, make_mesh
-from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams, and_token_masks
+from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams, and_token_masks, sampling_defaults
 from metrale_jax.step import StepState, init_step_state
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ class LLMEngine:
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
+        self.sampling_defaults = sampling_defaults(c.generation_config, getattr(model, "generation_config", None))
         self.vocab_size = int(model.cfg.vocab_size)
         self.cache_dir = setup_compilation_cache(c.compilation_cache_dir)
 
