@@ -167,10 +167,14 @@ class LLM:
         lora_request: Any = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
-        list of conversations, rendered with the tokenizer's chat template."""
+        list of conversations, rendered with the tokenizer's chat template. `tools`,
+        `continue_final_message` (with add_generation_prompt=False), `chat_template_kwargs` (vLLM's
+        dict) and other keyword arguments reach the template."""
+        template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError("this model has no tokenizer, so no chat template")

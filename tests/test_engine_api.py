@@ -43,6 +43,17 @@ def test_llm_generate_and_chat(llm):
     assert r[0].prompt_token_ids == ids
     assert r[0].outputs[0].token_ids == fake_greedy(w, ids, 3, use_ssm=True, ignore_eos=True)
     assert len(llm.chat([conv, conv + [{"role": "assistant", "content": "yo"}]], SamplingParams(max_tokens=2))) == 2
+
+def test_chat_template_kwargs_reach_the_template(llm, monkeypatch):
+    """vLLM's `chat_template_kwargs` dict and plain keyword arguments both reach the template."""
+    seen = {}
+    tok = llm.get_tokenizer()
+    render = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda m, **kw: seen.update(kw) or render(m, **kw))
+    llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), chat_template="T",
+             chat_template_kwargs={"enable_thinking": False, "x": 1}, x=2, tools=[{"type": "function"}])
+    assert seen["enable_thinking"] is False and seen["x"] == 2 and seen["tools"] == [{"type": "function"}]
+    assert seen["chat_template"] == "T" and "chat_template_kwargs" not in seen
     # a bad prompt in a batch rejects the whole batch before anything is queued
     with pytest.raises(EmptyPromptError):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
