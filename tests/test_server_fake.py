@@ -334,7 +334,7 @@ BAD = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
     (b"", 400, None),
-    (b'{"prompt": "x", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": "five"}', 400, "max_tokens"),  # ("5" and 5.0 are 5, as in vLLM)
     (b'{"prompt": "x", "max_tokens": 2.5}', 400, "max_tokens"),
     (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
@@ -355,7 +355,7 @@ BAD = [
     (b'{"prompt": "x", "allowed_token_ids": []}', 400, "allowed_token_ids"),
     (b'{"prompt": ""}', 400, None),
     (b'{"prompt": []}', 400, "prompt"),
-    (b'{"prompt": [-1]}', 400, "prompt"),
+    (b'{"prompt": [-1]}', 400, "prompt.0"),
     (b'{"prompt": [99]}', 400, None),  # out of the fake vocabulary: the engine's check
     (b'{"prompt": "' + b"y" * 200 + b'"}', 400, None),  # longer than max_model_len
     (b'{"max_tokens": 3}', 400, "prompt"),
@@ -441,9 +441,9 @@ def test_error_codes(http, method, path, body, status, err_type, code):
 def test_unknown_fields_are_ignored_and_limits(http, caplog):
     with caplog.at_level("DEBUG", logger="metrale_jax.server.protocol"):
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1},
-                                               "stream_options": {"zz": 1}})
+                                               "response_format": {"type": "text", "zz": 1}})
     assert r.status_code == 200
-    assert "frobnicate" in caplog.text and "stream_options.zz" in caplog.text
+    assert "frobnicate" in caplog.text and "response_format.zz" in caplog.text
     assert [r.levelname for r in caplog.records if "frobnicate" in r.getMessage()] == ["WARNING"]
     caplog.clear()
     with caplog.at_level("DEBUG", logger="metrale_jax.server.protocol"):  # each name warned of once
@@ -765,3 +765,189 @@ def test_sigterm_finishes_running_requests_then_exits_in_bounded_time():
         assert "GET /health" not in log  # probes are DEBUG
     finally:
         proc.kill()
+
+
+# ---- vLLM's behaviour, field by field ------------------------------------------------------------
+def test_cors_preflight_and_flags():
+    """A browser's preflight OPTIONS gets CORS headers (vLLM's CORSMiddleware and flags), before the
+    API key is asked for; --allowed-origins narrows it."""
+    import argparse
+
+    from metrale_jax.server.cli import add_serve_arguments, cors_from_args
+
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    with BackgroundServer(FakeEngine(), ServerConfig(model_names=(MODEL,), api_key="k")) as srv:
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=pre)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://app.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = p.parse_args(["m", "--allowed-origins", '["http://app.example"]', "--allowed-methods", '["GET", "POST"]',
+                         "--allow-credentials"])
+    cors = cors_from_args(args)
+    assert cors == {"allowed_origins": ("http://app.example",), "allowed_methods": ("GET", "POST"),
+                    "allowed_headers": ("*",), "allow_credentials": True}
+    assert cors_from_args(p.parse_args(["m"]))["allowed_origins"] == ("*",)
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--allowed-origins", "http://x"])  # not a JSON list
+    with BackgroundServer(FakeEngine(), ServerConfig(model_names=(MODEL,), **cors)) as srv:
+        ok = httpx.options(srv.url + "/v1/completions", headers=pre)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        bad = httpx.options(srv.url + "/v1/completions", headers={**pre, "Origin": "http://evil.example"})
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+
+
+def test_a_batch_larger_than_the_waiting_bound_is_a_400_not_a_503():
+    """A request whose prompts (or beam search's n beams a prompt) alone exceed max_waiting_requests
+    can never be queued: 400 batch_too_large, not 503 + Retry-After; up to the bound it runs."""
+    with BackgroundServer(FakeEngine(), ServerConfig(model_names=(MODEL,), max_waiting_requests=3)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2})
+        assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("invalid_request_error", "batch_too_large")
+        assert "4" in err["message"] and "3" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "use_beam_search": True, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "batch_too_large", r.text
+        assert c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2}).status_code == 200
+
+
+def test_stream_options_need_stream(http):
+    """vLLM's 400 for stream_options without stream=True (an empty object passes, as there)."""
+    so = {"include_usage": True}
+    for body in ({"stream_options": so}, {"stream": False, "stream_options": so}):
+        for path, extra in (("/v1/completions", {"prompt": "x"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            r = http.post(path, json={"max_tokens": 2, **extra, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "stream_options" and "stream=True" in err["message"]
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream_options": {}}).status_code == 200
+
+
+def test_stop_reason_and_chat_message_fields(http):
+    """vLLM's stop_reason: the stop string (or stop token id) that ended a choice, null otherwise;
+    in every completions chunk, in the chat chunk with the finish_reason. Chat messages carry vLLM's
+    fields (refusal, annotations, audio, function_call, reasoning: null; tool_calls only with calls)."""
+    ids = ids_of("stop me")
+    full = expected_fake_text(ids, 0, 40)
+    stop = full[9:12]
+    body = {"model": MODEL, "prompt": "stop me", "max_tokens": 40, "stop": ["zzzz", stop], "temperature": 0}
+    j = http.post("/v1/completions", json=body).json()
+    assert (j["choices"][0]["finish_reason"], j["choices"][0]["stop_reason"]) == ("stop", stop)
+    ev = stream_post(http, "/v1/completions", {**body, "stream": True})
+    assert all("stop_reason" in e["choices"][0] for e in ev[:-1])
+    assert [e["choices"][0]["stop_reason"] for e in ev[:-1]] == [None] * (len(ev) - 2) + [stop]
+    j = http.post("/v1/completions", json={**body, "max_tokens": 3}).json()
+    assert (j["choices"][0]["finish_reason"], j["choices"][0]["stop_reason"]) == ("length", None)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat_ids = FakeTokenizer().apply_chat_template(msgs, tokenize=True)
+    chat_stop = expected_fake_text(chat_ids, 0, 40)[6:8]
+    chat = {"model": MODEL, "messages": msgs, "max_tokens": 40, "stop": [chat_stop]}
+    j = http.post("/v1/chat/completions", json=chat).json()
+    ch = j["choices"][0]
+    assert (ch["finish_reason"], ch["stop_reason"]) == ("stop", chat_stop)
+    assert ch["message"] == {"role": "assistant", "content": expected_fake_text(chat_ids, 0, 40, [chat_stop]),
+                             "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                             "reasoning": None}
+    ev = stream_post(http, "/v1/chat/completions", {**chat, "stream": True})
+    last = ev[-2]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", chat_stop)
+    assert all("stop_reason" not in e["choices"][0] for e in ev[:-2])
+
+
+def test_continuous_usage_is_per_choice_from_the_first_chunk(http):
+    """continuous_usage_stats as vLLM reports it: the real prompt token count from the first chunk
+    (the role chunk of a chat stream) on, and each chunk the completion tokens of its own choice."""
+    msgs = [{"role": "user", "content": "hi"}]
+    prompt_len = len(FakeTokenizer().apply_chat_template(msgs, tokenize=True))
+    so = {"include_usage": True, "continuous_usage_stats": True}
+    ev = stream_post(http, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4, "n": 2,
+                                                     "stream": True, "stream_options": so})
+    chunks = [e for e in ev[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["usage"]["prompt_tokens"] == prompt_len for c in chunks)
+    for i in (0, 1):
+        mine = [c["usage"]["completion_tokens"] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0] == 0 and mine == sorted(mine) and mine[-1] == 4, mine
+    assert ev[-2]["usage"]["completion_tokens"] == 8 and ev[-2]["usage"]["prompt_tokens"] == prompt_len
+    # completions: each choice its own prompt's tokens
+    ev = stream_post(http, "/v1/completions", {"model": MODEL, "prompt": ["ab", "abcd"], "max_tokens": 3,
+                                               "echo": True, "stream": True, "stream_options": so})
+    chunks = [e for e in ev[:-1] if e["choices"]]
+    assert {(c["choices"][0]["index"], c["usage"]["prompt_tokens"]) for c in chunks} == {(0, 2), (1, 4)}
+    assert [c["choices"][0]["text"] for c in chunks if c["usage"]["completion_tokens"] == 0] == ["ab", "abcd"]
+    assert ev[-2]["usage"]["prompt_tokens"] == 6 and ev[-2]["usage"]["completion_tokens"] == 6
+
+
+def test_responses_wire_details(fake, http):
+    """/v1/responses: created_at an integer, the stream ends with response.completed / incomplete
+    and no `data: [DONE]` (as OpenAI's and vLLM's), a too-large output limit named as
+    max_output_tokens."""
+    srv, _ = fake
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "hello", "max_output_tokens": 3})
+    assert r.status_code == 200 and isinstance(r.json()["created_at"], int), r.text
+    with http.stream("POST", "/v1/responses", json={"model": MODEL, "input": "hello", "max_output_tokens": 3,
+                                                    "stream": True}) as s:
+        lines = [x for x in s.iter_lines() if x]
+    assert "[DONE]" not in "\n".join(lines)
+    assert lines[-2] == "event: response.incomplete" and json.loads(lines[-1][6:])["response"]["created_at"] > 0
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "hello", "max_output_tokens": 95})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_output_tokens" and err["code"] == "context_length_exceeded"
+    assert "max_output_tokens <=" in err["message"] and "max_tokens" not in err["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 95}
+    assert http.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("path,body,param,says", [
+    ("/v1/completions", {"prompt": [-1]}, "prompt.0", "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt.0", "at least 1 item"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "expected a string, an array of integers, an array of strings "
+                                                 "or an array of arrays of integers"),
+    ("/v1/completions", {"prompt": ["1", 2]}, "prompt", "expected a string"),  # never token ids from strings
+    ("/v1/completions", {"prompt": [True]}, "prompt", "expected a string"),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 33}, "stop", "at most 32 items"),
+    ("/v1/completions", {"prompt": "x", "stop": 7}, "stop", "expected a string or an array of strings"),
+    ("/v1/responses", {"input": []}, "input", "at least 1 item"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text", "needs a string `text`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "expected a string or an array of objects"),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature", "not a boolean"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "max_tokens", "fractional part"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"x-fake-invalid": 1}}}},
+     "response_format", "does not compile"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"x-fake-invalid": 1}}, "guided_json", "does not compile"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "schema": {"x-fake-invalid": 1}}}},
+     "text.format", "does not compile"),
+])
+def test_validation_errors_say_the_real_cause(http, path, body, param, says):
+    r = http.post(path, json={"model": MODEL, "max_tokens": 2, **body} if path != "/v1/responses" else
+                  {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert "valid string" not in err["message"], err
+
+
+def test_numbers_are_parsed_as_vllm_parses_them(http):
+    """Lax numbers, as vLLM's pydantic models: numeric strings and integral floats are taken; a text
+    list stays text (never token ids)."""
+    body = {"model": MODEL, "prompt": "hello", "temperature": "0", "max_tokens": 5.0, "n": "1", "seed": "3"}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected_fake_text(ids_of("hello"), 0, 5)
+    j = http.post("/v1/completions", json={"model": MODEL, "prompt": ["1", "2"], "max_tokens": 2}).json()
+    assert [c["text"] for c in j["choices"]] == [expected_fake_text(ids_of(p), 0, 2) for p in ("1", "2")]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "2",
+            "top_logprobs": 1.0, "logprobs": "true"}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200

@@ -17,7 +17,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from metrale_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from metrale_jax.errors import EmptyPromptError, InvalidSamplingParamsError, MaxTokensTooLargeError, PromptTooLongError
+from metrale_jax.errors import (
+    EmptyPromptError,
+    InvalidSamplingParamsError,
+    InvalidStructuredOutputsError,
+    MaxTokensTooLargeError,
+    PromptTooLongError,
+)
 from metrale_jax.sampling import RequestOutputKind, SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
@@ -100,6 +106,8 @@ class FakeEngine:
     Each running request holds ceil(len/block_size) blocks per sequence; `max_num_seqs` requests
     run at once, the rest wait. `step_delay_s` slows each step; `fail_after_steps` makes a step raise.
     `script`, when set, is the text every reply is instead: one character a step, then EOS.
+    A JSON-schema constraint with the key "x-fake-invalid" is refused as the engine refuses a schema
+    that does not compile.
     """
 
     def __init__(self, *, max_model_len: int = 96, max_num_seqs: int = 4, block_size: int = 4,
@@ -138,11 +146,15 @@ class FakeEngine:
         if len(ids) >= self.config.max_model_len:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit max_model_len")
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.config.max_model_len:
-            raise MaxTokensTooLargeError(f"{len(ids)} prompt + {params.max_tokens} tokens exceed max_model_len")
+            raise MaxTokensTooLargeError(f"{len(ids)} prompt + {params.max_tokens} tokens exceed max_model_len "
+                                         f"(max_tokens <= {self.config.max_model_len - len(ids)})")
         if any(not 0 <= i < VOCAB for i in ids):
             raise InvalidSamplingParamsError("token id out of range")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise InvalidSamplingParamsError(f"logprobs {params.logprobs} > max_logprobs {self.max_logprobs}")
+        so = params.structured_outputs
+        if so is not None and isinstance(so.json, dict) and "x-fake-invalid" in so.json:  # as a compile error
+            raise InvalidStructuredOutputsError("json: the schema does not compile (x-fake-invalid)")
         if request_id in self.reqs:
             raise ValueError(f"duplicate {request_id}")
         seqs = [_Seq(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]

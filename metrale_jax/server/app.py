@@ -7,7 +7,10 @@ engine runs on the `EngineLoop` thread, started and stopped by the app's lifespa
 `engine_loop.py` for how requests and outputs cross between the threads.
 
 Streaming follows the OpenAI wire format: `data: {json}\\n\\n` server-sent events ending in
-`data: [DONE]`. Engine outputs are cumulative, so each chunk is the difference from the last
+`data: [DONE]` (/v1/responses: `event:` / `data:` pairs ending with response.completed or
+response.incomplete, no [DONE]). A prompt's choices open (the chat role chunk, an echoed prompt)
+with its first output, as vLLM's, so `continuous_usage_stats` reports the real prompt token count
+from the first chunk. Engine outputs are cumulative, so each chunk is the difference from the last
 one sent. When a request has stop strings the last `max(len(stop)) - 1` characters are held
 back until the request finishes, so text that a stop string later swallows is never streamed.
 A stream that the server ends early ends like any other: a stream whose request the shutdown drain
@@ -33,7 +36,10 @@ request field at fault or null.
                                    chat_template_error, no_chat_template, no_tokenizer, invalid_messages
                                    invalid_structured_outputs: a JSON schema, regex, choice list or
                                      grammar that does not compile (`response_format`,
-                                     `structured_outputs`, `guided_*`), or more than one of them
+                                     `structured_outputs`, `guided_*`, `tools`, `text.format`: the
+                                     field is the `param`), or more than one of them
+                                   batch_too_large: more prompts (or beam-search beams) than
+                                     max_waiting_requests in one request: no retry could succeed
                                    (any other InvalidRequestError: its class's `code`, errors.py)
     401     authentication_error   invalid_api_key
     404     not_found_error        model_not_found (an unknown `model`), not_found (an unknown path)
@@ -67,16 +73,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale_jax.beam_search import BeamSearch, cache_salt, step_params
 from metrale_jax.engine.outputs import CompletionOutput, RequestOutput
-from metrale_jax.errors import InvalidPromptError, InvalidRequestError, MetraleError
+from metrale_jax.errors import (
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidStructuredOutputsError,
+    MaxTokensTooLargeError,
+    MetraleError,
+)
 from metrale_jax.llm import chat_template_error_message
 from metrale_jax.lora.request import LoRARequest
 from metrale_jax.sampling import RequestOutputKind, SamplingParams
 from metrale_jax.server.engine_loop import (
+    BatchTooLargeError,
     DrainTimeoutError,
     EngineDeadError,
     EngineLoop,
@@ -113,6 +127,7 @@ class ServerConfig:
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
     max_waiting_requests: the bound on waiting requests; past it requests get 503 + Retry-After.
     max_request_bytes: the body size limit (413 past it).
+    allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, as vLLM's flags.
     retry_after_s: the Retry-After value sent with 503s.
     engine_stop_timeout_s: how long the lifespan shutdown waits for the engine thread.
     log_requests: one access-log line per finished request (see the module docstring).
@@ -131,6 +146,12 @@ class ServerConfig:
     # "auto" tool choice: the parser that finds tool calls in replies (`--enable-auto-tool-choice
     # --tool-call-parser NAME`; one of tools.TOOL_CALL_PARSERS); None: "auto" is a 400
     tool_call_parser: str | None = None
+    # CORS (Starlette's CORSMiddleware, vLLM's flags --allowed-origins, --allowed-methods,
+    # --allowed-headers, --allow-credentials): browsers' preflight OPTIONS get an answer
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self):
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -259,6 +280,7 @@ class _Generation:
         self.cached_tokens: dict[int, int] = {}  # prompt tokens the prefix cache served
         self.completion_tokens: dict[int, int] = {}
         self.final: dict[int, Any] = {}  # choice index -> CompletionOutput: the deltas so far, joined
+        self.opened: set[int] = set()  # streaming: prompts whose choices' opening chunks went out
 
     def engine_ids(self, num_prompts: int) -> list[str]:
         return [f"{self.id}-{i}" for i in range(num_prompts)]
@@ -342,37 +364,61 @@ class _Generation:
         return new_text, ids, lps, (o.finish_reason if finished else None)
 
     def first_chunks(self) -> list[str]:
-        """Chat streams open each choice with the assistant role; echoing completions with the prompt."""
+        """What a stream opens with before any output: nothing here (each prompt's choices open with
+        its first output, `_open_chunks`, as vLLM's: so the prompt's token count is known)."""
+        return []
+
+    def _open_chunks(self, pi: int) -> list[str]:
+        """A prompt's first output came: chat choices open with the assistant role, echoing
+        completions with the prompt."""
+        self.opened.add(pi)
+        cis = range(pi * self.n, (pi + 1) * self.n)
         if self.chat:
-            return [_sse(self._chunk(ch.index, {"role": "assistant", "content": ""}, None, None))
-                    for ch in self.choices.values()]
+            return [_sse(self._chunk(ci, {"role": "assistant", "content": ""}, None, None, opening=True)) for ci in cis]
         if self.echo_texts is None:
             return []
         out = []
-        for ch in self.choices.values():
-            echo = self.echo_texts[ch.index // self.n]
-            ch.text_offset = len(echo)
+        echo = self.echo_texts[pi]
+        for ci in cis:
+            self.choices[ci].text_offset = len(echo)
             if echo:
-                out.append(_sse(self._chunk(ch.index, echo, None, None)))
+                out.append(_sse(self._chunk(ci, echo, None, None, opening=True)))
         return out
 
-    def _chunk(self, index: int, payload: Any, logprobs: Any, finish: str | None) -> dict:
+    def _chunk(self, index: int, payload: Any, logprobs: Any, finish: str | None, stop_reason: Any = None,
+               opening: bool = False) -> dict:
+        """One streamed choice. `stop_reason` (vLLM's: the stop string or stop token id that ended
+        it) is in every completions chunk and in a chat chunk with a finish_reason, as vLLM sends it.
+        The continuous usage is the choice's own: its prompt's tokens and its completion tokens
+        (vLLM's per-chunk usage; 0 in the `opening` chunks, before the first tokens' chunk)."""
         if self.chat:
             choice = {"index": index, "delta": payload, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
             out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model, "choices": [choice]}
         else:
-            choice = {"index": index, "text": payload, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": payload, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
             out = {"id": self.id, "object": "text_completion", "created": self.created,
                    "model": self.model, "choices": [choice]}
         if self.continuous_usage:
-            out["usage"] = self.usage()
+            pi = index // self.n
+            out["usage"] = _usage(self.prompt_tokens.get(pi, 0), 0 if opening else self.completion_tokens.get(index, 0),
+                                  self.cached_tokens.get(pi, 0))
         return out
 
     def stream_chunks(self, batch: list[Any]) -> list[str]:
-        """The SSE chunks of a batch of DELTA outputs (`_choice_chunks` of each unfinished choice)."""
-        return [c for out in batch for ch, o in self._observe(out) if not ch.finished
-                for c in self._choice_chunks(ch, o)]
+        """The SSE chunks of a batch of DELTA outputs: a prompt's opening chunks with its first
+        output, then `_choice_chunks` of each unfinished choice."""
+        out = []
+        for o in batch:
+            pairs = self._observe(o)
+            pi = self.prompt_index(o.request_id)
+            if pi not in self.opened:
+                out += self._open_chunks(pi)
+            out += [c for ch, co in pairs if not ch.finished for c in self._choice_chunks(ch, co)]
+        return out
 
     def _choice_chunks(self, ch: _Choice, o: Any) -> list[str]:
         text, ids, lps, finish = self._delta(ch, o)
@@ -394,7 +440,7 @@ class _Generation:
         else:
             payload = ({"content": text} if text or finish is None else {}) if self.chat else text
         ch.finished = finish is not None
-        return [_sse(self._chunk(ch.index, payload, lp_obj, finish))]
+        return [_sse(self._chunk(ch.index, payload, lp_obj, finish, o.stop_reason if finish is not None else None))]
 
     def _tool_payload(self, ch: _Choice, text: str, finish: str | None, whole: str) -> tuple[dict, str | None]:
         """A chat delta when tool calls are on: a named call's arguments as they come (its id and
@@ -416,9 +462,13 @@ class _Generation:
                 payload["tool_calls"] = deltas
             return payload, None
         content, calls = self.tools.parse(text)
-        if ch.calls_sent:  # calls already streaming: the rest of their raw arguments (and any new call);
-            # the content outside them if the reply parsed, none if it broke (the calls went out already)
-            content = content if calls else None
+        if ch.calls_sent and not calls:
+            # the calls streamed so far never became calls (arguments cut off or not JSON): as the
+            # non-streamed reply, the text is content and finish_reason the engine's, not
+            # "tool_calls"; the broken calls' deltas went out already (tools.py's docstring)
+            return ({"content": text} if text else {}), finish
+        if ch.calls_sent:  # calls already streaming: the rest of their raw arguments (and any new
+            # call), and the content outside them
             calls = self._call_deltas(ch, self.tools.stream_calls(text))
         else:
             calls = [{"index": i, **c} for i, c in enumerate(calls)]
@@ -447,9 +497,19 @@ class _Generation:
         out = []
         for ch in self.choices.values():
             if not ch.finished:
+                if ch.index // self.n not in self.opened:
+                    out += self._open_chunks(ch.index // self.n)
                 ch.finished = True
                 out.append(_sse(self._chunk(ch.index, {} if self.chat else "", None, "abort")))
         return out
+
+    def error_event(self, message: str, code: str) -> str:
+        """The event that ends a stream whose engine died (then `done_marker`)."""
+        return _sse(error_body(message, "server_error", None, code))
+
+    def done_marker(self) -> str:
+        """The stream's last line: OpenAI's `data: [DONE]`."""
+        return "data: [DONE]\n\n"
 
     def usage_chunk(self) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -464,8 +524,9 @@ class _Generation:
             text = (o.text if o is not None else "") or ""
             ids = list(o.token_ids) if o is not None else []
             finish = o.finish_reason if o is not None else "abort"
+            stop_reason = o.stop_reason if o is not None else None
             if self.prompt_only and o is not None:
-                text, ids, finish = "", [], "length"
+                text, ids, finish, stop_reason = "", [], "length", None
             lp_obj = None
             if self.want_logprobs and o is not None and o.logprobs is not None:
                 lps = list(o.logprobs[:len(ids)])
@@ -480,18 +541,24 @@ class _Generation:
                     else:
                         lp_obj = _completion_logprobs(ids, lps, len(echo))
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                # vLLM's ChatMessage: OpenAI's fields (null where this server has nothing to say),
+                # `tool_calls` only when there are calls, and vLLM's `reasoning`
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                           "audio": None, "function_call": None}
                 if self.tools.active and o is not None:
                     message["content"], calls = self.tools.parse(text)
                     if calls:
                         message["tool_calls"] = calls
                         if finish == "stop" and self.tools.named is None:
                             finish = "tool_calls"
-                choices.append({"index": ci, "message": message, "logprobs": lp_obj, "finish_reason": finish})
+                message["reasoning"] = None
+                choices.append({"index": ci, "message": message, "logprobs": lp_obj, "finish_reason": finish,
+                                "stop_reason": stop_reason})
             else:
                 if self.echo_texts is not None:
                     text = self.echo_texts[ci // self.n] + text
-                choices.append({"index": ci, "text": text, "logprobs": lp_obj, "finish_reason": finish})
+                choices.append({"index": ci, "text": text, "logprobs": lp_obj, "finish_reason": finish,
+                                "stop_reason": stop_reason})
                 if self.want_prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(ci // self.n)
         out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -520,9 +587,10 @@ class _Generation:
 class _ResponsesGeneration(_Generation):
     """/v1/responses: one choice, reported as a Response object (`response()`), or streamed as its
     events (response.created ... response.output_text.delta ... response.completed), each an SSE
-    `event:` / `data:` pair with a sequence number. With tools, the reply's calls (`ToolMode.parse`)
-    become function_call output items after the message (if it has content); streamed, the content
-    streams while no call can be starting, and the calls come whole at the end."""
+    `event:` / `data:` pair with a sequence number, and no `data: [DONE]` (as OpenAI and vLLM). With
+    tools, the reply's calls (`ToolMode.parse`) become function_call output items after the message
+    (if it has content); streamed, the content streams while no call can be starting, and the calls
+    come whole at the end."""
 
     def __init__(self, req: Any, **kw):
         super().__init__(chat=True, n=1, num_prompts=1, top_logprobs=None, want_logprobs=False, echo_texts=None,
@@ -530,7 +598,7 @@ class _ResponsesGeneration(_Generation):
         self.req = req
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.seq = 0
-        self.created_at = time.time()
+        self.created_at = _now()  # (an integer, as OpenAI's and vLLM's)
         self.msg_open = False  # streaming: the message item's added events went out
         self.streamed = ""  # ... and the content its deltas carried
 
@@ -581,6 +649,17 @@ class _ResponsesGeneration(_Generation):
     def first_chunks(self) -> list[str]:
         return [self._event("response.created", response=self.response("in_progress")),
                 self._event("response.in_progress", response=self.response("in_progress"))]
+
+    def _open_chunks(self, pi: int) -> list[str]:
+        self.opened.add(pi)
+        return []  # (the message item opens with its first text: `_open_message`)
+
+    def error_event(self, message: str, code: str) -> str:
+        """The Responses API's `error` event."""
+        return self._event("error", code=code, message=message, param=None)
+
+    def done_marker(self) -> str:
+        return ""  # the Responses API ends with response.completed / incomplete, no [DONE] (as vLLM)
 
     def _open_message(self) -> list[str]:
         if self.msg_open:
@@ -789,7 +868,10 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             await loop_.stop(config.engine_stop_timeout_s)
 
     app = FastAPI(title="metrale-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_AccessLog, enabled=config.log_requests)
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_credentials=config.allow_credentials, allow_methods=list(config.allowed_methods),
+                       allow_headers=list(config.allowed_headers))
+    app.add_middleware(_AccessLog, enabled=config.log_requests)  # (outermost: preflights are logged too)
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = config
@@ -1010,10 +1092,11 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                     if include_usage:
                         yield gen.usage_chunk()
                 except EngineDeadError as e:
-                    yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
+                    yield gen.error_event(str(e), "engine_dead")
                 finally:
                     sub.abort()  # a no-op once finished; frees everything on disconnect
-                yield "data: [DONE]\n\n"
+                if done := gen.done_marker():
+                    yield done
 
             metrics.http_in_flight.inc()
             return _EventStream(events(), on_close=lambda: (sub.abort(), metrics.http_in_flight.dec()))
@@ -1039,14 +1122,34 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         consumer.result()  # re-raises EngineDeadError / ServerStoppingError
         return JSONResponse(gen.response())
 
-    async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any],
-                     lora: Any = None, beam: Any = None, priority: int = 0) -> Subscription | _BeamRun:
-        """The engine requests of `gen` queued; with `beam` (the request, use_beam_search) a beam search."""
+    async def submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any], req: Any,
+                     lora: Any = None, beam: bool = False, max_tokens_field: str = "max_tokens"
+                     ) -> Subscription | _BeamRun:
+        """The engine requests of `gen` queued (`req`: the parsed request); with `beam` a beam search.
+        The engine's 400s that concern a field name the request's own: the structured-output
+        constraint's (`structured_outputs_param`) and `max_tokens_field` (/v1/responses' is
+        max_output_tokens)."""
+        try:
+            return await _submit(request, gen, prompts, kwargs, req, lora, beam)
+        except InvalidStructuredOutputsError as e:
+            raise RequestError(str(e), param=req.structured_outputs_param, code=e.code) from None
+        except MaxTokensTooLargeError as e:
+            msg = str(e) if max_tokens_field == "max_tokens" else str(e).replace("max_tokens", max_tokens_field)
+            raise RequestError(msg, param=max_tokens_field, code=e.code) from None
+
+    async def _submit(request: Request, gen: _Generation, prompts: list[Any], kwargs: dict[str, Any], req: Any,
+                      lora: Any, beam: bool) -> Subscription | _BeamRun:
+        priority = req.priority or 0
         access = request.scope.get("metrale.access")
         if access is not None:
             access["request_id"] = gen.id
             access["gen"] = gen
-        if beam is not None:
+        if beam:
+            if len(prompts) * kwargs["n"] > loop_.max_waiting:  # (each round has n requests a prompt)
+                raise BatchTooLargeError(f"a beam search of {len(prompts)} prompt(s) with n={kwargs['n']} runs "
+                                         f"{len(prompts) * kwargs['n']} engine requests at once, more than this "
+                                         f"server's bound of {loop_.max_waiting} waiting requests "
+                                         f"(--max-waiting-requests)")
             ids = []
             for p in prompts:
                 if isinstance(p, dict) and "prompt_token_ids" in p:
@@ -1055,7 +1158,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                     raise RequestError("this model has no tokenizer: send token ids", param="prompt")
                 else:
                     ids.append(list(tokenizer.encode(p["prompt"] if isinstance(p, dict) else p)))
-            bp = beam.beam_search_params(kwargs, max_model_len, max(map(len, ids)))
+            bp = req.beam_search_params(kwargs, max_model_len, max(map(len, ids)))
             step = step_params(bp, engine.config.max_logprobs).clone(output_kind=RequestOutputKind.FINAL_ONLY)
             eos = tuple(getattr(engine, "eos_token_ids", ()) or getattr(tokenizer, "eos_token_ids", ()))
             run_ = _BeamRun(loop_, BeamSearch(ids, bp, eos, max_model_len), step, lora, gen.engine_ids(len(ids)),
@@ -1091,8 +1194,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo,
                           extras=_Extras.of(req),
                           detok=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None)
-        sub = await submit(request, gen, prompts, kwargs, lora, beam=req if req.use_beam_search else None,
-                           priority=req.priority or 0)
+        sub = await submit(request, gen, prompts, kwargs, req, lora, beam=bool(req.use_beam_search))
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -1112,8 +1214,9 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
                           tools=tools, extras=_Extras.of(req))
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
-        sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
-                           beam=req if req.use_beam_search else None, priority=req.priority or 0)
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, req, lora,
+                           beam=bool(req.use_beam_search), max_tokens_field="max_completion_tokens"
+                           if req.max_completion_tokens is not None else "max_tokens")
         return await run(request, gen, sub, bool(req.stream), req.include_usage)
 
     @app.post("/v1/responses")
@@ -1133,8 +1236,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=req.model or model_name,
                                    holdback=_holdback(kwargs), extras=_Extras.of(req), tools=tools)
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
-        sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, lora,
-                           priority=req.priority or 0)
+        sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, req, lora,
+                           max_tokens_field="max_output_tokens")
         return await run(request, gen, sub, bool(req.stream), False)
 
     return app

@@ -43,6 +43,17 @@ def _optional_str(s: str) -> str | None:
     return None if s.lower() in ("", "none") else s
 
 
+def _json_str_list(s: str) -> list[str]:
+    """A JSON list of strings (vLLM's form for the CORS flags)."""
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{s!r} is not JSON: {e}") from None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a JSON list of strings")
+    return v
+
+
 def _int_tuple(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
 
@@ -119,6 +130,11 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format of the model's replies: hermes (Qwen2.5/3, Hermes), "
                         "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 / 4), mistral")
+    p.add_argument("--allowed-origins", type=_json_str_list, default=["*"],
+                   help='CORS: allowed origins, a JSON list (e.g. \'["https://example.com"]\')')
+    p.add_argument("--allowed-methods", type=_json_str_list, default=["*"], help="CORS: allowed methods, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_str_list, default=["*"], help="CORS: allowed headers, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth headers)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
@@ -158,13 +174,25 @@ def serve_main(args: argparse.Namespace) -> int:
         names = (*names, engine.model_name)
     config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                           lora_modules=tuple(loras), tool_call_parser=parser,
-                          max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests)
+                          max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests,
+                          **cors_from_args(args))
     try:
         serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
               log_level=args.log_level)
     finally:
         engine.release_followers()
     return 0
+
+
+def cors_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's CORS fields from the serve flags (defaults where a parser lacks them)."""
+    def flag(name: str) -> tuple[str, ...]:
+        v = getattr(args, name, None)
+        return ("*",) if v is None else tuple(v)
+
+    return {"allowed_origins": flag("allowed_origins"), "allowed_methods": flag("allowed_methods"),
+            "allowed_headers": flag("allowed_headers"),
+            "allow_credentials": bool(getattr(args, "allow_credentials", False))}
 
 
 def lora_modules_from_args(specs: list[str] | None, base: str) -> list:

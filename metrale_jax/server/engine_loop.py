@@ -17,7 +17,9 @@ final chunk (finish_reason "abort") and `[DONE]` before the server closes. One l
 
 Backpressure: the number of waiting requests (added but not yet running in the engine, plus those
 still in the command queue) is bounded by `max_waiting`; past it `submit` raises `QueueFullError`
-at once, and the HTTP layer answers 503 with Retry-After.
+at once, and the HTTP layer answers 503 with Retry-After. A group larger than the bound on its own
+(a batch of prompts, or a beam search's round) could never be queued, so it is `BatchTooLargeError`
+instead: a 400, not a 503 to retry.
 """
 
 from __future__ import annotations
@@ -32,11 +34,19 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from metrale_jax.errors import InvalidRequestError
+
 log = logging.getLogger(__name__)
 
 
 class QueueFullError(Exception):
     """The waiting queue is at its bound; retry later (HTTP 503)."""
+
+
+class BatchTooLargeError(InvalidRequestError):
+    """One group of requests larger than the whole waiting bound: no retry can succeed (HTTP 400)."""
+
+    code = "batch_too_large"
 
 
 class ServerStoppingError(Exception):
@@ -204,8 +214,9 @@ class EngineLoop:
     async def submit(self, requests: Sequence[tuple[str, Any, Any]]) -> Subscription:
         """Add (request_id, prompt, SamplingParams[, LoRARequest]) requests as one group.
 
-        Raises QueueFullError / ServerStoppingError / EngineDeadError, or the engine's
-        InvalidRequestError when it rejects one of them (then none of the group stays queued).
+        Raises QueueFullError / ServerStoppingError / EngineDeadError, BatchTooLargeError (the group
+        alone exceeds `max_waiting`), or the engine's InvalidRequestError when it rejects one of them
+        (then none of the group stays queued).
         """
         if self.error is not None or not self.alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
@@ -214,6 +225,11 @@ class EngineLoop:
         for rid, *_ in requests:
             if rid in self._subs:
                 raise ValueError(f"duplicate request id {rid!r}")
+        if len(requests) > self.max_waiting:
+            raise BatchTooLargeError(f"the request makes {len(requests)} engine requests at once (one per prompt, "
+                                     f"or per beam of a beam search), more than this server's bound of "
+                                     f"{self.max_waiting} waiting requests (--max-waiting-requests): send fewer "
+                                     f"prompts per request")
         with self._lock:
             if self._queued_adds + self._stats.num_waiting + len(requests) > self.max_waiting:
                 raise QueueFullError(f"{self._queued_adds + self._stats.num_waiting} requests are waiting "

@@ -1,21 +1,30 @@
 """OpenAI request schemas (pydantic) and their mapping to `SamplingParams`.
 
-Requests are parsed in pydantic's strict mode, so a field of the wrong JSON type (a string where a
-number belongs, a float where an integer belongs, a bool where a number belongs) is a 400 rather
-than a silent coercion. Unknown fields are kept (`extra="allow"`) and only logged, as vLLM does.
-Ranges are checked here, so the error names the offending field (`param`); the engine checks them
-again.
+Requests are parsed in pydantic's lax mode, as vLLM parses them: a numeric string where a number
+belongs (`"temperature": "0.5"`) and an integral float where an integer belongs (`"max_tokens": 5.0`)
+are taken, as are the usual spellings of a bool ("true", 1). Two protections of the old strict mode
+stay: token ids are strict integers (`TokenId`), so a list of numeric strings never becomes token ids
+(`"prompt": ["1", "2"]` is two text prompts, and `["1", 2]` is a 400, where vLLM would make it the
+token ids [1, 2]); and a bool where a number belongs is a 400 (`_Base._no_bool_numbers`: vLLM takes
+`"max_tokens": true` as 1; OpenAI refuses it, and so do we). Unknown fields are kept (`extra="allow"`)
+and only logged, as vLLM does. Ranges are checked here, so the error names the offending field
+(`param`); the engine checks them again. A value that fits none of a union's forms (`prompt`,
+`stop`, `input`, ...) is reported by the form it came closest to (`parse_request`).
 
 Responses are plain dicts built in `app.py`; their shapes follow the OpenAI API reference.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from metrale_jax.errors import InvalidRequestError, InvalidStructuredOutputsError
 from metrale_jax.structured_output import StructuredOutputsParams
@@ -28,7 +37,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP_STRINGS = 32
 
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]  # strict: no "5", 5.0 or true
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -53,7 +62,15 @@ def error_body(message: str, err_type: str, param: str | None, code: str) -> dic
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: Any) -> Any:
+        """A bool where a number belongs is a 400 (lax mode would take true as 1)."""
+        if isinstance(v, bool) and info.field_name in _numeric_fields(cls):
+            raise PydanticCustomError("bool_not_number", "Input should be a number, not a boolean")
+        return v
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         """Names of fields the schema does not know, here and in nested models."""
@@ -66,6 +83,20 @@ class _Base(BaseModel):
                     sub = f"{prefix}{name}[{i}]." if isinstance(v, list) else f"{prefix}{name}."
                     out.extend(item.unknown_fields(sub))
         return out
+
+
+def _is_number(tp: Any) -> bool:
+    """Whether a field's annotation is a number (int or float, maybe Annotated or in a union)."""
+    if typing.get_origin(tp) is Annotated:
+        return _is_number(typing.get_args(tp)[0])
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_number(a) for a in typing.get_args(tp))
+    return tp in (int, float)
+
+
+@functools.cache
+def _numeric_fields(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(n for n, f in cls.model_fields.items() if _is_number(f.annotation))
 
 
 class StreamOptions(_Base):
@@ -136,6 +167,15 @@ class _SamplingFields(_Base):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # the request field the structured-output constraint came from (`structured_outputs_param`)
+    _so_param: str | None = PrivateAttr(default=None)
+
+    @property
+    def structured_outputs_param(self) -> str | None:
+        """The field that set the request's structured-output constraint (response_format,
+        structured_outputs, a guided_* field, tools, text.format), named in the 400 when the engine
+        cannot compile it; None before `to_sampling_params_kwargs` or without one."""
+        return self._so_param
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the request sets (400 when it sets several)."""
@@ -173,6 +213,7 @@ class _SamplingFields(_Base):
         if not given:
             return None
         param, kw = given[0]
+        self._so_param = param
         if self.guided_whitespace_pattern is not None:
             kw.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
         try:
@@ -196,6 +237,10 @@ class _SamplingFields(_Base):
         return bias
 
     def _common_checks(self) -> None:
+        so = self.stream_options
+        if so is not None and not self.stream and (so.model_fields_set or so.model_extra):
+            # vLLM's check and message (an empty object passes, as in vLLM)
+            raise RequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise RequestError("prompt_logprobs does not stream", param="prompt_logprobs",
                                code="unsupported_parameter")
@@ -336,9 +381,12 @@ class ChatMessage(_Base):
             return self.content
         parts = []
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise RequestError(f"only text content parts are supported, got type {part.type!r}",
                                    param=f"{where}.content[{j}]", code="unsupported_value")
+            if part.text is None:
+                raise RequestError(f"{where}.content[{j}]: a text content part needs a string `text`",
+                                   param=f"{where}.content[{j}].text")
             parts.append(part.text)
         return "\n".join(parts)
 
@@ -380,6 +428,7 @@ class ChatCompletionRequest(_SamplingFields):
                 kwargs["structured_outputs"] = StructuredOutputsParams(json=tool_schema)
             except InvalidStructuredOutputsError as e:
                 raise RequestError(f"tools: {e}", param="tools", code=e.code) from None
+            self._so_param = "tools"
         return kwargs
 
 
@@ -465,14 +514,15 @@ def parse_request[T: _Base](model: type[T], body: bytes) -> T:
     try:
         req = model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_union_tag(x))
+        errors = e.errors(include_url=False)
+        err = errors[0]
         if err.get("type") == "json_invalid":
             raise RequestError(f"malformed JSON: {err.get('msg')}", code="invalid_json") from None
-        if err.get("type") == "model_type":
+        if err.get("type") == "model_type" and not err.get("loc"):
             raise RequestError("the request body must be a JSON object", code="invalid_json") from None
-        msg = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
-        raise RequestError(msg, param=loc or None) from None
+        loc, msg = _union_error(errors) or (_loc(err.get("loc", ())), str(err.get("msg")))
+        msg = msg.replace(" after validation", "")  # (pydantic's wording for a list's length)
+        raise RequestError(f"{loc}: {msg}" if loc else msg, param=loc or None) from None
     unknown = req.unknown_fields()
     if unknown:
         # (as vLLM warns of them; each name once per process, so that a client's habit does not
@@ -485,6 +535,53 @@ def parse_request[T: _Base](model: type[T], body: bytes) -> T:
 
 
 _WARNED_FIELDS: set[str] = set()
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc if not _is_union_tag(x))
+
+
+def _is_type_error(kind: str) -> bool:
+    """A value of the wrong form for a union member (as opposed to the right form out of range)."""
+    return kind.endswith(("_type", "_parsing")) or kind == "int_from_float"
+
+
+def _union_error(errors: list[dict]) -> tuple[str, str] | None:
+    """(param, message) for a value that fits none of a union's members (pydantic reports one error
+    per member, the first usually "should be a valid string"): the deepest error that is not about
+    the value's JSON type, i.e. the member the value came closest to (`prompt: [-1]`: the token id
+    out of range); when every member refused the value's type, the members the field takes. None
+    when the first error is not inside a union."""
+    first = errors[0].get("loc", ())
+    at = next((i for i, x in enumerate(first) if _is_union_tag(x)), None)
+    if at is None:
+        return None
+    field = first[:at]
+    same = [er for er in errors if er.get("loc", ())[:at] == field and len(er.get("loc", ())) > at
+            and _is_union_tag(er["loc"][at])]
+    near = [er for er in same if not _is_type_error(er.get("type", ""))]
+    if near:
+        best = max(near, key=lambda er: len(er["loc"]))  # (max keeps the first of equals)
+        return _loc(best["loc"]), str(best.get("msg"))
+    forms = list(dict.fromkeys(_describe(er["loc"][at]) for er in same))
+    return _loc(field), "expected " + (", ".join(forms[:-1]) + " or " + forms[-1] if len(forms) > 1 else forms[0])
+
+
+_NOUNS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+
+
+def _noun(tag: str) -> str:
+    tag = tag.removeprefix("constrained-")
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _noun(tag[5:-1])
+        return "array of " + (inner.replace("array", "arrays", 1) if inner.startswith("array") else inner + "s")
+    return _NOUNS.get(tag, "object")  # dict[...] and models
+
+
+def _describe(tag: str) -> str:
+    """A union member's pydantic tag as words: 'list[constrained-int]' -> 'an array of integers'."""
+    noun = _noun(tag)
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
 def _is_union_tag(x: Any) -> bool:
@@ -601,6 +698,7 @@ class ResponsesRequest(_SamplingFields):
                 raise RequestError("a forced tool_choice cannot be combined with another structured-output "
                                    "constraint", param="tool_choice", code="invalid_structured_outputs")
             kwargs["structured_outputs"] = StructuredOutputsParams(json=tool_schema)
+            self._so_param = "tools"
         fmt = (self.text or {}).get("format") or {"type": "text"}
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise RequestError("text.format.type must be text, json_object or json_schema", param="text.format",
@@ -616,4 +714,5 @@ class ResponsesRequest(_SamplingFields):
                     **({"json_object": True} if fmt["type"] == "json_object" else {"json": fmt["schema"]}))
             except InvalidStructuredOutputsError as e:
                 raise RequestError(str(e), param="text.format", code=e.code) from None
+            self._so_param = "text.format"
         return kwargs

@@ -27,6 +27,12 @@ Streaming: a named call streams its arguments as they are generated; so do "auto
 JSON formats (hermes, llama3_json, mistral), as vLLM's parsers do: each call's id and name once
 its `{"name": ..., "arguments":` head has come, then its arguments' text as it grows (text before
 the first call streams as content); pythonic and "required" calls come whole when the reply ends.
+A streamed call can turn out not to be one: cut off (`{"city": "Par`) or not JSON. The non-streamed
+reply then is the raw text as content with the engine's finish_reason ("stop", "length"); the
+stream agrees as far as it can: its last chunk carries the rest of the raw text (from the call on)
+as content and the engine's finish_reason, never "tool_calls". The broken call's id, name and
+argument pieces went out already and cannot be taken back: a client should trust tool_calls only
+with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
