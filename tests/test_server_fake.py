@@ -951,3 +951,29 @@ def test_numbers_are_parsed_as_vllm_parses_them(http):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "2",
             "top_logprobs": 1.0, "logprobs": "true"}
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_generation_config_defaults_fill_unset_fields():
+    """As vLLM's server (`--generation-config auto`): the engine's request defaults (the model's
+    generation config, `LLMEngine.sampling_defaults`) fill the sampling fields a request leaves
+    unset, on every endpoint; what a request sets wins."""
+    eng = FakeEngine(step_delay_s=0.001)
+    eng.sampling_defaults = {"temperature": 0.0, "top_p": 0.5, "repetition_penalty": 1.2, "max_tokens": 3}
+    seen = []
+    add = eng.add_request
+    eng.add_request = lambda rid, prompt, params: seen.append(params) or add(rid, prompt, params)
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hello"}).json()
+        assert r["usage"]["completion_tokens"] == 3
+        p = seen[-1]
+        assert (p.temperature, p.top_p, p.repetition_penalty, p.max_tokens, p.top_k) == (0.0, 0.5, 1.2, 3, 0)
+        c.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "temperature": 0.9, "max_tokens": 5})
+        assert (seen[-1].temperature, seen[-1].top_p, seen[-1].max_tokens) == (0.9, 0.5, 5)
+        msgs = [{"role": "user", "content": "hi"}]
+        c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_completion_tokens": 4})
+        assert (seen[-1].temperature, seen[-1].max_tokens) == (0.0, 4)
+        c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})
+        assert seen[-1].max_tokens == 3
+        c.post("/v1/responses", json={"model": MODEL, "input": "hi", "top_p": 0.25})
+        assert (seen[-1].temperature, seen[-1].top_p, seen[-1].max_tokens) == (0.0, 0.25, 3)

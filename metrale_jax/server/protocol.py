@@ -283,6 +283,21 @@ class _SamplingFields(_Base):
             logit_bias=self._logit_bias(),
         )
 
+    def with_defaults(self, kwargs: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` with the engine's request defaults (the model's generation config,
+        `LLMEngine.sampling_defaults`) for the sampling fields this request leaves unset, as vLLM's
+        server applies them: temperature, top_p, top_k, min_p, repetition_penalty, and max_tokens
+        when no max-tokens field is given."""
+        out = dict(kwargs)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if name in defaults and getattr(self, name, None) is None:
+                out[name] = defaults[name]
+        given = "max_tokens" in self.model_fields_set or any(
+            getattr(self, f, None) is not None for f in ("max_completion_tokens", "max_output_tokens"))
+        if "max_tokens" in defaults and not given:
+            out["max_tokens"] = defaults["max_tokens"]
+        return out
+
     def beam_search_params(self, kwargs: dict[str, Any], max_model_len: int, prompt_len: int):
         """use_beam_search: vLLM's BeamSearchParams (n beams; max_tokens None = up to the context),
         or a 400 for the fields beam search does not take (it ranks by raw logprobs and ends at EOS)."""
