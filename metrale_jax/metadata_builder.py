@@ -82,7 +82,7 @@ class BuilderConfig:
     block_size: int
     max_blocks_per_seq: int
     vocab_size: int
-    max_suppress_ids: int = 16  # M: ids a row may forbid (eos + stop ids under min_tokens)
+    max_suppress_ids: int = 16  # M: ids whose logits a row changes (logit_bias, eos + stop ids under min_tokens)
     max_prompt_lp_tokens: int = 128  # prompt-logprob rows of a prefill / mixed step: min(T, this)
     mtp: bool = False  # an MTP drafter runs in the steps: fill `SamplingMetadata.mtp_next`
 
@@ -101,7 +101,8 @@ class RowSampling:
     pen_row: int = -1  # PenaltyState row; -1 = none
     seed: tuple[int, int, int] = (0, 0, 0)  # seed_words(seed, sequence index)
     out_index: int = 0  # index of the sampled token among the sequence's outputs
-    suppress_ids: Sequence[int] = ()
+    suppress_ids: Sequence[int] = ()  # never sampled (min_tokens' stop ids)
+    bias: Sequence[tuple[int, float]] = ()  # (token id, bias) added to the logits (logit_bias)
     logprobs: bool = False
 
     @staticmethod
@@ -114,8 +115,14 @@ class RowSampling:
             min_p=float(sp.min_p), repetition_penalty=float(sp.repetition_penalty),
             presence_penalty=float(sp.presence_penalty), frequency_penalty=float(sp.frequency_penalty),
             pen_row=pen_row if sp.has_penalties else -1, seed=seed_words(seed, seq_index),
-            out_index=out_index, suppress_ids=tuple(suppress_ids), logprobs=sp.logprobs is not None,
+            out_index=out_index, suppress_ids=tuple(suppress_ids), bias=sp.additive_bias,
+            logprobs=sp.logprobs is not None,
         )
+
+    def logit_changes(self) -> tuple[list[int], list[float]]:
+        """The row's `suppress_ids` / `suppress_bias` entries: the bias, then the suppressed ids."""
+        return ([t for t, _ in self.bias] + list(self.suppress_ids),
+                [b for _, b in self.bias] + [-np.inf] * len(self.suppress_ids))
 
 
 @dataclass
@@ -322,6 +329,7 @@ def _sampling_metadata(
     seeds = np.zeros((s, 3), np.uint32)
     out_index = np.zeros(s, np.int32)
     sup = np.full((s, m), -1, np.int32)
+    supb = np.zeros((s, m), np.float32)
     flags = np.zeros(4, np.bool_)
     if samp:  # column by column (the host loop's hot path at large batches)
         idx = np.fromiter((r for r, _, _ in samp), np.int64, len(samp))
@@ -333,10 +341,12 @@ def _sampling_metadata(
             arr[idx] = [getattr(rs, name) for rs in rss]
         top_k[(top_k < 0) | (top_k >= cfg.vocab_size)] = 0
         for row, rs in zip(idx, rss):
-            if rs.suppress_ids:
-                if len(rs.suppress_ids) > m:
-                    raise ValueError(f"{len(rs.suppress_ids)} suppressed ids exceed max_suppress_ids={m}")
-                sup[row, : len(rs.suppress_ids)] = rs.suppress_ids
+            if rs.suppress_ids or rs.bias:
+                ids, vals = rs.logit_changes()
+                if len(ids) > m:
+                    raise ValueError(f"{len(ids)} suppressed / biased ids exceed max_suppress_ids={m}")
+                sup[row, : len(ids)] = ids
+                supb[row, : len(ids)] = vals
         flags[F_PENALTY] = bool(np.any(pen[idx] >= 0))
         flags[F_RANDOM] = bool(np.any(temp[idx] > 0))
         flags[F_FILTER] = bool(np.any((temp[idx] > 0) & ((top_k[idx] > 0) | (top_p[idx] < 1.0))))
@@ -344,7 +354,7 @@ def _sampling_metadata(
     return SamplingMetadata(
         logits_indices=li, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq, pen_rows=pen,
-        seeds=seeds, out_index=out_index, suppress_ids=sup, flags=flags, tok_pen_rows=tok_pen_rows,
+        seeds=seeds, out_index=out_index, suppress_ids=sup, suppress_bias=supb, flags=flags, tok_pen_rows=tok_pen_rows,
         tok_is_output=tok_is_output, reset_rows=reset_rows, prompt_lp_rows=prompt_lp_rows,
         prompt_lp_targets=prompt_lp_targets,
         token_src=np.full(tok_pen_rows.shape, -1, np.int32) if token_src is None else token_src,

@@ -81,9 +81,11 @@ class SamplingParams:
     structured_outputs: None = free text; else a `StructuredOutputsParams` constraint (JSON schema,
     regex, choice, grammar) every sampled token obeys (`metrale_jax.structured_output`).
     allowed_token_ids: None = any token; else only these are sampled (vLLM's).
-    logit_bias: {token id: bias}, OpenAI's: -100 bans the token, 100 allows only the tokens given
-    100 (as OpenAI describes the two ends); 0 does nothing. Other values are refused: the engine
-    applies these as a token mask (`token_mask`), never as an added bias.
+    logit_bias: {token id: bias in [-100, 100]}, OpenAI's and vLLM's: added to the token's logit
+    before penalties and sampling (the returned logprobs stay the model's, as vLLM's). The two
+    ends are exact, as OpenAI describes them: -100 bans the token and 100 allows only the tokens
+    given 100 (a token mask, `token_mask`); 0 does nothing. The other values share the engine's
+    `max_suppress_ids` table with min_tokens' stop ids (`additive_bias`).
     truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens (vLLM's left truncation); -1
     keeps as many as fit beside one generated token (max_model_len - 1).
     detokenize: False = token ids only (empty text; stop strings then refused, as vLLM).
@@ -195,11 +197,9 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict) or not all(
                     is_int(k) and k >= 0 and is_num(v) for k, v in self.logit_bias.items()):
                 bad("logit_bias", "must be None or a dict of token id -> number")
-            odd = [(k, v) for k, v in self.logit_bias.items() if v not in (-100, 0, 100)]
+            odd = [(k, v) for k, v in self.logit_bias.items() if not (np.isfinite(v) and -100 <= v <= 100)]
             if odd:
-                raise InvalidSamplingParamsError(
-                    f"logit_bias {odd[0][0]}: {odd[0][1]!r}: this engine takes -100 (ban the token) and 100 "
-                    f"(only the tokens given 100), applied as a mask; other biases are not supported")
+                raise InvalidSamplingParamsError(f"logit_bias {odd[0][0]}: {odd[0][1]!r} must be in [-100, 100]")
 
     def token_mask(self, vocab_size: int) -> np.ndarray | None:
         """allowed_token_ids and logit_bias as a packed mask i32[ceil(vocab_size / 32)] (bit i of
@@ -227,6 +227,12 @@ class SamplingParams:
         if not allow.any():
             raise InvalidSamplingParamsError("allowed_token_ids and logit_bias leave no token to sample")
         return np.packbits(allow, bitorder="little").view(np.int32)
+
+    @property
+    def additive_bias(self) -> tuple[tuple[int, float], ...]:
+        """The logit_bias entries added to the logits, (token id, bias) by id: all but the
+        mask's ends (-100, 100) and 0."""
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v not in (-100, 0, 100)))
 
     @property
     def greedy(self) -> bool:
@@ -288,7 +294,9 @@ class SamplingMetadata:
     pen_rows: Array  # i32[S]  PenaltyState row of the sequence; -1 = no penalties
     seeds: Array  # u32[S, 3]  (seed low 32 bits, seed high 32 bits, sequence index)
     out_index: Array  # i32[S]  index of the token being sampled among the sequence's outputs
-    suppress_ids: Array  # i32[S, M]  ids that may not be sampled (min_tokens); -1 = none
+    suppress_ids: Array  # i32[S, M]  ids whose logits `suppress_bias` changes; -1 = none
+    suppress_bias: Array  # f32[S, M]  added to those logits: -inf (min_tokens' stop ids: never
+    #                       sampled) or a logit_bias value
     flags: Array  # bool[4]  any (penalties, top-k/top-p, random rows, logprobs) among the rows;
     #               read only by `sample(branches=True)` (the CPU), never on the GPU
     tok_pen_rows: Array  # i32[T]  PenaltyState row of each input token; -1 = not counted
@@ -722,9 +730,10 @@ def sample(
     s, v = logits.shape
     k = max(max_logprobs, 1)
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
-    x = _apply_penalties(logits, ps, smd)  # rows with pen_rows -1: the logits, bit for bit
+    # logit_bias and min_tokens' suppression, then the penalties (vLLM's order; -inf stays -inf)
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], smd.suppress_ids.shape)
-    x = x.at[rows, _oob(smd.suppress_ids, v)].set(-jnp.inf, mode="drop")
+    x = logits.at[rows, _oob(smd.suppress_ids, v)].add(smd.suppress_bias, mode="drop")
+    x = _apply_penalties(x, ps, smd)  # rows with pen_rows -1: x, bit for bit
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw(x):

@@ -228,6 +228,23 @@ def test_suppressed_ids_are_never_sampled():
     assert tok[0] == np.argsort(-x[0])[2]
 
 
+def test_logit_bias_is_added_to_the_logits():
+    """Additive logit_bias (`RowSampling.bias`, the suppress table's values): greedy takes the
+    argmax of logits + bias, a suppressed id stays banned beside biased ones, and the logprobs
+    stay the model's."""
+    x = _logits(3, seed=5) * 4
+    low = np.argsort(x, -1)[:, :3]  # each row's three least likely tokens
+    b = float(np.ptp(x)) + 1
+    rows = [RowSampling(bias=((int(low[0, 0]), b),)),
+            RowSampling(bias=((int(low[1, 0]), b), (int(low[1, 1]), b + 1)), suppress_ids=(int(low[1, 1]),)),
+            RowSampling(bias=((int(np.argmax(x[2])), -b),), logprobs=True)]
+    tok, lp = (np.asarray(a) for a in _sample(jnp.asarray(x), sampling_only(CFG, rows), init_penalty_state(0, V))[:2])
+    assert tok[0] == low[0, 0] and tok[1] == low[1, 0]  # (low[1, 1]'s larger bias loses to its ban)
+    assert tok[2] == np.argsort(-x[2])[1]
+    for i in range(3):
+        assert abs(float(lp[i]) - _log_softmax(x[i])[int(tok[i])]) < 1e-5
+
+
 # ---- prompt logprobs -----------------------------------------------------------------------------
 def test_prompt_logprobs_match_numpy():
     p, h = 23, 8

@@ -350,7 +350,7 @@ BAD = [
     (b'{"prompt": "x", "seed": 1e30}', 400, "seed"),
     (b'{"prompt": "x", "seed": 99999999999999999999999}', 400, "seed"),
     (b'{"prompt": "x", "min_tokens": 9, "max_tokens": 3}', 400, "min_tokens"),
-    (b'{"prompt": "x", "logit_bias": {"5": 1}}', 400, "logit_bias"),  # (-100 and 100 only: a mask)
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),  # (OpenAI's range: [-100, 100])
     (b'{"prompt": "x", "logit_bias": {"five": -100}}', 400, "logit_bias"),
     (b'{"prompt": "x", "allowed_token_ids": []}', 400, "allowed_token_ids"),
     (b'{"prompt": ""}', 400, None),
@@ -405,8 +405,8 @@ ERROR_CODES = [
     ("POST", "/v1/completions", b"{not json", 400, "invalid_request_error", "invalid_json"),
     ("POST", "/v1/completions", b"[1]", 400, "invalid_request_error", "invalid_json"),
     ("POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, "invalid_request_error", "invalid_value"),
-    ("POST", "/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 1}}', 400, "invalid_request_error",
-     "unsupported_value"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "logit_bias": {"5": -101}}', 400, "invalid_request_error",
+     "invalid_value"),
     ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "invalid_request_error",
      "context_length_exceeded"),
     ("POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 94}', 400, "invalid_request_error",
@@ -977,3 +977,18 @@ def test_generation_config_defaults_fill_unset_fields():
         assert seen[-1].max_tokens == 3
         c.post("/v1/responses", json={"model": MODEL, "input": "hi", "top_p": 0.25})
         assert (seen[-1].temperature, seen[-1].top_p, seen[-1].max_tokens) == (0.0, 0.25, 3)
+
+
+def test_fractional_logit_bias_reaches_the_engine():
+    """OpenAI's logit_bias takes any value in [-100, 100]: passed on as numbers, keys as token ids."""
+    eng = FakeEngine(step_delay_s=0.001)
+    seen = []
+    add = eng.add_request
+    eng.add_request = lambda rid, prompt, params: seen.append(params) or add(rid, prompt, params)
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                            "logit_bias": {"7": 2.5, "9": -100, "11": -0.25}})
+        assert r.status_code == 200, r.text
+        assert seen[-1].logit_bias == {7: 2.5, 9: -100.0, 11: -0.25}
+        assert seen[-1].additive_bias == ((7, 2.5), (11, -0.25))

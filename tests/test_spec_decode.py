@@ -250,12 +250,13 @@ def _check_disable_by_batch_size(eng, prompts, sp, ref, monkeypatch):
 def test_seeded_sampling_with_every_parameter_equals_plain(name, monkeypatch):
     """The same seeds give the same tokens with and without speculation: penalties (counted per
     window position), top-p, min-p, top-k, min_tokens suppression and logprobs all apply to the
-    target distribution of every position; with overlapped verify steps (llama_tiny) too, whose
-    output indices (the seeds' counters) move with the accepted drafts on the device."""
+    target distribution of every position (additive logit_bias too, beside min_tokens' stop ids in
+    the same table); with overlapped verify steps (llama_tiny) too, whose output indices (the
+    seeds' counters) move with the accepted drafts on the device."""
     base, eng = _engine(name, None), _engine(name, 4)
     vocab = base.vocab_size
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, vocab, n).tolist() for n in (6, 11, 3, 5)]
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (6, 11, 3, 5, 7)]
     eos = base.eos_token_ids[0] if base.eos_token_ids else 1
     allowed = rng.choice(np.arange(3, vocab), 12, replace=False).tolist()
     sps = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=1, logprobs=1),
@@ -264,7 +265,9 @@ def test_seeded_sampling_with_every_parameter_equals_plain(name, monkeypatch):
            SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16, ignore_eos=True, seed=3),
            # allowed_token_ids / logit_bias: every window position masked, drafts cut where it bans
            SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, seed=4, allowed_token_ids=allowed,
-                          logit_bias={allowed[0]: -100, allowed[1]: -100})]
+                          logit_bias={allowed[0]: -100, allowed[1]: -100}),
+           SamplingParams(temperature=0.9, max_tokens=16, seed=5, min_tokens=8, stop_token_ids=[eos], logprobs=1,
+                          logit_bias={allowed[2]: 4.0, allowed[3]: 2.5, allowed[4]: -3.0})]
     outs = base.generate([{"prompt_token_ids": p} for p in prompts], sps)
     ref = _ids(outs)
     assert set(ref[3]) <= set(allowed[2:])

@@ -104,7 +104,7 @@ class EngineConfig:
     mixed_decode_buckets: tuple[int, ...] = ()
     prefill_buckets: tuple[int, ...] = ()  # T buckets of prefill / mixed steps; () = powers of 4
     max_logprobs: int = 20
-    max_suppress_ids: int = 16  # eos + stop_token_ids suppressed under min_tokens, per request
+    max_suppress_ids: int = 16  # per request: logit_bias entries + eos / stop_token_ids suppressed under min_tokens
     max_penalty_rows: int | None = None  # sequences with penalties at once; None = max_num_seqs
     max_ssm_slots: int | None = None  # None = max_num_seqs (only for models with SSM state)
     seed: int = 0  # draws the seeds of requests that give none

@@ -24,8 +24,7 @@ request field at fault or null.
     status  type                   code: when
     400     invalid_request_error  invalid_json: the body is not JSON, or not a JSON object
                                    invalid_value: a field of the wrong type or out of range (`param`)
-                                   unsupported_parameter, unsupported_value: logit_bias other than
-                                     -100 / 100, suffix,
+                                   unsupported_parameter, unsupported_value: suffix,
                                      a non-text content part, best_of != n, "auto"
                                      tool_choice without a tool-call parser, ...
                                    context_length_exceeded: the prompt does not fit max_model_len,

@@ -222,18 +222,16 @@ class _SamplingFields(_Base):
             raise RequestError(str(e), param=param, code=e.code) from None
 
     def _logit_bias(self) -> dict[int, float] | None:
-        """OpenAI's logit_bias (token ids as strings) with integer keys; values -100, 0 or 100 (a mask)."""
+        """OpenAI's logit_bias (token ids as strings) with integer keys; values in [-100, 100]."""
         if not self.logit_bias:
             return None
         try:
             bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         except ValueError:
             raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
-        odd = [(k, v) for k, v in bias.items() if v not in (-100, 0, 100)]
+        odd = [(k, v) for k, v in bias.items() if not -100 <= v <= 100]
         if odd:
-            raise RequestError(f"logit_bias {odd[0][0]}: {odd[0][1]:g}: this server takes -100 (ban the token) and "
-                               "100 (only the tokens given 100); other biases are not supported", param="logit_bias",
-                               code="unsupported_value")
+            raise RequestError(f"logit_bias {odd[0][0]}: {odd[0][1]:g} must be in [-100, 100]", param="logit_bias")
         return bias
 
     def _common_checks(self) -> None:
