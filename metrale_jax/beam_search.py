@@ -53,8 +53,8 @@ class BeamSearchParams:
 @dataclass
 class BeamSearchSequence:
     """One beam: `tokens` holds the prompt's ids and then the beam's; `logprobs` one dict per new
-    token (the candidates of that round); `text` the decoded tokens, prompt included (vLLM's
-    offline API); finish_reason "stop" (EOS) or "length"."""
+    token (the candidates of that round); `text` the decoded tokens, prompt and special tokens
+    included (vLLM's offline API); finish_reason "stop" (EOS) or "length"."""
 
     tokens: list[int]
     logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -156,7 +156,8 @@ def beam_search(llm: Any, prompts: list[Any], params: BeamSearchParams, lora_req
     tok = eng.tokenizer
     for out in results:
         for b in out.sequences:
-            b.text = tok.decode(b.tokens) if tok is not None else None
+            # (special tokens kept, as vLLM's LLM.beam_search decodes them)
+            b.text = tok.decode(b.tokens, skip_special_tokens=False) if tok is not None else None
     return results
 
 

@@ -71,7 +71,7 @@ def test_matches_the_oracle(llm, width, max_tokens, kw):
         assert [g[2] for g in got] == [x[2] for x in want]
         for s in out.sequences:
             assert s.tokens[:len(p)] == p and len(s.logprobs) == len(s.tokens) - len(p)
-            assert s.text == tok.decode(s.tokens)
+            assert s.text == tok.decode(s.tokens, skip_special_tokens=False)
             assert abs(sum(d[t].logprob for d, t in zip(s.logprobs, s.tokens[len(p):])) - s.cum_logprob) < 1e-4
     assert llm.llm_engine.stats().kv_blocks_used == 0  # every round's requests finished and freed
 
@@ -90,6 +90,9 @@ def test_width_one_is_greedy_and_eos_ends_a_beam(llm):
         if any(r == "stop" for *_, r in best):
             out = llm.beam_search({"prompt_token_ids": [a, a + 1]}, BeamSearchParams(beam_width=2, max_tokens=4))
             assert [(s.tokens, s.finish_reason) for s in out[0].sequences] == [(t, r) for t, _, r in best]
+            # the text keeps the special tokens (vLLM's LLM.beam_search), EOS's among them
+            eos_text = llm.get_tokenizer().decode([EOS[0]], skip_special_tokens=False)
+            assert all(s.text.endswith(eos_text) for s in out[0].sequences if s.finish_reason == "stop") and eos_text
             hits += 1
             if hits == 2:
                 break
