@@ -63,7 +63,9 @@
 # Qwen3-30B-A3B + Mamba-2 473 s cold, of Qwen3-Next + Nemotron-H 400 s warm, `tests` (test_w4.py, 56 s) +
 # the fp4 sweep at 64 rows (cut at 90 s after q|k|v and o) 188 s, one NVFP4 batch-64 generate 118 s.
 # Do not export XLA_PYTHON_CLIENT_PREALLOCATE=false around a generate: its KV pool then fails to allocate.
-# Next: `m1pack` (~360 s), `pdl` (~300 s), the fp4 sweep's gate|up and down (FP4DOT_MS=64,256).
+# Next: `acceptance` first (after the run, session 38 changed every step's sampling inputs: logit_bias's
+# suppress_bias table), then `m1pack` (~360 s), `pdl` (~300 s), the fp4 sweep's gate|up and down
+# (FP4DOT_MS=64,256) and `fp4dot`'s three batch-64 generates in one call (bf16 beside NVFP4 at last).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
