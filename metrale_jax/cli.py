@@ -149,7 +149,7 @@ def _max_model_len(args: argparse.Namespace, model) -> int:
     """The engine's max_model_len for this model: --max-model-len capped at the model's positions
     (None: EngineConfig's default, the positions capped at 4096)."""
     mpe = model.cfg.max_position_embeddings
-    return min(args.max_model_len, mpe) if args.max_model_len else min(mpe, 4096)
+    return min(args.max_model_len, mpe) if args.max_model_len is not None else min(mpe, 4096)
 
 
 def _build_engine(args: argparse.Namespace, model, params, t0: float, **overrides):
@@ -518,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         return int(args.func(args) or 0)
-    except MetraleError as e:
+    except (MetraleError, ValueError) as e:  # bad input (ValueError: a config value, a flag's JSON)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # while loading or compiling (a running generation drains itself)

@@ -242,3 +242,32 @@ def test_ctrl_c_leaves_no_step_in_flight(monkeypatch, capsys, tiny_with_tokenize
     assert eng.stats().kv_blocks_used == 0  # the aborted request gave its blocks back
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == "[interrupted]"
+
+
+def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
+    """vLLM's launch lines run: --trust-remote-code / --enforce-eager / --disable-log-stats are
+    accepted, --kv-cache-dtype is --kv-dtype, --uvicorn-log-level is --log-level; a port outside
+    0-65535 and --lora-modules without --enable-lora are errors before anything loads."""
+    pytest.importorskip("fastapi")
+    from metrale_jax.server.cli import engine_config_from_args
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "m", "--trust-remote-code", "--enforce-eager", "--disable-log-stats",
+                              "--kv-cache-dtype", "bfloat16", "--uvicorn-log-level", "warning", "--port", "0"])
+    assert (args.kv_dtype, args.log_level, args.port) == ("bfloat16", "warning", 0)
+    assert engine_config_from_args(args, "m").kv_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--port", "99999"])
+    assert "is not a TCP port" in capsys.readouterr().err
+    monkeypatch.setattr(engine_mod.LLMEngine, "from_config", lambda c: pytest.fail("loaded"))
+    with pytest.raises(SystemExit, match="--lora-modules needs --enable-lora"):
+        cli.main(["serve", "m", "--port", "0", "--lora-modules", "a=/tmp/a"])
+
+
+def test_bad_config_values_are_one_line_errors(capsys, tiny_with_tokenizer):
+    """An EngineConfig value the engine refuses (a ValueError) is `error: ...` and exit 2, no
+    traceback; --max-model-len 0 is refused, not read as "the default"."""
+    assert cli.main(["generate", "-q", "--model", str(tiny_with_tokenizer), "--max-model-len", "0", "w5 w6"]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "max_model_len" in err and "Traceback" not in err, err
+

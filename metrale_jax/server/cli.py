@@ -54,6 +54,17 @@ def _json_str_list(s: str) -> list[str]:
     return v
 
 
+def _port(s: str) -> int:
+    p = int(s)
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"{s} is not a TCP port (0-65535)")
+    return p
+
+
+# vLLM's spellings of EngineConfig flags, accepted beside ours
+_ENGINE_FLAG_ALIASES = {"kv_dtype": ("--kv-cache-dtype",)}
+
+
 def _int_tuple(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
 
@@ -68,19 +79,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         tp, optional = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
-        flag = "--" + f.name.replace("_", "-")
+        flag = ("--" + f.name.replace("_", "-"), *_ENGINE_FLAG_ALIASES.get(f.name, ()))
         doc = f"EngineConfig.{f.name}" + ("; None: chosen at start-up" if optional else "")
         if f.name == "speculative_config":
-            group.add_argument(flag, dest=f.name, type=str, default=None,
+            group.add_argument(*flag, dest=f.name, type=str, default=None,
                                help=doc + ' as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         elif tp is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=doc)
+            group.add_argument(*flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=doc)
         elif tp is str and optional:
-            group.add_argument(flag, dest=f.name, type=_optional_str, default=default, help=doc + " ('none' = None)")
+            group.add_argument(*flag, dest=f.name, type=_optional_str, default=default, help=doc + " ('none' = None)")
         elif tp in (int, float, str):
-            group.add_argument(flag, dest=f.name, type=tp, default=default, help=doc)
+            group.add_argument(*flag, dest=f.name, type=tp, default=default, help=doc)
         elif typing.get_origin(tp) is tuple:
-            group.add_argument(flag, dest=f.name, type=_int_tuple, default=default,
+            group.add_argument(*flag, dest=f.name, type=_int_tuple, default=default,
                                help=doc + "; comma-separated integers")
 
 
@@ -113,7 +124,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
 
     p.add_argument("model", help="model path or alias")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--port", type=_port, default=8000, help="port to bind")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in `model` (repeatable; default: MODEL as given)")
@@ -135,7 +146,13 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--allowed-methods", type=_json_str_list, default=["*"], help="CORS: allowed methods, a JSON list")
     p.add_argument("--allowed-headers", type=_json_str_list, default=["*"], help="CORS: allowed headers, a JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth headers)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # vLLM's flags that have nothing to switch here: accepted, so that vLLM launch lines run
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines: every architecture is this package's code")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="accepted for vLLM's command lines: the steps are always compiled ahead of time")
+    p.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM's command lines")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
     g = p.add_argument_group("several hosts (jax.distributed; the same command on every host)")
@@ -163,14 +180,17 @@ def serve_main(args: argparse.Namespace) -> int:
         jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
                                    process_id=args.process_id)
     loras = lora_modules_from_args(getattr(args, "lora_modules", None), args.model)
+    if loras and not getattr(args, "enable_lora", False):
+        raise SystemExit("--lora-modules needs --enable-lora")
     engine = LLMEngine.from_config(engine_config_from_args(args, args.model))
     if engine.lockstep is not None and not engine.lockstep.leader:
         engine.follow_leader()  # until process 0 shuts down
         return 0
     for r in loras:  # refused adapters stop the start-up with a LoRAError naming them
         engine.add_lora(r)
+    # vLLM's: the served names replace the model's path (which then is no model name)
     names = tuple(args.served_model_name or [args.model])
-    if engine.model_name and engine.model_name not in names:
+    if not args.served_model_name and engine.model_name and engine.model_name not in names:
         names = (*names, engine.model_name)
     config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                           lora_modules=tuple(loras), tool_call_parser=parser,
