@@ -65,8 +65,8 @@ class LLM:
             log.info("enforce_eager=True: metrale-jax has no eager mode; its steps are compiled ahead of time")
         if swap_space is not None:
             engine_kwargs["swap_space_gb"] = float(swap_space)
-        config = EngineConfig(tokenizer=tokenizer,
-            model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        config = EngineConfig(
+            model=str(model), tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs,
         )

@@ -119,10 +119,11 @@ class RowSampling:
             logprobs=sp.logprobs is not None,
         )
 
-    def logit_changes(self) -> tuple[list[int], list[float]]:
-        """The row's `suppress_ids` / `suppress_bias` entries: the bias, then the suppressed ids."""
-        return ([t for t, _ in self.bias] + list(self.suppress_ids),
-                [b for _, b in self.bias] + [-np.inf] * len(self.suppress_ids))
+    def logit_changes(self, suppress_ids: Sequence[int] | None = None) -> tuple[list[int], list[float]]:
+        """The row's `suppress_ids` / `suppress_bias` entries: the bias, then the suppressed ids
+        (`suppress_ids`, default the row's own)."""
+        sup = list(self.suppress_ids if suppress_ids is None else suppress_ids)
+        return [t for t, _ in self.bias] + sup, [b for _, b in self.bias] + [-np.inf] * len(sup)
 
 
 @dataclass

@@ -204,16 +204,17 @@ class SamplingParams:
     def token_mask(self, vocab_size: int) -> np.ndarray | None:
         """allowed_token_ids and logit_bias as a packed mask i32[ceil(vocab_size / 32)] (bit i of
         word w: token 32w + i may be sampled), or None when neither restricts anything.
-        InvalidSamplingParamsError for an id >= vocab_size or a mask that allows nothing."""
+        InvalidSamplingParamsError for an id >= vocab_size (any of logit_bias's) or a mask that
+        allows nothing."""
         bias = self.logit_bias or {}
+        ids = [*(self.allowed_token_ids or ()), *bias]  # (every logit_bias id, the added ones too)
+        if any(int(t) >= vocab_size for t in ids):
+            raise InvalidSamplingParamsError(f"allowed_token_ids / logit_bias: token id {max(ids)} is outside the "
+                                             f"vocabulary [0, {vocab_size})")
         only = [k for k, v in bias.items() if v == 100]
         ban = [k for k, v in bias.items() if v == -100]
         if self.allowed_token_ids is None and not only and not ban:
             return None
-        ids = [*(self.allowed_token_ids or ()), *bias]
-        if any(int(t) >= vocab_size for t in ids):
-            raise InvalidSamplingParamsError(f"allowed_token_ids / logit_bias: token id {max(ids)} is outside the "
-                                             f"vocabulary [0, {vocab_size})")
         width = -(-int(vocab_size) // 32)
         allow = np.zeros(width * 32, bool)
         if self.allowed_token_ids is None and not only:

@@ -543,13 +543,9 @@ class LLMEngine:
         n_bias = len(params.additive_bias)
         n_sup = len(self._stop_ids(params)) if params.min_tokens > 0 else 0
         if n_bias + n_sup > self.config.max_suppress_ids:
-            what = (f"{n_bias} logit_bias entries (other than -100, 0, 100)" if n_bias else "") + \
-                (" and " if n_bias and n_sup else "") + (f"{n_sup} stop ids with min_tokens > 0" if n_sup else "")
-            raise InvalidSamplingParamsError(f"{what} exceed the engine's max_suppress_ids="
-                                             f"{self.config.max_suppress_ids} (EngineConfig)")
-        if any(t >= self.vocab_size for t, _ in params.additive_bias):
-            raise InvalidSamplingParamsError(f"logit_bias: token id {params.additive_bias[-1][0]} is outside the "
-                                             f"vocabulary [0, {self.vocab_size})")
+            raise InvalidSamplingParamsError(
+                f"{n_bias} logit_bias entries (other than -100, 0, 100) and {n_sup} stop ids under min_tokens exceed "
+                f"the engine's max_suppress_ids={self.config.max_suppress_ids} (EngineConfig)")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidSamplingParamsError(f"stop_token_ids must be < vocab size {self.vocab_size}")
         if params.has_penalties and not self.config.max_penalty_rows:

@@ -291,18 +291,18 @@ def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
     smd.suppress_ids[sidx] = -1
     smd.suppress_bias[sidx] = 0.0
     for r, row in enumerate(rows):
+        ids, vals = row.sampling.logit_changes(row.stop_ids)
+        if len(ids) > smd.suppress_ids.shape[1]:
+            raise ValueError(f"{len(ids)} suppressed / biased ids exceed max_suppress_ids={cfg.max_suppress_ids}")
         nb = len(row.sampling.bias)
-        if nb + len(row.stop_ids) > smd.suppress_ids.shape[1]:
-            raise ValueError(f"{nb + len(row.stop_ids)} suppressed / biased ids exceed "
-                             f"max_suppress_ids={cfg.max_suppress_ids}")
         js = np.arange(lens[r])
         if nb:
-            smd.suppress_ids[r * w + js, :nb] = [t for t, _ in row.sampling.bias]
-            smd.suppress_bias[r * w + js, :nb] = [b for _, b in row.sampling.bias]
+            smd.suppress_ids[r * w + js, :nb] = ids[:nb]
+            smd.suppress_bias[r * w + js, :nb] = vals[:nb]
         if row.stop_ids:
             live = r * w + js[row.sampling.out_index + js < row.suppress_until]
-            smd.suppress_ids[live, nb : nb + len(row.stop_ids)] = row.stop_ids
-            smd.suppress_bias[live, nb : nb + len(row.stop_ids)] = -np.inf
+            smd.suppress_ids[live, nb : len(ids)] = ids[nb:]
+            smd.suppress_bias[live, nb : len(ids)] = vals[nb:]
     pmd = BatchedAttnMetadata(
         positions=pos, positions_h=pos, positions_w=pos, slots=slots, block_tables=bt, cu_seqlens=cu,
         kv_lens=kv_lens, ssm_slots=col("ssm_slot", -1), seq_slot=col("lora_slot", -1),

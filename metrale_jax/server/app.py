@@ -1177,7 +1177,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         body = await _read_body(request, config.max_request_bytes)
         req = parse_request(CompletionRequest, body)
         lora = check_model(req.model)
-        kwargs = req.with_defaults(req.to_sampling_params_kwargs(max_model_len), defaults)
+        kwargs = req.to_sampling_params_kwargs(max_model_len, defaults)
         prompts = req.prompts()
         if req.add_special_tokens is False and tokenizer is not None:  # text prompts encoded without BOS
             prompts = [p if isinstance(p, dict) else
@@ -1207,8 +1207,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         lora = check_model(req.model)
         tools, schemas = tool_mode(req.tool_choice, req.tools, config.tool_call_parser)
         parallel_calls = req.parallel_tool_calls is not False
-        kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, parallel_calls))
-        kwargs = req.with_defaults(kwargs, defaults)
+        kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, parallel_calls), defaults)
         ids = await render_chat(req.template_messages(), req.add_generation_prompt is not False, req.tools,
                                 template_kwargs=req.template_kwargs())
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
@@ -1231,8 +1230,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         lora = check_model(req.model)
         messages = req.template_messages()
         tools, schemas = tool_mode(req.chat_tool_choice(), req.chat_tools(), config.tool_call_parser)
-        kwargs = req.with_defaults(req.to_sampling_params_kwargs(
-            max_model_len, tools.constraint(schemas, req.parallel_tool_calls is not False)), defaults)
+        kwargs = req.to_sampling_params_kwargs(
+            max_model_len, tools.constraint(schemas, req.parallel_tool_calls is not False), defaults)
         ids = await render_chat(messages, req.add_generation_prompt is not False, req.chat_tools(),
                                 template_kwargs=req.template_kwargs())
         gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=req.model or model_name,

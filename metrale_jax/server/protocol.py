@@ -247,22 +247,32 @@ class _SamplingFields(_Base):
             if not s:
                 raise RequestError("stop strings must be non-empty", param="stop")
 
-    def _sampling_kwargs(self, max_tokens: int | None, max_model_len: int, logprobs: int | None) -> dict[str, Any]:
+    def _sampling_kwargs(self, max_tokens: int | None, max_model_len: int, logprobs: int | None,
+                         defaults: dict[str, Any] | None) -> dict[str, Any]:
         """SamplingParams keyword arguments; `max_tokens` None means "up to max_model_len". A
         max_tokens that does not fit beside the prompt is the engine's 400 (context_length_exceeded),
-        never silently capped."""
+        never silently capped. `defaults`: the engine's request defaults (the model's generation
+        config, `LLMEngine.sampling_defaults`) for the sampling fields the request leaves unset, as
+        vLLM's server applies them: temperature, top_p, top_k, min_p, repetition_penalty, and
+        max_tokens when no max-tokens field is given."""
         self._common_checks()
+        d = defaults or {}
+        given = "max_tokens" in self.model_fields_set or any(
+            getattr(self, f, None) is not None for f in ("max_completion_tokens", "max_output_tokens"))
+        if "max_tokens" in d and not given:
+            max_tokens = d["max_tokens"]
         min_tokens = self.min_tokens or 0
         if min_tokens > (max_tokens if max_tokens is not None else max_model_len):
             raise RequestError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
                                param="min_tokens")
         return dict(
             n=self.n if self.n is not None else 1,
-            temperature=self.temperature if self.temperature is not None else 1.0,
-            top_p=self.top_p if self.top_p is not None else 1.0,
-            top_k=self.top_k if self.top_k is not None else 0,
-            min_p=self.min_p if self.min_p is not None else 0.0,
-            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            temperature=self.temperature if self.temperature is not None else d.get("temperature", 1.0),
+            top_p=self.top_p if self.top_p is not None else d.get("top_p", 1.0),
+            top_k=self.top_k if self.top_k is not None else d.get("top_k", 0),
+            min_p=self.min_p if self.min_p is not None else d.get("min_p", 0.0),
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else d.get(
+                "repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             max_tokens=max_tokens,
@@ -280,21 +290,6 @@ class _SamplingFields(_Base):
             prompt_logprobs=self.prompt_logprobs,
             logit_bias=self._logit_bias(),
         )
-
-    def with_defaults(self, kwargs: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-        """`kwargs` with the engine's request defaults (the model's generation config,
-        `LLMEngine.sampling_defaults`) for the sampling fields this request leaves unset, as vLLM's
-        server applies them: temperature, top_p, top_k, min_p, repetition_penalty, and max_tokens
-        when no max-tokens field is given."""
-        out = dict(kwargs)
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if name in defaults and getattr(self, name, None) is None:
-                out[name] = defaults[name]
-        given = "max_tokens" in self.model_fields_set or any(
-            getattr(self, f, None) is not None for f in ("max_completion_tokens", "max_output_tokens"))
-        if "max_tokens" in defaults and not given:
-            out["max_tokens"] = defaults["max_tokens"]
-        return out
 
     def beam_search_params(self, kwargs: dict[str, Any], max_model_len: int, prompt_len: int):
         """use_beam_search: vLLM's BeamSearchParams (n beams; max_tokens None = up to the context),
@@ -353,7 +348,7 @@ class CompletionRequest(_SamplingFields):
             return list(p)
         return [{"prompt_token_ids": list(x)} for x in p]
 
-    def to_sampling_params_kwargs(self, max_model_len: int) -> dict[str, Any]:
+    def to_sampling_params_kwargs(self, max_model_len: int, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -364,7 +359,8 @@ class CompletionRequest(_SamplingFields):
         if self.stream and (self.max_tokens == 0 or (self.echo and self.logprobs is not None)):
             raise RequestError("echo with logprobs, or max_tokens=0, does not stream", param="stream",
                                code="unsupported_parameter")
-        kwargs = self._sampling_kwargs(1 if self.max_tokens == 0 else self.max_tokens, max_model_len, self.logprobs)
+        kwargs = self._sampling_kwargs(1 if self.max_tokens == 0 else self.max_tokens, max_model_len, self.logprobs,
+                                       defaults)
         if self.echo and self.logprobs is not None:  # the prompt's logprobs too (the legacy API's scoring)
             kwargs["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return kwargs
@@ -426,13 +422,15 @@ class ChatCompletionRequest(_SamplingFields):
     def template_kwargs(self) -> dict[str, Any]:
         return chat_template_kwargs(self)
 
-    def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
-        """`tool_schema`: the JSON schema a forced tool call constrains the reply to (tools.py)."""
+    def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None,
+                                  defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`tool_schema`: the JSON schema a forced tool call constrains the reply to (tools.py);
+        `defaults`: the engine's request defaults (`_sampling_kwargs`)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        kwargs = self._sampling_kwargs(max_tokens, max_model_len, logprobs)
+        kwargs = self._sampling_kwargs(max_tokens, max_model_len, logprobs, defaults)
         if tool_schema is not None:
             if kwargs["structured_outputs"] is not None:
                 raise RequestError("a forced tool_choice cannot be combined with another structured-output "
@@ -699,13 +697,14 @@ class ResponsesRequest(_SamplingFields):
     def template_kwargs(self) -> dict[str, Any]:
         return chat_template_kwargs(self)
 
-    def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None) -> dict[str, Any]:
+    def to_sampling_params_kwargs(self, max_model_len: int, tool_schema: dict | None = None,
+                                  defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """`tool_schema`: a forced tool call's JSON schema (tools.py), as on the chat endpoint."""
         for name, given in (("n", (self.n or 1) != 1), ("use_beam_search", bool(self.use_beam_search))):
             if given:
                 raise RequestError(f"/v1/responses makes one output; {name} is for the chat endpoint", param=name,
                                    code="unsupported_parameter")
-        kwargs = self._sampling_kwargs(self.max_output_tokens, max_model_len, None)
+        kwargs = self._sampling_kwargs(self.max_output_tokens, max_model_len, None, defaults)
         if tool_schema is not None:
             if kwargs["structured_outputs"] is not None:
                 raise RequestError("a forced tool_choice cannot be combined with another structured-output "
