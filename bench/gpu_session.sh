@@ -257,10 +257,17 @@ if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with pa
   merge_w4_table "$OUT/m1pack/tuned_w4.json"
   for q in bf16 int4 nvfp4; do
     qa=$([[ $q != bf16 ]] && echo "--quantization $q")
-    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
-      $qa --out "$OUT/generate_llama3_8b_${q}_b1.json" > "$OUT/generate_llama3_8b_${q}_b1.log" 2>&1
+    # int4: the decode step's optimized HLO (which XLA fusions run between the kernels: ~260 us a step)
+    xf=$([[ $q == int4 ]] && echo "--xla_dump_to=$OUT/hlo_int4_b1 --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*")
+    XLA_FLAGS="${XLA_FLAGS:-} $xf" timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b \
+      --steps 64 --repeats 1 --batches 1 $qa --out "$OUT/generate_llama3_8b_${q}_b1.json" \
+      > "$OUT/generate_llama3_8b_${q}_b1.log" 2>&1
     grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1.log" | tail -4
   done
+  if [[ -d $OUT/hlo_int4_b1 ]]; then  # keep the optimized modules only, compressed
+    find "$OUT/hlo_int4_b1" -type f ! -name "*after_optimizations.txt" -delete
+    gzip -9 "$OUT"/hlo_int4_b1/*.txt 2>/dev/null; du -sh "$OUT/hlo_int4_b1"
+  fi
 fi
 if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows through the 4-bit tensor-core kernel (session
   # 37, `fp4_tensor_cores`, the default since session 38) beside bf16 and the streaming kernel's dot path, then generate at

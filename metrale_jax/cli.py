@@ -148,7 +148,7 @@ def _load(args: argparse.Namespace):
 def _max_model_len(args: argparse.Namespace, model) -> int:
     """The engine's max_model_len for this model: --max-model-len capped at the model's positions
     (None: EngineConfig's default, the positions capped at 4096)."""
-    mpe = model.cfg.max_position_embeddings
+    mpe = model.cfg.max_positions
     return min(args.max_model_len, mpe) if args.max_model_len is not None else min(mpe, 4096)
 
 

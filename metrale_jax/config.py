@@ -36,27 +36,57 @@ def parse_json_floats(obj: Any) -> Any:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind: "default" | "linear" | "llama3" | "dynamic" | "yarn"."""
+    """RoPE frequency scaling, as transformers computes it (`modeling_rope_utils`).
+
+    kind: "default" | "linear" | "llama3" | "yarn". original_max_position_embeddings: the
+    pre-training context (None in a config: the model's max_position_embeddings, transformers'
+    default). yarn (Qwen3's and DeepSeek's long-context setting): beta_fast / beta_slow bound the
+    ramp between extrapolated and interpolated frequencies, `truncate` rounds its ends, and
+    attention_factor (cos and sin multiply by it) comes from the config or from factor, mscale
+    and mscale_all_dim.
+    """
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     @staticmethod
-    def from_dict(d: dict | None) -> RopeScaling:
+    def from_dict(d: dict | None, max_position_embeddings: int = 8192) -> RopeScaling:
         if not d:
             return RopeScaling()
         kind = d.get("rope_type", d.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
-            raise NotImplementedError(f"rope scaling type {kind!r} is not supported yet")
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise NotImplementedError(f"rope scaling type {kind!r} is not supported yet (supported: default, "
+                                      "linear, llama3, yarn)")
+        orig = int(d.get("original_max_position_embeddings") or max_position_embeddings)
+        if kind == "yarn" and d.get("factor") is None:
+            raise ValueError("rope scaling 'yarn' needs a factor")
+        factor = float(d.get("factor", 1.0))
+        attention = 1.0
+        if kind == "yarn":
+            def mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            attention = d.get("attention_factor")
+            if attention is None:
+                m, m_all = d.get("mscale"), d.get("mscale_all_dim")
+                attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
         return RopeScaling(
             kind=kind,
-            factor=float(d.get("factor", 1.0)),
+            factor=factor,
             low_freq_factor=float(d.get("low_freq_factor", 1.0)),
             high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=orig,
+            beta_fast=float(d.get("beta_fast") or 32.0),
+            beta_slow=float(d.get("beta_slow") or 1.0),
+            truncate=bool(d.get("truncate", True)),
+            attention_factor=float(attention),
         )
 
 
@@ -109,6 +139,18 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def max_positions(self) -> int:
+        """The longest context the model takes (vLLM's derived max_model_len): yarn's original context
+        times its factor, linear scaling's max_position_embeddings times its factor, else
+        max_position_embeddings."""
+        s = self.rope_scaling
+        if s.kind == "yarn":
+            return int(s.original_max_position_embeddings * s.factor)
+        if s.kind == "linear":
+            return int(self.max_position_embeddings * s.factor)
+        return self.max_position_embeddings
+
     @staticmethod
     def from_hf(d: dict, **overrides: Any) -> ModelConfig:
         """Build from a config.json dict (hub or transformers-5 dialect)."""
@@ -137,7 +179,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", d.get("layer_norm_epsilon", 1e-6))),
             rope_theta=float(rope_theta),
-            rope_scaling=RopeScaling.from_dict(scaling),
+            rope_scaling=RopeScaling.from_dict(scaling, int(d.get("max_position_embeddings", 4096))),
             partial_rotary_factor=float(prf),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -181,4 +223,24 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[float, ...]:
                 )
                 out.append((1 - smooth) * f / s.factor + smooth * f)
         inv = out
+    elif s.kind == "yarn":
+        def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+            return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        out = []
+        for i, f in enumerate(inv):  # ramp 0: the frequency as trained (extrapolated); 1: divided by factor
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            out.append(f / s.factor * ramp + f * (1 - ramp))
+        inv = out
     return tuple(inv)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What RoPE's cos and sin multiply by (yarn's attention factor; 1 otherwise)."""
+    return cfg.rope_scaling.attention_factor

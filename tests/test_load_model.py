@@ -215,3 +215,44 @@ def test_split_layers_load_equals_stacked(name):
             assert g.dtype == w.dtype, path
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(path))
     assert n_split >= 4
+
+
+def test_rope_scaling_matches_transformers():
+    """YaRN (factor, beta_fast / beta_slow, truncate off, mscale / mscale_all_dim, an explicit
+    attention_factor, partial rotary) and llama3 without an original context: the frequencies and
+    cos / sin factor transformers computes (`qwen3_yarn_tiny/rope_cases.json`, written by the
+    fixture script from `ROPE_INIT_FUNCTIONS`); the context limit is vLLM's (original x factor)."""
+    from metrale_jax.config import ModelConfig, rope_attention_factor, rope_inv_freq
+
+    cases = json.loads((FIXTURES / "qwen3_yarn_tiny" / "rope_cases.json").read_text())
+    assert {c["config"]["rope_parameters"]["rope_type"] for c in cases} == {"yarn", "llama3"}
+    for c in cases:
+        cfg = ModelConfig.from_hf(c["config"])
+        np.testing.assert_allclose(rope_inv_freq(cfg), c["inv_freq"], rtol=2e-6, err_msg=str(c["config"]))
+        assert abs(rope_attention_factor(cfg) - c["attention_factor"]) < 1e-6, c["config"]
+        rp = c["config"]["rope_parameters"]
+        want = rp["original_max_position_embeddings"] * rp["factor"] if rp["rope_type"] == "yarn" else 256
+        assert cfg.max_positions == want
+    yarn = json.loads((FIXTURES / "qwen3_yarn_tiny" / "config.json").read_text())
+    hub = {**yarn, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
+    del hub["rope_parameters"]
+    assert ModelConfig.from_hf(hub).rope_scaling == ModelConfig.from_hf(yarn).rope_scaling  # the hub dialect
+    with pytest.raises(ValueError, match="needs a factor"):
+        ModelConfig.from_hf({**hub, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 32}})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        ModelConfig.from_hf({**hub, "rope_scaling": {"type": "longrope", "factor": 2.0}})
+
+
+def test_yarn_context_beyond_max_position_embeddings():
+    """A yarn model's context limit is its original context times the factor (vLLM's derived
+    max_model_len), not max_position_embeddings: 32 x 4 = 128 here, where the config says 256."""
+    from metrale_jax.engine.config import EngineConfig
+    from metrale_jax.engine.engine import LLMEngine
+
+    model, params = load_model(FIXTURES / "qwen3_yarn_tiny", dtype="float32", show_progress=False)
+    assert model.cfg.max_position_embeddings == 256 and model.cfg.max_positions == 128
+    small = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_seqs=2, max_num_batched_tokens=16,
+                 show_progress=False)
+    assert LLMEngine(model, params, EngineConfig(max_model_len=128, **small)).config.max_model_len == 128
+    with pytest.raises(ValueError, match="max_model_len=129"):
+        LLMEngine(model, params, EngineConfig(max_model_len=129, **small))

@@ -434,7 +434,8 @@ def test_rope_and_write_kv_matches_xla(kv_dtype, hq, hkv, d, rot, t, interpret):
     """`rope_and_write_kv` (the decode path's fused RoPE + K/V write) against XLA's apply_rope and
     the engine's scatter: q rotated, k rotated and written, v written, padding and out-of-range
     slots writing nothing, every other pool row untouched (random, never zeros); full and
-    partial rotary dims (40: a rotary half that is not a power of two), fp8 pools with scales."""
+    partial rotary dims (40: a rotary half that is not a power of two; cos and sin scaled, as yarn's),
+    fp8 pools with scales."""
     from metrale_jax.cache.kv import KVCache, write_kv
     from metrale_jax.layers.rope import apply_rope, rope_cos_sin
     from pallas_kernels.paged_attention import rope_and_write_kv
@@ -455,11 +456,12 @@ def test_rope_and_write_kv_matches_xla(kv_dtype, hq, hkv, d, rot, t, interpret):
     is_fp8 = kv_dtype == FP8
     ks = jnp.full((nl,), 0.05 if is_fp8 else 1.0, F32)
     vs = jnp.full((nl,), 0.03 if is_fp8 else 1.0, F32)
-    q_ref = apply_rope(qkv[:, :hq * d].reshape(t, hq, d), positions, inv)
-    k_ref = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), positions, inv)
+    scale = 1.0 if rot == d else 1.2  # (yarn's attention factor: the rotated dims only)
+    q_ref = apply_rope(qkv[:, :hq * d].reshape(t, hq, d), positions, inv, scale)
+    k_ref = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), positions, inv, scale)
     v_ref = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
     want = write_kv(KVCache(k_pool, v_pool, ks, vs), jnp.int32(1), jnp.asarray(slots), k_ref, v_ref)
-    q, got_k, got_v = rope_and_write_kv(qkv, rope_cos_sin(positions, inv), k_pool, v_pool, jnp.int32(1),
+    q, got_k, got_v = rope_and_write_kv(qkv, rope_cos_sin(positions, inv, scale), k_pool, v_pool, jnp.int32(1),
                                         jnp.asarray(slots), num_q_heads=hq, k_scale=ks[1] if is_fp8 else None,
                                         v_scale=vs[1] if is_fp8 else None, interpret=interpret)
     tol = 1e-5 if qkv_dtype == F32 else 1e-2

@@ -178,8 +178,8 @@ class EngineConfig:
         if mml is None:
             mml = min(max_position_embeddings, 4096)
         if mml > max_position_embeddings:
-            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
-                             f"{max_position_embeddings}")
+            raise ValueError(f"max_model_len={mml} exceeds the model's context length {max_position_embeddings} "
+                             "(max_position_embeddings, or what its RoPE scaling extends it to)")
         if mml < 2:
             raise ValueError(f"max_model_len={mml} must be >= 2")
         if self.block_size < 1:

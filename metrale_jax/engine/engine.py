@@ -132,7 +132,7 @@ class LLMEngine:
         self.model = model
         self.params = params
         self.uses_ssm = model.ssm_bytes_per_slot() > 0
-        self.config = config.resolve(max_position_embeddings=model.cfg.max_position_embeddings,
+        self.config = config.resolve(max_position_embeddings=model.cfg.max_positions,
                                      on_gpu=_on_gpu(), uses_ssm=self.uses_ssm,
                                      uses_moe=getattr(model, "has_experts", False))
         why_not = model.pallas_unsupported() if hasattr(model, "pallas_unsupported") else None

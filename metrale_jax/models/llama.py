@@ -25,7 +25,7 @@ import numpy as np
 
 from metrale_jax.cache import EngineState
 from metrale_jax.cache.kv import rope_and_write_kv, write_kv
-from metrale_jax.config import ModelConfig, rope_inv_freq
+from metrale_jax.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from metrale_jax.layers.attention import (
     AttentionConfig,
     dense_causal_attention,
@@ -125,8 +125,8 @@ def _qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array, lora: L
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    inv = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
+    inv, m = rope_inv_freq(cfg), rope_attention_factor(cfg)
+    return apply_rope(q, positions, inv, m), apply_rope(k, positions, inv, m), v
 
 
 def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False,
@@ -195,7 +195,8 @@ def forward_paged(
     # With the Pallas kernels, RoPE and the K/V write are one kernel (no per-head q/k norm between
     # the projection and RoPE, as Qwen3 has): three launches fewer per layer at a decode step.
     fused_rope = attn.use_pallas and not cfg.qk_norm
-    cos_sin = rope_cos_sin(positions, rope_inv_freq(cfg)) if fused_rope else None  # f32[N + T, rot]
+    # f32[N + T, rot]
+    cos_sin = rope_cos_sin(positions, rope_inv_freq(cfg), rope_attention_factor(cfg)) if fused_rope else None
     # LoRA slots (engine built with enable_lora): each token's adapter slot, i32[N + T]
     lora_on = "lora" in params["layers"]
     lora_slot = token_slots(dmd, pmd, "seq_slot") if lora_on else None

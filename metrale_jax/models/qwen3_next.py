@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.cache.kv import write_kv
-from metrale_jax.config import ModelConfig, rope_inv_freq
+from metrale_jax.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from metrale_jax.layers.attention import (
     AttentionConfig,
     dense_causal_attention,
@@ -211,8 +211,8 @@ def _attn_qkv(cfg: ModelConfig, ap: dict, h: jax.Array, positions: jax.Array):
     k, v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
     q = _norm(cfg, q, ap["q_norm"])
     k = _norm(cfg, k, ap["k_norm"])
-    inv = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v, gate
+    inv, m = rope_inv_freq(cfg), rope_attention_factor(cfg)
+    return apply_rope(q, positions, inv, m), apply_rope(k, positions, inv, m), v, gate
 
 
 def _attn_out(ap: dict, o: jax.Array, gate: jax.Array) -> jax.Array:
