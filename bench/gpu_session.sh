@@ -66,6 +66,10 @@
 # Next: `acceptance` first (after the run, session 38 changed every step's sampling inputs: logit_bias's
 # suppress_bias table), then `m1pack` (~360 s), `pdl` (~300 s), the fp4 sweep's gate|up and down
 # (FP4DOT_MS=64,256) and `fp4dot`'s three batch-64 generates in one call (bf16 beside NVFP4 at last).
+# Session 39: an H100 (one start refused, ~180 s): `acceptance` of three families 445 s cold, of two 423 s warm,
+# `m1pack` 261 s warm (its HLO dump made the archive too large: nothing came back; now one module), three batch-1
+# generates 281 s warm. Next: `m1pack` again on an H200 (its table picks were lost), `pdl` only at batch 64
+# (batch 1 on the H100: no gain), `fp4dot`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -264,9 +268,11 @@ if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with pa
       > "$OUT/generate_llama3_8b_${q}_b1.log" 2>&1
     grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1.log" | tail -4
   done
-  if [[ -d $OUT/hlo_int4_b1 ]]; then  # keep the optimized modules only, compressed
-    find "$OUT/hlo_int4_b1" -type f ! -name "*after_optimizations.txt" -delete
-    gzip -9 "$OUT"/hlo_int4_b1/*.txt 2>/dev/null; du -sh "$OUT/hlo_int4_b1"
+  if [[ -d $OUT/hlo_int4_b1 ]]; then  # the batch-1 module only (its x is bf16[1,4096]), compressed;
+    # session 39 kept every bucket's module (21 MB): the archive went over the size limit and nothing came back
+    f=$(grep -l "bf16\[1,4096\]" "$OUT"/hlo_int4_b1/*decode_forward*gpu_after_optimizations.txt | head -1)
+    [[ -n $f ]] && gzip -9c "$f" > "$OUT/decode_int4_b1_after_optimizations.txt.gz"
+    rm -rf "$OUT/hlo_int4_b1"; ls -la "$OUT"/decode_int4_b1_* 2>/dev/null
   fi
 fi
 if [[ $parts == *fp4dot* ]]; then  # issue 19: NVFP4 at 2-64 rows through the 4-bit tensor-core kernel (session
