@@ -47,6 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                         f"(default: {DEFAULT_MODEL})")
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face repo id (default: main)")
+    add_tokenizer_args(g)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
     g.add_argument("--quantization", choices=["fp8", "int4", "nvfp4"], default=None,
@@ -85,6 +86,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
                         '"num_speculative_tokens": 4}\'')
 
 
+def add_tokenizer_args(g) -> None:
+    """--tokenizer and --generation-config (EngineConfig's `tokenizer` and `generation_config`, vLLM's
+    flags): here for generate and chat, and for `serve` (metrale_jax/server/cli.py)."""
+    g.add_argument("--tokenizer", default=None,
+                   help="the tokenizer from elsewhere: a folder with tokenizer.json, a .gguf, an alias or a Hugging "
+                        "Face repo id (default: the model's own)")
+    g.add_argument("--generation-config", default="auto",
+                   help="the defaults of the sampling values a request (or a sampling flag) leaves unset: 'auto' = "
+                        "the model's generation_config.json, 'vllm' = none, or a folder holding a "
+                        "generation_config.json (default: %(default)s)")
+
+
 def _spec_config(text: str):
     from metrale_jax.engine.spec_decode import SpeculativeConfig
 
@@ -119,7 +132,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
     from metrale_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
 
     kw = dict(
-        model=args.model, revision=args.revision, show_progress=show_progress(args), dtype=args.dtype,
+        model=args.model, revision=args.revision, tokenizer=args.tokenizer, generation_config=args.generation_config,
+        show_progress=show_progress(args), dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
@@ -138,11 +152,18 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
 
 
 def _load(args: argparse.Namespace):
-    """(model, params) for --model / --revision (the slow part before compiling)."""
+    """(model, params) for --model / --revision (the slow part before compiling), with --tokenizer's
+    tokenizer in place of the model's own (as `LLMEngine.from_config`)."""
     from metrale_jax.model import load_model
 
-    return load_model(args.model, dtype=args.dtype, quantization=args.quantization, revision=args.revision,
-                      show_progress=show_progress(args))
+    model, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization,
+                               revision=args.revision, show_progress=show_progress(args))
+    if args.tokenizer is not None:
+        from metrale_jax.loading.checkpoint import load_tokenizer
+
+        model = dataclasses.replace(model, tokenizer=load_tokenizer(args.tokenizer,
+                                                                    show_progress=show_progress(args)))
+    return model, params
 
 
 def _max_model_len(args: argparse.Namespace, model) -> int:
@@ -162,31 +183,40 @@ def _build_engine(args: argparse.Namespace, model, params, t0: float, **override
     return eng
 
 
+# the sampling flags' values when neither the flag nor the model's generation config (--generation-config)
+# gives one
+_SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    g = p.add_argument_group("sampling")
+    g = p.add_argument_group("sampling (a flag left out: the model's generation config, see --generation-config, "
+                             "else the default shown)")
     g.add_argument("--max-tokens", type=int, default=None,
                    help=f"tokens to generate at most (default: {max_tokens}, or what the context leaves)")
     p.set_defaults(default_max_tokens=max_tokens)
-    g.add_argument("--temperature", "-t", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    d = _SAMPLING_DEFAULTS
+    g.add_argument("--temperature", "-t", type=float, default=None, help=f"(default: {d['temperature']})")
+    g.add_argument("--top-p", type=float, default=None, help=f"(default: {d['top_p']})")
+    g.add_argument("--top-k", type=int, default=None, help=f"(default: {d['top_k']})")
+    g.add_argument("--min-p", type=float, default=None, help=f"(default: {d['min_p']})")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=f"(default: {d['repetition_penalty']})")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request seed (reproducible output)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
-def sampling_params_from_args(args: argparse.Namespace, **kw):
-    """SamplingParams from the flags, validated (InvalidSamplingParamsError) before anything loads."""
-    from metrale_jax.sampling import SamplingParams
+def sampling_params_from_args(args: argparse.Namespace, model=None, **kw):
+    """SamplingParams from the flags, validated (InvalidSamplingParamsError): called before anything
+    loads to check the flags, then with the loaded `model`, whose generation-config defaults
+    (--generation-config, as the engine's `sampling_defaults`) fill the flags left out; what neither
+    sets takes the CLI's own default."""
+    from metrale_jax.sampling import SamplingParams, sampling_defaults
 
-    max_tokens = args.max_tokens if args.max_tokens is not None else args.default_max_tokens
-    sp = SamplingParams(
-        max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
-        ignore_eos=args.ignore_eos, **kw,
-    )
+    defaults = {} if model is None else sampling_defaults(args.generation_config,
+                                                          getattr(model, "generation_config", None))
+    given = {k: getattr(args, k) for k in (*_SAMPLING_DEFAULTS, "max_tokens") if getattr(args, k) is not None}
+    values = {**_SAMPLING_DEFAULTS, "max_tokens": args.default_max_tokens, **defaults, **given}
+    sp = SamplingParams(**values, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos, **kw)
     sp.validate()
     return sp
 
@@ -292,9 +322,10 @@ def _prompt_ids(args: argparse.Namespace, model, prompts: list[str], sp, max_mod
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _utf8_prompts(args)
-    sp = sampling_params_from_args(args)
+    sampling_params_from_args(args)  # the flags, checked before the slow load
     t0 = time.perf_counter()
     model, params = _load(args)
+    sp = sampling_params_from_args(args, model)
     mml = _max_model_len(args, model)
     reqs = _prompt_ids(args, model, prompts, sp, mml)
     n = len(reqs)
@@ -357,9 +388,10 @@ def _lean_buckets(args: argparse.Namespace, num_seqs: int, prompt_tokens: int | 
 def cmd_chat(args: argparse.Namespace) -> int:
     from metrale_jax.errors import InvalidRequestError
 
-    sp = sampling_params_from_args(args)
+    sampling_params_from_args(args)  # the flags, checked before the slow load
     t0 = time.perf_counter()
     model, params = _load(args)
+    sp = sampling_params_from_args(args, model)
     if model.tokenizer is None or getattr(model.tokenizer, "chat_template", None) is None:
         print(f"error: {args.model} has no chat template", file=sys.stderr)
         return 2

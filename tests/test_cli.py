@@ -260,8 +260,10 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
         parser.parse_args(["serve", "m", "--port", "99999"])
     assert "is not a TCP port" in capsys.readouterr().err
     monkeypatch.setattr(engine_mod.LLMEngine, "from_config", lambda c: pytest.fail("loaded"))
-    with pytest.raises(SystemExit, match="--lora-modules needs --enable-lora"):
-        cli.main(["serve", "m", "--port", "0", "--lora-modules", "a=/tmp/a"])
+    assert cli.main(["serve", "m", "--port", "0", "--lora-modules", "a=/tmp/a"]) == 2
+    assert "error: --lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert cli.main(["serve", "m", "--port", "0", "--enable-auto-tool-choice"]) == 2
+    assert "error: --enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
 def test_bad_config_values_are_one_line_errors(capsys, tiny_with_tokenizer):
@@ -271,3 +273,42 @@ def test_bad_config_values_are_one_line_errors(capsys, tiny_with_tokenizer):
     err = capsys.readouterr().err
     assert "error: " in err and "max_model_len" in err and "Traceback" not in err, err
 
+
+
+def test_generate_and_chat_take_tokenizer_and_generation_config(monkeypatch, tmp_path, tiny_with_tokenizer):
+    """--tokenizer and --generation-config (serve's flags, vLLM's) on generate and chat: parsed into
+    the EngineConfig; the tokenizer replaces the model's own, and the generation config's sampling
+    values fill the sampling flags left out (a flag given wins; what neither sets, the CLI's default)."""
+    for cmd in (["generate", "x"], ["chat"]):
+        args = cli.build_parser().parse_args([*cmd, "--tokenizer", "/tok", "--generation-config", "vllm"])
+        cfg = cli.engine_config_from_args(args)
+        assert (cfg.tokenizer, cfg.generation_config) == ("/tok", "vllm")
+        cfg = cli.engine_config_from_args(cli.build_parser().parse_args(cmd))
+        assert (cfg.tokenizer, cfg.generation_config) == (None, "auto")
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": 7, "max_new_tokens": 9}))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy_engine(self, model, params, config):
+        seen["tokenizer"], seen["config"] = model.tokenizer, config
+        raise Stop
+
+    real_prompt_ids = cli._prompt_ids
+
+    def spy_prompt_ids(args, model, prompts, sp, max_model_len):
+        seen["sp"] = sp
+        return real_prompt_ids(args, model, prompts, sp, max_model_len)
+
+    monkeypatch.setattr(cli, "_prompt_ids", spy_prompt_ids)
+    monkeypatch.setattr(engine_mod.LLMEngine, "__init__", spy_engine)
+    with pytest.raises(Stop):  # llama_tiny has no tokenizer of its own: this text prompt needs --tokenizer's
+        cli.main(["generate", "-q", "--model", str(FIXTURES / "llama_tiny"), "--tokenizer", str(tiny_with_tokenizer),
+                  "--generation-config", str(gen), "--top-k", "3", "w5 w6"])
+    assert seen["tokenizer"] is not None and seen["config"].tokenizer == str(tiny_with_tokenizer)
+    assert seen["config"].generation_config == str(gen)
+    sp = seen["sp"]
+    assert (sp.temperature, sp.top_k, sp.max_tokens, sp.top_p) == (0.25, 3, 9, 0.95)

@@ -117,7 +117,7 @@ def test_n_and_several_prompts(http):
     prompts = ["first prompt", "2nd"]
     body = {"model": "alias", "prompt": prompts, "n": 3, "max_tokens": 6, "seed": 5}
     j = http.post("/v1/completions", json=body).json()
-    assert j["model"] == "alias"
+    assert j["model"] == MODEL  # the first served name, whichever one the request used (vLLM's)
     assert [c["index"] for c in j["choices"]] == list(range(6))
     for c in j["choices"]:
         p, i = divmod(c["index"], 3)
@@ -465,11 +465,130 @@ def test_api_key():
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert c.get("/v1/models").status_code == 401
             assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
-            assert c.get("/health").status_code == 200
+            assert c.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"}).status_code == 401
+            # as vLLM's: only /v1/* asks for the key; the root paths stay open
+            assert c.post("/tokenize", json={"prompt": "hi"}).json()["tokens"] == ids_of("hi")
+            assert c.post("/detokenize", json={"tokens": [5, 6]}).json() == {"prompt": FakeTokenizer().decode([5, 6])}
+            for path in ("/health", "/version", "/metrics"):
+                assert c.get(path).status_code == 200, path
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
         assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_served_model_names():
+    """vLLM's --served-model-name: the names replace the model's path in /v1/models and in requests'
+    `model` (the path is then unknown); every name is accepted, and responses report the first."""
+    with BackgroundServer(FakeEngine(), ServerConfig(model_names=("first", "second"))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["first", "second"]
+        msgs = [{"role": "user", "content": "hi"}]
+        for name in ("first", "second", None):
+            given = {"model": name} if name else {}
+            r = c.post("/v1/completions", json={**given, "prompt": "ab", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "first", (name, r.text)
+            r = c.post("/v1/chat/completions", json={**given, "messages": msgs, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "first", (name, r.text)
+            r = c.post("/v1/responses", json={**given, "input": "hi", "max_output_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "first", (name, r.text)
+            ev = stream_post(c, "/v1/chat/completions", {**given, "messages": msgs, "max_tokens": 2, "stream": True})
+            assert {e["model"] for e in ev[:-1]} == {"first"}
+            assert c.post("/tokenize", json={**given, "prompt": "ab"}).status_code == 200
+        for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}),
+                           ("/tokenize", {"prompt": "ab"})):
+            r = c.post(path, json={**body, "model": "/models/fake-model"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (path, r.text)
+
+
+def test_served_model_names_from_the_command_line():
+    """`serve MODEL --served-model-name a b` (vLLM's form) or the flag repeated: the names alone;
+    without it, MODEL as given and the model's own name."""
+    from metrale_jax.cli import build_parser
+    from metrale_jax.server.cli import served_model_names
+
+    parser = build_parser()
+    for argv in (["--served-model-name", "a", "b"], ["--served-model-name", "a", "--served-model-name", "b"]):
+        args = parser.parse_args(["serve", "/models/m", *argv, "--port", "0"])
+        assert served_model_names(args, "m-own-name") == ("a", "b")
+    args = parser.parse_args(["serve", "/models/m"])
+    assert served_model_names(args, "m-own-name") == ("/models/m", "m-own-name")
+    assert served_model_names(args, "/models/m") == served_model_names(args, "") == ("/models/m",)
+
+
+CUSTOM_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                   "{% if add_generation_prompt %}<bot>{% endif %}")
+
+
+def test_chat_template_replaces_the_tokenizers(tmp_path):
+    """--chat-template (ServerConfig.chat_template): chat, Responses and /tokenize messages are
+    rendered with it instead of the tokenizer's template, and a model without a template of its own
+    serves chat (without the flag: 400 no_chat_template)."""
+    from test_server_support import make_tiny_text_model
+
+    from metrale_jax.loading.tokenizer import Tokenizer
+
+    msgs = [{"role": "user", "content": "hi"}]
+    want = ids_of("<user>hi<bot>")
+    eng = FakeEngine()
+    eng.tokenizer.chat_template = None  # a model without a chat template
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,), chat_template=CUSTOM_TEMPLATE)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/tokenize", json={"messages": msgs}).json()["tokens"] == want
+        assert c.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["tokens"] == \
+            ids_of("<user>hi")
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected_fake_text(want, 0, 3)
+        r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == len(want), r.text
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,))) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 3})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template", r.text
+    # the real tokenizer: the flag's template wins over the model's own (ChatML)
+    eng = FakeEngine()
+    eng.tokenizer = tok = Tokenizer.from_dir(make_tiny_text_model(tmp_path / "tiny"))
+    assert tok.chat_template is not None
+    with BackgroundServer(eng, ServerConfig(model_names=(MODEL,), chat_template=CUSTOM_TEMPLATE)) as srv:
+        r = httpx.post(srv.url + "/tokenize", json={"messages": msgs})
+        assert r.json()["tokens"] == tok.encode("<user>hi<bot>", add_special_tokens=False), r.text
+
+
+def test_serve_loads_the_chat_template_and_names_at_start(monkeypatch, tmp_path, capsys):
+    """`metrale serve`: --chat-template is a file's text, or the template itself; a value that names
+    a file (no '{', '}' or newline) which does not open is one `error:` line and exit 2 before the
+    model loads. The served names and the template reach the ServerConfig."""
+    import metrale_jax.server.runner as runner
+    from metrale_jax import cli
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.server.cli import load_chat_template
+
+    (tmp_path / "t.jinja").write_text(CUSTOM_TEMPLATE)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == CUSTOM_TEMPLATE
+    assert load_chat_template(CUSTOM_TEMPLATE) == CUSTOM_TEMPLATE
+    assert load_chat_template("{{ '</s>' }}") == "{{ '</s>' }}"  # text with a '/' in it is still text
+    assert load_chat_template(None) is None
+    monkeypatch.setattr(LLMEngine, "from_config", lambda c: pytest.fail("the model loaded"))
+    for bad in (str(tmp_path / "missing.jinja"), "templates/chat.j2", "chatml", str(tmp_path)):
+        assert cli.main(["serve", "m", "--port", "0", "--chat-template", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --chat-template {bad!r} looks like a file path") and err.count("\n") == 1, err
+    seen = {}
+    eng = FakeEngine()
+    eng.lockstep, eng.release_followers = None, lambda: None
+
+    def from_config(config):
+        seen["engine"] = config
+        return eng
+
+    monkeypatch.setattr(LLMEngine, "from_config", from_config)
+    monkeypatch.setattr(runner, "serve", lambda engine, config, **kw: seen.setdefault("config", config))
+    assert cli.main(["serve", "/models/m", "--port", "0", "--served-model-name", "a", "b",
+                     "--chat-template", str(tmp_path / "t.jinja"), "--tokenizer", "/tok",
+                     "--generation-config", "vllm"]) == 0
+    assert seen["config"].chat_template == CUSTOM_TEMPLATE and seen["config"].model_names == ("a", "b")
+    assert (seen["engine"].tokenizer, seen["engine"].generation_config) == ("/tok", "vllm")
 
 
 def test_queue_full_gives_503_and_recovers():

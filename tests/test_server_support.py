@@ -34,7 +34,8 @@ _PIECES = ["<pad>", "<s>", "</s>"] + [chr(ord("a") + i % 26) + ("" if i < 26 els
 
 
 class FakeTokenizer:
-    """Characters <-> ids, and a ChatML-ish template rendered without jinja."""
+    """Characters <-> ids, and a ChatML-ish template rendered without jinja (a `chat_template=`
+    argument, the server's --chat-template, is rendered with jinja)."""
 
     chat_template = "fake"
     eos_token_ids = (2,)
@@ -55,6 +56,11 @@ class FakeTokenizer:
                 raise ValueError("the template does not accept tool messages")
         text = "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt
                                                                              else "")
+        if kw.get("chat_template") is not None:
+            import jinja2
+
+            text = jinja2.Template(kw["chat_template"]).render(messages=messages,
+                                                               add_generation_prompt=add_generation_prompt)
         return self.encode(text) if tokenize else text
 
 

@@ -122,8 +122,12 @@ _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
 class ServerConfig:
     """Server options (the engine's own options live in the engine's config).
 
-    model_names: names /v1/models lists and requests may use; the first is reported in responses.
-    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
+    model_names: names /v1/models lists and requests may use; the first is reported in responses
+        (a LoRA adapter's own name for a request that names one), as vLLM's --served-model-name.
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise); as vLLM's, the
+        paths outside /v1 (/tokenize, /detokenize, /health, /metrics, /version) stay open.
+    chat_template: the Jinja chat template that replaces the tokenizer's own for chat, Responses and
+        /tokenize messages (the text, `--chat-template` read at start-up); None: the tokenizer's.
     max_waiting_requests: the bound on waiting requests; past it requests get 503 + Retry-After.
     max_request_bytes: the body size limit (413 past it).
     allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, as vLLM's flags.
@@ -145,6 +149,7 @@ class ServerConfig:
     # "auto" tool choice: the parser that finds tool calls in replies (`--enable-auto-tool-choice
     # --tool-call-parser NAME`; one of tools.TOOL_CALL_PARSERS); None: "auto" is a 400
     tool_call_parser: str | None = None
+    chat_template: str | None = None
     # CORS (Starlette's CORSMiddleware, vLLM's flags --allowed-origins, --allowed-methods,
     # --allowed-headers, --allow-credentials): browsers' preflight OPTIONS get an answer
     allowed_origins: tuple[str, ...] = ("*",)
@@ -948,6 +953,10 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                                param="model", status=404, err_type="not_found_error", code="model_not_found")
         return None
 
+    def served_name(lora: Any) -> str:
+        """The `model` responses report: the adapter's name, else the first served name (vLLM's)."""
+        return lora.lora_name if lora is not None else model_name
+
     def check_serving() -> None:
         if app.state.shutting_down or loop_.stopping:
             raise ServerStoppingError("the server is shutting down")
@@ -978,10 +987,14 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     async def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None,
                           add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        """The token ids of a conversation rendered with the model's chat template."""
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("this model has no chat template; use /v1/completions", code="no_chat_template")
-        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        """The token ids of a conversation rendered with the chat template (--chat-template's, else
+        the model's)."""
+        template = config.chat_template
+        if tokenizer is None or (template is None and getattr(tokenizer, "chat_template", None) is None):
+            raise RequestError("this model has no chat template (serve it with --chat-template); use "
+                               "/v1/completions", code="no_chat_template")
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {}),
+                 **({"chat_template": template} if template is not None else {})}
         try:
             text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
                                            add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
@@ -994,8 +1007,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        """vLLM's endpoint: {"count", "max_model_len", "tokens", "token_strs"}."""
-        check_auth(request)
+        """vLLM's endpoint: {"count", "max_model_len", "tokens", "token_strs"} (outside /v1: no API key)."""
         req = parse_request(TokenizeRequest, await _read_body(request, config.max_request_bytes))
         req.check()
         check_model(req.model)
@@ -1017,8 +1029,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        """vLLM's endpoint: {"tokens": [...]} -> {"prompt": text}, special tokens kept."""
-        check_auth(request)
+        """vLLM's endpoint: {"tokens": [...]} -> {"prompt": text}, special tokens kept (no API key)."""
         req = parse_request(DetokenizeRequest, await _read_body(request, config.max_request_bytes))
         check_model(req.model)
         tok = need_tokenizer("detokenization")
@@ -1190,7 +1201,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         if req.echo:
             echo = [p if isinstance(p, str) else p.get("prompt") if p.get("prompt") is not None else
                     (tokenizer.decode(p["prompt_token_ids"]) if tokenizer else "") for p in prompts]
-        gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or model_name,
+        gen = _Generation(chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=served_name(lora),
                           n=kwargs["n"], num_prompts=len(prompts), holdback=_holdback(kwargs),
                           top_logprobs=req.logprobs, want_logprobs=req.logprobs is not None, echo_texts=echo,
                           extras=_Extras.of(req),
@@ -1210,7 +1221,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         kwargs = req.to_sampling_params_kwargs(max_model_len, tools.constraint(schemas, parallel_calls), defaults)
         ids = await render_chat(req.template_messages(), req.add_generation_prompt is not False, req.tools,
                                 template_kwargs=req.template_kwargs())
-        gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or model_name,
+        gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=served_name(lora),
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
                           tools=tools, extras=_Extras.of(req))
@@ -1234,7 +1245,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             max_model_len, tools.constraint(schemas, req.parallel_tool_calls is not False), defaults)
         ids = await render_chat(messages, req.add_generation_prompt is not False, req.chat_tools(),
                                 template_kwargs=req.template_kwargs())
-        gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=req.model or model_name,
+        gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=served_name(lora),
                                    holdback=_holdback(kwargs), extras=_Extras.of(req), tools=tools)
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, req, lora,

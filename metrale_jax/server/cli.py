@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 # EngineConfig fields the serve command does not expose (the model is positional; the rest are
 # nested configs or set by the server itself).
 _SKIP_ENGINE_FIELDS = {"model", "attention"}
+# EngineConfig fields whose flags are the main CLI's own, shared with generate / chat
+# (metrale_jax.cli.add_tokenizer_args)
+_SHARED_ENGINE_FIELDS = {"tokenizer", "generation_config"}
 
 
 def _engine_config_cls():
@@ -71,11 +75,14 @@ def _int_tuple(s: str) -> tuple[int, ...]:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One `--field-name` option per scalar EngineConfig field, defaulting to the config's default."""
+    from metrale_jax.cli import add_tokenizer_args
+
     cls = _engine_config_cls()
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group("engine options (EngineConfig)")
+    add_tokenizer_args(group)
     for f in dataclasses.fields(cls):
-        if f.name in _SKIP_ENGINE_FIELDS:
+        if f.name in _SKIP_ENGINE_FIELDS | _SHARED_ENGINE_FIELDS:
             continue
         tp, optional = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -126,8 +133,13 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=_port, default=8000, help="port to bind")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use in `model` (repeatable; default: MODEL as given)")
+    p.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="the names clients use in `model`, instead of MODEL's path (one or more, or the flag "
+                        "repeated); responses report the first (default: MODEL as given)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the chat template for chat, Responses and /tokenize messages instead of the tokenizer's: "
+                        "a Jinja file, or the template itself (a value without '{', '}' or a newline must be a file "
+                        "that opens)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="bound on waiting requests; past it requests get 503 with Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="request body size limit (413 past it)")
@@ -172,7 +184,7 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
     if auto_tools and args.tool_call_parser is None:
-        raise SystemExit(f"--enable-auto-tool-choice needs --tool-call-parser ({' | '.join(TOOL_CALL_PARSERS)})")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' | '.join(TOOL_CALL_PARSERS)})")
     parser = args.tool_call_parser if auto_tools else None
     if getattr(args, "coordinator_address", None) is not None:
         import jax
@@ -181,18 +193,16 @@ def serve_main(args: argparse.Namespace) -> int:
                                    process_id=args.process_id)
     loras = lora_modules_from_args(getattr(args, "lora_modules", None), args.model)
     if loras and not getattr(args, "enable_lora", False):
-        raise SystemExit("--lora-modules needs --enable-lora")
+        raise ValueError("--lora-modules needs --enable-lora")
+    chat_template = load_chat_template(getattr(args, "chat_template", None))  # (before the slow load)
     engine = LLMEngine.from_config(engine_config_from_args(args, args.model))
     if engine.lockstep is not None and not engine.lockstep.leader:
         engine.follow_leader()  # until process 0 shuts down
         return 0
     for r in loras:  # refused adapters stop the start-up with a LoRAError naming them
         engine.add_lora(r)
-    # vLLM's: the served names replace the model's path (which then is no model name)
-    names = tuple(args.served_model_name or [args.model])
-    if not args.served_model_name and engine.model_name and engine.model_name not in names:
-        names = (*names, engine.model_name)
-    config = ServerConfig(model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+    config = ServerConfig(model_names=served_model_names(args, engine.model_name), api_key=args.api_key,
+                          max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
                           lora_modules=tuple(loras), tool_call_parser=parser,
                           max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests,
                           **cors_from_args(args))
@@ -202,6 +212,31 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         engine.release_followers()
     return 0
+
+
+def served_model_names(args: argparse.Namespace, engine_model_name: str) -> tuple[str, ...]:
+    """vLLM's: the --served-model-name names replace the model's path (which then is no model
+    name); without them, MODEL as given and the model's own name."""
+    if args.served_model_name:
+        return tuple(dict.fromkeys(args.served_model_name))
+    names = (args.model,)
+    return names + (engine_model_name,) if engine_model_name and engine_model_name not in names else names
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: the text of the file it names, or, when no such file opens and it holds
+    Jinja ('{', '}' or a newline), the template itself (vLLM's rule); a value without them is a
+    path, so a ValueError when it cannot be opened."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be opened: "
+                             f"{e.strerror or e}") from None
+    return value
 
 
 def cors_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -237,4 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m metrale_jax.server",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_arguments(parser)
-    return serve_main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return serve_main(args)
+    except ValueError as e:  # a refused value (a config value, --chat-template): one line, as `metrale serve`
+        print(f"error: {e}", file=sys.stderr)
+        return 2
