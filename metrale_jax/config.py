@@ -115,6 +115,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    sliding_window: int | None = None  # every attention layer sees its last W keys (Mistral); None = all
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"  # the checkpoint's own dtype
     bos_token_id: int | None = None
@@ -184,6 +185,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
+            sliding_window=_sliding_window(d, archs[0]),
             hidden_act=str(d.get("hidden_act", "silu")),
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"),
@@ -195,6 +197,32 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str)
+
+
+def _sliding_window(d: dict, architecture: str) -> int | None:
+    """The attention layers' sliding window, by transformers' rules: `layer_types` (transformers 5's
+    configs) naming "sliding_attention"; Qwen2 / Qwen3's hub `use_sliding_window` for the layers from
+    `max_window_layers` on; Mistral's `sliding_window` (4096 when the key is absent, null = none).
+    NotImplementedError where full and sliding-window attention layers are mixed."""
+    window = d.get("sliding_window")
+    kinds = [t for t in d.get("layer_types") or () if t in ("full_attention", "sliding_attention")]
+    if kinds:
+        sliding = kinds.count("sliding_attention")
+    elif architecture == "MistralForCausalLM":
+        window = d.get("sliding_window", 4096)
+        return None if window is None else int(window)
+    elif d.get("use_sliding_window") and window is not None:
+        n = int(d.get("num_hidden_layers") or 0)
+        sliding = max(0, n - int(d.get("max_window_layers", n)))
+        kinds = [None] * n
+    else:
+        return None
+    if sliding and window is None:
+        raise ValueError("layer_types names sliding_attention layers but sliding_window is null")
+    if 0 < sliding < len(kinds):
+        raise NotImplementedError(f"{sliding} of {len(kinds)} attention layers use a sliding window and the rest "
+                                  "full attention: mixed layers are not supported yet")
+    return int(window) if sliding else None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[float, ...]:

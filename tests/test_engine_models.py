@@ -18,7 +18,8 @@ from metrale_jax.layers.stack import Unstacked
 from metrale_jax.sampling import SamplingParams
 from tests.conftest import FIXTURES
 
-TINY = ["llama_tiny", "qwen2_tiny", "qwen3_tiny", "qwen3_yarn_tiny", "llama_tied_sharded"]
+TINY = ["llama_tiny", "qwen2_tiny", "qwen3_tiny", "qwen3_yarn_tiny", "mistral_swa_tiny",
+        "llama_tied_sharded"]
 
 # tiny buckets: block_size 4 and a 16-token budget split prompts across blocks and steps
 TINY_CONFIG = EngineConfig(

@@ -256,3 +256,32 @@ def test_yarn_context_beyond_max_position_embeddings():
     assert LLMEngine(model, params, EngineConfig(max_model_len=128, **small)).config.max_model_len == 128
     with pytest.raises(ValueError, match="max_model_len=129"):
         LLMEngine(model, params, EngineConfig(max_model_len=129, **small))
+
+
+def test_sliding_window_rules():
+    """The attention window from config.json, as transformers reads it: Mistral's sliding_window
+    (4096 when absent, null = none), Qwen2's use_sliding_window from max_window_layers on, and
+    transformers 5's layer_types; mixed full / sliding layers are refused, not run wrong."""
+    from metrale_jax.config import ModelConfig
+
+    base = dict(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=4)
+
+    def window(**kw):
+        return ModelConfig.from_hf({**base, **kw}).sliding_window
+
+    assert window(architectures=["MistralForCausalLM"]) == 4096
+    assert window(architectures=["MistralForCausalLM"], sliding_window=None) is None
+    assert window(architectures=["MistralForCausalLM"], sliding_window=8) == 8
+    assert window(architectures=["LlamaForCausalLM"], sliding_window=8) is None  # Llama has no window
+    q2 = dict(architectures=["Qwen2ForCausalLM"], sliding_window=32)
+    assert window(**q2) is None and window(**q2, use_sliding_window=False) is None
+    assert window(**q2, use_sliding_window=True, max_window_layers=4) is None  # no layer from 4 on
+    assert window(**q2, use_sliding_window=True, max_window_layers=0) == 32
+    assert window(**q2, layer_types=["sliding_attention"] * 4) == 32
+    assert window(**q2, layer_types=["full_attention"] * 4) is None
+    nxt = dict(architectures=["Qwen3NextForCausalLM"], layer_types=["linear_attention"] * 3 + ["full_attention"])
+    assert window(**nxt) is None
+    with pytest.raises(NotImplementedError, match="mixed"):
+        window(**q2, use_sliding_window=True, max_window_layers=2)
+    with pytest.raises(NotImplementedError, match="mixed"):
+        window(**q2, layer_types=["full_attention", "sliding_attention"] * 2)

@@ -22,6 +22,7 @@ CONFIGS = {
     # yarn: cos and sin scaled by its attention factor, in the fused RoPE + K/V write too
     "llama_yarn": dict(architectures=["LlamaForCausalLM"], rope_scaling=dict(rope_type="yarn", factor=4.0,
                        original_max_position_embeddings=16)),
+    "mistral_swa": dict(architectures=["MistralForCausalLM"], sliding_window=5),  # the attention kernels' window
     "qwen2": dict(architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True),
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
@@ -48,6 +49,7 @@ CASES = [(f, "reference") for f in sorted(CONFIGS)] + [
     ("qwen3", "pallas-interpret"),  # q/k norm: RoPE in XLA, the Pallas K/V write
     ("llama", "pallas-interpret"),  # RoPE + K/V write fused (rope_and_write_kv), llama3 RoPE scaling
     ("llama_yarn", "pallas-interpret"),
+    ("mistral_swa", "pallas-interpret"),
     ("llama_hd20", "pallas-interpret"),
     pytest.param("qwen2", "pallas-interpret", marks=pytest.mark.slow),  # the same with q/k/v biases
     *[pytest.param(f, "pallas-gpu", marks=pytest.mark.gpu) for f in sorted(CONFIGS)],

@@ -168,7 +168,7 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
 
     def layer(x, lp):
         q, k, v = _qkv(cfg, lp, x, positions)
-        o = dense_causal_attention(q, k, v, lengths, scale)
+        o = dense_causal_attention(q, k, v, lengths, scale, cfg.sliding_window)
         x = x + linear(o.reshape(o.shape[:2] + (-1,)), lp["wo"])
         return _mlp_block(cfg, lp, x), None
 
@@ -192,6 +192,8 @@ def forward_paged(
     slots = jnp.concatenate([m.slots for m in parts])
     x = params["embed"][tokens]
     scale = cfg.head_dim**-0.5
+    if cfg.sliding_window is not None:  # (the attention kernels' and references' window)
+        attn = dataclasses.replace(attn, sliding_window=cfg.sliding_window)
     # With the Pallas kernels, RoPE and the K/V write are one kernel (no per-head q/k norm between
     # the projection and RoPE, as Qwen3 has): three launches fewer per layer at a decode step.
     fused_rope = attn.use_pallas and not cfg.qk_norm
