@@ -19,7 +19,7 @@ from metrale_jax.sampling import SamplingParams
 from tests.conftest import FIXTURES
 
 TINY = ["llama_tiny", "qwen2_tiny", "qwen3_tiny", "qwen3_yarn_tiny", "mistral_swa_tiny",
-        "llama_tied_sharded"]
+        "llama_bias_tiny", "llama_tied_sharded"]
 
 # tiny buckets: block_size 4 and a 16-token budget split prompts across blocks and steps
 TINY_CONFIG = EngineConfig(
@@ -44,13 +44,16 @@ def tiny(request):
     # counting kernel (interpreted)
     unroll = request.param in ("qwen3_tiny", "llama_tied_sharded")
     kernel = request.param == "llama_tied_sharded"
-    # qwen2 (q/k/v biases) runs in a LoRA engine without adapters: its A columns appended to the
-    # base weights, the bias padded (lora/manager.py) must leave the base model's outputs as they are
-    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4) if request.param == "qwen2_tiny" else {}
+    # qwen2 (q/k/v biases) and llama_bias (q/k/v/o biases) run in a LoRA engine without adapters: its
+    # A columns appended to the base weights, the biases padded (lora/manager.py) must leave the base
+    # model's outputs as they are
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4) if request.param in ("qwen2_tiny",
+                                                                                    "llama_bias_tiny") else {}
     cfg = dataclasses.replace(TINY_CONFIG, attention=AttentionConfig(
         unroll_layers=unroll, min_decode_rows=8 if unroll else 1, sampler_kernel=kernel, interpret=kernel), **lora)
     eng = LLMEngine(model, params, cfg)
     assert not lora or set(eng.lora.folded.values()) == {"wqkv", "wo", "w_gate_up", "w_down"}
+    assert ("bo" in params["layers"]) == (request.param == "llama_bias_tiny")
     assert isinstance(params["layers"]["wo"], Unstacked) == unroll  # split in place
     return eng, dict(np.load(path / "golden.npz"))
 

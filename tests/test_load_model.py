@@ -285,3 +285,13 @@ def test_sliding_window_rules():
         window(**q2, use_sliding_window=True, max_window_layers=2)
     with pytest.raises(NotImplementedError, match="mixed"):
         window(**q2, layer_types=["full_attention", "sliding_attention"] * 2)
+
+
+def test_llama_mlp_bias_is_refused(tmp_path):
+    """Llama's mlp_bias (gate / up / down biases) is refused at load rather than run without them."""
+    ckpt = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_bias_tiny", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
+    with pytest.raises(NotImplementedError, match="mlp_bias"):
+        load_model(ckpt, show_progress=False)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # A leaves the engine folds into the base weight of the same input (and that weight's bias, padded
 # with zeros): the base GEMM then also computes every slot's shrink x·A_s (`ops.add_delta`).
-_FOLDABLE = {"qkv_a": ("wqkv", "bqkv"), "o_a": ("wo", None), "gate_up_a": ("w_gate_up", None),
+_FOLDABLE = {"qkv_a": ("wqkv", "bqkv"), "o_a": ("wo", "bo"), "gate_up_a": ("w_gate_up", None),
              "down_a": ("w_down", None)}
 
 

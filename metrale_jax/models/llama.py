@@ -8,11 +8,13 @@ with depth, or on the GPU a Python loop over per-layer arrays, see there).
 Parameter tree (L layers, H hidden, D head_dim, I intermediate):
     embed      [V, H]
     layers/attn_norm [L, H]      layers/wqkv [L, H, (Hq + 2 Hkv) D]   layers/bqkv [L, (Hq + 2 Hkv) D]?
-    layers/q_norm, k_norm [L, D]?  layers/wo [L, Hq D, H]
+    layers/q_norm, k_norm [L, D]?  layers/wo [L, Hq D, H]            layers/bo [L, H]?
     layers/mlp_norm [L, H]       layers/w_gate_up [L, H, 2 I]        layers/w_down [L, I, H]
     norm       [H]
     lm_head    [H, V]  (absent when the embeddings are tied)
 Linear weights are stored [in, out] (transposed from the checkpoint's [out, in] once, at load).
+`attention_bias` gives q/k/v biases (Qwen2's), and an o_proj bias where the checkpoint has one
+(Llama's and Qwen3's attention_bias cover all four projections); Llama's `mlp_bias` is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 def adapt_config(cfg: ModelConfig) -> ModelConfig:
+    if cfg.get("mlp_bias"):
+        raise NotImplementedError("mlp_bias (biases on gate / up / down projections) is not supported yet")
     return cfg
 
 
@@ -68,6 +72,9 @@ def load_params(cfg: ModelConfig, reader: WeightReader, load_mlp=None) -> dict:
     qkv = (hq + 2 * hkv) * d
     if cfg.attention_bias:
         layers["bqkv"] = reader.stacked(L, (qkv,), "bqkv")
+    o_bias = cfg.attention_bias and reader.has(a.format(0) + "o_proj.bias")
+    if o_bias:
+        layers["bo"] = reader.stacked(L, (h,), "bo")
     if cfg.qk_norm:
         layers.update(reader.stacks(L, q_norm=(d,), k_norm=(d,)))
     for i in reader.progress(range(L), "norms"):
@@ -75,6 +82,8 @@ def load_params(cfg: ModelConfig, reader: WeightReader, load_mlp=None) -> dict:
         if cfg.attention_bias:
             sizes = (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
             layers["bqkv"][i] = np.concatenate([reader.get(q + f"{n}_proj.bias", (s,)) for n, s in sizes])
+        if o_bias:
+            layers["bo"][i] = reader.get(q + "o_proj.bias", (h,))
         if cfg.qk_norm:
             layers["q_norm"][i] = reader.get(q + "q_norm.weight", (d,))
             layers["k_norm"][i] = reader.get(q + "k_norm.weight", (d,))
@@ -169,7 +178,7 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
     def layer(x, lp):
         q, k, v = _qkv(cfg, lp, x, positions)
         o = dense_causal_attention(q, k, v, lengths, scale, cfg.sliding_window)
-        x = x + linear(o.reshape(o.shape[:2] + (-1,)), lp["wo"])
+        x = x + linear(o.reshape(o.shape[:2] + (-1,)), lp["wo"], lp.get("bo"))
         return _mlp_block(cfg, lp, x), None
 
     x = scan_layers(layer, x, params["layers"], unroll=False)
@@ -218,7 +227,7 @@ def forward_paged(
             kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         o = o.reshape(o.shape[0], -1)
-        x = add_delta(linear(o, lp["wo"]), o, lora, "o_a", "o_b", residual=x)
+        x = add_delta(linear(o, lp["wo"], lp.get("bo")), o, lora, "o_a", "o_b", residual=x)
         return (_mlp_block(cfg, lp, x, attn.tokamax_moe, lora), kv, i + 1), None
 
     x, kv, _ = scan_layers(layer, (x, state.kv, np.int32(0)), params["layers"], attn.unroll_layers)
