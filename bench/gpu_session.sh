@@ -254,10 +254,11 @@ merge_w4_table() {  # $1: a sweep's tuned_w4.json, merged into the tree's table 
 t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$1" \
     && cp pallas_kernels/linear/tuned_w4.json "$(dirname "$1")/tuned_w4_merged.json"
 }
-if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with packed_x beside the table's picks,
-  # merged, then generate at batch 1: bf16, int4, NVFP4
+if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1, some variants (M1PACK_SWEEP, default packed_x;
+  # "--min-block-k 4096": session 39's whole-K tiles) beside the table's picks, merged, then generate at batch 1:
+  # bf16, int4, NVFP4
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${M1PACK_LIMIT:-220} python3 bench/kernels/w4.py --out "$OUT/m1pack" \
-    --budget-s $(( ${M1PACK_LIMIT:-220} - 40 )) --ms 1 --only packed_x --with-tuned 2>&1 | tail -12
+    --budget-s $(( ${M1PACK_LIMIT:-220} - 40 )) --ms 1 ${M1PACK_SWEEP:---only packed_x} --with-tuned 2>&1 | tail -12
   merge_w4_table "$OUT/m1pack/tuned_w4.json"
   for q in bf16 int4 nvfp4; do
     qa=$([[ $q != bf16 ]] && echo "--quantization $q")
@@ -270,7 +271,7 @@ if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1 with pa
   done
   if [[ -d $OUT/hlo_int4_b1 ]]; then  # the batch-1 module only (its x is bf16[1,4096]), compressed;
     # session 39 kept every bucket's module (21 MB): the archive went over the size limit and nothing came back
-    f=$(grep -l "bf16\[1,4096\]" "$OUT"/hlo_int4_b1/*decode_forward*gpu_after_optimizations.txt | head -1)
+    f=$(grep -l "jit(skinny_matmul_w4)/" "$OUT"/hlo_int4_b1/*decode_forward*gpu_after_optimizations.txt | head -1)
     [[ -n $f ]] && gzip -9c "$f" > "$OUT/decode_int4_b1_after_optimizations.txt.gz"
     rm -rf "$OUT/hlo_int4_b1"; ls -la "$OUT"/decode_int4_b1_* 2>/dev/null
   fi

@@ -189,6 +189,11 @@ def _random_w4(rng, n, k, g, kind):
                                      packed_x=True, word_scales=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       packed_x=True, unroll=True)),  # float16 activations
+    # whole-K tiles (block_k past K: one masked step per program), split along K too
+    ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True)),
+    ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True,
+                                     word_scales=True)),
+    ("int4", 1, 40, 248, 32, W4Params(block_n=16, block_k=128, gemv=True, group_partial=True, half2=True, split_k=4)),
     # swap_ab: y^T = W_tile @ x^T (partial row, column and K tiles; with scale tiles; group_partial)
     ("fp4", 17, 70, 112, 16, W4Params(block_n=64, block_k=64, swap_ab=True, scale_tile=True)),
     ("fp4", 64, 24, 48, 16, W4Params(block_n=16, block_k=32, swap_ab=True)),
@@ -257,6 +262,8 @@ def test_w4_kernel_rejects_bad_input():
     ("fp4", 16, W4Params(block_n=64, block_k=256, swap_ab=True, scale_tile=True)),
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, packed_x=True)),
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, packed_x=True)),
+    ("int4", 128, W4Params(block_k=4096, gemv=True, group_partial=True, half2=True)),  # whole K (session 39)
+    ("fp4", 16, W4Params(block_k=4096, num_warps=8, gemv=True, group_partial=True, half2=True, word_scales=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
     """Cross-lower every variant to the Triton IR on the CPU (catches what Triton's lowering lacks,

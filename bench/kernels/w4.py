@@ -110,7 +110,18 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, packed_x=True),
          W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2, word_scales=True, packed_x=True),
          W4Params(16, 2048, 4, 3, True, True, half2=True, word_scales=True, packed_x=True),
-         W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2, word_scales=True, packed_x=True)] + [
+         W4Params(16, 1024, 4, 3, True, True, half2=True, split_k=2, word_scales=True, packed_x=True),
+         # M = 1, whole-K tiles (session 39): block_k 4,096 is a q/k/v, o or gate|up row's whole K in one step,
+         # so a program issues all its loads at once (32 KB at block_n 16: the narrow projections ran at 1.1-1.5
+         # TB/s with one 8-16 KB step in flight per program); down (K 14,336) in 4 steps, or one per split
+         W4Params(16, 4096, 4, 1, True, True, half2=True), W4Params(16, 4096, 8, 1, True, True, half2=True),
+         W4Params(32, 4096, 8, 1, True, True, half2=True),
+         W4Params(16, 4096, 4, 1, True, True, half2=True, word_scales=True),
+         W4Params(16, 4096, 8, 1, True, True, half2=True, word_scales=True),
+         W4Params(16, 4096, 4, 1, True, True, half2=True, packed_x=True),
+         W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=2),
+         W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=4),
+         W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=4, word_scales=True)] + [
              W4Params(bn, bk, nw, ns, scale_tile=True, swap_ab=True)
              for bn, bk, nw, ns in [(64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3), (128, 128, 8, 4),
                                     (64, 128, 4, 4), (128, 256, 4, 3), (64, 256, 8, 3)]]
@@ -262,6 +273,7 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values")
     ap.add_argument("--only", default="", help="sweep only params with these fields changed from their defaults "
                     "(e.g. 'half2' or 'half2,split_k')")
+    ap.add_argument("--min-block-k", type=int, default=0, help="sweep only params with block_k >= this")
     ap.add_argument("--with-tuned", action="store_true",
                     help="also time each cell's current pick (`w4_params_for`): a merged table keeps it where it wins")
     args = ap.parse_args(argv)
@@ -271,6 +283,7 @@ def main(argv=None):
     MS = tuple(int(m) for m in args.ms.split(","))
     for flag in filter(None, args.only.split(",")):
         SWEEP = [p for p in SWEEP if getattr(p, flag) != getattr(W4Params(), flag)]
+    SWEEP = [p for p in SWEEP if p.block_k >= args.min_block_k]
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
         SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2] + SWEEP[-1:], 1e4
