@@ -86,6 +86,9 @@ class SamplingParams:
     ends are exact, as OpenAI describes them: -100 bans the token and 100 allows only the tokens
     given 100 (a token mask, `token_mask`); 0 does nothing. The other values share the engine's
     `max_suppress_ids` table with min_tokens' stop ids (`additive_bias`).
+    bad_words: words never generated, vLLM's: each word is tokenized as it is and after a space,
+    and the last token of each tokenization is banned wherever the output so far ends with the
+    tokens before it (a one-token word: everywhere). Needs a tokenizer.
     truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens (vLLM's left truncation); -1
     keeps as many as fit beside one generated token (max_model_len - 1).
     detokenize: False = token ids only (empty text; stop strings then refused, as vLLM).
@@ -115,6 +118,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
@@ -186,6 +190,9 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be None or a StructuredOutputsParams")
             self.structured_outputs.validate()
+        if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be None or a list of non-empty strings")
         t = self.truncate_prompt_tokens
         if t is not None and (not is_int(t) or not (t == -1 or t >= 1)):
             bad("truncate_prompt_tokens", "must be None, -1 or an integer >= 1")
@@ -251,6 +258,33 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[tuple[int, ...]]:
+    """`SamplingParams.bad_words` as token sequences, vLLM's rule: each word (leading spaces
+    stripped) tokenized as it is, and after one space where that starts with another token and
+    has as many tokens (the word inside a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [ids for ids in out if ids]
+
+
+def bad_word_bans(words: list[tuple[int, ...]], output: list[int]) -> list[int]:
+    """The last tokens of the bad-word sequences of `words` whose other tokens end `output`."""
+    return [w[-1] for w in words if len(w) - 1 <= len(output) and tuple(output[len(output) - len(w) + 1:]) == w[:-1]]
+
+
+def ban_tokens(mask: np.ndarray | None, ids: list[int], vocab_size: int) -> np.ndarray:
+    """A token mask i32[ceil(vocab_size / 32)] (None: every id allowed) with `ids` banned (a copy)."""
+    bits = (np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool) if mask is not None
+            else np.arange(-(-vocab_size // 32) * 32) < vocab_size)
+    bits[list(ids)] = False
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def and_token_masks(out: np.ndarray, rows: list[tuple[int, np.ndarray]]) -> np.ndarray:

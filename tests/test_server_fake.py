@@ -1111,3 +1111,10 @@ def test_fractional_logit_bias_reaches_the_engine():
         assert r.status_code == 200, r.text
         assert seen[-1].logit_bias == {7: 2.5, 9: -100.0, 11: -0.25}
         assert seen[-1].additive_bias == ((7, 2.5), (11, -0.25))
+        # vLLM's bad_words (chat and completions), refused with beam search
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 2, "bad_words": ["foo", "bar baz"]})
+        assert r.status_code == 200 and seen[-1].bad_words == ["foo", "bar baz"], r.text
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "bad_words": ["x"], "n": 2,
+                                            "use_beam_search": True})
+        assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"], r.text

@@ -98,3 +98,76 @@ def test_bad_masks(eng):
     with pytest.raises(InvalidSamplingParamsError, match="min_tokens"):
         eng.generate("hi", SamplingParams(allowed_token_ids=[1], min_tokens=2))  # (1 is EOS)
     assert not eng.has_unfinished_requests()
+
+
+def worded_greedy(w, prompt, max_tokens, words, eos=(1,)):
+    """Greedy generation of FakeModel where, at each step, the last token of every word (a token
+    tuple) whose other tokens end the output so far is at -inf (vLLM's bad_words)."""
+    ids, out = list(prompt), []
+    while len(out) < max_tokens:
+        x = w[fake_hash(ids, True, w.shape[0])].astype(np.float64)
+        for word in words:
+            k = len(word) - 1
+            if k <= len(out) and out[len(out) - k:] == list(word[:k]):
+                x[word[-1]] = -np.inf
+        t = int(np.argmax(x))
+        out.append(t)
+        ids.append(t)
+        if t in eos:
+            break
+    return out
+
+
+def test_bad_words_match_the_oracle(eng):
+    """bad_words (vLLM's): words of one, two and three tokens taken from the free greedy runs, so
+    each ban bites; rows with and without them, n > 1 and a logit_bias row in one batch; the
+    multi-token bans need the previous step's sample, still on the device when the step is built."""
+    w = np.asarray(eng.params["w"])
+    tok = eng.tokenizer
+    prompts = [[5, 9, 11], [20, 21, 22, 23], [30, 31], [7, 8]]
+    free = [masked_greedy(w, p, 12) for p in prompts]
+    text = [tok.decode(f, skip_special_tokens=False) for f in free]  # (ids 2..63: one character each)
+    words = [text[0][1], text[0][3:5], text[1][2:5]]
+    seqs = [tuple(tok.encode(x, add_special_tokens=False)) for x in words]
+    assert [len(s) for s in seqs] == [1, 2, 3] and seqs[1] == tuple(free[0][3:5])
+    sp = SamplingParams(temperature=0, max_tokens=12, bad_words=words)
+    params = [sp, sp, SamplingParams(temperature=0, max_tokens=12), sp.clone(n=2, logit_bias={free[3][0]: -100})]
+    outs = eng.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, o in enumerate(outs):
+        want = worded_greedy(w, prompts[i], 12, seqs if params[i].bad_words else [])
+        if i == 3:
+            want = worded_greedy(w, prompts[i], 12, [*seqs, (free[3][0],)])
+        for c in o.outputs:
+            assert c.token_ids == want, (i, words)
+    assert outs[0].outputs[0].token_ids != free[0] and outs[1].outputs[0].token_ids != free[1]
+    assert outs[2].outputs[0].token_ids == free[2]
+    with pytest.raises(InvalidSamplingParamsError, match="bad_words"):
+        SamplingParams(bad_words=["ok", " "])
+    with pytest.raises(InvalidSamplingParamsError, match="leave no token"):  # every id but the specials
+        eng.generate({"prompt_token_ids": [3]}, SamplingParams(bad_words=[tok.decode([i]) for i in range(2, 64)],
+                                                               logit_bias={0: -100, 1: -100}))
+    tokenizer, eng.tokenizer = eng.tokenizer, None
+    try:
+        with pytest.raises(InvalidSamplingParamsError, match="needs a tokenizer"):
+            eng.generate({"prompt_token_ids": [3]}, SamplingParams(bad_words=["x"]))
+    finally:
+        eng.tokenizer = tokenizer
+    assert eng.stats().kv_blocks_used == 0
+
+
+def test_bad_words_tokenizations():
+    """A word inside a text: with a space before it, where that tokenizes to another first token
+    of the same length (vLLM's rule); leading spaces of the word itself are stripped."""
+    from metrale_jax.sampling import bad_word_bans, bad_words_token_ids
+
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            vocab = {"foo": [7], " foo": [8], "bar baz": [3, 4], " bar baz": [9, 4], "qux": [5, 6], " qux": [2, 5, 6]}
+            return vocab[text]
+
+    assert bad_words_token_ids(["foo", "  bar baz", "qux"], Tok()) == [(7,), (8,), (3, 4), (9, 4), (5, 6)]
+    words = [(7,), (3, 4), (1, 2, 3)]
+    assert bad_word_bans(words, []) == [7]
+    assert bad_word_bans(words, [5, 3]) == [7, 4]
+    assert bad_word_bans(words, [1, 2]) == [7, 3]
+    assert bad_word_bans(words, [2]) == [7]

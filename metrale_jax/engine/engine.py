@@ -48,7 +48,16 @@ from metrale_jax.metadata_builder import (
     pack,
 )
 from metrale_jax.parallel import Sharder, local, make_mesh
-from metrale_jax.sampling import F_LOGPROBS, RequestOutputKind, SamplingParams, and_token_masks, sampling_defaults
+from metrale_jax.sampling import (
+    F_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    and_token_masks,
+    bad_word_bans,
+    bad_words_token_ids,
+    ban_tokens,
+    sampling_defaults,
+)
 from metrale_jax.step import StepState, init_step_state
 
 log = logging.getLogger(__name__)
@@ -512,8 +521,10 @@ class LLMEngine:
         """Check a request without queuing it; raises an InvalidRequestError subclass."""
         return self._checked(prompt, params)[:2]
 
-    def _checked(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int], np.ndarray | None]:
-        """`validate`'s (text, prompt ids), and the request's token mask (`SamplingParams.token_mask`)."""
+    def _checked(self, prompt: Any, params: SamplingParams
+                 ) -> tuple[str | None, list[int], np.ndarray | None, tuple[tuple[int, ...], ...]]:
+        """`validate`'s (text, prompt ids), the request's token mask (`SamplingParams.token_mask`, with
+        the one-token bad words banned) and its bad words of several tokens (`_bad_words`)."""
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -553,13 +564,32 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammar_compiler().compile(params.structured_outputs)  # cached; raises if invalid
         mask = params.token_mask(self.vocab_size)  # (raises for ids outside the vocabulary, an empty mask)
+        single, bad_words = self._bad_words(params)
+        if single:
+            mask = ban_tokens(mask, single, self.vocab_size)
+            if not mask.any():
+                raise InvalidSamplingParamsError("bad_words leave no token to sample")
         if mask is not None and params.min_tokens > 0:
             stop = np.zeros(mask.size * 32, bool)
             stop[list(self._stop_ids(params))] = True
             if not np.any(np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool) & ~stop):
                 raise InvalidSamplingParamsError("with min_tokens > 0, allowed_token_ids / logit_bias leave only "
                                                  "stop tokens, which min_tokens bans")
-        return text, ids, mask
+        return text, ids, mask, bad_words
+
+    def _bad_words(self, params: SamplingParams) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """`bad_words` as (one-token words' ids, banned everywhere; the token sequences of the others,
+        whose last token `_bad_word_masks` bans where the output ends with the rest)."""
+        if not params.bad_words:
+            return [], ()
+        if self.tokenizer is None:
+            raise InvalidSamplingParamsError("bad_words needs a tokenizer; this model has none")
+        if self.config.speculative_config is not None:
+            raise InvalidSamplingParamsError("bad_words is not supported with speculative decoding yet")
+        words = bad_words_token_ids(list(params.bad_words), self.tokenizer)
+        if any(t >= self.vocab_size for w in words for t in w):
+            raise InvalidSamplingParamsError(f"bad_words tokenize to ids outside the vocabulary [0, {self.vocab_size})")
+        return [w[0] for w in words if len(w) == 1], tuple(w for w in words if len(w) > 1)
 
     def _check_priority(self, priority: Any) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
@@ -593,7 +623,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, ids, mask = self._checked(prompt, params)
+        text, ids, mask, bad_words = self._checked(prompt, params)
         self._resolve_lora(lora_request)
         self._check_priority(priority)
         if params.max_tokens is None:
@@ -601,7 +631,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, arrival=self._arrivals, seed=seed,
                       stop_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time or time.time(),
-                      lora_request=lora_request, token_mask=mask,
+                      lora_request=lora_request, token_mask=mask, bad_words=bad_words,
                       cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
                       priority=int(priority))
         self._arrivals += 1
@@ -850,6 +880,9 @@ class LLMEngine:
         # allowed_token_ids / logit_bias: a fixed mask per row, ANDed into the grammars' (or alone)
         fixed = [(row, s.request.token_mask) for row, s in sampled
                  if s.request.token_mask is not None and s.status != SeqStatus.FINISHED]
+        worded = [(row, s) for row, s in sampled if s.request.bad_words and s.status != SeqStatus.FINISHED]
+        if worded:
+            fixed = self._bad_word_masks(worded, fixed)
         bitmask = None  # no constrained row: the compiler's constant all-allowed mask (nothing sent)
         split = bool(masked) and self.compiler.has_split(bucket) and self.lockstep is None
         if split:  # the forward first: it runs while the host fills the masks below
@@ -931,6 +964,25 @@ class LLMEngine:
             seq.inflight += 1
             seq.inflight_row = row
         return f
+
+    def _bad_word_masks(self, rows: list[tuple[int, Sequence]], fixed: list[tuple[int, np.ndarray]]
+                        ) -> list[tuple[int, np.ndarray]]:
+        """`fixed`'s (row, mask) pairs with this step's bad-word bans of `rows` (sample row, sequence)
+        ANDed in: the last token of each bad word whose other tokens end the row's output. A row
+        whose last token is still on the device waits for the previous step's samples."""
+        masks = dict(fixed)
+        prev = None
+        for row, seq in rows:
+            out = seq.token_ids[seq.prompt_len:]
+            if seq.inflight:  # (one at most: bad_words refuses speculative decoding)
+                if prev is None:
+                    f = self._inflight.launched()
+                    prev = np.asarray(f.arrays[f.names.index("token_ids")])
+                out = [*out, int(prev[seq.inflight_row])]
+            ban = bad_word_bans(seq.request.bad_words, out)
+            if ban:
+                masks[row] = ban_tokens(masks.get(row), ban, self.vocab_size)
+        return list(masks.items())
 
     def _advance_grammars(self, f: _InFlight) -> None:
         """Feed a dispatched step's samples to its constrained rows' grammars, once, or wait until
@@ -1132,7 +1184,9 @@ class LLMEngine:
 
     def generate(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Queue `prompts` and run them to completion (offline use); outputs in prompt order."""
+        """Queue `prompts` (one prompt, a str or dict, or a list) and run them to completion (offline
+        use); outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str | dict) else prompts
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(plist) != len(prompts):

@@ -109,6 +109,8 @@ class Request:
     lora_request: Any = None  # metrale_jax.lora.LoRARequest, or None for the base model
     # i32[ceil(V / 32)]: the tokens allowed_token_ids / logit_bias leave (`SamplingParams.token_mask`)
     token_mask: Any = None
+    # bad_words of several tokens, as token sequences (`LLMEngine._bad_words`); one-token ones are in token_mask
+    bad_words: tuple = ()
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached KV blocks
     priority: int = 0  # scheduling_policy "priority": lower first (then arrival)
 

@@ -152,6 +152,7 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=1024)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     return_tokens_as_token_ids: bool | None = False  # logprobs' tokens as "token_id:<id>"
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # prefix-cache sharing only with this salt
@@ -286,6 +287,7 @@ class _SamplingFields(_Base):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             structured_outputs=self._structured_outputs(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=list(self.bad_words) if self.bad_words else None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=self.prompt_logprobs,
             logit_bias=self._logit_bias(),
@@ -304,7 +306,8 @@ class _SamplingFields(_Base):
                        ("repetition_penalty", kwargs["repetition_penalty"] != 1),
                        ("logit_bias", bool(kwargs["logit_bias"])),
                        ("prompt_logprobs", kwargs["prompt_logprobs"] is not None),
-                       ("allowed_token_ids", kwargs["allowed_token_ids"] is not None)]
+                       ("allowed_token_ids", kwargs["allowed_token_ids"] is not None),
+                       ("bad_words", bool(kwargs["bad_words"]))]
         bad = [name for name, given in unsupported if given]
         if bad:
             raise RequestError(f"use_beam_search does not take {', '.join(bad)}", param="use_beam_search",
