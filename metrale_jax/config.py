@@ -38,12 +38,15 @@ def parse_json_floats(obj: Any) -> Any:
 class RopeScaling:
     """RoPE frequency scaling, as transformers computes it (`modeling_rope_utils`).
 
-    kind: "default" | "linear" | "llama3" | "yarn". original_max_position_embeddings: the
+    kind: "default" | "linear" | "llama3" | "yarn" | "dynamic". original_max_position_embeddings: the
     pre-training context (None in a config: the model's max_position_embeddings, transformers'
     default). yarn (Qwen3's and DeepSeek's long-context setting): beta_fast / beta_slow bound the
     ramp between extrapolated and interpolated frequencies, `truncate` rounds its ends, and
     attention_factor (cos and sin multiply by it) comes from the config or from factor, mscale
-    and mscale_all_dim.
+    and mscale_all_dim. dynamic (NTK): transformers rescales the base only for sequences past
+    max_position_embeddings, recomputing every position's rotation, which keys cached already rotated
+    cannot follow; so the default frequencies, and a context capped at max_position_embeddings
+    (`ModelConfig.max_positions`), where the two agree.
     """
 
     kind: str = "default"
@@ -61,9 +64,9 @@ class RopeScaling:
         if not d:
             return RopeScaling()
         kind = d.get("rope_type", d.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3", "yarn"):
+        if kind not in ("default", "linear", "llama3", "yarn", "dynamic"):
             raise NotImplementedError(f"rope scaling type {kind!r} is not supported yet (supported: default, "
-                                      "linear, llama3, yarn)")
+                                      "linear, llama3, yarn, dynamic)")
         orig = int(d.get("original_max_position_embeddings") or max_position_embeddings)
         if kind == "yarn" and d.get("factor") is None:
             raise ValueError("rope scaling 'yarn' needs a factor")
@@ -144,7 +147,7 @@ class ModelConfig:
     def max_positions(self) -> int:
         """The longest context the model takes (vLLM's derived max_model_len): yarn's original context
         times its factor, linear scaling's max_position_embeddings times its factor, else
-        max_position_embeddings."""
+        max_position_embeddings (dynamic NTK too: `RopeScaling`)."""
         s = self.rope_scaling
         if s.kind == "yarn":
             return int(s.original_max_position_embeddings * s.factor)

@@ -225,7 +225,7 @@ def test_rope_scaling_matches_transformers():
     from metrale_jax.config import ModelConfig, rope_attention_factor, rope_inv_freq
 
     cases = json.loads((FIXTURES / "qwen3_yarn_tiny" / "rope_cases.json").read_text())
-    assert {c["config"]["rope_parameters"]["rope_type"] for c in cases} == {"yarn", "llama3"}
+    assert {c["config"]["rope_parameters"]["rope_type"] for c in cases} == {"yarn", "llama3", "dynamic"}
     for c in cases:
         cfg = ModelConfig.from_hf(c["config"])
         np.testing.assert_allclose(rope_inv_freq(cfg), c["inv_freq"], rtol=2e-6, err_msg=str(c["config"]))
