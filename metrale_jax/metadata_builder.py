@@ -104,6 +104,7 @@ class RowSampling:
     suppress_ids: Sequence[int] = ()  # never sampled (min_tokens' stop ids)
     bias: Sequence[tuple[int, float]] = ()  # (token id, bias) added to the logits (logit_bias)
     logprobs: bool = False
+    grammar: bool = False  # structured output: its logprobs see its mask (`SamplingMetadata.mask_logprobs`)
 
     @staticmethod
     def from_params(
@@ -116,7 +117,7 @@ class RowSampling:
             presence_penalty=float(sp.presence_penalty), frequency_penalty=float(sp.frequency_penalty),
             pen_row=pen_row if sp.has_penalties else -1, seed=seed_words(seed, seq_index),
             out_index=out_index, suppress_ids=tuple(suppress_ids), bias=sp.additive_bias,
-            logprobs=sp.logprobs is not None,
+            logprobs=sp.logprobs is not None, grammar=sp.structured_outputs is not None,
         )
 
     def logit_changes(self, suppress_ids: Sequence[int] | None = None) -> tuple[list[int], list[float]]:
@@ -332,13 +333,14 @@ def _sampling_metadata(
     sup = np.full((s, m), -1, np.int32)
     supb = np.zeros((s, m), np.float32)
     flags = np.zeros(4, np.bool_)
+    lpm = np.zeros(s, np.bool_)
     if samp:  # column by column (the host loop's hot path at large batches)
         idx = np.fromiter((r for r, _, _ in samp), np.int64, len(samp))
         rss = [rs for _, _, rs in samp]
         li[idx] = [h for _, h, _ in samp]
         for arr, name in ((temp, "temperature"), (top_k, "top_k"), (top_p, "top_p"), (min_p, "min_p"),
                           (rep, "repetition_penalty"), (pres, "presence_penalty"), (freq, "frequency_penalty"),
-                          (pen, "pen_row"), (seeds, "seed"), (out_index, "out_index")):
+                          (pen, "pen_row"), (seeds, "seed"), (out_index, "out_index"), (lpm, "grammar")):
             arr[idx] = [getattr(rs, name) for rs in rss]
         top_k[(top_k < 0) | (top_k >= cfg.vocab_size)] = 0
         for row, rs in zip(idx, rss):
@@ -359,6 +361,7 @@ def _sampling_metadata(
         tok_is_output=tok_is_output, reset_rows=reset_rows, prompt_lp_rows=prompt_lp_rows,
         prompt_lp_targets=prompt_lp_targets,
         token_src=np.full(tok_pen_rows.shape, -1, np.int32) if token_src is None else token_src,
+        mask_logprobs=lpm,
     )
 
 

@@ -341,6 +341,8 @@ class SamplingMetadata:
     prompt_lp_targets: Array  # i32[P]  the next prompt token, whose logprob that row gives; -1 = none
     token_src: Array  # i32[T]  row of the previous step's sampled tokens that IS this input token
     #                   (overlapped stepping: the host does not know it yet); -1 = use `tokens`
+    mask_logprobs: Array  # bool[S]  the row's logprobs see its bitmask (a structured-output grammar's, as
+    #                       vLLM's); else they are the raw logits' (allowed_token_ids, logit_bias' ends, bad_words)
     mtp_next: Array | None = None  # i32[T]  with an MTP drafter: the token after each input token,
     #                   >= 0 a known token, < 0 the sample of row -1 - value (engine/spec_decode.py)
 
@@ -748,15 +750,17 @@ def sample(
     are compiled with conditionals inside their command buffers (CUDA graph conditional nodes:
     the predicate stays on the device; `engine.compile.COMMAND_BUFFER_WITH_CONDITIONALS`).
 
-    bitmask: i32[S, ceil(V / 32)] structured-output masks (`apply_token_bitmask`; -1 rows =
-    unconstrained), applied first: the logprobs, penalties, the greedy argmax and every filter
-    see the banned tokens at -inf (vLLM applies its grammar bitmask to the logits before its
-    sampler too). With `branches` or `skip`, skipped under `lax.cond` when every word is -1.
+    bitmask: i32[S, ceil(V / 32)] token masks (`apply_token_bitmask`; -1 rows = unconstrained):
+    structured-output grammars, allowed_token_ids, logit_bias' -100 / 100, bad_words. Applied first:
+    penalties, the greedy argmax and every filter see the banned tokens at -inf; the logprobs too in
+    the rows of `smd.mask_logprobs` (grammars: vLLM applies its grammar bitmask before its sampler),
+    the other rows' logprobs are the raw logits' (vLLM applies the rest inside its sampler, after
+    its raw logprobs). With `branches` or `skip`, skipped under `lax.cond` when every word is -1.
 
     count_kernel: `filter_logits`'s (the searches' counting kernel).
     """
     cond = branches or skip
-    logits = logits.astype(jnp.float32)
+    logits = raw = logits.astype(jnp.float32)
     if bitmask is not None:
         if cond:
             logits = jax.lax.cond(jnp.all(bitmask == -1), lambda x, m: x, apply_token_bitmask, logits, bitmask)
@@ -764,7 +768,8 @@ def sample(
             logits = apply_token_bitmask(logits, bitmask)
     s, v = logits.shape
     k = max(max_logprobs, 1)
-    raw_lp = jax.nn.log_softmax(logits, axis=-1)
+    raw_lp = jax.nn.log_softmax(logits if bitmask is None else jnp.where(smd.mask_logprobs[:, None], logits, raw),
+                                axis=-1)
     # logit_bias and min_tokens' suppression, then the penalties (vLLM's order; -inf stays -inf)
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], smd.suppress_ids.shape)
     x = logits.at[rows, _oob(smd.suppress_ids, v)].add(smd.suppress_bias, mode="drop")

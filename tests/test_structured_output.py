@@ -65,14 +65,16 @@ def test_apply_token_bitmask_matches_llguidance(vocab):
 
 @pytest.mark.parametrize("branches", [False, True])
 def test_sample_obeys_the_mask(branches):
-    v, rows = 300, 6
+    v, rows = 300, 7
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((rows, v)).astype(np.float32) * 3)
     mask = _bits(rng, rows, v, 0.1)
     mask[5] = -1  # free row
     cfg = BuilderConfig(block_size=16, max_blocks_per_seq=1, vocab_size=v)
-    kinds = [dict(), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.5, top_k=20),
-             dict(temperature=1.0, min_p=0.05), dict()]
+    # rows 0-4 grammars; row 5 free; row 6 a mask that is no grammar (allowed_token_ids, say)
+    kinds = [dict(grammar=True), dict(temperature=1.0, grammar=True), dict(temperature=0.8, top_p=0.9, grammar=True),
+             dict(temperature=1.5, top_k=20, grammar=True), dict(temperature=1.0, min_p=0.05, grammar=True), dict(),
+             dict()]
     allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :v].astype(bool)
     fn = jax.jit(lambda x, smd, m: sample(x, smd, init_penalty_state(0, v), max_logprobs=3, branches=branches,
                                           bitmask=m))
@@ -89,6 +91,11 @@ def test_sample_obeys_the_mask(branches):
         assert np.all(allowed[0, np.asarray(top_ids[0])] | np.isneginf(np.asarray(top_lp[0])))
         # an unconstrained row samples what it samples without any mask
         assert tok[5] == int(free(logits, smd)[0][5])
+        # a mask that is no grammar: the greedy pick obeys it, the logprobs are the raw logits' (vLLM's)
+        assert allowed[6, tok[6]] and tok[6] == np.argmax(np.where(allowed[6], np.asarray(logits[6]), -np.inf))
+        raw = np.asarray(jax.nn.log_softmax(logits[6]))
+        np.testing.assert_allclose(lp[6], raw[tok[6]], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(top_lp[6]), np.sort(raw)[::-1][:3], rtol=1e-5)
 
 
 def test_params_validation():

@@ -70,6 +70,15 @@ def test_masks_match_the_oracle(eng):
     raw = x - x.max() - np.log(np.exp(x - x.max()).sum())
     assert abs(biased.logprobs[0][biased.token_ids[0]].logprob - raw[biased.token_ids[0]]) < 1e-4
     assert not set(outs[2].outputs[0].token_ids) & set(ban)
+    # the masks too leave the logprobs raw (vLLM computes them before allowed_token_ids, logit_bias, bad_words)
+    for i, kw in ((1, dict(allowed_token_ids=allowed)), (3, dict(logit_bias={4: 100, 9: 100, 33: 100}))):
+        o = eng.generate({"prompt_token_ids": prompts[i]},
+                         SamplingParams(temperature=0, max_tokens=1, logprobs=3, **kw))[0].outputs[0]
+        x = w[fake_hash(prompts[i], True, w.shape[0])].astype(np.float64)
+        raw = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        t = o.token_ids[0]
+        assert abs(o.logprobs[0][t].logprob - raw[t]) < 1e-4 and o.logprobs[0][t].rank == 1 + int(np.sum(raw > raw[t]))
+        assert {j for j in o.logprobs[0] if j != t} <= set(np.argsort(-raw)[:3])
     # sampled (not greedy), n > 1: every token allowed; allowed_token_ids and 100s intersect, -100 wins
     sp = SamplingParams(temperature=1.5, n=3, max_tokens=20, seed=4, allowed_token_ids=[2, 3, 5, 7, 11],
                         logit_bias={3: 100, 5: -100, 7: 100})

@@ -221,7 +221,7 @@ class VerifyRow:
 
 
 _PER_SAMPLED_ROW = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "pen_rows", "seeds", "out_index")
+                    "frequency_penalty", "pen_rows", "seeds", "out_index", "mask_logprobs")
 
 
 def build_verify_step(cfg, bucket, rows: Sequence[VerifyRow]):
