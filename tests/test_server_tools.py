@@ -335,7 +335,7 @@ def test_parser_names_are_checked_at_start():
     from metrale_jax.server.cli import serve_main
 
     args = type("Args", (), {"log_level": "warning", "enable_auto_tool_choice": True, "tool_call_parser": None})()
-    with pytest.raises(SystemExit, match="--tool-call-parser"):
+    with pytest.raises(ValueError, match="--tool-call-parser"):
         serve_main(args)  # before anything loads
 
 
