@@ -666,3 +666,77 @@ def test_conversion_cache_dir_tracks_file_and_dtype(tmp_path, monkeypatch):
     b = conversion_cache_dir(f, "float32")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
     assert conversion_cache_dir(f, "float32") != b
+
+
+def _write_qwen3moe_gguf(path: Path, gate_up_type) -> dict:
+    """qwen3_moe_tiny's safetensors as a qwen3moe GGUF (llama.cpp's names and metadata: each layer's
+    experts stacked in one tensor per projection, the router as ffn_gate_inp), expert gate / up
+    projections in `gate_up_type`, the rest F32. Returns the HF config."""
+    src = FIXTURES / "qwen3_moe_tiny"
+    cfg = json.loads((src / "config.json").read_text())
+    with safe_open(str(src / "model.safetensors"), "np") as f:
+        hf = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    e, layers = cfg["num_local_experts"], cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(e)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+                 **{f"self_attn.{p}_proj": f"attn_{g}" for p, g in zip("qkvo", ("q", "k", "v", "output"))},
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    for i in range(layers):
+        names |= {f"model.layers.{i}.{h}.weight": f"blk.{i}.{g}.weight" for h, g in per_layer.items()}
+    for h, g in names.items():
+        w.add_tensor(g, hf.pop(h).astype(np.float32))
+    for i in range(layers):
+        for proj, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            stacked = np.stack([hf.pop(f"model.layers.{i}.mlp.experts.{j}.{proj}.weight") for j in range(e)])
+            if proj == "down_proj" or gate_up_type == Q.F32:  # (down's rows of 16 are shorter than a block)
+                w.add_tensor(f"blk.{i}.{g}.weight", stacked.astype(np.float32))
+            else:
+                w.add_tensor(f"blk.{i}.{g}.weight", gguf.quants.quantize(stacked.astype(np.float32), gate_up_type),
+                             raw_dtype=gate_up_type)
+    assert not hf  # every tensor written
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return cfg
+
+
+def test_gguf_qwen3moe_matches_transformers(tmp_path):
+    """A qwen3moe GGUF loads as Qwen3-MoE and reproduces transformers' logits (F32); with Q8_0
+    experts, each expert's tensor is its slice of the dequantized stack."""
+    from metrale_jax import load_model
+
+    cfg = _write_qwen3moe_gguf(tmp_path / "moe.gguf", Q.F32)
+    model, params = load_model(tmp_path / "moe.gguf", dtype="float32", show_progress=False)
+    assert model.cfg.architecture == "Qwen3MoeForCausalLM" and model.cfg.get("num_experts") == 8
+    assert model.cfg.get("norm_topk_prob") and model.cfg.get("moe_intermediate_size") == cfg["moe_intermediate_size"]
+    g = np.load(FIXTURES / "qwen3_moe_tiny" / "golden.npz")
+    for b, n in enumerate(g["lengths"]):
+        logits = np.asarray(model.forward(params, g["input_ids"][b:b + 1, :n]))[0]
+        np.testing.assert_allclose(logits, g["logits"][b, :n], rtol=1e-4, atol=1e-4)
+    _write_qwen3moe_gguf(tmp_path / "q8.gguf", Q.Q8_0)
+    src = GGUFSource(tmp_path / "q8.gguf")
+    stacked = gguf.quants.dequantize(src.reader.tensors[[t.name for t in src.reader.tensors].index(
+        "blk.1.ffn_up_exps.weight")].data, Q.Q8_0).reshape(8, 16, 64)
+    for j in (0, 5, 7):
+        name = f"model.layers.1.mlp.experts.{j}.up_proj.weight"
+        assert src.shape(name) == (16, 64) and src.quant_type(name) == "Q8_0"
+        np.testing.assert_array_equal(src.load(name), stacked[j])
+    assert "blk.1.ffn_up_exps.weight" not in src.names() and "model.layers.1.mlp.gate.weight" in src.names()

@@ -12,6 +12,7 @@ the page cache, on its way to a cast, a transpose or the device); a GGUF tensor 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -287,7 +288,10 @@ _GGUF_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router (qwen3moe)
 }
+# stacked experts [n_expert, out, in] (qwen3moe) -> each expert's projection, "mlp.experts.{e}.{proj}"
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -299,6 +303,7 @@ _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -369,10 +374,19 @@ def open_gguf_reader(path: str | os.PathLike) -> Any:
     return reader
 
 
+@dataclasses.dataclass(frozen=True)
+class _Expert:
+    """Expert `index` of a GGUF tensor that stacks a layer's experts (`_GGUF_EXPERT_NAMES`)."""
+
+    tensor: Any
+    index: int
+
+
 class GGUFSource:
     """Tensors of a GGUF file under Hugging Face names and shapes, dequantized to float32 at load.
 
-    Tensors with no HF counterpart (for example `rope_freqs.weight`) keep their GGUF names.
+    Tensors with no HF counterpart (for example `rope_freqs.weight`) keep their GGUF names. A
+    layer's stacked expert tensors read as each expert's HF tensor (dequantized once a layer).
     Quant types are whatever `gguf.quants.dequantize` implements (F32, F16, BF16, Q4_0, Q4_1,
     Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*, TQ*, MXFP4, ...); others raise UnsupportedDtypeError.
     """
@@ -381,12 +395,19 @@ class GGUFSource:
         self.path = Path(path)
         self.reader = reader if reader is not None else open_gguf_reader(self.path)
         self.arch = str(_field_value(self.reader, "general.architecture", "llama"))
-        self._tensors: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
+        self._tensors: dict[str, Any] = {}  # HF name -> gguf ReaderTensor, or an _Expert of one
+        self._stacked: dict[str, np.ndarray] = {}  # the last dequantized stacked expert tensors
         for t in self.reader.tensors:
-            hf = gguf_to_hf_name(t.name) or t.name
-            if hf in self._tensors:
-                raise CorruptCheckpointError(f"{self.path}: two tensors map to {hf!r}")
-            self._tensors[hf] = t
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERT_NAMES and parts[1].isdigit():
+                p = f"model.layers.{int(parts[1])}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+                entries = {p.format(e): _Expert(t, e) for e in range(int(t.shape.tolist()[-1]))}
+            else:
+                entries = {gguf_to_hf_name(t.name) or t.name: t}
+            for hf, entry in entries.items():
+                if hf in self._tensors:
+                    raise CorruptCheckpointError(f"{self.path}: two tensors map to {hf!r}")
+                self._tensors[hf] = entry
         self.n_head = self._meta_int("attention.head_count")
         self.n_kv_head = self._meta_int("attention.head_count_kv", self.n_head)
 
@@ -436,6 +457,9 @@ class GGUFSource:
             cfg["head_dim"] = hidden // n_head
         if "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
+        if m("expert_count") is not None:  # qwen3moe (llama.cpp normalizes the top-k routing weights)
+            cfg.update(num_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
+                       moe_intermediate_size=int(m("expert_feed_forward_length")), norm_topk_prob=True)
         kind = m("rope.scaling.type")
         if kind and kind != "none":
             sc: dict[str, Any] = {"rope_type": str(kind), "factor": _f32(m("rope.scaling.factor", 1.0))}
@@ -460,28 +484,49 @@ class GGUFSource:
             raise _missing(name, self.path, self._tensors)
         return t
 
+    def _tensor(self, name: str) -> Any:
+        """The gguf ReaderTensor holding `name` (an expert's: the layer's stacked tensor)."""
+        t = self._get(name)
+        return t.tensor if isinstance(t, _Expert) else t
+
     def shape(self, name: str) -> tuple[int, ...]:
         # GGUF dims are [ne0, ne1, ...] with ne0 fastest; HF/numpy order is the reverse.
-        return tuple(int(d) for d in reversed(self._get(name).shape.tolist()))
+        t = self._get(name)
+        dims = tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        return dims[1:] if isinstance(t, _Expert) else dims
 
     def dtype(self, name: str) -> np.dtype:
         from gguf import GGMLQuantizationType as Q
 
-        t = self._get(name)
+        t = self._tensor(name)
         ints = {Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}
         return np.dtype(ints.get(t.tensor_type, np.float32))
 
     def quant_type(self, name: str) -> str:
         """The GGML type name of the stored tensor ("Q4_1", "F32", ...)."""
-        return self._get(name).tensor_type.name
+        return self._tensor(name).tensor_type.name
 
     def load(self, name: str) -> np.ndarray:
+        t = self._get(name)
+        if isinstance(t, _Expert):
+            stacked = self._stacked.get(t.tensor.name)
+            if stacked is None:  # (the family reads a layer's experts in turn: keep its three tensors)
+                stacked = self._dequantize(t.tensor, name, (int(t.tensor.shape.tolist()[-1]), *self.shape(name)))
+                self._stacked = {k: v for k, v in list(self._stacked.items())[-2:]} | {t.tensor.name: stacked}
+            return stacked[t.index]
+        out = self._dequantize(t, name, self.shape(name))
+        if self.arch in _PERMUTED_ARCHS:
+            if ".self_attn.q_proj." in name:
+                out = unpermute_qk(out, int(self.n_head))
+            elif ".self_attn.k_proj." in name:
+                out = unpermute_qk(out, int(self.n_kv_head))
+        return out
+
+    def _dequantize(self, t: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
         import gguf
         from gguf import GGMLQuantizationType as Q
 
-        t = self._get(name)
         qt = t.tensor_type
-        shape = self.shape(name)
         try:
             if qt in (Q.I8, Q.I16, Q.I32, Q.I64):
                 out = np.array(t.data, dtype=self.dtype(name))
@@ -500,17 +545,11 @@ class GGUFSource:
                 out = np.asarray(out, dtype=np.float32)
         except (ValueError, IndexError, OSError) as e:
             raise CorruptCheckpointError(f"{self.path}: could not read tensor {t.name!r}: {e}") from e
-        out = out.reshape(shape)
-        if self.arch in _PERMUTED_ARCHS:
-            if ".self_attn.q_proj." in name:
-                out = unpermute_qk(out, int(self.n_head))
-            elif ".self_attn.k_proj." in name:
-                out = unpermute_qk(out, int(self.n_kv_head))
-        return out
+        return out.reshape(shape)
 
     def close(self) -> None:
         # GGUFReader holds a np.memmap; dropping our references lets it be unmapped.
-        self._tensors = {}
+        self._tensors, self._stacked = {}, {}
         self.reader = None
 
     def __enter__(self) -> GGUFSource:
