@@ -68,8 +68,10 @@
 # (FP4DOT_MS=64,256) and `fp4dot`'s three batch-64 generates in one call (bf16 beside NVFP4 at last).
 # Session 39: an H100 (one start refused, ~180 s): `acceptance` of three families 445 s cold, of two 423 s warm,
 # `m1pack` 261 s warm (its HLO dump made the archive too large: nothing came back; now one module), three batch-1
-# generates 281 s warm. Next: `m1pack` again on an H200 (its table picks were lost), `pdl` only at batch 64
-# (batch 1 on the H100: no gain), `fp4dot`.
+# generates 281 s warm. After those calls every step's sampling inputs changed again (SamplingMetadata.mask_logprobs)
+# and bad_words / sliding windows / o_proj biases came in: next, `acceptance` first, then on an H200
+# `M1PACK_SWEEP="--min-block-k 4096" bash bench/gpu_session.sh m1pack` (the whole-K tiles; the packed_x picks were
+# lost), `pdl` only at batch 64 (batch 1 on the H100: no gain), `fp4dot`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
