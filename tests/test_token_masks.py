@@ -19,9 +19,10 @@ def eng():
     return e
 
 
-def masked_greedy(w, prompt, max_tokens, allowed=None, banned=(), eos=(1,), bias=None):
+def masked_greedy(w, prompt, max_tokens, allowed=None, banned=(), eos=(1,), bias=None, words=()):
     """Greedy generation of FakeModel with the logits of tokens outside `allowed` / in `banned` at
-    -inf, and `bias` {id: value} added."""
+    -inf, and `bias` {id: value} added; at each step also the last token of every word (a token
+    tuple) whose other tokens end the output so far at -inf (vLLM's bad_words)."""
     ids, out = list(prompt), []
     v = w.shape[0]
     ok = np.zeros(v, bool)
@@ -32,6 +33,10 @@ def masked_greedy(w, prompt, max_tokens, allowed=None, banned=(), eos=(1,), bias
         add[t] += b
     while len(out) < max_tokens:
         x = np.where(ok, w[fake_hash(ids, True, v)] + add, -np.inf)
+        for word in words:
+            k = len(word) - 1
+            if k <= len(out) and out[len(out) - k:] == list(word[:k]):
+                x[word[-1]] = -np.inf
         t = int(np.argmax(x))
         out.append(t)
         ids.append(t)
@@ -109,24 +114,6 @@ def test_bad_masks(eng):
     assert not eng.has_unfinished_requests()
 
 
-def worded_greedy(w, prompt, max_tokens, words, eos=(1,)):
-    """Greedy generation of FakeModel where, at each step, the last token of every word (a token
-    tuple) whose other tokens end the output so far is at -inf (vLLM's bad_words)."""
-    ids, out = list(prompt), []
-    while len(out) < max_tokens:
-        x = w[fake_hash(ids, True, w.shape[0])].astype(np.float64)
-        for word in words:
-            k = len(word) - 1
-            if k <= len(out) and out[len(out) - k:] == list(word[:k]):
-                x[word[-1]] = -np.inf
-        t = int(np.argmax(x))
-        out.append(t)
-        ids.append(t)
-        if t in eos:
-            break
-    return out
-
-
 def test_bad_words_match_the_oracle(eng):
     """bad_words (vLLM's): words of one, two and three tokens taken from the free greedy runs, so
     each ban bites; rows with and without them, n > 1 and a logit_bias row in one batch; the
@@ -143,9 +130,8 @@ def test_bad_words_match_the_oracle(eng):
     params = [sp, sp, SamplingParams(temperature=0, max_tokens=12), sp.clone(n=2, logit_bias={free[3][0]: -100})]
     outs = eng.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, o in enumerate(outs):
-        want = worded_greedy(w, prompts[i], 12, seqs if params[i].bad_words else [])
-        if i == 3:
-            want = worded_greedy(w, prompts[i], 12, [*seqs, (free[3][0],)])
+        want = masked_greedy(w, prompts[i], 12, words=seqs if params[i].bad_words else (),
+                             banned=[free[3][0]] if i == 3 else ())
         for c in o.outputs:
             assert c.token_ids == want, (i, words)
     assert outs[0].outputs[0].token_ids != free[0] and outs[1].outputs[0].token_ids != free[1]
