@@ -33,7 +33,8 @@ class LLM:
     `dtype` sets the parameters' and the KV cache's dtype ("auto" = the checkpoint's). The KV pool
     has `num_kv_blocks` blocks of `block_size` tokens when given; otherwise, on a GPU, a
     `gpu_memory_utilization` share of the device memory left after the weights, and on CPU a small
-    fixed pool. `max_model_len` above the model's max_position_embeddings raises ValueError; an
+    fixed pool. `max_model_len` above the model's context length (max_position_embeddings, or what
+    yarn / linear RoPE scaling extends it to: `ModelConfig.max_positions`) raises ValueError; an
     unknown model path or alias raises ModelNotFoundError. Other `EngineConfig` fields can be
     passed as keyword arguments.
 
