@@ -189,7 +189,8 @@ def test_forward_is_differentiable():
     assert float(np.abs(np.asarray(grads["layers"]["wqkv"])).sum()) > 0
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "qwen3_moe_tiny", "qwen3_moe_fp8_tiny", "llama_fp8_tiny",
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "qwen3_moe_tiny", "qwen2_moe_tiny", "qwen3_moe_fp8_tiny",
+                                  "llama_fp8_tiny",
                                   "llama_gptq_tiny", "llama_nvfp4_ct_tiny", "qwen3_next_tiny", "nemotron_h_tiny",
                                   "mamba2_tiny"])
 def test_split_layers_load_equals_stacked(name):

@@ -27,6 +27,8 @@ CONFIGS = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True),
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=16, norm_topk_prob=True),
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=24),
     # a head_dim that is not a power of two (80, 96 in some checkpoints): the Pallas attention
     # kernels do not take it, so attention runs XLA's reference beside the Pallas RoPE + K/V write
     "llama_hd20": dict(architectures=["LlamaForCausalLM"], head_dim=20),

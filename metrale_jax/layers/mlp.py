@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from metrale_jax.layers.linear import linear
 
-__all__ = ["linear", "silu_mul", "swiglu_mlp"]
+__all__ = ["linear", "silu_mul", "swiglu_mlp", "add_shared_expert"]
 
 
 def silu_mul(gate_up: jax.Array) -> jax.Array:
@@ -17,3 +17,12 @@ def silu_mul(gate_up: jax.Array) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     """x [T, H], w_gate_up [H, 2I] (gate then up), w_down [I, H] (or `Fp8Linear`s) -> [T, H]."""
     return linear(silu_mul(linear(x, w_gate_up)), w_down)
+
+
+def add_shared_expert(y: jax.Array, x: jax.Array, lp: dict) -> jax.Array:
+    """y [T, H] (the routed experts' output for x [T, H]) plus the shared expert's SwiGLU output
+    gated per token by sigmoid(x . shared_gate) (Qwen2-MoE's and Qwen3-Next's MoE), in float32;
+    lp holds shared_gate_up [H, 2 Is], shared_down [Is, H], shared_gate [H, 1]."""
+    shared = swiglu_mlp(x, lp["shared_gate_up"], lp["shared_down"])
+    gate = jax.nn.sigmoid(linear(x, lp["shared_gate"]).astype(jnp.float32))
+    return (y.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)

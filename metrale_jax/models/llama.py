@@ -33,7 +33,7 @@ from metrale_jax.layers.attention import (
     dense_causal_attention,
     paged_attention,
 )
-from metrale_jax.layers.mlp import linear, silu_mul
+from metrale_jax.layers.mlp import add_shared_expert, linear, silu_mul
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm, rms_norm_linear, rms_norm_matmul
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
@@ -157,6 +157,8 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
     h = h.reshape(-1, shape[-1])
     w, idx = softmax_topk_router(h, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
     y = routed_experts(h, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe, lora=lora)
+    if "shared_gate_up" in lp:  # (Qwen2-MoE)
+        y = add_shared_expert(y, h, lp)
     return x + y.reshape(shape)
 
 

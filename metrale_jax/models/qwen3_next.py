@@ -34,7 +34,7 @@ from metrale_jax.layers.attention import (
     dense_causal_attention,
     paged_attention,
 )
-from metrale_jax.layers.mlp import linear, swiglu_mlp
+from metrale_jax.layers.mlp import add_shared_expert, linear
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm
 from metrale_jax.layers.rope import apply_rope
@@ -197,9 +197,7 @@ def _moe(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = False, lo
     LoRA (`metrale_jax.lora.ops.LoRAInputs`) for the tokens whose moe_slot >= 0."""
     w, idx = softmax_topk_router(x, lp["router"], cfg.get("num_experts_per_tok"), cfg.get("norm_topk_prob", False))
     y = routed_experts(x, w, idx, lp["experts_gate_up"], lp["experts_down"], use_tokamax=tokamax_moe, lora=lora)
-    shared = swiglu_mlp(x, lp["shared_gate_up"], lp["shared_down"])
-    gate = jax.nn.sigmoid(linear(x, lp["shared_gate"]).astype(jnp.float32))
-    return (y.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
+    return add_shared_expert(y, x, lp)
 
 
 def _attn_qkv(cfg: ModelConfig, ap: dict, h: jax.Array, positions: jax.Array):
