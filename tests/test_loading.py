@@ -668,38 +668,44 @@ def test_conversion_cache_dir_tracks_file_and_dtype(tmp_path, monkeypatch):
     assert conversion_cache_dir(f, "float32") != b
 
 
-def _write_qwen3moe_gguf(path: Path, gate_up_type) -> dict:
-    """qwen3_moe_tiny's safetensors as a qwen3moe GGUF (llama.cpp's names and metadata: each layer's
-    experts stacked in one tensor per projection, the router as ffn_gate_inp), expert gate / up
-    projections in `gate_up_type`, the rest F32. Returns the HF config."""
-    src = FIXTURES / "qwen3_moe_tiny"
+def _write_moe_gguf(path: Path, gate_up_type, arch: str = "qwen3moe") -> dict:
+    """qwen3_moe_tiny's (qwen2_moe_tiny's) safetensors as a qwen3moe (qwen2moe) GGUF, llama.cpp's
+    names and metadata: each layer's experts stacked in one tensor per projection, the router as
+    ffn_gate_inp, qwen2moe's shared expert as ffn_*_shexp; expert gate / up projections in
+    `gate_up_type`, the rest F32. Returns the HF config."""
+    src = FIXTURES / ("qwen3_moe_tiny" if arch == "qwen3moe" else "qwen2_moe_tiny")
     cfg = json.loads((src / "config.json").read_text())
     with safe_open(str(src / "model.safetensors"), "np") as f:
         hf = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    e, layers = cfg["num_local_experts"], cfg["num_hidden_layers"]
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    e, layers = cfg.get("num_local_experts") or cfg["num_experts"], cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    w.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_value_length(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(e)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
              "model.norm.weight": "output_norm.weight"}
     per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
                  **{f"self_attn.{p}_proj": f"attn_{g}" for p, g in zip("qkvo", ("q", "k", "v", "output"))},
-                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                 "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                 **{f"mlp.shared_expert.{p}_proj": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}}
     for i in range(layers):
-        names |= {f"model.layers.{i}.{h}.weight": f"blk.{i}.{g}.weight" for h, g in per_layer.items()}
+        names |= {f"model.layers.{i}.{h}.{x}": f"blk.{i}.{g}.{x}" for h, g in per_layer.items()
+                  for x in ("weight", "bias") if f"model.layers.{i}.{h}.{x}" in hf}
     for h, g in names.items():
         w.add_tensor(g, hf.pop(h).astype(np.float32))
     for i in range(layers):
@@ -723,7 +729,7 @@ def test_gguf_qwen3moe_matches_transformers(tmp_path):
     experts, each expert's tensor is its slice of the dequantized stack."""
     from metrale_jax import load_model
 
-    cfg = _write_qwen3moe_gguf(tmp_path / "moe.gguf", Q.F32)
+    cfg = _write_moe_gguf(tmp_path / "moe.gguf", Q.F32)
     model, params = load_model(tmp_path / "moe.gguf", dtype="float32", show_progress=False)
     assert model.cfg.architecture == "Qwen3MoeForCausalLM" and model.cfg.get("num_experts") == 8
     assert model.cfg.get("norm_topk_prob") and model.cfg.get("moe_intermediate_size") == cfg["moe_intermediate_size"]
@@ -731,7 +737,7 @@ def test_gguf_qwen3moe_matches_transformers(tmp_path):
     for b, n in enumerate(g["lengths"]):
         logits = np.asarray(model.forward(params, g["input_ids"][b:b + 1, :n]))[0]
         np.testing.assert_allclose(logits, g["logits"][b, :n], rtol=1e-4, atol=1e-4)
-    _write_qwen3moe_gguf(tmp_path / "q8.gguf", Q.Q8_0)
+    _write_moe_gguf(tmp_path / "q8.gguf", Q.Q8_0)
     src = GGUFSource(tmp_path / "q8.gguf")
     stacked = gguf.quants.dequantize(src.reader.tensors[[t.name for t in src.reader.tensors].index(
         "blk.1.ffn_up_exps.weight")].data, Q.Q8_0).reshape(8, 16, 64)
@@ -740,3 +746,18 @@ def test_gguf_qwen3moe_matches_transformers(tmp_path):
         assert src.shape(name) == (16, 64) and src.quant_type(name) == "Q8_0"
         np.testing.assert_array_equal(src.load(name), stacked[j])
     assert "blk.1.ffn_up_exps.weight" not in src.names() and "model.layers.1.mlp.gate.weight" in src.names()
+
+
+def test_gguf_qwen2moe_matches_transformers(tmp_path):
+    """A qwen2moe GGUF (q/k/v biases, the shared expert and its gate as ffn_*_shexp) loads as
+    Qwen2-MoE (top-k weights not renormalized, as llama.cpp) and reproduces transformers' logits."""
+    from metrale_jax import load_model
+
+    cfg = _write_moe_gguf(tmp_path / "moe.gguf", Q.F32, arch="qwen2moe")
+    model, params = load_model(tmp_path / "moe.gguf", dtype="float32", show_progress=False)
+    assert model.cfg.architecture == "Qwen2MoeForCausalLM" and not model.cfg.get("norm_topk_prob")
+    assert model.cfg.get("shared_expert_intermediate_size") == cfg["shared_expert_intermediate_size"]
+    g = np.load(FIXTURES / "qwen2_moe_tiny" / "golden.npz")
+    for b, n in enumerate(g["lengths"]):
+        logits = np.asarray(model.forward(params, g["input_ids"][b:b + 1, :n]))[0]
+        np.testing.assert_allclose(logits, g["logits"][b, :n], rtol=1e-4, atol=1e-4)

@@ -288,7 +288,11 @@ _GGUF_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "ffn_gate_inp": "mlp.gate",  # the MoE router (qwen3moe)
+    "ffn_gate_inp": "mlp.gate",  # the MoE router (qwen3moe, qwen2moe)
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # qwen2moe's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # stacked experts [n_expert, out, in] (qwen3moe) -> each expert's projection, "mlp.experts.{e}.{proj}"
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -304,6 +308,7 @@ _ARCH_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
 }
 
 
@@ -457,9 +462,11 @@ class GGUFSource:
             cfg["head_dim"] = hidden // n_head
         if "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
-        if m("expert_count") is not None:  # qwen3moe (llama.cpp normalizes the top-k routing weights)
+        if m("expert_count") is not None:  # qwen3moe / qwen2moe (llama.cpp renormalizes qwen3moe's top-k weights)
             cfg.update(num_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
-                       moe_intermediate_size=int(m("expert_feed_forward_length")), norm_topk_prob=True)
+                       moe_intermediate_size=int(m("expert_feed_forward_length")), norm_topk_prob=a == "qwen3moe")
+            if m("expert_shared_feed_forward_length") is not None:
+                cfg["shared_expert_intermediate_size"] = int(m("expert_shared_feed_forward_length"))
         kind = m("rope.scaling.type")
         if kind and kind != "none":
             sc: dict[str, Any] = {"rope_type": str(kind), "factor": _f32(m("rope.scaling.factor", 1.0))}
