@@ -27,14 +27,19 @@ def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
     out = qwen3_moe.load_moe_mlp(cfg, reader)
     out.update(reader.stacks(L, shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1)))
     for i in reader.progress(range(L), "shared experts"):
-        m = f"model.layers.{i}.mlp."
-        s = m + "shared_expert."
-        g = reader.get(s + "gate_proj.weight", (ish, h), cast=True)
-        u = reader.get(s + "up_proj.weight", (ish, h), cast=True)
-        reader.put_t(out["shared_gate_up"], i, g, u)
-        reader.put_t(out["shared_down"], i, reader.get(s + "down_proj.weight", (h, ish), cast=True))
-        reader.put_t(out["shared_gate"], i, reader.get(m + "shared_expert_gate.weight", (1, h), cast=True))
+        put_shared_expert(reader, out, i, f"model.layers.{i}.mlp.", h, ish)
     return out
+
+
+def put_shared_expert(reader, layers: dict, i: int, m: str, h: int, ish: int) -> None:
+    """Layer i's shared expert (`{m}shared_expert.*`) and its gate (`{m}shared_expert_gate`) into the
+    stacks shared_gate_up, shared_down and shared_gate (as Qwen3-Next's checkpoints name them too)."""
+    s = m + "shared_expert."
+    g = reader.get(s + "gate_proj.weight", (ish, h), cast=True)
+    u = reader.get(s + "up_proj.weight", (ish, h), cast=True)
+    reader.put_t(layers["shared_gate_up"], i, g, u)
+    reader.put_t(layers["shared_down"], i, reader.get(s + "down_proj.weight", (h, ish), cast=True))
+    reader.put_t(layers["shared_gate"], i, reader.get(m + "shared_expert_gate.weight", (1, h), cast=True))
 
 
 def load_params(cfg: ModelConfig, reader) -> dict:

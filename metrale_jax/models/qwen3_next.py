@@ -103,6 +103,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     c = 2 * kd + vd
     stacks = reader.stacks
     from metrale_jax.loading.experts_fp8 import fp8_experts
+    from metrale_jax.models.qwen2_moe import put_shared_expert
 
     fp8 = fp8_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # block-FP8 experts stay FP8
     layers = {
@@ -126,12 +127,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
             u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)
             reader.put_t(layers["experts_gate_up"], (i, j), g_, u_)
             reader.put_t(layers["experts_down"], (i, j), reader.get(q + "down_proj.weight", (h, im), cast=True))
-        s = m + "shared_expert."
-        g_ = reader.get(s + "gate_proj.weight", (ish, h), cast=True)
-        u_ = reader.get(s + "up_proj.weight", (ish, h), cast=True)
-        reader.put_t(layers["shared_gate_up"], i, g_, u_)
-        reader.put_t(layers["shared_down"], i, reader.get(s + "down_proj.weight", (h, ish), cast=True))
-        reader.put_t(layers["shared_gate"], i, reader.get(m + "shared_expert_gate.weight", (1, h), cast=True))
+        put_shared_expert(reader, layers, i, m, h, ish)
         if kinds[i] == ATTN:
             a = p + "self_attn."
             reader.put_t(attn["wq"], ia, reader.get(a + "q_proj.weight", (hq * 2 * d, h), cast=True))
