@@ -294,7 +294,7 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# stacked experts [n_expert, out, in] (qwen3moe) -> each expert's projection, "mlp.experts.{e}.{proj}"
+# stacked experts [n_expert, out, in] (qwen3moe, qwen2moe) -> each expert's projection, "mlp.experts.{e}.{proj}"
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
