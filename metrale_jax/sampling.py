@@ -859,7 +859,4 @@ def sampling_defaults(source: str, model_generation_config: dict | None) -> dict
             log.warning("generation config: %s=%r left out (%s)", theirs, cfg[theirs], e)
             continue
         out[ours] = cfg[theirs]
-    if out:
-        log.warning("request defaults from the model's generation config: %s (EngineConfig(generation_config="
-                    "'vllm') keeps SamplingParams' own)", ", ".join(f"{k}={v}" for k, v in sorted(out.items())))
     return out

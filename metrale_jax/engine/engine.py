@@ -190,6 +190,10 @@ class LLMEngine:
         self.model_name = getattr(model, "name", "") or c.model
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(model, "eos_token_ids", ()) or ())
         self.sampling_defaults = sampling_defaults(c.generation_config, getattr(model, "generation_config", None))
+        if self.sampling_defaults:  # (said once, here: the CLI reads the same defaults before the engine exists)
+            log.warning("request defaults from the model's generation config: %s (EngineConfig(generation_config="
+                        "'vllm') keeps SamplingParams' own)",
+                        ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.vocab_size = int(model.cfg.vocab_size)
         self.cache_dir = setup_compilation_cache(c.compilation_cache_dir)
 
