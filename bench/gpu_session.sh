@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [pdl] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [pdl] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -268,6 +268,18 @@ merge_w4_table() {  # $1: a sweep's tuned_w4.json, merged into the tree's table 
 t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$1" \
     && cp pallas_kernels/linear/tuned_w4.json "$(dirname "$1")/tuned_w4_merged.json"
 }
+if [[ $parts == *wholek* ]]; then  # issue 19: the int4 batch-1 step profiled (kernels and the idle gaps between
+  # them) with the shipped table, then with session 40's whole-K picks merged in: in isolation they saved ~15 us a
+  # layer, in the step nothing (2.75 ms device both ways, H100)
+  for t in shipped wholek; do
+    [[ $t == wholek ]] && merge_w4_table bench/results/tuned_w4_m1_wholek_h100_2026-12-05_s40_call3.json
+    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
+      --quantization int4 --profile "$OUT/profile_int4_b1_$t" --out "$OUT/generate_llama3_8b_int4_b1_$t.json" \
+      > "$OUT/generate_llama3_8b_int4_b1_$t.log" 2>&1
+    echo "== $t"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_$t.log" | tail -4
+    head -24 "$OUT"/profile_int4_b1_$t/*/kernels.txt 2>/dev/null
+  done
+fi
 if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1, some variants (M1PACK_SWEEP, default packed_x;
   # "--min-block-k 4096": session 39's whole-K tiles) beside the table's picks, merged, then generate at batch 1:
   # bf16, int4, NVFP4
