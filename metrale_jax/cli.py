@@ -323,6 +323,7 @@ def _prompt_ids(args: argparse.Namespace, model, prompts: list[str], sp, max_mod
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _utf8_prompts(args)
     sampling_params_from_args(args)  # the flags, checked before the slow load
+    engine_config_from_args(args)  # and EngineConfig's own checks (a --generation-config folder without the file)
     t0 = time.perf_counter()
     model, params = _load(args)
     sp = sampling_params_from_args(args, model)
@@ -389,6 +390,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from metrale_jax.errors import InvalidRequestError
 
     sampling_params_from_args(args)  # the flags, checked before the slow load
+    engine_config_from_args(args)  # and EngineConfig's own checks (a --generation-config folder without the file)
     t0 = time.perf_counter()
     model, params = _load(args)
     sp = sampling_params_from_args(args, model)

@@ -274,6 +274,21 @@ def test_bad_config_values_are_one_line_errors(capsys, tiny_with_tokenizer):
     assert "error: " in err and "max_model_len" in err and "Traceback" not in err, err
 
 
+def test_missing_generation_config_folder_is_refused_before_loading(monkeypatch, tmp_path, capsys):
+    """--generation-config FOLDER without generation_config.json: one error line before the model
+    loads (it used to come after a load of minutes); EngineConfig refuses it at construction."""
+    from metrale_jax.engine.config import EngineConfig
+
+    nowhere = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        EngineConfig(generation_config=nowhere)
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded the model"))
+    for cmd in (["generate", "x"], ["chat"]):
+        assert cli.main([*cmd, "-q", "--generation-config", nowhere]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: generation_config=") and err.count("\n") == 1, err
+
+
 
 def test_generate_and_chat_take_tokenizer_and_generation_config(monkeypatch, tmp_path, tiny_with_tokenizer):
     """--tokenizer and --generation-config (serve's flags, vLLM's) on generate and chat: parsed into

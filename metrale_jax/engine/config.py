@@ -166,6 +166,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        gc = self.generation_config
+        if gc not in ("auto", "vllm") and not os.path.isfile(os.path.join(gc, "generation_config.json")):
+            # here, not after the model has loaded (minutes for a large one)
+            raise ValueError(f"generation_config={gc!r}: no generation_config.json in that folder "
+                             "(or give 'auto' / 'vllm')")
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
