@@ -19,10 +19,10 @@ def eng():
     return e
 
 
-def masked_greedy(w, prompt, max_tokens, allowed=None, banned=(), eos=(1,), bias=None, words=()):
-    """Greedy generation of FakeModel with the logits of tokens outside `allowed` / in `banned` at
-    -inf, and `bias` {id: value} added; at each step also the last token of every word (a token
-    tuple) whose other tokens end the output so far at -inf (vLLM's bad_words)."""
+def masked_greedy(w, prompt, max_tokens, allowed=None, banned=(), eos=(1,), bias=None, words=(), ssm=True):
+    """Greedy generation of FakeModel (`ssm`: with its SSM layer) with the logits of tokens outside
+    `allowed` / in `banned` at -inf, and `bias` {id: value} added; at each step also the last token
+    of every word (a token tuple) whose other tokens end the output so far at -inf (vLLM's bad_words)."""
     ids, out = list(prompt), []
     v = w.shape[0]
     ok = np.zeros(v, bool)
@@ -32,7 +32,7 @@ def masked_greedy(w, prompt, max_tokens, allowed=None, banned=(), eos=(1,), bias
     for t, b in (bias or {}).items():
         add[t] += b
     while len(out) < max_tokens:
-        x = np.where(ok, w[fake_hash(ids, True, v)] + add, -np.inf)
+        x = np.where(ok, w[fake_hash(ids, ssm, v)] + add, -np.inf)
         for word in words:
             k = len(word) - 1
             if k <= len(out) and out[len(out) - k:] == list(word[:k]):
@@ -166,3 +166,46 @@ def test_bad_words_tokenizations():
     assert bad_word_bans(words, [5, 3]) == [7, 4]
     assert bad_word_bans(words, [1, 2]) == [7, 3]
     assert bad_word_bans(words, [2]) == [7]
+
+
+@pytest.mark.parametrize("use_ssm", [True, False])
+def test_bad_words_with_speculative_decoding(use_ssm, monkeypatch):
+    """bad_words under n-gram speculation (vLLM bans them in every draft position): a drafter that
+    proposes the unbanned greedy continuation, so drafts run into the bad words at varying window
+    positions and are rejected there; the outputs equal the unspeculated oracle's, with synchronous
+    verify steps (SSM state) and overlapped ones (attention only: a bad-words row syncs), a free
+    row beside them."""
+    from metrale_jax.engine import spec_decode
+    from metrale_jax.engine.spec_decode import SpeculativeConfig
+    from metrale_jax.engine.testing import fake_next_token
+
+    eng = fake_engine(use_ssm=use_ssm, speculative_config=SpeculativeConfig("ngram", 3))
+    w = np.asarray(eng.params["w"])
+    tok = eng.tokenizer
+
+    def free_drafts(seq, k, spec):  # spec_decode.draft_tokens' signature
+        ids, out = list(seq.token_ids), []
+        for _ in range(k):
+            out.append(fake_next_token(w, ids, use_ssm))
+            ids.append(out[-1])
+        return out
+
+    monkeypatch.setattr(spec_decode, "draft_tokens", free_drafts)
+    prompts = [[5, 9, 11], [20, 21, 22, 23], [30, 31]]
+    free = [masked_greedy(w, p, 14, ssm=use_ssm) for p in prompts]
+    text = [tok.decode(f, skip_special_tokens=False) for f in free]
+    words = [text[0][2:4], text[0][6:9], text[1][4:6], text[1][0]]
+    seqs = [tuple(tok.encode(x, add_special_tokens=False)) for x in words]
+    assert [len(q) for q in seqs] == [2, 3, 2, 1]
+    sp = SamplingParams(temperature=0, max_tokens=14, bad_words=words)
+    params = [sp, sp, SamplingParams(temperature=0, max_tokens=14)]
+    before = eng.stats().spec_draft_tokens, eng.stats().spec_accepted_tokens
+    outs = eng.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, o in enumerate(outs):
+        want = masked_greedy(w, prompts[i], 14, words=seqs if params[i].bad_words else (), ssm=use_ssm)
+        assert o.outputs[0].token_ids == want, (i, words)
+    assert outs[0].outputs[0].token_ids != free[0] and outs[1].outputs[0].token_ids != free[1]
+    assert outs[2].outputs[0].token_ids == free[2]
+    drafted, accepted = (eng.stats().spec_draft_tokens - before[0], eng.stats().spec_accepted_tokens - before[1])
+    assert 0 < accepted < drafted, (drafted, accepted)  # (drafts accepted, and the banned ones rejected)
+    assert eng.stats().kv_blocks_used == 0

@@ -588,8 +588,6 @@ class LLMEngine:
             return [], ()
         if self.tokenizer is None:
             raise InvalidSamplingParamsError("bad_words needs a tokenizer; this model has none")
-        if self.config.speculative_config is not None:
-            raise InvalidSamplingParamsError("bad_words is not supported with speculative decoding yet")
         words = bad_words_token_ids(list(params.bad_words), self.tokenizer)
         if any(t >= self.vocab_size for w in words for t in w):
             raise InvalidSamplingParamsError(f"bad_words tokenize to ids outside the vocabulary [0, {self.vocab_size})")
@@ -978,7 +976,7 @@ class LLMEngine:
         prev = None
         for row, seq in rows:
             out = seq.token_ids[seq.prompt_len:]
-            if seq.inflight:  # (one at most: bad_words refuses speculative decoding)
+            if seq.inflight:  # (one at most: a bad-words row never overlaps a verify step, `_needs_host`)
                 if prev is None:
                     f = self._inflight.launched()
                     prev = np.asarray(f.arrays[f.names.index("token_ids")])

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
-from metrale_jax.sampling import and_token_masks
+from metrale_jax.sampling import and_token_masks, bad_word_bans, ban_tokens
 
 SPEC_METHODS = ("ngram", "mtp")
 
@@ -510,9 +510,9 @@ def overlaps(engine) -> bool:
 
 
 def _needs_host(s) -> bool:
-    """Whether a row's next inputs need its last samples on the host: a grammar's masks, and
-    min_tokens' suppression (by output index)."""
-    return s.grammar is not None or s.num_outputs < s.request.params.min_tokens
+    """Whether a row's next inputs need its last samples on the host: a grammar's masks, bad words
+    of several tokens (their bans follow the output) and min_tokens' suppression (by output index)."""
+    return s.grammar is not None or bool(s.request.bad_words) or s.num_outputs < s.request.params.min_tokens
 
 
 def can_overlap(engine) -> bool:
@@ -524,6 +524,23 @@ def can_overlap(engine) -> bool:
     if sch.waiting or sch.swapped:
         return False
     return not any(_needs_host(s) or s.pending > 1 or s.num_computed < s.prompt_len for s in sch.running)
+
+
+def bad_word_window_masks(rows, sampled, w: int, vocab_size: int) -> list[tuple[int, np.ndarray]]:
+    """(sample row, mask) of each window position where a row's bad words of several tokens ban
+    their last token: position j follows the output and the row's first j drafts (the output is
+    all on the host: `_needs_host`), so a draft that completes a bad word is rejected there."""
+    out = []
+    for r, s, _ in sampled:
+        if not s.request.bad_words:
+            continue
+        hist = s.token_ids[s.prompt_len:]
+        drafts = rows[r].tokens[1:]
+        for j in range(len(drafts) + 1):
+            ban = bad_word_bans(s.request.bad_words, [*hist, *drafts[:j]])
+            if ban:
+                out.append((r * w + j, ban_tokens(None, ban, vocab_size)))
+    return out
 
 
 def dispatch_verify(engine, sched):
@@ -581,6 +598,7 @@ def dispatch_verify(engine, sched):
     bitmask = engine._grammars.fill(masked, bucket.num_sample_rows) if masked else None
     fixed = [(r * w + j, s.request.token_mask) for r, s, _ in sampled if s.request.token_mask is not None
              for j in range(w)]  # every window position of a row with allowed_token_ids / logit_bias
+    fixed += bad_word_window_masks(rows, sampled, w, engine.vocab_size)
     if fixed:
         if bitmask is None:
             bitmask = np.full((bucket.num_sample_rows, fixed[0][1].size), -1, np.int32)
