@@ -211,8 +211,8 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
     kinds = [t for t in d.get("layer_types") or () if t in ("full_attention", "sliding_attention")]
     if kinds:
         sliding = kinds.count("sliding_attention")
-    elif architecture == "MistralForCausalLM":
-        window = d.get("sliding_window", 4096)
+    elif architecture in ("MistralForCausalLM", "MixtralForCausalLM"):  # (Mistral's default 4096, Mixtral's none)
+        window = d.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
         return None if window is None else int(window)
     elif d.get("use_sliding_window") and window is not None:
         n = int(d.get("num_hidden_layers") or 0)

@@ -11,7 +11,8 @@ from metrale_jax import load_model
 from tests.conftest import FIXTURES
 
 TINY = ["llama_tiny", "llama_tied_sharded", "qwen2_tiny", "qwen3_tiny", "qwen3_yarn_tiny", "mistral_swa_tiny",
-        "llama_bias_tiny", "qwen3_moe_tiny", "qwen2_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny", "mamba2_tiny"]
+        "llama_bias_tiny", "qwen3_moe_tiny", "qwen2_moe_tiny", "mixtral_tiny", "qwen3_next_tiny", "nemotron_h_tiny",
+        "mamba2_tiny"]
 
 
 @pytest.fixture(scope="module", params=TINY)

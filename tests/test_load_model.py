@@ -189,7 +189,8 @@ def test_forward_is_differentiable():
     assert float(np.abs(np.asarray(grads["layers"]["wqkv"])).sum()) > 0
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "qwen3_moe_tiny", "qwen2_moe_tiny", "qwen3_moe_fp8_tiny",
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "qwen3_moe_tiny", "qwen2_moe_tiny", "mixtral_tiny",
+                                  "qwen3_moe_fp8_tiny",
                                   "llama_fp8_tiny",
                                   "llama_gptq_tiny", "llama_nvfp4_ct_tiny", "qwen3_next_tiny", "nemotron_h_tiny",
                                   "mamba2_tiny"])
@@ -274,6 +275,8 @@ def test_sliding_window_rules():
     assert window(architectures=["MistralForCausalLM"], sliding_window=None) is None
     assert window(architectures=["MistralForCausalLM"], sliding_window=8) == 8
     assert window(architectures=["LlamaForCausalLM"], sliding_window=8) is None  # Llama has no window
+    assert window(architectures=["MixtralForCausalLM"]) is None  # (Mixtral's default: none)
+    assert window(architectures=["MixtralForCausalLM"], sliding_window=4096) == 4096
     q2 = dict(architectures=["Qwen2ForCausalLM"], sliding_window=32)
     assert window(**q2) is None and window(**q2, use_sliding_window=False) is None
     assert window(**q2, use_sliding_window=True, max_window_layers=4) is None  # no layer from 4 on

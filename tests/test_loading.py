@@ -669,11 +669,11 @@ def test_conversion_cache_dir_tracks_file_and_dtype(tmp_path, monkeypatch):
 
 
 def _write_moe_gguf(path: Path, gate_up_type, arch: str = "qwen3moe") -> dict:
-    """qwen3_moe_tiny's (qwen2_moe_tiny's) safetensors as a qwen3moe (qwen2moe) GGUF, llama.cpp's
-    names and metadata: each layer's experts stacked in one tensor per projection, the router as
-    ffn_gate_inp, qwen2moe's shared expert as ffn_*_shexp; expert gate / up projections in
-    `gate_up_type`, the rest F32. Returns the HF config."""
-    src = FIXTURES / ("qwen3_moe_tiny" if arch == "qwen3moe" else "qwen2_moe_tiny")
+    """qwen3_moe_tiny's (qwen2_moe_tiny's, mixtral_tiny's) safetensors as a qwen3moe (qwen2moe,
+    llama) GGUF, llama.cpp's names and metadata: each layer's experts stacked in one tensor per
+    projection, the router as ffn_gate_inp, qwen2moe's shared expert as ffn_*_shexp, llama's q / k
+    rows permuted; expert gate / up projections in `gate_up_type`, the rest F32. Returns the HF config."""
+    src = FIXTURES / {"qwen3moe": "qwen3_moe_tiny", "qwen2moe": "qwen2_moe_tiny", "llama": "mixtral_tiny"}[arch]
     cfg = json.loads((src / "config.json").read_text())
     with safe_open(str(src / "model.safetensors"), "np") as f:
         hf = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -691,14 +691,21 @@ def _write_moe_gguf(path: Path, gate_up_type, arch: str = "qwen3moe") -> dict:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(e)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
              "model.norm.weight": "output_norm.weight"}
-    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    moe, experts = ("block_sparse_moe", ("w1", "w3", "w2")) if arch == "llama" else \
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    if arch == "llama":  # (llama.cpp's converter permutes llama's q / k rows)
+        for i in range(layers):
+            for x, heads in (("q", cfg["num_attention_heads"]), ("k", cfg["num_key_value_heads"])):
+                name = f"model.layers.{i}.self_attn.{x}_proj.weight"
+                hf[name] = _llama_permute(hf[name], heads)
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", f"{moe}.gate": "ffn_gate_inp",
                  **{f"self_attn.{p}_proj": f"attn_{g}" for p, g in zip("qkvo", ("q", "k", "v", "output"))},
                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                  "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
@@ -709,9 +716,9 @@ def _write_moe_gguf(path: Path, gate_up_type, arch: str = "qwen3moe") -> dict:
     for h, g in names.items():
         w.add_tensor(g, hf.pop(h).astype(np.float32))
     for i in range(layers):
-        for proj, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            stacked = np.stack([hf.pop(f"model.layers.{i}.mlp.experts.{j}.{proj}.weight") for j in range(e)])
-            if proj == "down_proj" or gate_up_type == Q.F32:  # (down's rows of 16 are shorter than a block)
+        for proj, g in zip(experts, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            stacked = np.stack([hf.pop(f"model.layers.{i}.{moe}.experts.{j}.{proj}.weight") for j in range(e)])
+            if proj == experts[2] or gate_up_type == Q.F32:  # (down's rows of 16 are shorter than a block)
                 w.add_tensor(f"blk.{i}.{g}.weight", stacked.astype(np.float32))
             else:
                 w.add_tensor(f"blk.{i}.{g}.weight", gguf.quants.quantize(stacked.astype(np.float32), gate_up_type),
@@ -746,6 +753,21 @@ def test_gguf_qwen3moe_matches_transformers(tmp_path):
         assert src.shape(name) == (16, 64) and src.quant_type(name) == "Q8_0"
         np.testing.assert_array_equal(src.load(name), stacked[j])
     assert "blk.1.ffn_up_exps.weight" not in src.names() and "model.layers.1.mlp.gate.weight" in src.names()
+
+
+def test_gguf_mixtral_matches_transformers(tmp_path):
+    """llama.cpp's Mixtral GGUF (arch "llama" with experts, q / k rows permuted) loads as Mixtral and
+    reproduces transformers' logits of mixtral_tiny."""
+    from metrale_jax import load_model
+
+    cfg = _write_moe_gguf(tmp_path / "mixtral.gguf", Q.F32, arch="llama")
+    model, params = load_model(tmp_path / "mixtral.gguf", dtype="float32", show_progress=False)
+    assert model.cfg.architecture == "MixtralForCausalLM" and model.cfg.get("num_experts") == cfg["num_local_experts"]
+    assert model.cfg.get("norm_topk_prob") and model.cfg.get("moe_intermediate_size") == cfg["intermediate_size"]
+    g = np.load(FIXTURES / "mixtral_tiny" / "golden.npz")
+    for b, n in enumerate(g["lengths"]):
+        logits = np.asarray(model.forward(params, g["input_ids"][b:b + 1, :n]))[0]
+        np.testing.assert_allclose(logits, g["logits"][b, :n], rtol=1e-4, atol=1e-4)
 
 
 def test_gguf_qwen2moe_matches_transformers(tmp_path):

@@ -29,6 +29,9 @@ CONFIGS = {
                       moe_intermediate_size=16, norm_topk_prob=True),
     "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=16, shared_expert_intermediate_size=24),
+    # Mixtral: the experts are the MLP's intermediate_size wide; a window in its config is used
+    "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=6),
     # a head_dim that is not a power of two (80, 96 in some checkpoints): the Pallas attention
     # kernels do not take it, so attention runs XLA's reference beside the Pallas RoPE + K/V write
     "llama_hd20": dict(architectures=["LlamaForCausalLM"], head_dim=20),

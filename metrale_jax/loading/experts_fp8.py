@@ -14,18 +14,21 @@ from __future__ import annotations
 from metrale_jax.errors import LoadError
 
 
-def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str) -> dict | None:
+def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str,
+                projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict | None:
     """{"experts_gate_up", "experts_down"} as `Fp8Linear`s when the checkpoint's experts are FP8 or
     the reader quantizes to FP8 at load (`quantization="fp8"`, as vLLM's on-the-fly FP8 quantizes
     MoE experts too); None otherwise: the caller loads them dense.
-    prefix: "model.layers.{}.mlp.experts.{}." (layer, expert)."""
-    mode = "quantize" if reader.quantize_fp8 else reader.fp8_kind(prefix.format(0, 0) + "gate_proj.weight")
+    prefix: "model.layers.{}.mlp.experts.{}." (layer, expert); projs: the gate, up and down
+    projections' names in it (Mixtral's: w1, w3, w2)."""
+    gate, up, down = projs
+    mode = "quantize" if reader.quantize_fp8 else reader.fp8_kind(prefix.format(0, 0) + gate + ".weight")
     if mode is None:
         return None
 
     def names(*projs):  # -> (layer, expert) -> that expert's weights, each FP8 as expert 0 of layer 0 is
         def of(i, j):
-            out = [prefix.format(i, j) + f"{p}_proj.weight" for p in projs]
+            out = [prefix.format(i, j) + f"{p}.weight" for p in projs]
             bad = [name for name in out if mode != "quantize" and reader.fp8_kind(name) != mode]
             if bad:
                 raise LoadError(f"{reader.origin}: expert weight {bad[0]!r} is not {mode}-scaled FP8 while "
@@ -35,7 +38,7 @@ def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: i
 
     return {
         "experts_gate_up": reader.fp8_stack(num_layers, (num_experts,), hidden, [inter, inter], "experts_gate_up",
-                                            mode, names("gate", "up"), "experts gate|up (fp8)"),
+                                            mode, names(gate, up), "experts gate|up (fp8)"),
         "experts_down": reader.fp8_stack(num_layers, (num_experts,), inter, [hidden], "experts_down", mode,
-                                         names("down"), "experts down (fp8)"),
+                                         names(down), "experts down (fp8)"),
     }

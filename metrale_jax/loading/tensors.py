@@ -296,6 +296,8 @@ _GGUF_BLOCK_NAMES = {
 }
 # stacked experts [n_expert, out, in] (qwen3moe, qwen2moe) -> each expert's projection, "mlp.experts.{e}.{proj}"
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# llama.cpp writes Mixtral as a "llama" GGUF with experts: HF Mixtral's names for its MoE block
+_MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -402,13 +404,19 @@ class GGUFSource:
         self.arch = str(_field_value(self.reader, "general.architecture", "llama"))
         self._tensors: dict[str, Any] = {}  # HF name -> gguf ReaderTensor, or an _Expert of one
         self._stacked: dict[str, np.ndarray] = {}  # the last dequantized stacked expert tensors
+        mixtral = self.arch == "llama"  # (its MoE tensors, if any, are Mixtral's)
         for t in self.reader.tensors:
             parts = t.name.split(".")
             if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERT_NAMES and parts[1].isdigit():
-                p = f"model.layers.{int(parts[1])}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+                block, proj = ("block_sparse_moe", _MIXTRAL_EXPERT_NAMES[parts[2]]) if mixtral else \
+                    ("mlp", _GGUF_EXPERT_NAMES[parts[2]])
+                p = f"model.layers.{int(parts[1])}.{block}.experts.{{}}.{proj}.{parts[3]}"
                 entries = {p.format(e): _Expert(t, e) for e in range(int(t.shape.tolist()[-1]))}
             else:
-                entries = {gguf_to_hf_name(t.name) or t.name: t}
+                hf = gguf_to_hf_name(t.name) or t.name
+                if mixtral and len(parts) == 4 and parts[2] == "ffn_gate_inp":
+                    hf = hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+                entries = {hf: t}
             for hf, entry in entries.items():
                 if hf in self._tensors:
                     raise CorruptCheckpointError(f"{self.path}: two tensors map to {hf!r}")
@@ -462,7 +470,12 @@ class GGUFSource:
             cfg["head_dim"] = hidden // n_head
         if "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
-        if m("expert_count") is not None:  # qwen3moe / qwen2moe (llama.cpp renormalizes qwen3moe's top-k weights)
+        if m("expert_count") is not None and a == "llama":  # Mixtral (its experts feed_forward_length wide)
+            cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=int(
+                m("expert_count")), num_experts_per_tok=int(m("expert_used_count")))
+            if m("expert_feed_forward_length") is not None:
+                cfg["intermediate_size"] = int(m("expert_feed_forward_length"))
+        elif m("expert_count") is not None:  # qwen3moe / qwen2moe (llama.cpp renormalizes qwen3moe's top-k weights)
             cfg.update(num_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
                        moe_intermediate_size=int(m("expert_feed_forward_length")), norm_topk_prob=a == "qwen3moe")
             if m("expert_shared_feed_forward_length") is not None:

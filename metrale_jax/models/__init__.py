@@ -11,7 +11,7 @@ from types import ModuleType
 
 from metrale_jax.errors import UnknownArchitectureError
 
-_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_next", "nemotron_h")
+_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "nemotron_h")
 
 
 def _registry() -> dict[str, str]:
