@@ -257,8 +257,8 @@ def _profile(eng, prompts, params, out: Path, modes: list[str], use, steps: int 
                 use(mode.split(":")[1])
             ps = params(mode != "free")
             for i, (p, sp) in enumerate(zip(prompts, ps)):
-                eng.add_request(f"profile-{mode}-{i}", eng.tokenizer.apply_chat_template(p, add_generation_prompt=True),
-                                sp)
+                text = eng.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+                eng.add_request(f"profile-{mode}-{i}", text, sp)
             sch = eng.scheduler
             while sch.waiting or any(q.num_computed < q.prompt_len for q in sch.running):
                 eng.step()  # until every row decodes (prefill: 4 prompts a step by default)

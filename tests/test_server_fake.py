@@ -274,7 +274,7 @@ def test_openai_client_chat(fake):
     srv, _ = fake
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    want = expected_fake_text(FakeTokenizer().apply_chat_template(msgs, tokenize=True), 0, 7)
+    want = expected_fake_text(FakeTokenizer().apply_chat_template(msgs, add_generation_prompt=True), 0, 7)
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=7, temperature=0)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == 7
@@ -288,7 +288,7 @@ def test_openai_client_chat(fake):
     r = client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert r.choices[0].message.content == expected_fake_text(
-        FakeTokenizer().apply_chat_template([{"role": "user", "content": "a\nb"}], tokenize=True), 0, 3)
+        FakeTokenizer().apply_chat_template([{"role": "user", "content": "a\nb"}], add_generation_prompt=True), 0, 3)
 
 
 def test_openai_client_responses(fake):
@@ -298,14 +298,14 @@ def test_openai_client_responses(fake):
     srv, _ = fake
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    want = expected_fake_text(FakeTokenizer().apply_chat_template(msgs, tokenize=True), 0, 7)
+    want = expected_fake_text(FakeTokenizer().apply_chat_template(msgs, add_generation_prompt=True), 0, 7)
     r = client.responses.create(model=MODEL, instructions="be brief", input="hello", max_output_tokens=7,
                                 temperature=0)
     assert r.output_text == want and r.object == "response" and r.id.startswith("resp_")
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
     assert r.usage.output_tokens == 7 and r.usage.input_tokens == len(FakeTokenizer().apply_chat_template(
-        msgs, tokenize=True))
+        msgs, add_generation_prompt=True))
     items = [{"role": "developer", "content": "be brief"},  # (developer: a system message)
              {"role": "user", "content": [{"type": "input_text", "text": "hello"}]}]
     assert client.responses.create(model=MODEL, input=items, max_output_tokens=7).output_text == want
@@ -723,7 +723,8 @@ def test_access_log_one_line_per_request(caplog):
     lines = sorted(_access_lines(caplog), key=lambda x: "/chat/" not in x)  # the stream's first
     assert len(lines) == 5, lines
     pat = r"{} {} {} id={} prompt_tokens={} completion_tokens={} \d+\.\d{{3}}s"
-    chat_prompt = len(FakeTokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True))
+    chat_prompt = len(FakeTokenizer().apply_chat_template([{"role": "user", "content": "hi"}],
+                                                          add_generation_prompt=True))
     for line, want in zip(lines, [("POST", "/v1/chat/completions", 200, r"chatcmpl-[0-9a-f]{32}", chat_prompt, 8),
                                   ("POST", "/v1/completions", 200, r"cmpl-[0-9a-f]{32}", 3, 5),
                                   ("POST", "/v1/completions", 400, r"cmpl-[0-9a-f]{32}", 0, 0),
@@ -966,7 +967,7 @@ def test_stop_reason_and_chat_message_fields(http):
     j = http.post("/v1/completions", json={**body, "max_tokens": 3}).json()
     assert (j["choices"][0]["finish_reason"], j["choices"][0]["stop_reason"]) == ("length", None)
     msgs = [{"role": "user", "content": "hi"}]
-    chat_ids = FakeTokenizer().apply_chat_template(msgs, tokenize=True)
+    chat_ids = FakeTokenizer().apply_chat_template(msgs, add_generation_prompt=True)
     chat_stop = expected_fake_text(chat_ids, 0, 40)[6:8]
     chat = {"model": MODEL, "messages": msgs, "max_tokens": 40, "stop": [chat_stop]}
     j = http.post("/v1/chat/completions", json=chat).json()
@@ -985,7 +986,7 @@ def test_continuous_usage_is_per_choice_from_the_first_chunk(http):
     """continuous_usage_stats as vLLM reports it: the real prompt token count from the first chunk
     (the role chunk of a chat stream) on, and each chunk the completion tokens of its own choice."""
     msgs = [{"role": "user", "content": "hi"}]
-    prompt_len = len(FakeTokenizer().apply_chat_template(msgs, tokenize=True))
+    prompt_len = len(FakeTokenizer().apply_chat_template(msgs, add_generation_prompt=True))
     so = {"include_usage": True, "continuous_usage_stats": True}
     ev = stream_post(http, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4, "n": 2,
                                                      "stream": True, "stream_options": so})

@@ -49,7 +49,7 @@ class FakeTokenizer:
     def __init__(self):
         self.calls: list[dict] = []  # the messages and keyword arguments of each apply_chat_template
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):  # (transformers')
         self.calls.append({"messages": messages, **kw})
         for m in messages:
             if m["role"] == "tool":

@@ -44,7 +44,7 @@ def test_prompts_and_chat_template_match_transformers(smollm2_tokenizer, smollm2
             kinds.add("chat")
             rendered = tok.apply_chat_template(c["messages"], add_generation_prompt=True, tokenize=False)
             assert rendered == c["rendered"]
-            assert tok.apply_chat_template(c["messages"], tokenize=True) == c["prompt_token_ids"]
+            assert tok.apply_chat_template(c["messages"], add_generation_prompt=True) == c["prompt_token_ids"]
             assert tok.encode(rendered, add_special_tokens=False) == c["prompt_token_ids"]
         else:
             kinds.add("plain")
@@ -70,6 +70,26 @@ def test_smollm2_basics(smollm2_tokenizer):  # noqa: F811
     assert tok.encode("x 2024") == [104, 216, 34, 32, 34, 36]
 
 
+def test_transformers_names(smollm2_tokenizer, smollm2_golden):  # noqa: F811
+    """What scripts written against transformers' tokenizer call on `LLM.get_tokenizer()` (vLLM
+    returns transformers' own): apply_chat_template's defaults (no generation prompt, token ids),
+    calling it, batch_decode, get_vocab, convert_tokens_to_ids, all_special_ids."""
+    tok = smollm2_tokenizer
+    case = next(c for c in smollm2_golden["cases"] if "messages" in c)
+    with_prompt = case["prompt_token_ids"]  # (transformers', add_generation_prompt=True)
+    plain = tok.apply_chat_template(case["messages"])
+    assert isinstance(plain, list) and len(plain) < len(with_prompt) and with_prompt[: len(plain)] == plain
+    assert tok.decode(with_prompt[len(plain):], skip_special_tokens=False) == "<|im_start|>assistant\n"
+    assert tok("Hello, world!") == {"input_ids": tok.encode("Hello, world!"), "attention_mask": [1] * 4}
+    assert tok(["a b", "c"], add_special_tokens=False)["input_ids"] == [tok.encode("a b"), tok.encode("c")]
+    assert tok.batch_decode([[19556], [1, 4093, 2]]) == ["Hello", "user"]
+    vocab = tok.get_vocab()
+    assert len(vocab) == tok.vocab_size and vocab["Hello"] == 19556 and vocab["<|im_end|>"] == 2
+    assert tok.convert_tokens_to_ids("Hello") == 19556
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "user"]) == [1, 4093]
+    assert {0, 1, 2} <= set(tok.all_special_ids) and 19556 not in tok.all_special_ids
+
+
 # ---- from_dir ------------------------------------------------------------------------------------
 
 
@@ -89,7 +109,8 @@ def test_from_dir_reproduces_gguf_tokenizer(tmp_path, smollm2_tokenizer, smollm2
     assert Tokenizer.from_dir(tmp_path).encode("Hello, world!", add_special_tokens=False) == [19556, 28, 905, 17]
     # chat_template.jinja wins over the config's template.
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
-    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+    hi = [{"role": "user", "content": "hi"}]
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(hi, tokenize=False) == "hi!"
 
 
 def test_tokenizer_without_template_raises(tmp_path, smollm2_tokenizer):  # noqa: F811
@@ -141,9 +162,9 @@ WANT_NOGEN = '<|im_start|><system>"Be <brief> & \\"exact\\"."\n<user>"<b>café &
 def test_chat_template_environment_matches_transformers(smollm2_tokenizer):  # noqa: F811
     tok = smollm2_tokenizer
     got = tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True, tools=TOOLS,
-                                  extra_var="X")
+                                  extra_var="X", tokenize=False)
     assert got == WANT_GEN
-    assert tok.apply_chat_template(MESSAGES[:2], chat_template=TEMPLATE, add_generation_prompt=False) == WANT_NOGEN
+    assert tok.apply_chat_template(MESSAGES[:2], chat_template=TEMPLATE, tokenize=False) == WANT_NOGEN
     with pytest.raises(jinja2.exceptions.TemplateError, match="bad role: tool"):
         tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}],
                                 chat_template=TEMPLATE)
@@ -151,12 +172,13 @@ def test_chat_template_environment_matches_transformers(smollm2_tokenizer):  # n
     with pytest.raises(jinja2.exceptions.SecurityError):
         tok.apply_chat_template([], chat_template="{{ ''.__class__.__mro__ }}")
     year = datetime.now().strftime("%Y")
-    assert tok.apply_chat_template([], chat_template="{{ strftime_now('%Y') }}") in (year, str(int(year) + 1))
+    assert tok.apply_chat_template([], chat_template="{{ strftime_now('%Y') }}", tokenize=False) in (
+        year, str(int(year) + 1))
 
 
 def test_continue_final_message(smollm2_tokenizer):  # noqa: F811
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
-    out = smollm2_tokenizer.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    out = smollm2_tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=False)
     assert out.endswith("<|im_start|>assistant\nHello the")
 
 

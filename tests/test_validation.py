@@ -127,7 +127,7 @@ def test_good_chat_renders_content_parts_and_none(llm, W):
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     out = llm.chat(conv, GREEDY)[0]
     want = llm.tokenizer.apply_chat_template([{"role": "system", "content": ""}, {"role": "user", "content": "a\nb"}],
-                                             tokenize=True)
+                                             add_generation_prompt=True)
     assert out.prompt_token_ids == want and want[:2] == [4, llm.tokenizer.encode("s", add_special_tokens=False)[0]]
     assert out.outputs[0].token_ids == fake_greedy(W, want, 7, ignore_eos=True)
     with pytest.raises(InvalidPromptError):  # lone surrogates inside a message

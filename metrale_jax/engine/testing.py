@@ -77,7 +77,7 @@ class FakeTokenizer:
     def is_special(self, i: int) -> bool:
         return int(i) in (0, 1)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):  # (transformers')
         s = "".join(f"{m['role'][0]}:{m['content']};" for m in messages) + ("a:" if add_generation_prompt else "")
         return self.encode(s) if tokenize else s
 

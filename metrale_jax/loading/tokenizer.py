@@ -286,6 +286,29 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    # transformers' names for scripts written against `get_tokenizer()` (vLLM returns an HF tokenizer)
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """{"input_ids", "attention_mask"} of a text (lists) or of each of several texts (lists of lists)."""
+        ids = (self.encode(text, add_special_tokens) if isinstance(text, str)
+               else self.encode_batch(text, add_special_tokens))
+        mask = [1] * len(ids) if isinstance(text, str) else [[1] * len(i) for i in ids]
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]) -> Any:
+        if isinstance(tokens, str):
+            return self.token_to_id(tokens)
+        return [self.token_to_id(t) for t in tokens]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self._special_ids)
+
     def convert_ids_to_tokens(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> Any:
         if isinstance(ids, int):
             return self.id_to_token(ids)
@@ -304,8 +327,8 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
         *,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
@@ -313,7 +336,8 @@ class Tokenizer:
         continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the chat template (jinja2, as transformers renders it).
+        """Render `messages` with the chat template (jinja2, as transformers renders it); the
+        defaults are transformers': no generation prompt, token ids.
 
         With `tokenize=True` the rendered string is encoded with add_special_tokens=False, as
         transformers does (the template writes its own special tokens).
