@@ -76,10 +76,13 @@ class SamplingParams:
     """Per-request sampling parameters, with vLLM's names, defaults and semantics.
 
     top_k: -1 or 0 = off. top_p: in (0, 1]. min_p: in [0, 1]. temperature 0 = greedy.
-    max_tokens: None = up to max_model_len. seed: None = a seed drawn from the engine's RNG.
+    max_tokens: None = up to max_model_len. seed: None (or -1, vLLM's "none") = a seed drawn from
+    the engine's RNG.
     logprobs / prompt_logprobs: None = off, k >= 0 = the chosen/prompt token plus the top k.
     structured_outputs: None = free text; else a `StructuredOutputsParams` constraint (JSON schema,
     regex, choice, grammar) every sampled token obeys (`metrale_jax.structured_output`).
+    guided_decoding: vLLM 0.10's name for it (a `GuidedDecodingParams`, the same class), moved
+    into structured_outputs.
     allowed_token_ids: None = any token; else only these are sampled (vLLM's).
     logit_bias: {token id: bias in [-100, 100]}, OpenAI's and vLLM's: added to the token's logit
     before penalties and sampling (the returned logprobs stay the model's, as vLLM's). The two
@@ -122,8 +125,16 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidSamplingParamsError("give structured_outputs or guided_decoding (its vLLM 0.10 name), "
+                                                 "not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.seed, int | np.integer) and self.seed == -1:  # (vLLM's -1: no seed)
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -823,8 +834,11 @@ def seed_words(seed: int, seq_index: int) -> tuple[int, int, int]:
     return s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF, int(seq_index) & 0xFFFFFFFF
 
 
+GuidedDecodingParams = StructuredOutputsParams  # vLLM 0.10's name
+
 __all__ = [
-    "SamplingParams", "RequestOutputKind", "SamplingMetadata", "SampleOutput", "PenaltyState", "init_penalty_state",
+    "SamplingParams", "RequestOutputKind", "GuidedDecodingParams", "SamplingMetadata", "SampleOutput", "PenaltyState",
+    "init_penalty_state",
     "update_penalty_state", "sample", "prompt_logprobs", "FilterParams", "filter_logits", "search_passes",
     "SEARCH_WAYS", "CPU_SEARCH_WAYS", "CountKernel", "default_search_ways", "row_keys", "row_gumbel", "seed_words",
     "apply_token_bitmask", "top_k_plan",

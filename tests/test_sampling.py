@@ -77,6 +77,16 @@ def test_params_normalisation():
     assert sp.stop == ["###"] and sp.stop_token_ids == [] and sp.top_k_or_off == 0
     assert SamplingParams(top_k=0).top_k_or_off == 0 and SamplingParams(top_k=7).top_k_or_off == 7
     assert not SamplingParams().has_penalties and SamplingParams(presence_penalty=0.1).has_penalties
+    # vLLM's: seed -1 means none; vLLM 0.10's guided_decoding=GuidedDecodingParams(...) is structured_outputs
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    from metrale_jax.sampling import GuidedDecodingParams
+    from metrale_jax.structured_output import StructuredOutputsParams
+
+    g = GuidedDecodingParams(choice=["a", "b"])
+    sp = SamplingParams(guided_decoding=g)
+    assert sp.structured_outputs is g and sp.guided_decoding is None and sp.clone(n=2).structured_outputs == g
+    with pytest.raises(InvalidSamplingParamsError, match="not both"):
+        SamplingParams(guided_decoding=g, structured_outputs=StructuredOutputsParams(regex="a"))
 
 
 # ---- greedy / logprobs ---------------------------------------------------------------------------

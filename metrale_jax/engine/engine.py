@@ -15,6 +15,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -657,6 +658,11 @@ class LLMEngine:
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """vLLM's name: `abort` each of `request_ids` (one id or several)."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free everything it holds (now). Unknown ids are ignored."""
