@@ -157,7 +157,8 @@ def _load(args: argparse.Namespace):
     from metrale_jax.model import load_model
 
     model, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization,
-                               revision=args.revision, show_progress=show_progress(args))
+                               revision=args.revision, show_progress=show_progress(args),
+                               download_dir=getattr(args, "download_dir", None))
     if args.tokenizer is not None:
         from metrale_jax.loading.checkpoint import load_tokenizer
 

@@ -41,8 +41,12 @@ class LLM:
     vLLM's arguments that ported scripts pass: `tokenizer` (another tokenizer: a folder, a GGUF
     file, an alias or a hub id), `swap_space` (GiB of host memory for preempted sequences,
     `EngineConfig.swap_space_gb`), `trust_remote_code` (accepted; nothing from a checkpoint is ever
-    run: every architecture is this package's own code) and `enforce_eager` (accepted; the steps
-    are always compiled ahead of time, there is no eager mode: True is logged once).
+    run: every architecture is this package's own code), `enforce_eager` (accepted; the steps
+    are always compiled ahead of time, there is no eager mode: True is logged once),
+    `kv_cache_dtype` (`EngineConfig.kv_dtype`: "auto", "fp8", ...), `download_dir`,
+    `tokenizer_mode` ("auto", or "slow" / "hf": the `tokenizers` one either way; "mistral" is
+    refused), `enable_chunked_prefill` (prefill is always chunked), and `disable_log_stats`,
+    `max_seq_len_to_capture`, `distributed_executor_backend` (accepted, nothing to set here).
     """
 
     def __init__(
@@ -60,8 +64,21 @@ class LLM:
         swap_space: float | None = None,
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
+        kv_cache_dtype: str | None = None,
+        tokenizer_mode: str = "auto",
+        enable_chunked_prefill: bool | None = None,
+        disable_log_stats: bool = True,
+        max_seq_len_to_capture: int | None = None,
+        distributed_executor_backend: str | None = None,
         **engine_kwargs: Any,
     ):
+        if tokenizer_mode not in ("auto", "slow", "hf"):
+            raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported ('auto'; the tokenizer is always "
+                             "the `tokenizers` one of tokenizer.json or the GGUF)")
+        if enable_chunked_prefill is False:
+            log.info("enable_chunked_prefill=False: metrale-jax always prefills long prompts in chunks")
+        if kv_cache_dtype is not None:
+            engine_kwargs["kv_dtype"] = kv_cache_dtype
         if enforce_eager:
             log.info("enforce_eager=True: metrale-jax has no eager mode; its steps are compiled ahead of time")
         if swap_space is not None:

@@ -129,7 +129,7 @@ class Model:
 def load_model(
     path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
     quantization: str | None = None, revision: str | None = None, split_layers: bool = False, sharder=None,
-    mtp: bool = False,
+    mtp: bool = False, download_dir: str | None = None,
 ) -> tuple[Model, dict]:
     """Load a checkpoint (HF safetensors directory, GGUF file, a known alias, or a Hugging Face
     repo id `org/name` at `revision`, fetched with huggingface_hub: `loading/hub.py`) -> (model, params).
@@ -151,6 +151,7 @@ def load_model(
     `sharder` (a `parallel.Sharder`): place every parameter on its tensor-parallel shards
     while reading, a layer at a time (each device receives only its slice, and the host holds one
     layer of a parameter, never the whole model); `LLM(..., tensor_parallel_size=N)` asks for it.
+    `download_dir`: the Hugging Face cache a repo id downloads into (vLLM's; None: huggingface_hub's).
     Raises a `LoadError` subclass naming the file or tensor on any problem.
     """
     from metrale_jax.layers.stack import device_put_layers, host_stacked
@@ -160,7 +161,7 @@ def load_model(
     from metrale_jax.loading.weights import WeightReader, np_dtype
 
     t0 = time.perf_counter()
-    resolved = resolve_model(path, revision=revision, show_progress=show_progress)
+    resolved = resolve_model(path, revision=revision, show_progress=show_progress, hub_cache=download_dir)
     ckpt = open_checkpoint(resolved)
     cfg = ModelConfig.from_hf(ckpt.config)
     fam_name, fam = family_for(cfg.architecture)

@@ -245,8 +245,9 @@ def test_ctrl_c_leaves_no_step_in_flight(monkeypatch, capsys, tiny_with_tokenize
 
 
 def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
-    """vLLM's launch lines run: --trust-remote-code / --enforce-eager / --disable-log-stats are
-    accepted, --kv-cache-dtype is --kv-dtype, --uvicorn-log-level is --log-level; a port outside
+    """vLLM's launch lines run: --trust-remote-code / --enforce-eager / --disable-log-stats /
+    --enable-chunked-prefill / --tokenizer-mode auto are accepted, --kv-cache-dtype is --kv-dtype
+    (with vLLM's values: fp8), --download-dir the hub cache, --uvicorn-log-level is --log-level; a port outside
     0-65535 and --lora-modules without --enable-lora are errors before anything loads."""
     pytest.importorskip("fastapi")
     from metrale_jax.server.cli import engine_config_from_args
@@ -256,6 +257,10 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
                               "--kv-cache-dtype", "bfloat16", "--uvicorn-log-level", "warning", "--port", "0"])
     assert (args.kv_dtype, args.log_level, args.port) == ("bfloat16", "warning", 0)
     assert engine_config_from_args(args, "m").kv_dtype == "bfloat16"
+    args = parser.parse_args(["serve", "m", "--kv-cache-dtype", "fp8", "--download-dir", "/hf", "--tokenizer-mode",
+                              "auto", "--enable-chunked-prefill"])
+    cfg = engine_config_from_args(args, "m")
+    assert (cfg.kv_dtype, cfg.download_dir) == ("float8_e4m3fn", "/hf")
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--port", "99999"])
     assert "is not a TCP port" in capsys.readouterr().err

@@ -101,6 +101,37 @@ def test_hf_hub_cache_overrides_hf_home(hf_home, tmp_path, monkeypatch):
     assert resolve_model("tiny-org/tiny-llama") == snap
 
 
+def test_download_dir_is_the_hub_cache(hf_home, tmp_path, monkeypatch):
+    """vLLM's download_dir (EngineConfig / LLM / --download-dir): the cache a repo id resolves in,
+    instead of huggingface_hub's; LLM's other vLLM arguments reach the EngineConfig too."""
+    from metrale_jax.engine.engine import LLMEngine
+    from metrale_jax.llm import LLM
+
+    dl = tmp_path / "dl"
+    snap = _add_snapshot(dl, "tiny-org/tiny-llama", FIXTURES / "llama_tiny", COMMIT_MAIN)
+    assert resolve_model("tiny-org/tiny-llama", hub_cache=dl) == snap
+    with pytest.raises(ModelNotFoundError):  # (not in HF_HOME's cache)
+        resolve_model("tiny-org/tiny-llama")
+    model, _ = load_model("tiny-org/tiny-llama", dtype="float32", show_progress=False, download_dir=str(dl))
+    assert model.cfg.architecture == "LlamaForCausalLM"
+    seen = []
+
+    def from_config(config):
+        seen.append(config)
+        raise KeyboardInterrupt  # (stop before loading)
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(from_config))
+    with pytest.raises(KeyboardInterrupt):
+        LLM("tiny-org/tiny-llama", download_dir=str(dl), kv_cache_dtype="fp8", tokenizer_mode="auto",
+            enable_chunked_prefill=True, disable_log_stats=True, max_seq_len_to_capture=8192,
+            distributed_executor_backend="mp")
+    assert (seen[0].download_dir, seen[0].kv_dtype) == (str(dl), "float8_e4m3fn")
+    with pytest.raises(ValueError, match="tokenizer_mode"):
+        LLM("tiny-org/tiny-llama", tokenizer_mode="mistral")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM("tiny-org/tiny-llama", kv_cache_dtype="fp8_e5m2")
+
+
 def test_local_path_and_wheel_alias_take_precedence(hf_home, tmp_path, monkeypatch):
     # a local folder spelled like a repo id wins over the Hub cache
     _add_snapshot(hf_home / "hub", "tiny-org/tiny-llama", FIXTURES / "llama_tiny", COMMIT_MAIN)

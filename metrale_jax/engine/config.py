@@ -88,7 +88,11 @@ class EngineConfig:
     # generation_config.json
     generation_config: str = "auto"
     dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
-    kv_dtype: str | None = None  # override the KV cache dtype (None = dtype)
+    # override the KV cache dtype (None = dtype): "float32" | "bfloat16" | "float16" | "float8_e4m3fn";
+    # vLLM's kv_cache_dtype spellings too ("auto" = None, "fp8" / "fp8_e4m3" = float8_e4m3fn)
+    kv_dtype: str | None = None
+    # vLLM's `download_dir`: the Hugging Face cache a hub repo id downloads into (None: huggingface_hub's)
+    download_dir: str | None = None
     quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
@@ -166,6 +170,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        kd = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}.get(self.kv_dtype, self.kv_dtype)
+        if kd not in (None, "float32", "bfloat16", "float16", "float8_e4m3fn"):
+            raise ValueError(f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not supported: 'auto', 'float32', "
+                             "'bfloat16', 'float16' or 'fp8' (float8_e4m3fn)")
+        object.__setattr__(self, "kv_dtype", kd)
         gc = self.generation_config
         if gc not in ("auto", "vllm") and not os.path.isfile(os.path.join(gc, "generation_config.json")):
             # here, not after the model has loaded (minutes for a large one)

