@@ -258,8 +258,9 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
     assert (args.kv_dtype, args.log_level, args.port) == ("bfloat16", "warning", 0)
     assert engine_config_from_args(args, "m").kv_dtype == "bfloat16"
     args = parser.parse_args(["serve", "m", "--kv-cache-dtype", "fp8", "--download-dir", "/hf", "--tokenizer-mode",
-                              "auto", "--enable-chunked-prefill"])
+                              "auto", "--enable-chunked-prefill", "--reasoning-parser", "deepseek_r1"])
     cfg = engine_config_from_args(args, "m")
+    assert args.reasoning_parser == "deepseek_r1"
     assert (cfg.kv_dtype, cfg.download_dir) == ("float8_e4m3fn", "/hf")
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--port", "99999"])

@@ -13,6 +13,7 @@ import pytest
 from test_server_support import FakeEngine, FakeTokenizer, sse_events
 
 from metrale_jax.server import BackgroundServer, ServerConfig
+from metrale_jax.server.reasoning import split_reasoning
 from metrale_jax.server.tools import ToolMode, tool_mode
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
@@ -132,17 +133,18 @@ def test_tool_choice_modes_and_constraints():
 
 # ---- the server, the fake engine replying with a script ------------------------------------------
 class _ToolTokenizer(FakeTokenizer):
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kw):
         self.calls.append({"messages": messages, **kw})
         text = "".join(f"[{m['role']}]{m.get('content') or ''}{json.dumps(m.get('tool_calls') or '')}"
                        for m in messages) + json.dumps(kw.get("tools") or "")[:40]
         return self.encode(text) if tokenize else text
 
 
-def _server(parser: str | None):
+def _server(parser: str | None, reasoning: str | None = None):
     eng = FakeEngine(max_model_len=4096, max_num_seqs=4, step_delay_s=0.002)
     eng.tokenizer = _ToolTokenizer()
-    return eng, BackgroundServer(eng, ServerConfig(model_names=("m",), tool_call_parser=parser))
+    return eng, BackgroundServer(eng, ServerConfig(model_names=("m",), tool_call_parser=parser,
+                                                   reasoning_parser=reasoning))
 
 
 @pytest.fixture(scope="module")
@@ -378,3 +380,63 @@ def test_responses_api_function_calls(auto):
     assert [o.type for o in r.output] == ["function_call"] and r.output[0].name == "get_time"
     r = httpx.post(srv.url + "/v1/responses", json={"model": "m", "input": "x", "tools": [{"type": "web_search"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"
+
+
+# ---- reasoning parsers (vLLM's --reasoning-parser) -------------------------------------------------
+
+
+def test_split_reasoning():
+    """<think> ... </think> then content; qwen3 reasons only in a reply that opens with <think>,
+    deepseek_r1 from the start; unfinished text keeps back what may become a tag."""
+    done = "<think>\nplan it</think>\n\nThe answer."
+    for parser in ("qwen3", "deepseek_r1"):
+        r, start = split_reasoning(done, parser, True)
+        assert (r, done[start:]) == ("\nplan it", "\n\nThe answer.")
+        assert split_reasoning("<think>half way", parser, True) == ("half way", None)  # (cut off)
+        assert split_reasoning("<think>half </th", parser, False) == ("half ", None)  # (may be </think>)
+        assert split_reasoning("<thi", parser, False) == ("", None)  # (may be <think>)
+    assert split_reasoning("plain answer", "qwen3", True) == ("", 0)  # (thinking off: content)
+    r, start = split_reasoning("plan</think>Answer", "deepseek_r1", True)  # (the prompt opened it)
+    assert (r, start) == ("plan", len("plan</think>"))
+    assert split_reasoning("no end yet", "deepseek_r1", True) == ("no end yet", None)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_reasoning_on_the_wire(parser):
+    """The message's `reasoning` (and vLLM's older `reasoning_content`) and its content, streamed
+    and not; tool calls only in the content; replies that do not reason are content."""
+    eng, srv = _server("hermes", parser)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with srv:
+        eng.script = "<think>\nThe user wants <tool_call> weather.\n</think>\n\nIt is sunny."
+        ch = _chat(srv.url, {"messages": msgs}).json()["choices"][0]
+        m = ch["message"]
+        assert m["reasoning"] == m["reasoning_content"] == "\nThe user wants <tool_call> weather.\n"
+        assert m["content"] == "\n\nIt is sunny." and ch["finish_reason"] == "stop"
+        events = _stream(srv.url, {"messages": msgs})
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == m["reasoning"]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == m["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == m["content"]
+        assert sum(bool(d.get("reasoning")) for d in deltas) > 5  # (streamed as it is generated; the joins
+        # above hold no piece of <think> or </think>)
+        # a call after the reasoning is a tool call; the <tool_call> inside the reasoning was not
+        eng.script = ('<think>call the tool</think><tool_call>\n{"name": "get_weather", "arguments": '
+                      '{"city": "Paris"}}\n</tool_call>')
+        ch = _chat(srv.url, {"messages": msgs, "tools": TOOLS}).json()["choices"][0]
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["reasoning"] == "call the tool"
+        assert _named_args(ch["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+        events = _stream(srv.url, {"messages": msgs, "tools": TOOLS})
+        content, calls, finish = _joined_calls(events)
+        assert finish == "tool_calls" and [c["name"] for c in calls] == ["get_weather"] and not content.strip()
+        assert "".join(c["delta"].get("reasoning") or "" for e in events for c in e["choices"]) == "call the tool"
+        # no <think>: qwen3's reply is content, deepseek_r1's is reasoning
+        eng.script = "Just sunny."
+        m = _chat(srv.url, {"messages": msgs}).json()["choices"][0]["message"]
+        want = (None, "Just sunny.") if parser == "qwen3" else ("Just sunny.", None)
+        assert (m["reasoning"], m["content"]) == want
+        deltas = [c["delta"] for e in _stream(srv.url, {"messages": msgs}) for c in e["choices"]]
+        assert ("".join(d.get("reasoning") or "" for d in deltas) or None,
+                "".join(d.get("content") or "" for d in deltas) or None) == want
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerConfig(reasoning_parser="nope")

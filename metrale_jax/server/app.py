@@ -109,6 +109,7 @@ from metrale_jax.server.protocol import (
     parse_request,
     template_messages,
 )
+from metrale_jax.server.reasoning import REASONING_PARSERS, split_reasoning
 from metrale_jax.server.tools import TOOL_CALL_PARSERS, ToolMode, tool_mode
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class ServerConfig:
     # "auto" tool choice: the parser that finds tool calls in replies (`--enable-auto-tool-choice
     # --tool-call-parser NAME`; one of tools.TOOL_CALL_PARSERS); None: "auto" is a 400
     tool_call_parser: str | None = None
+    # thinking models' replies split into reasoning and content (`--reasoning-parser NAME`; one of
+    # reasoning.REASONING_PARSERS); None: the reply is all content
+    reasoning_parser: str | None = None
     chat_template: str | None = None
     # CORS (Starlette's CORSMiddleware, vLLM's flags --allowed-origins, --allowed-methods,
     # --allowed-headers, --allow-credentials): browsers' preflight OPTIONS get an answer
@@ -160,6 +164,8 @@ class ServerConfig:
     def __post_init__(self):
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of {REASONING_PARSERS}")
 
 
 def _now() -> int:
@@ -188,7 +194,8 @@ def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
 class _Choice:
     """What has been sent so far for one choice (one output of one prompt)."""
 
-    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset", "call_id", "calls_sent")
+    __slots__ = ("index", "text_sent", "tokens_sent", "finished", "text_offset", "call_id", "calls_sent",
+                 "reasoning_sent")
 
     def __init__(self, index: int):
         self.index = index
@@ -198,6 +205,7 @@ class _Choice:
         self.text_offset = 0
         self.call_id: str | None = None  # a named tool call's id, once its first delta went out
         self.calls_sent: list[int] = []  # auto tool calls streamed: the length of each one's arguments sent
+        self.reasoning_sent = 0  # a reasoning parser's: the reasoning's length sent
 
 
 # ---- logprob formats -------------------------------------------------------------------------------
@@ -260,9 +268,11 @@ class _Generation:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
                  holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
-                 tools: ToolMode = ToolMode(), extras: _Extras = _Extras(), detok: Any = None):
+                 tools: ToolMode = ToolMode(), extras: _Extras = _Extras(), detok: Any = None,
+                 reasoning: str | None = None):
         self.chat = chat
         self.tools = tools
+        self.reasoning = reasoning  # a reasoning parser's name (chat completions), or None
         self.id = request_id
         self.model = model
         self.n = n
@@ -425,8 +435,14 @@ class _Generation:
         return out
 
     def _choice_chunks(self, ch: _Choice, o: Any) -> list[str]:
+        thought = ""
+        if self.reasoning is not None:  # the content alone goes on below (a view of the output)
+            whole = o.text or ""
+            r, start = split_reasoning(whole, self.reasoning, o.finish_reason is not None)
+            thought, ch.reasoning_sent = r[ch.reasoning_sent:], max(ch.reasoning_sent, len(r))
+            o = dataclasses.replace(o, text=whole[start:] if start is not None else "")
         text, ids, lps, finish = self._delta(ch, o)
-        if not text and not ids and finish is None:
+        if not text and not ids and finish is None and not thought:
             return []
         lp_obj = None
         if lps is not None:
@@ -437,12 +453,14 @@ class _Generation:
                 ch.text_offset += sum(len(t) for t in lp_obj["tokens"])
         if self.tools.active:
             payload, finish = self._tool_payload(ch, text, finish, o.text or "")
-            if not payload and finish is None and lp_obj is None:
+            if not payload and finish is None and lp_obj is None and not thought:
                 return []
-        elif not text and finish is None and lp_obj is None:
+        elif not text and finish is None and lp_obj is None and not thought:
             return []
         else:
-            payload = ({"content": text} if text or finish is None else {}) if self.chat else text
+            payload = ({"content": text} if text or (finish is None and not thought) else {}) if self.chat else text
+        if thought:
+            payload = {"reasoning": thought, "reasoning_content": thought, **payload}
         ch.finished = finish is not None
         return [_sse(self._chunk(ch.index, payload, lp_obj, finish, o.stop_reason if finish is not None else None))]
 
@@ -549,13 +567,20 @@ class _Generation:
                 # `tool_calls` only when there are calls, and vLLM's `reasoning`
                 message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                                            "audio": None, "function_call": None}
-                if self.tools.active and o is not None:
+                thought = None
+                if self.reasoning is not None:
+                    thought, start = split_reasoning(text, self.reasoning, True)
+                    text = message["content"] = text[start:] if start is not None else None
+                    thought = thought or None
+                if self.tools.active and o is not None and text is not None:
                     message["content"], calls = self.tools.parse(text)
                     if calls:
                         message["tool_calls"] = calls
                         if finish == "stop" and self.tools.named is None:
                             finish = "tool_calls"
-                message["reasoning"] = None
+                message["reasoning"] = thought
+                if self.reasoning is not None:  # (vLLM's older name of the field)
+                    message["reasoning_content"] = thought
                 choices.append({"index": ci, "message": message, "logprobs": lp_obj, "finish_reason": finish,
                                 "stop_reason": stop_reason})
             else:
@@ -1224,7 +1249,7 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=served_name(lora),
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
-                          tools=tools, extras=_Extras.of(req))
+                          tools=tools, extras=_Extras.of(req), reasoning=config.reasoning_parser)
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, req, lora,
                            beam=bool(req.use_beam_search), max_tokens_field="max_completion_tokens"

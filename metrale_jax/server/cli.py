@@ -127,6 +127,7 @@ def add_serve_subcommand(subparsers: Any, add_engine_options: Callable[[argparse
 
 def add_serve_arguments(p: argparse.ArgumentParser,
                         add_engine_options: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    from metrale_jax.server.reasoning import REASONING_PARSERS
     from metrale_jax.server.tools import TOOL_CALL_PARSERS
 
     p.add_argument("model", help="model path or alias")
@@ -153,6 +154,9 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format of the model's replies: hermes (Qwen2.5/3, Hermes), "
                         "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 / 4), mistral")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="split thinking models' chat replies into `reasoning` (between <think> and </think>) and "
+                        "content: qwen3 (a reply that opens with <think>), deepseek_r1 (reasoning from the start)")
     p.add_argument("--allowed-origins", type=_json_str_list, default=["*"],
                    help='CORS: allowed origins, a JSON list (e.g. \'["https://example.com"]\')')
     p.add_argument("--allowed-methods", type=_json_str_list, default=["*"], help="CORS: allowed methods, a JSON list")
@@ -208,6 +212,7 @@ def serve_main(args: argparse.Namespace) -> int:
     config = ServerConfig(model_names=served_model_names(args, engine.model_name), api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
                           lora_modules=tuple(loras), tool_call_parser=parser,
+                          reasoning_parser=getattr(args, "reasoning_parser", None),
                           max_request_bytes=args.max_request_bytes, log_requests=not args.disable_log_requests,
                           **cors_from_args(args))
     try:
