@@ -189,6 +189,26 @@ def test_chat_template_kwargs_and_continue_final_message(http, fake):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
+def test_chat_echo(http):
+    """vLLM's chat `echo`: the reply's content starts with the last message when it has the reply's
+    role (an assistant message continued; with add_generation_prompt false, whatever the last role),
+    streamed in the opening chunk; otherwise nothing is echoed."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 3, "echo": True}
+    plain = http.post("/v1/chat/completions", json={**body, "echo": False}).json()["choices"][0]["message"]["content"]
+    got = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert got == "Once" + plain
+    ev = stream_post(http, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [c["delta"] for e in ev[:-1] for c in e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": "Once"}
+    assert "".join(d.get("content") or "" for d in deltas) == got
+    for extra in ({"messages": msgs[:1]}, {"echo": False}):  # (the last message is the user's: not echoed)
+        r = http.post("/v1/chat/completions", json={**body, **extra}).json()["choices"][0]["message"]["content"]
+        assert not r.startswith("Once") and not r.startswith("hi")
+    r = http.post("/v1/chat/completions", json={**body, "messages": msgs[:1], "add_generation_prompt": False})
+    assert r.json()["choices"][0]["message"]["content"].startswith("hi")
+
+
 def test_continuous_usage_stats(http):
     """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far."""
     ev = stream_post(http, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 4,

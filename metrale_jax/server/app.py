@@ -269,10 +269,11 @@ class _Generation:
     def __init__(self, *, chat: bool, request_id: str, model: str, n: int, num_prompts: int,
                  holdback: int, top_logprobs: int | None, want_logprobs: bool, echo_texts: list[str] | None,
                  tools: ToolMode = ToolMode(), extras: _Extras = _Extras(), detok: Any = None,
-                 reasoning: str | None = None):
+                 reasoning: str | None = None, chat_echo: str | None = None):
         self.chat = chat
         self.tools = tools
         self.reasoning = reasoning  # a reasoning parser's name (chat completions), or None
+        self.chat_echo = chat_echo  # chat `echo`: the text the reply's content starts with
         self.id = request_id
         self.model = model
         self.n = n
@@ -388,7 +389,8 @@ class _Generation:
         self.opened.add(pi)
         cis = range(pi * self.n, (pi + 1) * self.n)
         if self.chat:
-            return [_sse(self._chunk(ci, {"role": "assistant", "content": ""}, None, None, opening=True)) for ci in cis]
+            return [_sse(self._chunk(ci, {"role": "assistant", "content": self.chat_echo or ""}, None, None,
+                                     opening=True)) for ci in cis]
         if self.echo_texts is None:
             return []
         out = []
@@ -578,6 +580,8 @@ class _Generation:
                         message["tool_calls"] = calls
                         if finish == "stop" and self.tools.named is None:
                             finish = "tool_calls"
+                if self.chat_echo:
+                    message["content"] = self.chat_echo + (message["content"] or "")
                 message["reasoning"] = thought
                 if self.reasoning is not None:  # (vLLM's older name of the field)
                     message["reasoning_content"] = thought
@@ -1249,7 +1253,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         gen = _Generation(chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=served_name(lora),
                           n=kwargs["n"], num_prompts=1, holdback=_holdback(kwargs),
                           top_logprobs=req.top_logprobs, want_logprobs=bool(req.logprobs), echo_texts=None,
-                          tools=tools, extras=_Extras.of(req), reasoning=config.reasoning_parser)
+                          tools=tools, extras=_Extras.of(req), reasoning=config.reasoning_parser,
+                          chat_echo=req.echo_text())
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, req, lora,
                            beam=bool(req.use_beam_search), max_tokens_field="max_completion_tokens"

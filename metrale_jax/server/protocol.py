@@ -418,9 +418,19 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = False  # the reply prefixed with the last message when it has the reply's role
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def echo_text(self) -> str | None:
+        """vLLM's chat `echo`: the last message's text when it has the reply's role (the assistant's,
+        or with add_generation_prompt false, the last message's own), else None."""
+        if not self.echo:
+            return None
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt is not False else last.role
+        return last.text(f"messages[{len(self.messages) - 1}]") if last.role == role else None
 
     def template_kwargs(self) -> dict[str, Any]:
         return chat_template_kwargs(self)
