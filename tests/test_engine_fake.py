@@ -11,6 +11,7 @@ from metrale_jax.engine.compile import CompileCounter
 from metrale_jax.engine.testing import fake_engine, fake_greedy, fake_hash
 from metrale_jax.errors import (
     EmptyPromptError,
+    InvalidPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     MaxTokensTooLargeError,
@@ -374,6 +375,7 @@ def test_bad_inputs_rejected_before_queuing(eng, W):
         ({"prompt_token_ids": [3]}, SamplingParams(min_tokens=2, stop_token_ids=[2, 3, 4, 5]),
          InvalidSamplingParamsError),
         ({"prompt_token_ids": [3]}, "greedy", InvalidSamplingParamsError),
+        ({"prompt": "ab", "multi_modal_data": {"image": object()}}, SamplingParams(), InvalidPromptError),
         ({"prompt_token_ids": [3]}, SamplingParams(), InvalidRequestError),  # duplicate id "good"
         ({"oops": [3]}, SamplingParams(), InvalidRequestError),
     ]

@@ -64,6 +64,8 @@ from metrale_jax.step import StepState, init_step_state
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32", "bfloat16", "float16"}
+# vLLM's prompt-dict keys for images, audio and precomputed embeddings
+_MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
 
 
 @dataclass
@@ -482,6 +484,9 @@ class LLMEngine:
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         text = None
         if isinstance(prompt, dict):
+            other = sorted(k for k in prompt if k in _MULTIMODAL_PROMPT_KEYS and prompt[k] is not None)
+            if other:  # (vLLM's multimodal inputs: refused, not dropped)
+                raise InvalidPromptError(f"{', '.join(other)}: this engine serves text-only models")
             salt = prompt.get("cache_salt")  # (vLLM's prompt key; `Request.cache_salt`)
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise InvalidPromptError(f"cache_salt must be a non-empty string, got {salt!r}")
