@@ -438,5 +438,24 @@ def test_reasoning_on_the_wire(parser):
         deltas = [c["delta"] for e in _stream(srv.url, {"messages": msgs}) for c in e["choices"]]
         assert ("".join(d.get("reasoning") or "" for d in deltas) or None,
                 "".join(d.get("content") or "" for d in deltas) or None) == want
+        # the Responses API (the official client): a reasoning item before the message
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        eng.script = "<think>\nweigh it\n</think>\n\nIt is sunny."
+        r = client.responses.create(model="m", input="Weather?", max_output_tokens=400)
+        assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "\n\nIt is sunny."
+        assert r.output[0].content[0].text == "\nweigh it\n"
+        events = list(client.responses.create(model="m", input="Weather?", max_output_tokens=400, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nweigh it\n"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nIt is sunny."
+        assert sum(e.type == "response.reasoning_text.delta" for e in events) > 3
+        added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+        done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+        assert added == done == [(0, "reasoning"), (1, "message")]
+        assert {e.output_index for e in events if e.type == "response.output_text.delta"} == {1}
+        assert events[-1].type == "response.completed" and [o.type for o in events[-1].response.output] == [
+            "reasoning", "message"]
+        eng.script = "Just sunny."  # (qwen3: no reasoning item; deepseek_r1: reasoning only)
+        r = client.responses.create(model="m", input="Weather?", max_output_tokens=400)
+        assert [o.type for o in r.output] == (["message"] if parser == "qwen3" else ["reasoning"])
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(reasoning_parser="nope")

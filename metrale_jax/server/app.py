@@ -623,17 +623,28 @@ class _ResponsesGeneration(_Generation):
     `event:` / `data:` pair with a sequence number, and no `data: [DONE]` (as OpenAI and vLLM). With
     tools, the reply's calls (`ToolMode.parse`) become function_call output items after the message
     (if it has content); streamed, the content streams while no call can be starting, and the calls
-    come whole at the end."""
+    come whole at the end. With a reasoning parser, the reasoning is a `reasoning` item (its text
+    a `reasoning_text` part) before the message, streamed as response.reasoning_text.delta events."""
 
     def __init__(self, req: Any, **kw):
         super().__init__(chat=True, n=1, num_prompts=1, top_logprobs=None, want_logprobs=False, echo_texts=None,
                          **kw)
         self.req = req
         self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.seq = 0
         self.created_at = _now()  # (an integer, as OpenAI's and vLLM's)
         self.msg_open = False  # streaming: the message item's added events went out
         self.streamed = ""  # ... and the content its deltas carried
+        self.rs_open = False  # streaming: the reasoning item's added event went out
+        self.rs_streamed = ""  # ... and the reasoning its deltas carried
+
+    def _split(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) of the reply so far (all content without a reasoning parser)."""
+        if self.reasoning is None:
+            return "", text
+        thought, start = split_reasoning(text, self.reasoning, finished)
+        return thought, text[start:] if start is not None else ""
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -643,10 +654,13 @@ class _ResponsesGeneration(_Generation):
     def _items(self, status: str) -> list[dict]:
         """The output items: the assistant message (unless the reply is tool calls alone), the calls."""
         o = self.final.get(0)
-        text = (o.text if o is not None else "") or ""
+        thought, text = self._split((o.text if o is not None else "") or "", True)
         content, calls = self.tools.parse(text) if self.tools.active and o is not None else (text, [])
         items = []
-        if content or not calls:
+        if thought:
+            items.append({"type": "reasoning", "id": self.rs_id, "summary": [], "status": status,
+                          "content": [{"type": "reasoning_text", "text": thought}], "encrypted_content": None})
+        if content or not (calls or thought):
             part = {"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}
             items.append({"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
                           "content": [part]})
@@ -694,34 +708,62 @@ class _ResponsesGeneration(_Generation):
     def done_marker(self) -> str:
         return ""  # the Responses API ends with response.completed / incomplete, no [DONE] (as vLLM)
 
+    @property
+    def _msg_index(self) -> int:
+        return 1 if self.rs_open else 0  # (after the reasoning item, when there is one)
+
     def _open_message(self) -> list[str]:
         if self.msg_open:
             return []
         self.msg_open = True
         item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self._event("response.output_item.added", output_index=0, item=item),
-                self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
-                            part=part)]
+        return [self._event("response.output_item.added", output_index=self._msg_index, item=item),
+                self._event("response.content_part.added", item_id=self.msg_id, output_index=self._msg_index,
+                            content_index=0, part=part)]
+
+    def _reasoning_delta(self, delta: str) -> list[str]:
+        out = []
+        if not self.rs_open:
+            self.rs_open = True
+            item = {"type": "reasoning", "id": self.rs_id, "summary": [], "status": "in_progress", "content": [],
+                    "encrypted_content": None}
+            out.append(self._event("response.output_item.added", output_index=0, item=item))
+        self.rs_streamed += delta
+        return out + [self._event("response.reasoning_text.delta", item_id=self.rs_id, output_index=0,
+                                  content_index=0, delta=delta)]
 
     def _choice_chunks(self, ch: _Choice, o: Any) -> list[str]:
-        text, _, _, finish = self._delta(ch, o)
-        if finish is None:
-            return self._open_message() + [self._text_delta(text)] if text else []
-        ch.finished = True
-        return self._done_events()
+        if o.finish_reason is not None:
+            self._delta(ch, o)
+            ch.finished = True
+            return self._done_events()
+        out = []
+        if self.reasoning is not None:  # the reasoning streams; the content alone goes on below
+            thought, content = self._split(o.text or "", False)
+            if len(thought) > len(self.rs_streamed) and not self.msg_open:
+                out += self._reasoning_delta(thought[len(self.rs_streamed):])
+            o = dataclasses.replace(o, text=content)
+        text, _, _, _ = self._delta(ch, o)
+        return out + (self._open_message() + [self._text_delta(text)] if text else [])
 
     def _text_delta(self, text: str) -> str:
         self.streamed += text
-        return self._event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
-                           delta=text, logprobs=[])
+        return self._event("response.output_text.delta", item_id=self.msg_id, output_index=self._msg_index,
+                           content_index=0, delta=text, logprobs=[])
 
     def _done_events(self, status: str | None = None) -> list[str]:
         """The stream's end: the rest of the message's content, each call, the final response."""
         final = self.response(status)
         out = []
         for i, item in enumerate(final["output"]):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                if text.startswith(self.rs_streamed) and len(text) > len(self.rs_streamed):
+                    out += self._reasoning_delta(text[len(self.rs_streamed):])
+                out.append(self._event("response.reasoning_text.done", item_id=self.rs_id, output_index=i,
+                                       content_index=0, text=text))
+            elif item["type"] == "message":
                 part = item["content"][0]
                 out += self._open_message()
                 if part["text"].startswith(self.streamed) and len(part["text"]) > len(self.streamed):
@@ -1276,7 +1318,8 @@ def create_app(engine: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         ids = await render_chat(messages, req.add_generation_prompt is not False, req.chat_tools(),
                                 template_kwargs=req.template_kwargs())
         gen = _ResponsesGeneration(req, request_id=f"resp_{uuid.uuid4().hex}", model=served_name(lora),
-                                   holdback=_holdback(kwargs), extras=_Extras.of(req), tools=tools)
+                                   holdback=_holdback(kwargs), extras=_Extras.of(req), tools=tools,
+                                   reasoning=config.reasoning_parser)
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         sub = await submit(request, gen, [{"prompt_token_ids": list(ids), **salt}], kwargs, req, lora,
                            max_tokens_field="max_output_tokens")
