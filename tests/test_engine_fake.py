@@ -106,9 +106,15 @@ def test_stop_strings(eng, W):
     assert o.token_ids == full[: cut + len(stop)]  # up to the token that completed the stop string
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
     assert _run(eng, p, sp).outputs[0].text == text[: cut + len(stop)]
-    # detokenize=False: ids only, no text; stop strings then need the text
-    o = _run(eng, p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)).outputs[0]
+    # detokenize=False: ids only, no text, no decoded tokens in the logprobs (vLLM's); stop strings
+    # then need the text
+    r = _run(eng, p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False, logprobs=2,
+                                    prompt_logprobs=1))
+    o = r.outputs[0]
     assert o.token_ids == full[:12] and o.text == ""
+    assert all(x.decoded_token is None for d in [*o.logprobs, *r.prompt_logprobs[1:]] for x in d.values())
+    r = _run(eng, p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1, prompt_logprobs=1))
+    assert all(x.decoded_token for d in [*r.outputs[0].logprobs, *r.prompt_logprobs[1:]] for x in d.values())
     with pytest.raises(InvalidSamplingParamsError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
 

@@ -1078,12 +1078,16 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
-    def _lp_dict(self, token: int, lp: float, rank: int, top_ids, top_lps, k: int) -> dict[int, Logprob]:
-        d = {int(token): Logprob(float(lp), int(rank), self._decode_token(int(token)))}
+    def _lp_dict(self, token: int, lp: float, rank: int, top_ids, top_lps, k: int,
+                 detokenize: bool = True) -> dict[int, Logprob]:
+        """{token id: Logprob} of the chosen token and the top k; decoded_token None under
+        `detokenize=False` (vLLM's)."""
+        name = self._decode_token if detokenize else (lambda t: None)
+        d = {int(token): Logprob(float(lp), int(rank), name(int(token)))}
         for j in range(k):
             t = int(top_ids[j])
             if t not in d:
-                d[t] = Logprob(float(top_lps[j]), j + 1, self._decode_token(t))
+                d[t] = Logprob(float(top_lps[j]), j + 1, name(t))
         return d
 
     def _record_prompt_logprobs(self, chunks: list[Chunk], inputs: StepInputs, out: dict) -> None:
@@ -1100,7 +1104,7 @@ class LLMEngine:
             i = int(rows[j]) - int(ends[ci] - c.length)
             req.prompt_logprobs[c.start + i + 1] = self._lp_dict(
                 int(tgt[j]), out["prompt_logprobs"][j], out["prompt_ranks"][j], out["prompt_top_ids"][j],
-                out["prompt_top_logprobs"][j], req.params.prompt_logprobs)
+                out["prompt_top_logprobs"][j], req.params.prompt_logprobs, req.params.detokenize)
 
     def _append_token(self, seq: Sequence, row: int, out: dict, want_lp: bool) -> None:
         p = seq.request.params
@@ -1111,7 +1115,7 @@ class LLMEngine:
         seq.cumulative_logprob += lp
         if seq.logprobs is not None and want_lp:
             seq.logprobs.append(self._lp_dict(t, lp, out["ranks"][row], out["top_ids"][row],
-                                              out["top_logprobs"][row], p.logprobs))
+                                              out["top_logprobs"][row], p.logprobs, p.detokenize))
         n_out = seq.num_outputs
         finish, reason = None, None
         if seq.grammar_error is not None:
