@@ -158,6 +158,17 @@ def test_qwen3_moe_expert_lora():
     assert eng.lora.folded == {"qkv_a": "wqkv", "o_a": "wo"}  # (the experts' A stays in its own groups)
 
 
+def test_mixtral_expert_lora():
+    """Mixtral's adapter names (block_sparse_moe.experts.<e>.w1 / w3 / w2, target_modules w1-w3)
+    served on its experts, with q / v beside them; against the merged weights' outputs."""
+    eng = _engine("mixtral_tiny")
+    g = dict(np.load(LORA / "mixtral_tiny" / "golden.npz"))
+    reqs = {"base": None, "experts": LoRARequest("experts", 1, str(LORA / "mixtral_tiny" / "experts"))}
+    names = ["experts", "base", "experts", "base"]
+    _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
+    assert eng.lora.has_experts(1)
+
+
 @pytest.mark.slow  # (CI: Qwen3-MoE's expert adapters take the same grouped-GEMM path)
 def test_qwen3_next_expert_lora():
     eng = _engine("qwen3_next_tiny", preemption_mode="recompute")

@@ -52,9 +52,11 @@ from metrale_jax.errors import (
 
 # the families whose forward applies LoRA (the Llama decoder and its Qwen variants)
 # (Qwen3-Next: expert LoRA only; its gated attention and Gated DeltaNet projections take none)
-LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
-_MOE_FAMILIES = ("qwen3_moe", "qwen3_next")
+LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_next")
+_MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen3_next")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's names of its experts' projections (`block_sparse_moe.experts.<e>.w1`, as PEFT writes them)
+_MIXTRAL_TARGETS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 # target -> (A leaf, B leaf, its slice of the fused projection); "x_" leaves are the experts'
 _DENSE_SLOTS = {
@@ -156,7 +158,7 @@ class HostAdapter:
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.([qkvo])_proj|mlp\.(gate|up|down)_proj|"
-                     r"mlp\.experts\.(\d+)\.(gate|up|down)_proj)$")
+                     r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3))$")
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -203,7 +205,7 @@ def read_adapter_config(path: Path) -> dict:
             raise LoRAFormatError(f"{where} {k}={cfg.get(k)!r} must be a positive number")
     targets = cfg.get("target_modules")
     if isinstance(targets, list | tuple):
-        bad = [t for t in targets if str(t).split(".")[-1] not in TARGETS]
+        bad = [t for t in targets if str(t).split(".")[-1] not in (*TARGETS, *_MIXTRAL_TARGETS)]
         if bad:
             raise LoRATargetError(f"{where} target_modules {bad} are not served; LoRA is applied to "
                                   f"{', '.join(TARGETS)} only")
@@ -250,7 +252,7 @@ def load_peft_adapter(path: str | Path, spec: LoRASpec, dtype, lora_int_id: int 
             elif mm.group(4):
                 target, expert = f"{mm.group(4)}_proj", -1
             else:
-                target, expert = f"{mm.group(6)}_proj", int(mm.group(5))
+                target, expert = _MIXTRAL_TARGETS.get(mm.group(6), mm.group(6)), int(mm.group(5))
             if layer >= spec.num_layers:
                 raise LoRAShapeError(f"{st}: tensor {key!r} is for layer {layer}, the model has {spec.num_layers}")
             if expert < 0 and target in ("gate_proj", "up_proj", "down_proj") and spec.num_experts:
