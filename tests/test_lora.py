@@ -158,12 +158,14 @@ def test_qwen3_moe_expert_lora():
     assert eng.lora.folded == {"qkv_a": "wqkv", "o_a": "wo"}  # (the experts' A stays in its own groups)
 
 
-def test_mixtral_expert_lora():
+@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen2_moe_tiny"])
+def test_mixtral_and_qwen2_moe_expert_lora(name):
     """Mixtral's adapter names (block_sparse_moe.experts.<e>.w1 / w3 / w2, target_modules w1-w3)
-    served on its experts, with q / v beside them; against the merged weights' outputs."""
-    eng = _engine("mixtral_tiny")
-    g = dict(np.load(LORA / "mixtral_tiny" / "golden.npz"))
-    reqs = {"base": None, "experts": LoRARequest("experts", 1, str(LORA / "mixtral_tiny" / "experts"))}
+    served on its experts, with q / v beside them; Qwen2-MoE's routed experts with q / o (its
+    biased q/k/v and its shared expert beside them); against the merged weights' outputs."""
+    eng = _engine(name)
+    g = dict(np.load(LORA / name / "golden.npz"))
+    reqs = {"base": None, "experts": LoRARequest("experts", 1, str(LORA / name / "experts"))}
     names = ["experts", "base", "experts", "base"]
     _check(_run(LLM.from_engine(eng), g, names, reqs), g, names)
     assert eng.lora.has_experts(1)

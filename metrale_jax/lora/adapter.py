@@ -52,8 +52,9 @@ from metrale_jax.errors import (
 
 # the families whose forward applies LoRA (the Llama decoder and its Qwen variants)
 # (Qwen3-Next: expert LoRA only; its gated attention and Gated DeltaNet projections take none)
-LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_next")
-_MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen3_next")
+# (Qwen2-MoE: attention and routed experts; its shared expert takes none)
+LORA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next")
+_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Mixtral's names of its experts' projections (`block_sparse_moe.experts.<e>.w1`, as PEFT writes them)
 _MIXTRAL_TARGETS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
