@@ -652,7 +652,8 @@ class _ResponsesGeneration(_Generation):
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
     def _items(self, status: str) -> list[dict]:
-        """The output items: the assistant message (unless the reply is tool calls alone), the calls."""
+        """The output items: the reasoning (with a reasoning parser), the assistant message (unless the
+        reply is tool calls or reasoning alone), the calls."""
         o = self.final.get(0)
         thought, text = self._split((o.text if o is not None else "") or "", True)
         content, calls = self.tools.parse(text) if self.tools.active and o is not None else (text, [])
