@@ -76,8 +76,11 @@
 # M1PACK_SWEEP="--min-block-k 4096" 231 s (whole-K tiles: -11..-45% on q|k|v, o, gate|up in isolation, but the int4
 # batch-1 device step stayed 2.75 ms; its bf16 / NVFP4 generates aborted on XLA_FLAGS=" ", fixed), `fp4dot` with
 # FP4DOT_LIMIT=60 GENERATE_LIMIT=115 360 s (the default NVFP4 generate printed nothing at 115 s: keep 150; the
-# archive was lost to stray HLO dump files in $OUT, now dumped under /tmp). Next: a profile of the int4 batch-1 step
-# (which of its 12 kernels a layer take the time in the graph), `fp4dot` with its defaults, `pdl` at batch 64.
+# archive was lost to stray HLO dump files in $OUT, now dumped under /tmp). After those calls session 40 changed the
+# verify step's masks (bad_words under speculation), the server's chat output (reasoning parsers, echo) and added
+# Mixtral: next, `acceptance` first, then `wholek` (~330 s: the int4 batch-1 step profiled, shipped table against the
+# whole-K picks: which of its 12 kernels a layer take the time in the graph), `fp4dot` with its defaults, `pdl` at
+# batch 64.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
