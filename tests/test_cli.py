@@ -247,7 +247,8 @@ def test_ctrl_c_leaves_no_step_in_flight(monkeypatch, capsys, tiny_with_tokenize
 def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
     """vLLM's launch lines run: --trust-remote-code / --enforce-eager / --disable-log-stats /
     --enable-chunked-prefill / --tokenizer-mode auto are accepted, --kv-cache-dtype is --kv-dtype
-    (with vLLM's values: fp8), --download-dir the hub cache, --uvicorn-log-level is --log-level; a port outside
+    (with vLLM's values: fp8), --download-dir the hub cache, --ssl-* / --root-path reach uvicorn,
+    --structured-outputs-config / --load-format are checked, --uvicorn-log-level is --log-level; a port outside
     0-65535 and --lora-modules without --enable-lora are errors before anything loads."""
     pytest.importorskip("fastapi")
     from metrale_jax.server.cli import engine_config_from_args
@@ -260,8 +261,19 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
     args = parser.parse_args(["serve", "m", "--kv-cache-dtype", "fp8", "--download-dir", "/hf", "--tokenizer-mode",
                               "auto", "--enable-chunked-prefill", "--reasoning-parser", "deepseek_r1"])
     cfg = engine_config_from_args(args, "m")
-    assert args.reasoning_parser == "deepseek_r1"
-    assert (cfg.kv_dtype, cfg.download_dir) == ("float8_e4m3fn", "/hf")
+    assert args.reasoning_parser == "deepseek_r1" and (cfg.kv_dtype, cfg.download_dir) == ("float8_e4m3fn", "/hf")
+    args = parser.parse_args(["serve", "m", "--structured-outputs-config", '{"backend": "xgrammar"}', "--load-format",
+                              "safetensors", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--root-path", "/v"])
+    assert (args.structured_outputs_backend, args.ssl_keyfile, args.root_path) == ("xgrammar", "k.pem", "/v")
+    assert parser.parse_args(["serve", "m", "--guided-decoding-backend", "guidance"]).structured_outputs_backend \
+        == "guidance"
+    for bad in (["--structured-outputs-config", '{"backend": "nope"}'], ["--load-format", "pt"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "m", *bad])
+    from metrale_jax.server.runner import _uvicorn_config
+
+    uv = _uvicorn_config(None, "127.0.0.1", 0, 1.0, "info", ssl_keyfile="k.pem", ssl_certfile="c.pem", root_path="/v")
+    assert (uv.ssl_keyfile, uv.ssl_certfile, uv.root_path) == ("k.pem", "c.pem", "/v")
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--port", "99999"])
     assert "is not a TCP port" in capsys.readouterr().err
@@ -270,6 +282,8 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
     assert "error: --lora-modules needs --enable-lora" in capsys.readouterr().err
     assert cli.main(["serve", "m", "--port", "0", "--enable-auto-tool-choice"]) == 2
     assert "error: --enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert cli.main(["serve", "m", "--port", "0", "--ssl-keyfile", "k.pem"]) == 2
+    assert "error: --ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
 
 
 def test_bad_config_values_are_one_line_errors(capsys, tiny_with_tokenizer):

@@ -47,6 +47,23 @@ def _optional_str(s: str) -> str | None:
     return None if s.lower() in ("", "none") else s
 
 
+_SO_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
+def _so_backend(s: str) -> str:
+    """vLLM's structured-output backend, as `--guided-decoding-backend NAME` or
+    `--structured-outputs-config '{"backend": NAME}'`: accepted (llguidance serves every request)."""
+    name = s
+    if s.lstrip().startswith("{"):
+        try:
+            name = json.loads(s).get("backend", "auto")
+        except (ValueError, AttributeError) as e:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a JSON object: {e}") from None
+    if name not in _SO_BACKENDS:
+        raise argparse.ArgumentTypeError(f"structured-output backend {name!r}: one of {', '.join(_SO_BACKENDS)}")
+    return name
+
+
 def _json_str_list(s: str) -> list[str]:
     """A JSON list of strings (vLLM's form for the CORS flags)."""
     try:
@@ -171,6 +188,14 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     p.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM's command lines")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="accepted for vLLM's command lines: long prompts are always prefilled in chunks")
+    p.add_argument("--structured-outputs-config", "--guided-decoding-backend", dest="structured_outputs_backend",
+                   type=_so_backend, default="auto",
+                   help="accepted for vLLM's command lines: structured outputs always run on llguidance")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf"],
+                   help="accepted for vLLM's command lines: the format is read from the model path")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file (and --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
+    p.add_argument("--root-path", default="", help="the ASGI root_path, behind a path-based proxy")
     p.add_argument("--tokenizer-mode", default="auto", choices=["auto", "slow", "hf"],
                    help="accepted for vLLM's command lines: the tokenizer is always tokenizer.json's (or the GGUF's)")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -193,6 +218,8 @@ def serve_main(args: argparse.Namespace) -> int:
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
     if auto_tools and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' | '.join(TOOL_CALL_PARSERS)})")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     parser = args.tool_call_parser if auto_tools else None
     if getattr(args, "coordinator_address", None) is not None:
         import jax
@@ -217,7 +244,8 @@ def serve_main(args: argparse.Namespace) -> int:
                           **cors_from_args(args))
     try:
         serve(engine, config, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
-              log_level=args.log_level)
+              log_level=args.log_level, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+              root_path=args.root_path)
     finally:
         engine.release_followers()
     return 0

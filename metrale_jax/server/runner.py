@@ -63,9 +63,12 @@ class _Server(uvicorn.Server):
                 signal.signal(s, h)
 
 
-def _uvicorn_config(app: Any, host: str, port: int, shutdown_timeout_s: float, log_level: str) -> uvicorn.Config:
+def _uvicorn_config(app: Any, host: str, port: int, shutdown_timeout_s: float, log_level: str,
+                    **tls_and_root: Any) -> uvicorn.Config:
+    """`tls_and_root`: uvicorn's ssl_keyfile, ssl_certfile (HTTPS) and root_path (vLLM's flags)."""
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s + _FLUSH_S,
+        **tls_and_root,
         access_log=False,  # the app writes one access line per request itself (app.py)
         lifespan="on", timeout_keep_alive=5,
         # More simultaneous connections than the waiting bound, so overload gets a 503, not a refusal.
@@ -74,12 +77,16 @@ def _uvicorn_config(app: Any, host: str, port: int, shutdown_timeout_s: float, l
 
 
 def serve(engine: Any, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout_s: float = 30.0, log_level: str = "info") -> None:
+          shutdown_timeout_s: float = 30.0, log_level: str = "info", ssl_keyfile: str | None = None,
+          ssl_certfile: str | None = None, root_path: str = "") -> None:
     """Serve `engine` until SIGINT/SIGTERM: stop accepting, let running requests finish for up to
     `shutdown_timeout_s` seconds (then abort them, each stream ending with a finish_reason "abort"
-    chunk and `[DONE]`), stop the engine thread, return."""
+    chunk and `[DONE]`), stop the engine thread, return. HTTPS with `ssl_keyfile` and `ssl_certfile`;
+    `root_path` behind a path-based proxy."""
     app = create_app(engine, config)
-    server = _Server(_uvicorn_config(app, host, port, shutdown_timeout_s, log_level), app, shutdown_timeout_s)
+    cfg = _uvicorn_config(app, host, port, shutdown_timeout_s, log_level, ssl_keyfile=ssl_keyfile,
+                          ssl_certfile=ssl_certfile, root_path=root_path)
+    server = _Server(cfg, app, shutdown_timeout_s)
     server.run()
 
 
