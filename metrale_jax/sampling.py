@@ -135,6 +135,10 @@ class SamplingParams:
             self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.seed, int | np.integer) and self.seed == -1:  # (vLLM's -1: no seed)
             self.seed = None
+        if isinstance(self.logit_bias, dict) and any(isinstance(k, str) for k in self.logit_bias):
+            # token ids as JSON object keys (OpenAI's form), as vLLM's from_optional reads them
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -79,6 +79,9 @@ def test_params_normalisation():
     assert not SamplingParams().has_penalties and SamplingParams(presence_penalty=0.1).has_penalties
     # vLLM's: seed -1 means none; vLLM 0.10's guided_decoding=GuidedDecodingParams(...) is structured_outputs
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(logit_bias={"42": 100, 7: -5}).logit_bias == {42: 100, 7: -5}  # (JSON's string keys)
+    with pytest.raises(InvalidSamplingParamsError, match="logit_bias"):
+        SamplingParams(logit_bias={"x": 1})
     from metrale_jax.sampling import GuidedDecodingParams
     from metrale_jax.structured_output import StructuredOutputsParams
 
