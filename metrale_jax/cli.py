@@ -87,8 +87,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
 
 
 def add_tokenizer_args(g) -> None:
-    """--tokenizer and --generation-config (EngineConfig's `tokenizer` and `generation_config`, vLLM's
-    flags): here for generate and chat, and for `serve` (metrale_jax/server/cli.py)."""
+    """--tokenizer, --generation-config and --hf-overrides (EngineConfig's `tokenizer`,
+    `generation_config` and `hf_overrides`, vLLM's flags): here for generate and chat, and for
+    `serve` (metrale_jax/server/cli.py)."""
     g.add_argument("--tokenizer", default=None,
                    help="the tokenizer from elsewhere: a folder with tokenizer.json, a .gguf, an alias or a Hugging "
                         "Face repo id (default: the model's own)")
@@ -96,6 +97,9 @@ def add_tokenizer_args(g) -> None:
                    help="the defaults of the sampling values a request (or a sampling flag) leaves unset: 'auto' = "
                         "the model's generation_config.json, 'vllm' = none, or a folder holding a "
                         "generation_config.json (default: %(default)s)")
+    g.add_argument("--hf-overrides", default=None,
+                   help="config.json keys to replace, a JSON object, e.g. '{\"rope_scaling\": {\"rope_type\": "
+                        "\"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}}'")
 
 
 def _spec_config(text: str):
@@ -133,6 +137,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
 
     kw = dict(
         model=args.model, revision=args.revision, tokenizer=args.tokenizer, generation_config=args.generation_config,
+        hf_overrides=args.hf_overrides,
         show_progress=show_progress(args), dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -158,13 +163,24 @@ def _load(args: argparse.Namespace):
 
     model, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization,
                                revision=args.revision, show_progress=show_progress(args),
-                               download_dir=getattr(args, "download_dir", None))
+                               download_dir=getattr(args, "download_dir", None),
+                               hf_overrides=_hf_overrides(args))
     if args.tokenizer is not None:
         from metrale_jax.loading.checkpoint import load_tokenizer
 
         model = dataclasses.replace(model, tokenizer=load_tokenizer(args.tokenizer,
                                                                     show_progress=show_progress(args)))
     return model, params
+
+
+def _hf_overrides(args: argparse.Namespace) -> dict | None:
+    """--hf-overrides, checked as EngineConfig checks it (a JSON object), parsed."""
+    import json
+
+    from metrale_jax.engine.config import EngineConfig
+
+    ov = EngineConfig(hf_overrides=args.hf_overrides).hf_overrides
+    return json.loads(ov) if ov else None
 
 
 def _max_model_len(args: argparse.Namespace, model) -> int:

@@ -129,7 +129,7 @@ class Model:
 def load_model(
     path: str | Path, dtype: str = "auto", show_progress: bool = True, cache_converted: bool = True,
     quantization: str | None = None, revision: str | None = None, split_layers: bool = False, sharder=None,
-    mtp: bool = False, download_dir: str | None = None,
+    mtp: bool = False, download_dir: str | None = None, hf_overrides: dict | None = None,
 ) -> tuple[Model, dict]:
     """Load a checkpoint (HF safetensors directory, GGUF file, a known alias, or a Hugging Face
     repo id `org/name` at `revision`, fetched with huggingface_hub: `loading/hub.py`) -> (model, params).
@@ -152,6 +152,7 @@ def load_model(
     while reading, a layer at a time (each device receives only its slice, and the host holds one
     layer of a parameter, never the whole model); `LLM(..., tensor_parallel_size=N)` asks for it.
     `download_dir`: the Hugging Face cache a repo id downloads into (vLLM's; None: huggingface_hub's).
+    `hf_overrides`: config.json keys replaced before the model is built (vLLM's; top-level keys).
     Raises a `LoadError` subclass naming the file or tensor on any problem.
     """
     from metrale_jax.layers.stack import device_put_layers, host_stacked
@@ -163,6 +164,8 @@ def load_model(
     t0 = time.perf_counter()
     resolved = resolve_model(path, revision=revision, show_progress=show_progress, hub_cache=download_dir)
     ckpt = open_checkpoint(resolved)
+    if hf_overrides:
+        ckpt.config = {**ckpt.config, **hf_overrides}
     cfg = ModelConfig.from_hf(ckpt.config)
     fam_name, fam = family_for(cfg.architecture)
     cfg = fam.adapt_config(cfg)

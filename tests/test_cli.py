@@ -259,9 +259,11 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
     assert (args.kv_dtype, args.log_level, args.port) == ("bfloat16", "warning", 0)
     assert engine_config_from_args(args, "m").kv_dtype == "bfloat16"
     args = parser.parse_args(["serve", "m", "--kv-cache-dtype", "fp8", "--download-dir", "/hf", "--tokenizer-mode",
-                              "auto", "--enable-chunked-prefill", "--reasoning-parser", "deepseek_r1"])
+                              "auto", "--enable-chunked-prefill", "--reasoning-parser", "deepseek_r1",
+                              "--hf-overrides", '{"max_position_embeddings": 8}'])
     cfg = engine_config_from_args(args, "m")
     assert args.reasoning_parser == "deepseek_r1" and (cfg.kv_dtype, cfg.download_dir) == ("float8_e4m3fn", "/hf")
+    assert cfg.hf_overrides == '{"max_position_embeddings": 8}'
     args = parser.parse_args(["serve", "m", "--structured-outputs-config", '{"backend": "xgrammar"}', "--load-format",
                               "safetensors", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--root-path", "/v"])
     assert (args.structured_outputs_backend, args.ssl_keyfile, args.root_path) == ("xgrammar", "k.pem", "/v")

@@ -299,3 +299,28 @@ def test_llama_mlp_bias_is_refused(tmp_path):
     (ckpt / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
     with pytest.raises(NotImplementedError, match="mlp_bias"):
         load_model(ckpt, show_progress=False)
+
+
+def test_hf_overrides(tmp_path, capsys, monkeypatch):
+    """vLLM's hf_overrides: config.json keys replaced before the model is built (Qwen3's YaRN
+    long-context setting here), from load_model, EngineConfig (a dict or JSON, kept as JSON) and the
+    --hf-overrides flag; anything but a JSON object is refused before loading."""
+    from metrale_jax import cli
+    from metrale_jax.engine.config import EngineConfig
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
+    model, _ = load_model(FIXTURES / "qwen3_tiny", dtype="float32", show_progress=False, hf_overrides=yarn)
+    plain, _ = load_model(FIXTURES / "qwen3_tiny", dtype="float32", show_progress=False)
+    assert (model.cfg.rope_scaling.kind, model.cfg.max_positions) == ("yarn", 1024)
+    assert (plain.cfg.rope_scaling.kind, plain.cfg.max_positions) == ("default", 256)
+    assert EngineConfig(hf_overrides=yarn).hf_overrides == EngineConfig(hf_overrides=json.dumps(yarn)).hf_overrides
+    assert EngineConfig(hf_overrides={}).hf_overrides is None
+    for bad in ("{nope", "[1]"):
+        with pytest.raises(ValueError, match="hf_overrides"):
+            EngineConfig(hf_overrides=bad)
+    args = cli.build_parser().parse_args(["generate", "x", "--hf-overrides", json.dumps(yarn)])
+    assert cli._hf_overrides(args) == yarn and cli.engine_config_from_args(args).hf_overrides == json.dumps(
+        yarn, sort_keys=True)
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded the model"))
+    assert cli.main(["generate", "-q", "--hf-overrides", "[1]", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: hf_overrides must be a JSON object")

@@ -7,6 +7,7 @@ which returns a config with every size filled in; the engine logs the resolved c
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -93,6 +94,10 @@ class EngineConfig:
     kv_dtype: str | None = None
     # vLLM's `download_dir`: the Hugging Face cache a hub repo id downloads into (None: huggingface_hub's)
     download_dir: str | None = None
+    # vLLM's `hf_overrides`: config.json keys replaced before the model is built, e.g.
+    # '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+    # (Qwen3's long-context setting); a dict or its JSON text, kept as JSON (hashable)
+    hf_overrides: str | None = None
     quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
@@ -175,6 +180,15 @@ class EngineConfig:
             raise ValueError(f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not supported: 'auto', 'float32', "
                              "'bfloat16', 'float16' or 'fp8' (float8_e4m3fn)")
         object.__setattr__(self, "kv_dtype", kd)
+        if self.hf_overrides is not None:
+            ov = self.hf_overrides
+            try:
+                ov = json.loads(ov) if isinstance(ov, str) else ov
+            except ValueError as e:
+                raise ValueError(f"hf_overrides is not JSON: {e}") from None
+            if not isinstance(ov, dict):
+                raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got {self.hf_overrides!r}")
+            object.__setattr__(self, "hf_overrides", json.dumps(ov, sort_keys=True) if ov else None)
         gc = self.generation_config
         if gc not in ("auto", "vllm") and not os.path.isfile(os.path.join(gc, "generation_config.json")):
             # here, not after the model has loaded (minutes for a large one)

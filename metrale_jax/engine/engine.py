@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import json
 import logging
 import threading
 import time
@@ -299,7 +300,8 @@ class LLMEngine:
         model, params = load_model(config.model, dtype=config.dtype, show_progress=config.show_progress,
                                    revision=config.revision, quantization=config.quantization, split_layers=split,
                                    sharder=sharder, mtp=spec is not None and spec.method == "mtp",
-                                   download_dir=config.download_dir)
+                                   download_dir=config.download_dir,
+                                   hf_overrides=json.loads(config.hf_overrides) if config.hf_overrides else None)
         if config.tokenizer is not None:
             from metrale_jax.loading.checkpoint import load_tokenizer
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 _SKIP_ENGINE_FIELDS = {"model", "attention"}
 # EngineConfig fields whose flags are the main CLI's own, shared with generate / chat
 # (metrale_jax.cli.add_tokenizer_args)
-_SHARED_ENGINE_FIELDS = {"tokenizer", "generation_config"}
+_SHARED_ENGINE_FIELDS = {"tokenizer", "generation_config", "hf_overrides"}
 
 
 def _engine_config_cls():
