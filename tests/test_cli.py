@@ -272,10 +272,14 @@ def test_serve_flags_as_vllm_takes_them(monkeypatch, capsys):
     for bad in (["--structured-outputs-config", '{"backend": "nope"}'], ["--load-format", "pt"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "m", *bad])
-    from metrale_jax.server.runner import _uvicorn_config
+    from metrale_jax.server import runner
 
-    uv = _uvicorn_config(None, "127.0.0.1", 0, 1.0, "info", ssl_keyfile="k.pem", ssl_certfile="c.pem", root_path="/v")
-    assert (uv.ssl_keyfile, uv.ssl_certfile, uv.root_path) == ("k.pem", "c.pem", "/v")
+    # (uvicorn.Config itself would configure logging onto this test's captured stderr, closed after it)
+    monkeypatch.setattr(runner.uvicorn, "Config", lambda app, **kw: kw)
+    uv = runner._uvicorn_config(None, "127.0.0.1", 0, 1.0, "info", ssl_keyfile="k.pem", ssl_certfile="c.pem",
+                                root_path="/v")
+    assert (uv["ssl_keyfile"], uv["ssl_certfile"], uv["root_path"]) == ("k.pem", "c.pem", "/v")
+    monkeypatch.undo()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--port", "99999"])
     assert "is not a TCP port" in capsys.readouterr().err
