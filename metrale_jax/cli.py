@@ -174,13 +174,10 @@ def _load(args: argparse.Namespace):
 
 
 def _hf_overrides(args: argparse.Namespace) -> dict | None:
-    """--hf-overrides, checked as EngineConfig checks it (a JSON object), parsed."""
+    """--hf-overrides parsed (checked before the load by `engine_config_from_args`: a JSON object)."""
     import json
 
-    from metrale_jax.engine.config import EngineConfig
-
-    ov = EngineConfig(hf_overrides=args.hf_overrides).hf_overrides
-    return json.loads(ov) if ov else None
+    return json.loads(args.hf_overrides) if args.hf_overrides else None
 
 
 def _max_model_len(args: argparse.Namespace, model) -> int:

@@ -297,6 +297,14 @@ class _Generation:
         self.final: dict[int, Any] = {}  # choice index -> CompletionOutput: the deltas so far, joined
         self.opened: set[int] = set()  # streaming: prompts whose choices' opening chunks went out
 
+    def _split(self, text: str, finished: bool) -> tuple[str, str | None]:
+        """(reasoning, content: None while the reply still reasons) of a reply so far; without a
+        reasoning parser it is all content."""
+        if self.reasoning is None:
+            return "", text
+        thought, start = split_reasoning(text, self.reasoning, finished)
+        return thought, text[start:] if start is not None else None
+
     def engine_ids(self, num_prompts: int) -> list[str]:
         return [f"{self.id}-{i}" for i in range(num_prompts)]
 
@@ -439,10 +447,9 @@ class _Generation:
     def _choice_chunks(self, ch: _Choice, o: Any) -> list[str]:
         thought = ""
         if self.reasoning is not None:  # the content alone goes on below (a view of the output)
-            whole = o.text or ""
-            r, start = split_reasoning(whole, self.reasoning, o.finish_reason is not None)
+            r, content = self._split(o.text or "", o.finish_reason is not None)
             thought, ch.reasoning_sent = r[ch.reasoning_sent:], max(ch.reasoning_sent, len(r))
-            o = dataclasses.replace(o, text=whole[start:] if start is not None else "")
+            o = dataclasses.replace(o, text=content or "")
         text, ids, lps, finish = self._delta(ch, o)
         if not text and not ids and finish is None and not thought:
             return []
@@ -569,11 +576,8 @@ class _Generation:
                 # `tool_calls` only when there are calls, and vLLM's `reasoning`
                 message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                                            "audio": None, "function_call": None}
-                thought = None
-                if self.reasoning is not None:
-                    thought, start = split_reasoning(text, self.reasoning, True)
-                    text = message["content"] = text[start:] if start is not None else None
-                    thought = thought or None
+                thought, text = self._split(text, True)
+                message["content"] = text
                 if self.tools.active and o is not None and text is not None:
                     message["content"], calls = self.tools.parse(text)
                     if calls:
@@ -582,9 +586,9 @@ class _Generation:
                             finish = "tool_calls"
                 if self.chat_echo:
                     message["content"] = self.chat_echo + (message["content"] or "")
-                message["reasoning"] = thought
+                message["reasoning"] = thought or None
                 if self.reasoning is not None:  # (vLLM's older name of the field)
-                    message["reasoning_content"] = thought
+                    message["reasoning_content"] = thought or None
                 choices.append({"index": ci, "message": message, "logprobs": lp_obj, "finish_reason": finish,
                                 "stop_reason": stop_reason})
             else:
@@ -639,13 +643,6 @@ class _ResponsesGeneration(_Generation):
         self.rs_open = False  # streaming: the reasoning item's added event went out
         self.rs_streamed = ""  # ... and the reasoning its deltas carried
 
-    def _split(self, text: str, finished: bool) -> tuple[str, str]:
-        """(reasoning, content) of the reply so far (all content without a reasoning parser)."""
-        if self.reasoning is None:
-            return "", text
-        thought, start = split_reasoning(text, self.reasoning, finished)
-        return thought, text[start:] if start is not None else ""
-
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
@@ -656,6 +653,7 @@ class _ResponsesGeneration(_Generation):
         reply is tool calls or reasoning alone), the calls."""
         o = self.final.get(0)
         thought, text = self._split((o.text if o is not None else "") or "", True)
+        text = text or ""
         content, calls = self.tools.parse(text) if self.tools.active and o is not None else (text, [])
         items = []
         if thought:
@@ -744,7 +742,7 @@ class _ResponsesGeneration(_Generation):
             thought, content = self._split(o.text or "", False)
             if len(thought) > len(self.rs_streamed) and not self.msg_open:
                 out += self._reasoning_delta(thought[len(self.rs_streamed):])
-            o = dataclasses.replace(o, text=content)
+            o = dataclasses.replace(o, text=content or "")
         text, _, _, _ = self._delta(ch, o)
         return out + (self._open_message() + [self._text_delta(text)] if text else [])
 

@@ -17,10 +17,19 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 
 
+def partial_tag_len(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `tag` (text a stream
+    must hold back: it may become the tag)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
 def split_reasoning(text: str, parser: str, finished: bool) -> tuple[str, int | None]:
     """(the reasoning that may be sent, the offset where the content starts in `text`, or None
     while the reply still reasons). Unfinished text keeps back a tail that may be the start of
-    `</think>` (or, for "qwen3", a reply that may still become `<think>`)."""
+    `</think>` (and a reply that may still become `<think>`)."""
     opened = text.startswith(START)
     if not finished and not opened and START.startswith(text):
         return "", None  # (it may still open with <think>)
@@ -31,8 +40,4 @@ def split_reasoning(text: str, parser: str, finished: bool) -> tuple[str, int | 
     if end >= 0:
         return text[body:end], end + len(END)
     reasoning = text[body:]
-    if not finished:
-        for k in range(min(len(END) - 1, len(reasoning)), 0, -1):
-            if END.startswith(reasoning[-k:]):
-                return reasoning[:-k], None
-    return reasoning, None
+    return reasoning[:len(reasoning) - (0 if finished else partial_tag_len(reasoning, END))], None

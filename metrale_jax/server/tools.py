@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metrale_jax.server.protocol import RequestError
+from metrale_jax.server.reasoning import partial_tag_len
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 
@@ -138,12 +139,7 @@ class ToolMode:
             if self.parser == "mistral" and (not text.strip() or text.lstrip().startswith("[")):
                 return 0  # a bare array (the control token skipped when decoding) may be coming
             at = text.find(tag)
-            if at >= 0:
-                return at
-            for k in range(min(len(tag) - 1, len(text)), 0, -1):  # a partial tag at the end
-                if tag.startswith(text[-k:]):
-                    return len(text) - k
-            return len(text)
+            return at if at >= 0 else len(text) - partial_tag_len(text, tag)  # (less a partial tag at the end)
         if self.parser in ("llama3_json", "pythonic"):  # the whole reply is calls, or none of it is
             head = text.lstrip()
             opens = ("{", _PYTHON_TAG) if self.parser == "llama3_json" else ("[", _PYTHON_START)
