@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [pdl] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -282,6 +282,25 @@ if [[ $parts == *wholek* ]]; then  # issue 19: the int4 batch-1 step profiled (k
     echo "== $t"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_$t.log" | tail -4
     head -24 "$OUT"/profile_int4_b1_$t/*/kernels.txt 2>/dev/null
   done
+fi
+if [[ $parts == *fuse* ]]; then  # issue 19: the one-row decode layer with the norms, SwiGLU and residual adds in the
+  # 4-bit kernel's launches (session 41; run `tests` with GPU_TEST_FILES=tests/test_w4.py first): generate at batch 1,
+  # bf16 / int4 (profiled) / NVFP4, and int4 from the tree before the change (FUSE_OLD_TREE: a tar of it) beside it
+  for q in bf16 int4 nvfp4; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    pa=$([[ $q == int4 ]] && echo "--profile $OUT/profile_int4_b1_fused")
+    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
+      $qa $pa --out "$OUT/generate_llama3_8b_${q}_b1_fused.json" > "$OUT/generate_llama3_8b_${q}_b1_fused.log" 2>&1
+    echo "== $q (this tree)"; grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1_fused.log" | tail -4
+  done
+  head -30 "$OUT"/profile_int4_b1_fused/*/kernels.txt 2>/dev/null
+  if [[ -n ${FUSE_OLD_TREE:-} && -f $FUSE_OLD_TREE ]]; then
+    rm -rf /tmp/t0 && mkdir -p /tmp/t0 && tar -xf "$FUSE_OLD_TREE" -C /tmp/t0
+    (cd /tmp/t0 && PYTHONPATH=/tmp/t0:/tmp/site timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py \
+      --shape llama3-8b --steps 64 --repeats 1 --batches 1 --quantization int4 \
+      --out "$OUT/generate_llama3_8b_int4_b1_unfused.json" > "$OUT/generate_llama3_8b_int4_b1_unfused.log" 2>&1)
+    echo "== int4 (the tree before)"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_unfused.log" | tail -4
+  fi
 fi
 if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1, some variants (M1PACK_SWEEP, default packed_x;
   # "--min-block-k 4096": session 39's whole-K tiles) beside the table's picks, merged, then generate at batch 1:

@@ -116,6 +116,19 @@ def test_fp4_tensor_core_steps_lower():
         assert "skinny_matmul_w4_mgpu" not in text and "_w4_kernel" in text, kind
 
 
+@pytest.mark.parametrize("quantization", ["int4", "nvfp4"])
+def test_one_row_4bit_decode_step_fuses_its_layer(quantization):
+    """A one-row decode step with 4-bit weights: the streaming kernel takes the norms, SwiGLU and
+    residual adds into its launches (named after them), and it lowers for the H200."""
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+               rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    model, params = random_model(cfg, dtype="bfloat16", seed=0, quantization=quantization)
+    (text,) = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=1),)).values()
+    assert all(f"skinny_matmul_w4_{f}" in text for f in ("norm", "res", "silu_res")), text.count("skinny_matmul")
+    (text,) = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=2),)).values()
+    assert not any(f"skinny_matmul_w4_{f}" in text for f in ("norm", "res", "silu"))  # (the tensor-core kernel)
+
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_head_dims_the_attention_kernels_do_not_take(head_dim):
     """A head_dim that is not a power of two: every step still lowers for the H200 (before, the

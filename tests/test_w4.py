@@ -79,10 +79,12 @@ def test_engine_greedy_matches_transformers():
     assert isinstance(w, W4Linear) and isinstance(w.packed, Unstacked) and isinstance(w.perm, Unstacked)
 
 
-def test_w4_kernel_in_decode_steps():
+@pytest.mark.parametrize("name", ["llama_gptq_tiny", "llama_awq_tiny", "llama_nvfp4_ct_tiny"])
+def test_w4_kernel_in_decode_steps(name):
     """use_fp8_kernel marks W4Linear too: the decode rows' 4-bit linears go through the Pallas
-    kernel (interpret mode here), with act-order x gathers; prefill rows stay on XLA."""
-    model, params = load_model(FIXTURES / "llama_gptq_tiny", dtype="bfloat16", show_progress=False)
+    kernel (interpret mode here), with act-order x gathers; prefill rows stay on XLA. One row
+    without act-order runs the norms, SwiGLU and residual adds in the kernel's launches."""
+    model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
     marked = use_fp8_kernel(params, interpret=True)
     assert marked["layers"]["w_down"].use_kernel and not params["layers"]["w_down"].use_kernel
     lay = Layout(2, num_blocks=32, block_size=4, max_blocks=8, seed=1)
@@ -102,6 +104,9 @@ def test_w4_kernel_in_decode_steps():
             jaxpr = str(jax.make_jaxpr(model.forward_paged, static_argnums=(5,))(p, state, toks, dmd, None,
                                                                                 AttentionConfig()))
             assert ("skinny_matmul_w4" in jaxpr) == (p is marked)
+            # SwiGLU's logistic in XLA, unless fused (the kernel computes it with exp)
+            fused = p is marked and len(rows) == 1 and name != "llama_gptq_tiny"
+            assert ("logistic" in jaxpr) != fused
         assert np.isfinite(logits).all()
         # bf16 both ways; the kernel rounds its output to bf16 before the norm's row scale (the tiny
         # random net amplifies that to ~2.5%); a wiring error (perm, fused parts) is O(1)
@@ -215,6 +220,72 @@ def test_w4_kernel_interpret(kind, m, n, k, g, params):
     assert err.max() < 1e-2, err
 
 
+_H2 = dict(gemv=True, group_partial=True, half2=True)
+
+
+@pytest.mark.parametrize("kind,n,k,g,params,fusion", [
+    # in the launch (one row, half2): each fusion alone and the decode layer's combinations
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, **_H2), "norm"),
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, **_H2), "norm+bias"),
+    ("int4", 70, 200, 32, W4Params(block_n=32, block_k=64, prefetch=True, **_H2), "norm"),
+    ("fp4", 24, 256, 16, W4Params(block_n=16, block_k=64, word_scales=True, unroll=True, **_H2), "norm"),
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, **_H2), "residual"),
+    ("fp4", 40, 200, 16, W4Params(block_n=16, block_k=64, packed_x=True, **_H2), "residual+bias"),
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, **_H2), "silu"),
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, prefetch=True, **_H2), "silu+residual"),
+    ("fp4", 24, 96, 16, W4Params(block_n=32, block_k=32, prefetch=True, **_H2), "silu+residual"),
+    # split along K: the partials (and the norm's shares of the sum of squares) added in XLA
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, **_H2), "norm+bias"),
+    ("fp4", 24, 256, 16, W4Params(block_n=16, block_k=64, split_k=2, prefetch=True, **_H2), "norm"),
+    ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, **_H2), "silu+residual"),
+    # other paths: the same in XLA around the kernel
+    ("int4", 40, 201, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True), "norm+bias"),
+    ("int4", 40, 201, 64, W4Params(block_n=16, block_k=64), "silu+residual"),
+])
+@pytest.mark.parametrize("m", [1, 3])
+def test_w4_kernel_fused_interpret(kind, n, k, g, params, fusion, m):
+    """Norm, SwiGLU, bias and residual around the product against float64 (the roundings the unfused
+    layers make: x * w and silu(gate) * up in x's dtype, the result, then + residual in x's dtype)."""
+    if m > 1 and params.half2:
+        params = W4Params(block_n=16, block_k=64)  # (the dot path)
+    rng = np.random.default_rng(n + k + m + len(fusion))
+    packed, scales, aux = _random_w4(rng, n, k, g, kind)
+    w = _oracle_weight(packed, scales, aux, k, g, kind)
+
+    def rnd(v):  # f64 -> bf16 -> f64
+        return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    silu, norm = "silu" in fusion, "norm" in fusion
+    x = jnp.asarray(rng.standard_normal((m, 2 * k if silu else k)) * 3, jnp.bfloat16)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    kw = {}
+    if silu:
+        gate, up = xf[:, :k], xf[:, k:]
+        xin, r = rnd(rnd(gate / (1 + np.exp(-gate))) * up), 1.0
+    elif norm:
+        nw = jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.bfloat16)
+        kw.update(norm_weight=nw, eps=1e-5)
+        xin = rnd(xf * np.asarray(nw.astype(jnp.float32), np.float64))
+        r = 1 / np.sqrt((xf * xf).mean(axis=1, keepdims=True) + 1e-5)
+    else:
+        xin, r = xf, 1.0
+    want = xin @ w.T * r
+    if "bias" in fusion:
+        b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+        kw["bias"] = b
+        want = want + np.asarray(b.astype(jnp.float32), np.float64)
+    if "residual" in fusion:
+        res = jnp.asarray(rng.standard_normal((m, n)) * 4, jnp.bfloat16)
+        kw["residual"] = res
+        want = np.asarray(res.astype(jnp.float32), np.float64) + rnd(want)
+    y = skinny_matmul_w4(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k, group_size=g, kind=kind,
+                         params=params, interpret=True, silu_mul=silu, **kw)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    got = np.asarray(y.astype(jnp.float32), np.float64)
+    err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() < 1e-2, err
+
+
 def test_w4_kernel_rejects_bad_input():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     packed = jnp.zeros((8, 32), jnp.uint8)
@@ -280,6 +351,65 @@ def test_w4_kernel_lowers_for_h200(kind, g, params):
         low = traced.lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in low.as_text()
 
+
+_LAYER_FUSIONS = [  # a Llama-3-8B layer's projections at one row with what the decode layer fuses into each
+    ("int4", 6144, 4096, 128, "norm"), ("int4", 4096, 4096, 128, "residual"), ("int4", 28672, 4096, 128, "norm"),
+    ("int4", 4096, 14336, 128, "silu+residual"), ("fp4", 6144, 4096, 16, "norm+bias"),
+    ("fp4", 4096, 4096, 16, "residual"), ("fp4", 28672, 4096, 16, "norm"), ("fp4", 4096, 14336, 16, "silu+residual"),
+]
+
+
+def _fused_args(rng, m, n, k, fusion, sds=None):
+    """x and the fused keyword arguments of a `skinny_matmul_w4` call (ShapeDtypeStructs with sds)."""
+    def arr(shape, scale=1.0, lo=None):
+        if sds is not None:
+            return sds(shape, jnp.bfloat16)
+        v = rng.uniform(lo, 1.5, shape) if lo is not None else rng.standard_normal(shape) * scale
+        return jnp.asarray(v, jnp.bfloat16)
+
+    kw = dict(silu_mul="silu" in fusion)
+    if "norm" in fusion:
+        kw.update(norm_weight=arr((k,), lo=0.5), eps=1e-5)
+    if "bias" in fusion:
+        kw["bias"] = arr((n,))
+    if "residual" in fusion:
+        kw["residual"] = arr((m, n), 4.0)
+    return arr((m, 2 * k if kw["silu_mul"] else k), 3.0), kw
+
+
+@pytest.mark.parametrize("kind,n,k,g,fusion", _LAYER_FUSIONS)
+def test_w4_kernel_fused_lowers_for_h200(kind, n, k, g, fusion):
+    """The tuned table's one-row variants with the decode layer's fusions lower to the Triton IR."""
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    sds = jax.ShapeDtypeStruct
+    x, kw = _fused_args(None, 1, n, k, fusion, sds)
+    scale_dt = jnp.float8_e4m3fn if kind == "fp4" else jnp.bfloat16
+    aux = sds((n,), jnp.float32) if kind == "fp4" else sds((n, k // g), jnp.uint8)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = skinny_matmul_w4.trace(x, sds((n, k // 2), jnp.uint8), sds((n, k // g), scale_dt), aux, k=k,
+                                        group_size=g, kind=kind, **kw)
+        low = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in low and "skinny_matmul_w4_" + fusion.split("+")[0][:4].replace("resi", "res") in low
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,n,k,g,fusion", _LAYER_FUSIONS)
+def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
+    """The fusions in the launch against the same kernel's product with them in XLA around it (the
+    interpret-mode test holds both to a float64 oracle on small shapes)."""
+    from pallas_kernels.linear.w4 import _epilogue, _prologue
+
+    rng = np.random.default_rng(n + k)
+    packed, scales, aux = (jnp.asarray(a) for a in _random_w4(rng, n, k, g, kind))
+    x, kw = _fused_args(rng, 1, n, k, fusion)
+    y = skinny_matmul_w4(x, packed, scales, aux, k=k, group_size=g, kind=kind, **kw)
+    xin, r = _prologue(x, kw.get("norm_weight"), kw.get("eps", 1e-6), kw["silu_mul"])
+    prod = skinny_matmul_w4(xin, packed, scales, aux, k=k, group_size=g, kind=kind)
+    want = np.asarray(_epilogue(prod.astype(jnp.float32), r, kw.get("bias"), kw.get("residual"), x.dtype), np.float32)
+    got = np.asarray(y, np.float32)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,m,n,k,g,params", [

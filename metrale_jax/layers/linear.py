@@ -100,18 +100,26 @@ def dequantize(w: Fp8Linear, dtype) -> jax.Array:
     return (w.w8.astype(jnp.float32) * s).astype(dtype)
 
 
-def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ w (* row_scale) (+ b [N]) with float32 accumulation, result in x's dtype.
+def linear(x: jax.Array, w, b: jax.Array | None = None, row_scale: jax.Array | None = None,
+           residual: jax.Array | None = None) -> jax.Array:
+    """(residual +) x [..., K] @ w (* row_scale) (+ b [N]) with float32 accumulation, result in x's dtype.
 
     w: [K, N], an `Fp8Linear` whose valid output columns are N, or a 4-bit `W4Linear` [N, K].
     row_scale: f32[..., 1], multiplies each row of the f32 product (see `norms.rms_norm_linear`).
+    residual [..., N]: added to the rounded result in x's dtype (one row of 4-bit weights: in the
+    kernel's launch, `linear_w4.w4_linear`).
     """
+    if row_scale is None and isinstance(w, W4Linear):
+        from metrale_jax.layers.linear_w4 import w4_fuses, w4_linear
+
+        if w4_fuses(x, w):
+            return w4_linear(x, w, b, residual)
     y = matmul_f32(x, w)
     if row_scale is not None:
         y = y * row_scale
     if b is not None:
         y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(x.dtype) if residual is None else residual + y.astype(x.dtype)
 
 
 def matmul_f32(x: jax.Array, w) -> jax.Array:

@@ -52,6 +52,36 @@ def dequantize_w4(w, dtype) -> jax.Array:
                                    kind=w.kind).astype(dtype)
 
 
+def w4_fuses(x: jax.Array, w) -> bool:
+    """Whether x @ w is one row on the streaming kernel, which can take the decode layer's pieces
+    around the product into its launch (`w4_linear`)."""
+    from metrale_jax.layers.linear import W4Linear
+
+    return (isinstance(w, W4Linear) and w.use_kernel and w.packed.ndim == 2 and w.perm is None
+            and math.prod(x.shape[:-1]) == 1 and x.dtype in (jnp.bfloat16, jnp.float16))
+
+
+def w4_linear(x: jax.Array, w, bias: jax.Array | None = None, residual: jax.Array | None = None,
+              norm: tuple[jax.Array, float] | None = None, silu_mul: bool = False) -> jax.Array:
+    """One row (`w4_fuses`) through the streaming kernel with what is around the product in the same
+    launch (`pallas_kernels.linear.w4.W4Fused`): x [..., K] -> [..., N] in x's dtype.
+
+    norm (weight [K], eps): x is the residual stream and the input its RMSNorm, as
+    `norms.rms_norm_linear` computes it; silu_mul: x is gate | up [..., 2K] and the input
+    `mlp.silu_mul(x)`; bias [N]; residual [..., N]: residual + the rounded result, as `x + linear(...)`.
+    At batch 1 a Llama layer's 12 launches become 8 (H100 / H200 decode profile: the RMSNorm
+    reduces, the q|k|v scale, the SiLU x up and the residual add ran as XLA kernels of 1-2 us each).
+    """
+    from pallas_kernels.linear import skinny_matmul_w4
+
+    nw, eps = norm if norm is not None else (None, 1e-6)
+    y = skinny_matmul_w4(x.reshape(1, x.shape[-1]), w.packed, w.scales, w.row_scale if w.kind == "fp4" else w.zeros,
+                         k=w.k, group_size=w.group_size, kind=w.kind, interpret=w.interpret, norm_weight=nw,
+                         eps=float(eps), silu_mul=silu_mul, bias=bias,
+                         residual=None if residual is None else residual.reshape(1, -1))
+    return y.reshape(x.shape[:-1] + (-1,))
+
+
 def w4_matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
     m = math.prod(x.shape[:-1])

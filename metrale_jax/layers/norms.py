@@ -26,6 +26,10 @@ def rms_norm_linear(x: jax.Array, w: jax.Array, eps: float, proj, b: jax.Array |
     profile, bench/results/session4_2026-11-30.md: two kernels per norm with the residual add,
     three before). Rounding: x * w is rounded to x's dtype, as HF rounds x * r.
     """
+    from metrale_jax.layers.linear_w4 import w4_fuses, w4_linear
+
+    if w4_fuses(x, proj):  # (one row of 4-bit weights: the norm in the kernel's launch)
+        return w4_linear(x, proj, b, norm=(w, eps))
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # f32[..., 1]
     return linear((xf * w.astype(jnp.float32)).astype(x.dtype), proj, b, row_scale=r)

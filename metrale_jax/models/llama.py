@@ -33,7 +33,7 @@ from metrale_jax.layers.attention import (
     dense_causal_attention,
     paged_attention,
 )
-from metrale_jax.layers.mlp import add_shared_expert, linear, silu_mul
+from metrale_jax.layers.mlp import add_shared_expert, linear, silu_mul_linear
 from metrale_jax.layers.moe import routed_experts, softmax_topk_router
 from metrale_jax.layers.norms import rms_norm, rms_norm_linear, rms_norm_matmul
 from metrale_jax.layers.rope import apply_rope, rope_cos_sin
@@ -145,7 +145,7 @@ def _mlp_block(cfg: ModelConfig, lp: dict, x: jax.Array, tokamax_moe: bool = Fal
     if "router" not in lp:
         if lora is None:
             gate_up = rms_norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
-            return x + linear(silu_mul(gate_up), lp["w_down"])
+            return silu_mul_linear(gate_up, lp["w_down"], residual=x)
         inter = cfg.intermediate_size
         # the product before the norm's row scale: the expand-add kernel scales it as it reads it
         gate_up, norm = rms_norm_matmul(x, lp["mlp_norm"], cfg.rms_norm_eps, lp["w_gate_up"])
@@ -229,7 +229,8 @@ def forward_paged(
             kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
         o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         o = o.reshape(o.shape[0], -1)
-        x = add_delta(linear(o, lp["wo"], lp.get("bo")), o, lora, "o_a", "o_b", residual=x)
+        x = linear(o, lp["wo"], lp.get("bo"), residual=x) if lora is None else \
+            add_delta(linear(o, lp["wo"], lp.get("bo")), o, lora, "o_a", "o_b", residual=x)
         return (_mlp_block(cfg, lp, x, attn.tokamax_moe, lora), kv, i + 1), None
 
     x, kv, _ = scan_layers(layer, (x, state.kv, np.int32(0)), params["layers"], attn.unroll_layers)

@@ -148,6 +148,21 @@ class W4Params:
             raise ValueError(f"{self.split_k=} must be >= 1")
 
 
+@dataclasses.dataclass(frozen=True)
+class W4Fused:
+    """What a launch computes around the product besides x @ W^T (static; the wrapper's arguments
+    `norm_weight`, `silu_mul`, `bias`, `residual` set it). The one-row half2 path computes it in the
+    kernel, which removes the XLA launches around each projection of a decode layer at batch 1
+    (normalize, scale and round, add the residual, SwiGLU); other paths compute it in XLA around
+    the kernel, with the same roundings as the unfused layers (`metrale_jax.layers`)."""
+
+    norm: bool = False  # x is the residual stream: the input is x * norm_weight rounded, the product times 1/rms(x)
+    eps: float = 1e-6  # (norm)
+    silu_mul: bool = False  # x is gate | up [M, 2K]: the input is silu(gate) rounded times up, rounded
+    bias: bool = False  # bias [N] added to the f32 product
+    residual: bool = False  # the result is residual [M, N] + the product rounded to x's dtype, rounded
+
+
 _TUNED_PATH = pathlib.Path(__file__).with_name("tuned_w4.json")  # written by bench/kernels/w4.py (absent: defaults)
 
 
@@ -368,10 +383,18 @@ def _dot8_packed(w, ps, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret):
-    # x_ref bf16|f16[M, K]; p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref u8[N, NG] (int4) or
-    # r_ref f32[N] (fp4), then o_ref bf16[M, N]. All whole arrays (no block specs).
-    aux_ref, o_ref = refs
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret,
+               fused: W4Fused = None):
+    # x_ref bf16|f16[M, K] (silu_mul: [1, 2K]); p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref
+    # u8[N, NG] (int4) or r_ref f32[N] (fp4), then the fused inputs (`W4Fused`, half2 only: norm
+    # weight [K], bias [N], residual [1, N]), then o_ref [M, N] (split_k: f32[S, 1, N], and with
+    # the norm a second f32[S, 1, N] of each program's sum of squares). All whole arrays.
+    fused = fused or W4Fused()
+    aux_ref, *refs = refs
+    nw_ref = refs.pop(0) if fused.norm else None
+    b_ref = refs.pop(0) if fused.bias else None
+    res_ref = refs.pop(0) if fused.residual else None
+    o_ref, ss_ref = (refs[0], refs[1] if len(refs) > 1 else None)
     pid_n = pl.program_id(0)
     half = block_k // 2
     kb = (k + 1) // 2  # bytes per row
@@ -461,14 +484,26 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             # f32[1, 8]: int4's high nibbles take x / 16 (their f16 is 16 * code * 2^-24); NVFP4 none
             odd_16 = None if fp4 else jnp.where(jnp.arange(8, dtype=jnp.int32) % 2 == 1, 0.0625, 1.0)[None, :]
 
-            def load_half2(i):  # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns)
+            def rounded(v):  # f32 -> x's dtype -> f32 (the unfused path's roundings)
+                return v.astype(x_ref.dtype).astype(jnp.float32)
+
+            def load_half2(i):
+                # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns, f32[W, 8] their
+                # squares before the norm's weight (norm), else None)
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
                 w_ok = jw < kw
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
                                        other=0, eviction_policy="evict_first")
                 cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
-                x8 = plgpu_triton.load(x_ref.at[jnp.zeros_like(cols), cols], mask=w_ok[:, None], other=0.0)
-                return wt, x8.astype(jnp.float32)
+                zc = jnp.zeros_like(cols)
+                x8 = plgpu_triton.load(x_ref.at[zc, cols], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
+                if fused.silu_mul:  # x = gate | up: silu(gate) rounded, times up, rounded
+                    u8 = plgpu_triton.load(x_ref.at[zc, cols + k], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
+                    return wt, rounded(rounded(x8 / (1.0 + jnp.exp(-x8))) * u8), None
+                if fused.norm:  # x * w rounded; the row's 1/rms multiplies the f32 product
+                    nw8 = plgpu_triton.load(nw_ref.at[cols], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
+                    return wt, rounded(x8 * nw8), x8 * x8
+                return wt, x8, None
 
             def step_half2(i, acc, wt, x8):
                 # x * cs in f16, cs = 2^(141 - e) per word, e the biased exponent of the word's max |x|
@@ -499,24 +534,41 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 part, xg = group_sums(d, jnp.sum(x8, axis=1), 8)
                 return acc + zero_and_scale(i, part, xg)
 
-            acc0 = jnp.zeros((block_n,), jnp.float32)
+            # (acc f32[BN], the norm's squares summed per position f32[W, 8]: one reduction after the loop)
+            carry0 = (jnp.zeros((block_n,), jnp.float32), jnp.zeros((nw, 8), jnp.float32) if fused.norm else None)
             sps = -(-num_steps // split_k)  # steps per program along K (those past the last: masked off)
             first = pl.program_id(1) * sps
+
+            def advance(i, carry, wt, x8, sq):
+                acc, ss = carry
+                return step_half2(i, acc, wt, x8), None if sq is None else ss + sq
+
             if prefetch:  # (loads past the last step are masked off: no memory traffic)
                 def body_prefetch(t, carry):
-                    acc, wt, x8 = carry
-                    return (step_half2(first + t, acc, wt, x8), *load_half2(first + t + 1))
+                    return (advance(first + t, carry[0], *carry[1:]), *load_half2(first + t + 1))
 
-                acc = _loop(sps, body_prefetch, (acc0, *load_half2(first)), unroll)[0]
+                acc, ss = _loop(sps, body_prefetch, (carry0, *load_half2(first)), unroll)[0]
             else:
-                acc = _loop(sps, lambda t, acc: step_half2(first + t, acc, *load_half2(first + t)), acc0, unroll)
+                acc, ss = _loop(sps, lambda t, carry: advance(first + t, carry, *load_half2(first + t)), carry0,
+                                unroll)
             if fp4:
                 acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
             zero = jnp.zeros_like(ncols)
-            if split_k > 1:  # o_ref f32[S, 1, N]
+            ss = None if ss is None else jnp.sum(jnp.sum(ss, axis=1))  # this program's share of K's sum of squares
+            if split_k > 1:  # o_ref f32[S, 1, N] (the wrapper applies the fused epilogue)
                 plgpu_triton.store(o_ref.at[pl.program_id(1) + zero, zero, ncols], acc, mask=n_ok)
-            else:
-                plgpu_triton.store(o_ref.at[zero, ncols], acc.astype(o_ref.dtype), mask=n_ok)
+                if ss is not None:  # (the same value in each column: a vector store)
+                    plgpu_triton.store(ss_ref.at[pl.program_id(1) + zero, zero, ncols], ss + 0.0 * acc, mask=n_ok)
+                return
+            if ss is not None:
+                acc = acc * jax.lax.rsqrt(ss / k + fused.eps)
+            if b_ref is not None:
+                acc = acc + plgpu_triton.load(b_ref.at[ncols], mask=n_ok, other=0.0).astype(jnp.float32)
+            y = acc.astype(o_ref.dtype)
+            if res_ref is not None:  # residual + the product rounded, as `x + linear(...)` in x's dtype
+                res = plgpu_triton.load(res_ref.at[zero, ncols], mask=n_ok, other=0.0).astype(jnp.float32)
+                y = (res + y.astype(jnp.float32)).astype(o_ref.dtype)
+            plgpu_triton.store(o_ref.at[zero, ncols], y, mask=n_ok)
             return
 
         def body_gemv_groups(i, acc):  # per group, sum code * x, then zero and scale
@@ -579,7 +631,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                            mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _check(x, packed, scales, aux, k: int, group: int, kind: str):
+def _check(x, packed, scales, aux, k: int, group: int, kind: str, fused: W4Fused):
     if kind not in ("int4", "fp4"):
         raise ValueError(f"{kind=} must be 'int4' or 'fp4'")
     if x.ndim != 2 or packed.ndim != 2:
@@ -587,8 +639,11 @@ def _check(x, packed, scales, aux, k: int, group: int, kind: str):
     m = x.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"skinny_matmul_w4: {m=} must be in 1..{MAX_M}")
-    if x.shape[1] != k or packed.shape[1] != (k + 1) // 2:
-        raise ValueError(f"skinny_matmul_w4: x {x.shape} and packed {packed.shape} disagree with {k=}")
+    if x.shape[1] != (2 * k if fused.silu_mul else k) or packed.shape[1] != (k + 1) // 2:
+        raise ValueError(f"skinny_matmul_w4: x {x.shape} and packed {packed.shape} disagree with {k=}"
+                         f"{' (silu_mul: x is gate | up, 2K wide)' if fused.silu_mul else ''}")
+    if fused.silu_mul and fused.norm:
+        raise ValueError("skinny_matmul_w4: silu_mul and norm_weight exclude one another")
     if group < 2 or group % 2:
         raise ValueError(f"skinny_matmul_w4: {group=} must be even")
     n = packed.shape[0]
@@ -603,14 +658,43 @@ def _check(x, packed, scales, aux, k: int, group: int, kind: str):
         raise ValueError(f"skinny_matmul_w4: packed must be uint8; got {packed.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret"))
+def _prologue(x, norm_weight, eps: float, silu_mul: bool):
+    """The fused input in XLA (`W4Fused`): -> (the product's input [M, K], the row scale f32[M, 1] or None)."""
+    if silu_mul:  # (as layers.mlp.silu_mul)
+        g, u = jnp.split(x, 2, axis=-1)
+        x = jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u
+    if norm_weight is None:
+        return x, None
+    xf = x.astype(jnp.float32)  # (as layers.norms.rms_norm_linear)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * norm_weight.astype(jnp.float32)).astype(x.dtype), r
+
+
+def _epilogue(y, r, bias, residual, dtype):
+    """The fused output in XLA: f32 product y [M, N] -> ((y * r + bias) rounded (+ residual), rounded) in dtype."""
+    if r is not None:
+        y = y * r
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    y = y.astype(dtype)
+    return y if residual is None else (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret", "eps", "silu_mul"))
 def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: str,
-                     params: W4Params | None = None, interpret: bool = False):
+                     params: W4Params | None = None, interpret: bool = False, norm_weight=None, eps: float = 1e-6,
+                     silu_mul: bool = False, bias=None, residual=None):
     """x bf16|f16[M, K] @ W^T -> [M, N] in x's dtype for a packed 4-bit W (module docstring), M in 1..64.
 
     aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
+    Fused around the product (`W4Fused`; in the launch on the one-row half2 path, else in XLA):
+    norm_weight [K]: x is the residual stream, the input RMSNorm(x) * norm_weight (`eps`) as
+    `layers.norms.rms_norm_linear` rounds it; silu_mul: x is gate | up [M, 2K], the input
+    `layers.mlp.silu_mul(x)`; bias [N]; residual [M, N]: residual + the result, in x's dtype.
     """
-    _check(x, packed, scales, aux, k, group_size, kind)
+    fused = W4Fused(norm=norm_weight is not None, eps=float(eps), silu_mul=silu_mul, bias=bias is not None,
+                    residual=residual is not None)
+    _check(x, packed, scales, aux, k, group_size, kind, fused)
     m = x.shape[0]
     n = packed.shape[0]
     params = params or w4_params_for(kind, m, n, k, group_size)
@@ -619,24 +703,44 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         raise ValueError(f"skinny_matmul_w4: {why}")
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
+    if fused != W4Fused(eps=fused.eps) and not (params.half2 and gemv):  # in XLA around the kernel
+        xin, r = _prologue(x, norm_weight, eps, silu_mul)
+        y = skinny_matmul_w4(xin, packed, scales, aux, k=k, group_size=group_size, kind=kind, params=params,
+                             interpret=interpret)
+        return _epilogue(y.astype(jnp.float32), r, bias, residual, x.dtype)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"skinny_matmul_w4: bias {bias.shape} must be {(n,)}")
+    if residual is not None and residual.shape != (m, n):
+        raise ValueError(f"skinny_matmul_w4: residual {residual.shape} must be {(m, n)}")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"skinny_matmul_w4: norm_weight {norm_weight.shape} must be {(k,)}")
     split_k = min(params.split_k, -(-k // block_k)) if params.half2 and gemv else 1
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
         split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv,
-        packed_x=params.packed_x and gemv, interpret=interpret)
+        packed_x=params.packed_x and gemv, interpret=interpret, fused=fused)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
+    inputs = [x, packed, scales, aux] + [a for a in (norm_weight, bias, residual) if a is not None]
+    partial = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype) if split_k == 1 else (partial, partial) if fused.norm else partial
     out = pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n), split_k),
-        in_specs=[pl.no_block_spec] * 4,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1 else
-        jax.ShapeDtypeStruct((m, n), x.dtype),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=(pl.no_block_spec,) * 2 if split_k > 1 and fused.norm else pl.no_block_spec,
+        out_shape=out_shape,
         compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
         interpret=interpret,
-        name="skinny_matmul_w4",
-    )(x, packed, scales, aux)
-    return out.sum(axis=0).astype(x.dtype) if split_k > 1 else out
+        # (the fusions in the name, for profiles: e.g. skinny_matmul_w4_norm, skinny_matmul_w4_silu_res)
+        name="skinny_matmul_w4" + "".join(f"_{f}" for f, on in (("norm", fused.norm), ("silu", fused.silu_mul),
+                                                                 ("bias", fused.bias), ("res", fused.residual)) if on),
+    )(*inputs)
+    if split_k == 1:
+        return out
+    # the programs' f32 partials along K (and their shares of the norm's sum of squares), added in XLA
+    acc, ss = out if fused.norm else (out, None)
+    r = None if ss is None else jax.lax.rsqrt(ss.sum(axis=0) / k + eps)
+    return _epilogue(acc.sum(axis=0), r, bias, residual, x.dtype)
