@@ -283,24 +283,17 @@ if [[ $parts == *wholek* ]]; then  # issue 19: the int4 batch-1 step profiled (k
     head -24 "$OUT"/profile_int4_b1_$t/*/kernels.txt 2>/dev/null
   done
 fi
-if [[ $parts == *fuse* ]]; then  # issue 19: the one-row decode layer with the norms, SwiGLU and residual adds in the
-  # 4-bit kernel's launches (session 41; run `tests` with GPU_TEST_FILES=tests/test_w4.py first): generate at batch 1,
-  # bf16 / int4 (profiled) / NVFP4, and int4 from the tree before the change (FUSE_OLD_TREE: a tar of it) beside it
-  for q in bf16 int4 nvfp4; do
-    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
-    pa=$([[ $q == int4 ]] && echo "--profile $OUT/profile_int4_b1_fused")
+if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (the one-row decode layer's norms, SwiGLU
+  # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16
+  # (~400 s; session 41 on an H100, one call each way: int4 device step 2.78-2.83 ms fused against 2.82-2.83,
+  # NVFP4 3.13 against 3.07; run `tests` with GPU_TEST_FILES=tests/test_w4.py first)
+  for run in "bf16:" "int4:--quantization int4" "int4_fused:--quantization int4 --attention {\"w4_fused_decode\":true}" \
+             "nvfp4:--quantization nvfp4" "nvfp4_fused:--quantization nvfp4 --attention {\"w4_fused_decode\":true}"; do
+    IFS=: read -r name extra <<< "$run"
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
-      $qa $pa --out "$OUT/generate_llama3_8b_${q}_b1_fused.json" > "$OUT/generate_llama3_8b_${q}_b1_fused.log" 2>&1
-    echo "== $q (this tree)"; grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1_fused.log" | tail -4
+      $extra --out "$OUT/generate_llama3_8b_${name}_b1.json" > "$OUT/generate_llama3_8b_${name}_b1.log" 2>&1
+    echo "== $name"; grep "batch   1" "$OUT/generate_llama3_8b_${name}_b1.log" | tail -4
   done
-  head -30 "$OUT"/profile_int4_b1_fused/*/kernels.txt 2>/dev/null
-  if [[ -n ${FUSE_OLD_TREE:-} && -f $FUSE_OLD_TREE ]]; then
-    rm -rf /tmp/t0 && mkdir -p /tmp/t0 && tar -xf "$FUSE_OLD_TREE" -C /tmp/t0
-    (cd /tmp/t0 && PYTHONPATH=/tmp/t0:/tmp/site timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py \
-      --shape llama3-8b --steps 64 --repeats 1 --batches 1 --quantization int4 \
-      --out "$OUT/generate_llama3_8b_int4_b1_unfused.json" > "$OUT/generate_llama3_8b_int4_b1_unfused.log" 2>&1)
-    echo "== int4 (the tree before)"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_unfused.log" | tail -4
-  fi
 fi
 if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1, some variants (M1PACK_SWEEP, default packed_x;
   # "--min-block-k 4096": session 39's whole-K tiles) beside the table's picks, merged, then generate at batch 1:

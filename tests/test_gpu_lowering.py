@@ -48,7 +48,8 @@ def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
     if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
         params = split_layers(params)
     if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
-        params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8, fp4_tensor_cores=attn.fp4_tensor_cores)
+        params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8, fp4_tensor_cores=attn.fp4_tensor_cores,
+                                w4_fused_decode=attn.w4_fused_decode)
     sds = jax.ShapeDtypeStruct
     p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
@@ -118,16 +119,20 @@ def test_fp4_tensor_core_steps_lower():
 
 @pytest.mark.parametrize("quantization", ["int4", "nvfp4"])
 def test_one_row_4bit_decode_step_fuses_its_layer(quantization):
-    """A one-row decode step with 4-bit weights: the streaming kernel takes the norms, SwiGLU and
-    residual adds into its launches (named after them), and it lowers for the H200."""
+    """`w4_fused_decode`: a one-row decode step with 4-bit weights, whose streaming kernel takes the
+    norms, SwiGLU and residual adds into its launches (named after them), lowers for the H200;
+    without it (the default) and at two rows nothing is fused."""
     cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
     model, params = random_model(cfg, dtype="bfloat16", seed=0, quantization=quantization)
-    (text,) = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=1),)).values()
+    one, two = StepBucket("decode", num_seqs=1), StepBucket("decode", num_seqs=2)
+    (text,) = _lower_steps(model, params, buckets=(one,), w4_fused_decode=True).values()
     assert all(f"skinny_matmul_w4_{f}" in text for f in ("norm", "res", "silu_res")), text.count("skinny_matmul")
-    (text,) = _lower_steps(model, params, buckets=(StepBucket("decode", num_seqs=2),)).values()
-    assert not any(f"skinny_matmul_w4_{f}" in text for f in ("norm", "res", "silu"))  # (the tensor-core kernel)
+    for bucket, fused in ((two, True), (one, False)):  # (two rows: the tensor-core kernel)
+        (text,) = _lower_steps(model, params, buckets=(bucket,), w4_fused_decode=fused).values()
+        assert "_w4_kernel" in text or "skinny_matmul_w4_mgpu" in text
+        assert not any(f"skinny_matmul_w4_{f}" in text for f in ("norm", "res", "silu"))
 
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_head_dims_the_attention_kernels_do_not_take(head_dim):

@@ -79,13 +79,15 @@ def test_engine_greedy_matches_transformers():
     assert isinstance(w, W4Linear) and isinstance(w.packed, Unstacked) and isinstance(w.perm, Unstacked)
 
 
-@pytest.mark.parametrize("name", ["llama_gptq_tiny", "llama_awq_tiny", "llama_nvfp4_ct_tiny"])
-def test_w4_kernel_in_decode_steps(name):
+@pytest.mark.parametrize("name,fuse", [("llama_gptq_tiny", True), ("llama_awq_tiny", True),
+                                       ("llama_nvfp4_ct_tiny", True), ("llama_nvfp4_ct_tiny", False)])
+def test_w4_kernel_in_decode_steps(name, fuse):
     """use_fp8_kernel marks W4Linear too: the decode rows' 4-bit linears go through the Pallas
-    kernel (interpret mode here), with act-order x gathers; prefill rows stay on XLA. One row
-    without act-order runs the norms, SwiGLU and residual adds in the kernel's launches."""
+    kernel (interpret mode here), with act-order x gathers; prefill rows stay on XLA. With
+    w4_fused_decode, one row without act-order runs the norms, SwiGLU and residual adds in the
+    kernel's launches."""
     model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
-    marked = use_fp8_kernel(params, interpret=True)
+    marked = use_fp8_kernel(params, interpret=True, w4_fused_decode=fuse)
     assert marked["layers"]["w_down"].use_kernel and not params["layers"]["w_down"].use_kernel
     lay = Layout(2, num_blocks=32, block_size=4, max_blocks=8, seed=1)
     prompt = jnp.asarray(np.random.default_rng(4).integers(3, 250, 16).astype(np.int32))
@@ -105,7 +107,7 @@ def test_w4_kernel_in_decode_steps(name):
                                                                                 AttentionConfig()))
             assert ("skinny_matmul_w4" in jaxpr) == (p is marked)
             # SwiGLU's logistic in XLA, unless fused (the kernel computes it with exp)
-            fused = p is marked and len(rows) == 1 and name != "llama_gptq_tiny"
+            fused = fuse and p is marked and len(rows) == 1 and name != "llama_gptq_tiny"
             assert ("logistic" in jaxpr) != fused
         assert np.isfinite(logits).all()
         # bf16 both ways; the kernel rounds its output to bf16 before the norm's row scale (the tiny
@@ -390,7 +392,8 @@ def test_w4_kernel_fused_lowers_for_h200(kind, n, k, g, fusion):
         traced = skinny_matmul_w4.trace(x, sds((n, k // 2), jnp.uint8), sds((n, k // g), scale_dt), aux, k=k,
                                         group_size=g, kind=kind, **kw)
         low = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in low and "skinny_matmul_w4_" + fusion.split("+")[0][:4].replace("resi", "res") in low
+    first = {"norm": "norm", "residual": "res", "silu": "silu"}[fusion.split("+")[0]]
+    assert "__gpu$xla.gpu.triton" in low and f"skinny_matmul_w4_{first}" in low
 
 
 @pytest.mark.gpu

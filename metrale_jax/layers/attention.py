@@ -51,6 +51,12 @@ class AttentionConfig:
     # against the dot path's 73.1 / 56.2 (bf16 23.8 / 15.6); Llama-3-8B batch-64 device step
     # 6.86 ms (bench/results/*_s38_call*). On by default; False keeps session 36's paths.
     fp4_tensor_cores: bool = True
+    # With fp8_kernel, one-row 4-bit linears take the decode layer's RMSNorms, SwiGLU, bias and
+    # residual adds into the streaming kernel's launches (`linear_w4.w4_linear`: 495 -> 399
+    # launches in a Llama-3-8B int4 batch-1 step). Off by default: on the H100 (session 41, one
+    # call each way) the int4 device step stayed 2.78-2.83 ms against 2.82-2.83 and NVFP4's went
+    # 3.07 -> 3.13 ms; the fused kernels took the removed launches' time. To measure on the H200.
+    w4_fused_decode: bool = False
     # Ragged prefill attention through the Mosaic GPU kernel (paged_attention/prefill_mgpu.py:
     # TMA + wgmma, warp-specialized) where it supports the shape (bf16 pools, head_dim 64/128,
     # power-of-two GQA groups <= 16), else the Triton kernel; GPU default. H200: 1.2-1.5x the

@@ -85,6 +85,8 @@ class W4Linear:
     kind: str = dataclasses.field(metadata=dict(static=True), default="int4")  # "int4" | "fp4"
     use_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    # one row: the decode layer's pieces around the product in the kernel's launch (`linear_w4.w4_fuses`)
+    fused_decode: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def n_out(self) -> int:
@@ -162,12 +164,14 @@ def has_quantized_linears(params) -> bool:
     return any(isinstance(w, kinds) for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, kinds)))
 
 
-def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = True):
+def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = True,
+                   w4_fused_decode: bool = False):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
     FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones (and with
     `fp4_tensor_cores` the NVFP4 ones) of 2-1,024 rows through the 4-bit GEMM
-    (`linear_w4.w4_matmul`; it gets its transposed scales here)."""
+    (`linear_w4.w4_matmul`; it gets its transposed scales here); `w4_fused_decode`: one-row 4-bit
+    linears with the layer's norms, SwiGLU and residual adds in their launches (`linear_w4.w4_linear`)."""
     def mark(w):
         if isinstance(w, Fp8Linear):
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
@@ -175,7 +179,8 @@ def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tenso
             from metrale_jax.layers.linear_w4 import w4_kernel_scales
 
             ks = w4_kernel_scales(w) if w8a8 and (w.kind == "int4" or fp4_tensor_cores) else None
-            return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks)
+            return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks,
+                                       fused_decode=w4_fused_decode)
         return w
 
     return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))
