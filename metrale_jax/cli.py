@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 
 from metrale_jax import __version__
+from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
 # modules that add subcommands: (module, function taking the argparse subparsers object)
@@ -50,9 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     add_tokenizer_args(g)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
-    g.add_argument("--quantization", choices=["fp8", "int4", "nvfp4"], default=None,
+    g.add_argument("--quantization", default=None,
+                   choices=[q for q in QUANTIZATIONS if q] + sorted(set(CHECKPOINT_QUANTIZATIONS) - set(QUANTIZATIONS)),
                    help="quantize the decoder linears at load (fp8: e4m3 with 128x128 block scales; int4: "
-                        "asymmetric round-to-nearest, group 128; nvfp4: e2m1 with e4m3 scales per 16)")
+                        "asymmetric round-to-nearest, group 128; nvfp4: e2m1 with e4m3 scales per 16); vLLM's "
+                        "names of checkpoint formats (gptq, awq_marlin, ...) are accepted where they match the "
+                        "checkpoint")
     g.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")

@@ -275,3 +275,14 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[float, ...]:
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """What RoPE's cos and sin multiply by (yarn's attention factor; 1 otherwise)."""
     return cfg.rope_scaling.attention_factor
+
+
+QUANTIZATIONS = (None, "fp8", "int4", "nvfp4")  # quantize-on-load choices
+# vLLM's `quantization` names of checkpoint formats -> the quant_method (or file format) they name.
+# They choose nothing here (the checkpoint's config says how to read it); a script passing the
+# one that matches its checkpoint keeps working, and one that does not is told so.
+CHECKPOINT_QUANTIZATIONS = {
+    "gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors", "modelopt": "modelopt", "modelopt_fp4": "modelopt",
+    "fbgemm_fp8": "fbgemm_fp8", "bitsandbytes": "bitsandbytes", "gguf": "gguf", "fp8": "fp8",
+}

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from metrale_jax.cache import EngineState
 from metrale_jax.cache.kv import init_kv_cache, kv_bytes_per_block
-from metrale_jax.config import ModelConfig
+from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS, ModelConfig
 from metrale_jax.errors import LoadError
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
@@ -175,6 +175,7 @@ def load_model(
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+    quantization = checkpoint_quantization(quantization, ckpt.config.get("quantization_config"), ckpt.format, path)
     _check_quantization(quantization)
     w4_scheme = dense_scheme = None
     if ckpt.config.get("quantization_config") is not None:
@@ -258,13 +259,31 @@ def _load_mtp(fam, cfg: ModelConfig, reader, split_layers: bool) -> dict:
     return head
 
 
-QUANTIZATIONS = (None, "fp8", "int4", "nvfp4")  # quantize-on-load choices
+def checkpoint_quantization(quantization: str | None, qc: dict | None, fmt: str, path) -> str | None:
+    """`quantization` as `load_model` acts on it: None where it names the checkpoint's own format
+    (`CHECKPOINT_QUANTIZATIONS`: "gptq" for a GPTQ checkpoint, "fp8" for an FP8 one, ...), the
+    value itself for a quantize-on-load choice of an unquantized checkpoint; a ValueError naming
+    both where they disagree."""
+    if quantization not in CHECKPOINT_QUANTIZATIONS:
+        return quantization
+    method = "gguf" if fmt == "gguf" else str(qc.get("quant_method", "")).lower() if qc else None
+    if method == CHECKPOINT_QUANTIZATIONS[quantization]:
+        return None
+    if method is None:
+        if quantization == "fp8":  # (vLLM's FP8 of an unquantized checkpoint: quantize at load)
+            return quantization
+        raise ValueError(f"quantization={quantization!r} names a checkpoint format, but {path} is not quantized "
+                         f"(its config.json has no quantization_config); quantize at load with one of "
+                         f"{[q for q in QUANTIZATIONS if q]}")
+    raise ValueError(f"quantization={quantization!r} does not match {path}'s quantization ({method!r}); "
+                     "leave it unset: the checkpoint's format is read from its config")
 
 
 def _check_quantization(quantization) -> bool:
     """True for "fp8" (quantize on load), False for None, "int4" or "nvfp4"; anything else is an error."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS}")
+        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS} (or vLLM's name of the "
+                         f"checkpoint's own format: {sorted(CHECKPOINT_QUANTIZATIONS)})")
     return quantization == "fp8"
 
 

@@ -193,6 +193,21 @@ def test_lean_buckets():
     assert cli._lean_buckets(args, 1) == {}  # explicit engine sizes: the engine's own buckets
 
 
+
+def test_quantization_choices():
+    """--quantization takes the quantize-on-load choices and vLLM's names of checkpoint formats
+    (checked against the checkpoint at load); anything else is refused by the parser."""
+    for q in ("int4", "fp8", "gptq", "awq_marlin", "compressed-tensors"):
+        args = cli.build_parser().parse_args(["generate", "x", "--quantization", q])
+        assert cli.engine_config_from_args(args).quantization == q
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "x", "--quantization", "marlin"])
+    from metrale_jax.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization='marlin' must be one of"):  # (serve: EngineConfig checks it)
+        EngineConfig(model="x", quantization="marlin")
+
+
 # ---- Ctrl-C --------------------------------------------------------------------------------------
 def _interrupt(p: subprocess.Popen, ready, after: float = 0.3) -> tuple[bytes, bytes]:
     """Send SIGINT `after` seconds past the moment `ready()` returns, then collect the output."""

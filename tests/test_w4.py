@@ -976,6 +976,31 @@ def test_quantizing_a_quantized_checkpoint_is_an_error():
         load_model(FIXTURES / "llama_awq_tiny", quantization="int4", show_progress=False)
 
 
+def test_vllm_names_of_the_checkpoint_format():
+    """vLLM's `quantization="gptq"` / "awq_marlin" / "fp8" ... name the checkpoint's own format:
+    accepted (nothing changes) where they match it, an error naming both where they do not, and
+    for an unquantized checkpoint (except "fp8": quantize at load, as vLLM does)."""
+    from metrale_jax.model import checkpoint_quantization
+
+    _, ref = load_model(FIXTURES / "llama_gptq_sym_tiny", dtype="float32", show_progress=False)
+    for q in ("gptq", "gptq_marlin"):
+        _, params = load_model(FIXTURES / "llama_gptq_sym_tiny", dtype="float32", quantization=q, show_progress=False)
+        assert isinstance(params["layers"]["wqkv"], W4Linear)
+        np.testing.assert_array_equal(params["layers"]["wqkv"].packed, ref["layers"]["wqkv"].packed)
+    _, params = load_model(FIXTURES / "llama_fp8_tiny", quantization="fp8", show_progress=False)
+    assert type(params["layers"]["wqkv"]).__name__ == "Fp8Linear"
+    with pytest.raises(ValueError, match=r"quantization='awq_marlin' does not match .*'gptq'"):
+        load_model(FIXTURES / "llama_gptq_sym_tiny", quantization="awq_marlin", show_progress=False)
+    with pytest.raises(ValueError, match="is not quantized"):
+        load_model(FIXTURES / "llama_tiny", quantization="gptq", show_progress=False)
+    with pytest.raises(ValueError, match="must be one of"):
+        load_model(FIXTURES / "llama_tiny", quantization="marlin", show_progress=False)
+    assert checkpoint_quantization("fp8", None, "safetensors", "m") == "fp8"  # quantize at load
+    assert checkpoint_quantization("modelopt_fp4", {"quant_method": "modelopt"}, "safetensors", "m") is None
+    assert checkpoint_quantization("gguf", None, "gguf", "m.gguf") is None
+    assert checkpoint_quantization("int4", None, "safetensors", "m") == "int4"
+
+
 # ---- quantize-on-load --------------------------------------------------------------------------------
 def test_quantize_int4_rtn():
     rng = np.random.default_rng(0)

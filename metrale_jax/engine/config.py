@@ -98,7 +98,9 @@ class EngineConfig:
     # '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
     # (Qwen3's long-context setting); a dict or its JSON text, kept as JSON (hashable)
     hf_overrides: str | None = None
-    quantization: str | None = None  # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"
+    # quantize the decoder linears at load: "fp8" (128x128 blocks), "int4", "nvfp4"; or vLLM's name of
+    # the checkpoint's own format ("gptq", "awq_marlin", ...: `model.checkpoint_quantization`)
+    quantization: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from gpu_memory_utilization (GPU) / cpu_kv_tokens (CPU)
@@ -180,6 +182,11 @@ class EngineConfig:
             raise ValueError(f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not supported: 'auto', 'float32', "
                              "'bfloat16', 'float16' or 'fp8' (float8_e4m3fn)")
         object.__setattr__(self, "kv_dtype", kd)
+        from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS and self.quantization not in CHECKPOINT_QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS} (quantize at load) "
+                             f"or vLLM's name of the checkpoint's own format: {sorted(CHECKPOINT_QUANTIZATIONS)}")
         if self.hf_overrides is not None:
             ov = self.hf_overrides
             try:
