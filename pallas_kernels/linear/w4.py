@@ -56,7 +56,9 @@ kernel cannot take, runs this kernel's dot path, 2.5x slower than bf16 at batch 
 (session 36): `swap_ab` (the dequantized tile as the dot's first operand, which wgmma may keep in
 registers) is the candidate for the next sweep (`bench/kernels/w4.py --kinds fp4 --ms 16,64 --only scale_tile`;
 `bench/gpu_session.sh fp4dot`). `packed_x` (half2, session 36, not yet measured: `--ms 1 --only packed_x`)
-packs x's f16 pairs once per word column rather than in the PTX per (row, word).
+packs x's f16 pairs once per word column rather than in the PTX per (row, word). `W4Fused` (session 41):
+the one-row half2 path can also take a decode layer's RMSNorm, SwiGLU, bias and residual add into its
+launch (off in the engine by default: no device-step gain on the H100, `AttentionConfig.w4_fused_decode`).
 """
 
 from __future__ import annotations
@@ -161,6 +163,10 @@ class W4Fused:
     silu_mul: bool = False  # x is gate | up [M, 2K]: the input is silu(gate) rounded times up, rounded
     bias: bool = False  # bias [N] added to the f32 product
     residual: bool = False  # the result is residual [M, N] + the product rounded to x's dtype, rounded
+
+    @property
+    def any(self) -> bool:
+        return self.norm or self.silu_mul or self.bias or self.residual
 
 
 _TUNED_PATH = pathlib.Path(__file__).with_name("tuned_w4.json")  # written by bench/kernels/w4.py (absent: defaults)
@@ -703,7 +709,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         raise ValueError(f"skinny_matmul_w4: {why}")
     block_k = _block_k(params, k)
     gemv = params.gemv and m == 1
-    if fused != W4Fused(eps=fused.eps) and not (params.half2 and gemv):  # in XLA around the kernel
+    if fused.any and not (params.half2 and gemv):  # in XLA around the kernel
         xin, r = _prologue(x, norm_weight, eps, silu_mul)
         y = skinny_matmul_w4(xin, packed, scales, aux, k=k, group_size=group_size, kind=kind, params=params,
                              interpret=interpret)
