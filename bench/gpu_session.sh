@@ -81,6 +81,10 @@
 # Mixtral: next, `acceptance` first, then `wholek` (~330 s: the int4 batch-1 step profiled, shipped table against the
 # whole-K picks: which of its 12 kernels a layer take the time in the graph), `fp4dot` with its defaults, `pdl` at
 # batch 64.
+# Session 41: an H100: `tests fuse` (GPU_TEST_FILES=tests/test_w4.py, then batch-1 generates) 329 s cold, `acceptance`
+# of three families 385 s warm, of two 304 s warm (all PASS), an HLO dump 81 s, two remat-off generates 178 s; a second
+# machine for two NVFP4 generates 139 s cold. Next: `fuse` (the layer fusion both ways beside bf16, ~400 s) on an H200
+# if one comes, then `fp4dot` with its defaults and `pdl` at batch 64; `acceptance` first if a step or kernel changed.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
