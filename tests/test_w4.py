@@ -235,6 +235,7 @@ _H2 = dict(gemv=True, group_partial=True, half2=True)
     ("fp4", 40, 200, 16, W4Params(block_n=16, block_k=64, packed_x=True, **_H2), "residual+bias"),
     ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, **_H2), "silu"),
     ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, prefetch=True, **_H2), "silu+residual"),
+    ("int4", 70, 248, 64, W4Params(block_n=16, block_k=64, **_H2), "silu+residual"),  # (N 70: float16 x)
     ("fp4", 24, 96, 16, W4Params(block_n=32, block_k=32, prefetch=True, **_H2), "silu+residual"),
     # split along K: the partials (and the norm's shares of the sum of squares) added in XLA
     ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, **_H2), "norm+bias"),
@@ -247,25 +248,28 @@ _H2 = dict(gemv=True, group_partial=True, half2=True)
 @pytest.mark.parametrize("m", [1, 3])
 def test_w4_kernel_fused_interpret(kind, n, k, g, params, fusion, m):
     """Norm, SwiGLU, bias and residual around the product against float64 (the roundings the unfused
-    layers make: x * w and silu(gate) * up in x's dtype, the result, then + residual in x's dtype)."""
+    layers make: x * w and silu(gate) * up in x's dtype, the result, then + residual in x's dtype);
+    bf16 x, float16 for N = 70 (GPTQ / AWQ models)."""
     if m > 1 and params.half2:
         params = W4Params(block_n=16, block_k=64)  # (the dot path)
     rng = np.random.default_rng(n + k + m + len(fusion))
     packed, scales, aux = _random_w4(rng, n, k, g, kind)
     w = _oracle_weight(packed, scales, aux, k, g, kind)
 
-    def rnd(v):  # f64 -> bf16 -> f64
-        return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    dt = jnp.float16 if n == 70 else jnp.bfloat16
+
+    def rnd(v):  # f64 -> x's dtype -> f64
+        return np.asarray(jnp.asarray(v, jnp.float32).astype(dt).astype(jnp.float32), np.float64)
 
     silu, norm = "silu" in fusion, "norm" in fusion
-    x = jnp.asarray(rng.standard_normal((m, 2 * k if silu else k)) * 3, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, 2 * k if silu else k)) * 3, dt)
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     kw = {}
     if silu:
         gate, up = xf[:, :k], xf[:, k:]
         xin, r = rnd(rnd(gate / (1 + np.exp(-gate))) * up), 1.0
     elif norm:
-        nw = jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.bfloat16)
+        nw = jnp.asarray(rng.uniform(0.5, 1.5, k), dt)
         kw.update(norm_weight=nw, eps=1e-5)
         xin = rnd(xf * np.asarray(nw.astype(jnp.float32), np.float64))
         r = 1 / np.sqrt((xf * xf).mean(axis=1, keepdims=True) + 1e-5)
@@ -273,16 +277,16 @@ def test_w4_kernel_fused_interpret(kind, n, k, g, params, fusion, m):
         xin, r = xf, 1.0
     want = xin @ w.T * r
     if "bias" in fusion:
-        b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal(n), dt)
         kw["bias"] = b
         want = want + np.asarray(b.astype(jnp.float32), np.float64)
     if "residual" in fusion:
-        res = jnp.asarray(rng.standard_normal((m, n)) * 4, jnp.bfloat16)
+        res = jnp.asarray(rng.standard_normal((m, n)) * 4, dt)
         kw["residual"] = res
         want = np.asarray(res.astype(jnp.float32), np.float64) + rnd(want)
     y = skinny_matmul_w4(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k, group_size=g, kind=kind,
                          params=params, interpret=True, silu_mul=silu, **kw)
-    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    assert y.shape == (m, n) and y.dtype == dt
     got = np.asarray(y.astype(jnp.float32), np.float64)
     err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
     assert err.max() < 1e-2, err
