@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face repo id (default: main)")
     add_tokenizer_args(g)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
     g.add_argument("--quantization", default=None,
                    choices=[q for q in QUANTIZATIONS if q] + sorted(set(CHECKPOINT_QUANTIZATIONS) - set(QUANTIZATIONS)),

@@ -25,6 +25,7 @@ from metrale_jax.models import family_for
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's and torch's spellings)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Model:
     tokenizer: Any = field(default=None, compare=False, hash=False, repr=False)
     # generation_config.json (its sampling fields are the engine's request defaults, as vLLM's)
     generation_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # how the weights are stored: the checkpoint's quant_method ("gptq", "awq", "compressed-tensors",
+    # "modelopt", "fp8", ...; "gguf"), the quantize-on-load choice ("fp8", "int4", "nvfp4"), or None
+    quantization: str | None = field(default=None, compare=False, hash=False)
 
     @property
     def family(self):
@@ -171,6 +175,7 @@ def load_model(
     cfg = fam.adapt_config(cfg)
     if ckpt.eos_token_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(ckpt.eos_token_ids))
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype == "auto":
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
@@ -227,9 +232,11 @@ def load_model(
                                      {"source": str(ckpt.path), "dtype": dtype})
     finally:
         ckpt.close()
+    qc = ckpt.config.get("quantization_config")
+    stored = "gguf" if ckpt.format == "gguf" else str(qc.get("quant_method")) if isinstance(qc, dict) else None
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=str(path),
                   eos_token_ids=tuple(cfg.eos_token_ids), tokenizer=ckpt.tokenizer,
-                  generation_config=dict(ckpt.generation_config))
+                  generation_config=dict(ckpt.generation_config), quantization=quantization or stored)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
              time.perf_counter() - t0)
@@ -311,5 +318,5 @@ def random_model(config: dict, dtype: str = "float32", seed: int = 0, scale: flo
         params["mtp"] = _load_mtp(fam, cfg, RandomWeightReader(dtype, seed=seed + 1, scale=scale,
                                                                repeat_layers=repeat_layers), split_layers)
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=f"random-{cfg.architecture}",
-                  eos_token_ids=tuple(cfg.eos_token_ids))
+                  eos_token_ids=tuple(cfg.eos_token_ids), quantization=quantization)
     return model, params

@@ -196,7 +196,8 @@ def test_lean_buckets():
 
 def test_quantization_choices():
     """--quantization takes the quantize-on-load choices and vLLM's names of checkpoint formats
-    (checked against the checkpoint at load); anything else is refused by the parser."""
+    (checked against the checkpoint at load); anything else is refused by the parser. dtype takes
+    vLLM's "half" and "float" too."""
     for q in ("int4", "fp8", "gptq", "awq_marlin", "compressed-tensors"):
         args = cli.build_parser().parse_args(["generate", "x", "--quantization", q])
         assert cli.engine_config_from_args(args).quantization == q
@@ -206,6 +207,10 @@ def test_quantization_choices():
 
     with pytest.raises(ValueError, match="quantization='marlin' must be one of"):  # (serve: EngineConfig checks it)
         EngineConfig(model="x", quantization="marlin")
+    assert EngineConfig(model="x", dtype="half").dtype == "float16"
+    assert EngineConfig(model="x", dtype="float").dtype == "float32"
+    with pytest.raises(ValueError, match="dtype 'fp16' is not supported"):
+        EngineConfig(model="x", dtype="fp16")
 
 
 # ---- Ctrl-C --------------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ def test_engine_greedy_matches_transformers():
     assert out[0].outputs[0].token_ids == g["greedy_ids"].tolist()
     w = llm.llm_engine.params["layers"]["wqkv"]
     assert isinstance(w, W4Linear) and isinstance(w.packed, Unstacked) and isinstance(w.perm, Unstacked)
+    mc = llm.llm_engine.model_config  # (vLLM's: what scripts read off the engine)
+    assert (mc.quantization, mc.dtype, mc.max_model_len, mc.get_vocab_size()) == ("gptq", "float32", 64, 256)
+    assert llm.llm_engine.get_model_config() == mc and mc.model.endswith("llama_gptq_tiny")
 
 
 @pytest.mark.parametrize("name,fuse", [("llama_gptq_tiny", True), ("llama_awq_tiny", True),
@@ -677,6 +680,7 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
     ({"quant_method": "gptq", "bits": 4, "group_size": 7}, "group_size 7"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero points"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"8-bit weights is not supported \(4-bit only\)"),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "W4A8_AWQ"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "tensor"),
@@ -718,6 +722,28 @@ def test_missing_qzeros_is_an_error(gptq_copy):
     _edit(gptq_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.qzeros"))
     with pytest.raises(MissingTensorError, match=r"layers\.1\.mlp\.up_proj\.qzeros"):
         load_model(gptq_copy, show_progress=False)
+
+
+def test_tensors_the_config_promises_are_required(gptq_copy, tmp_path):
+    """An act-order GPTQ linear without its g_idx, or an asymmetric compressed-tensors one without
+    its zero points, is a named error (loaded without them, their weights would be silently wrong)."""
+    _edit(gptq_copy, lambda t: t.pop("model.layers.0.self_attn.q_proj.g_idx"))
+    with pytest.raises(MissingTensorError, match=r"layers\.0\.self_attn\.q_proj\.g_idx.*desc_act"):
+        load_model(gptq_copy, show_progress=False)
+    nq = tmp_path / "nq"  # (a missing qweight is named beside the dense weight)
+    shutil.copytree(FIXTURES / "llama_gptq_tiny", nq)
+    _edit(nq, lambda t: t.pop("model.layers.1.mlp.down_proj.qweight"))
+    with pytest.raises(MissingTensorError, match=r"down_proj\.weight' \(nor its gptq tensor .*down_proj\.qweight'\)"):
+        load_model(nq, show_progress=False)
+    ct = tmp_path / "ct"
+    shutil.copytree(FIXTURES / "llama_w4a16_ct_tiny", ct)
+    _edit(ct, lambda t: t.pop("model.layers.1.mlp.down_proj.weight_zero_point"))
+    with pytest.raises(MissingTensorError, match=r"layers\.1\.mlp\.down_proj\.weight_zero_point.*symmetric"):
+        load_model(ct, show_progress=False)
+    sym = tmp_path / "sym"  # (a symmetric one has none, and needs none)
+    shutil.copytree(FIXTURES / "llama_w4a16_ct_channel_tiny", sym)
+    assert not any(n.endswith("weight_zero_point") for n in load_file(sym / "model.safetensors"))
+    load_model(sym, show_progress=False)
 
 
 def test_wrong_scales_shape_is_an_error(gptq_copy):
@@ -1003,6 +1029,12 @@ def test_vllm_names_of_the_checkpoint_format():
     assert checkpoint_quantization("modelopt_fp4", {"quant_method": "modelopt"}, "safetensors", "m") is None
     assert checkpoint_quantization("gguf", None, "gguf", "m.gguf") is None
     assert checkpoint_quantization("int4", None, "safetensors", "m") == "int4"
+    model, half = load_model(FIXTURES / "llama_gptq_sym_tiny", dtype="half", quantization="gptq",
+                             show_progress=False)
+    assert half["embed"].dtype == jnp.float16 and model.dtype == "float16"  # (vLLM's "half" and "float")
+    assert model.quantization == "gptq"  # (how the weights are stored: `model_config.quantization`)
+    assert load_model(FIXTURES / "llama_tiny", quantization="int4", show_progress=False)[0].quantization == "int4"
+    assert load_model(FIXTURES / "llama_tiny", show_progress=False)[0].quantization is None
 
 
 # ---- quantize-on-load --------------------------------------------------------------------------------

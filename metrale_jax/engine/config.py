@@ -88,7 +88,7 @@ class EngineConfig:
     # requests that do not set them; "vllm" = SamplingParams' own defaults; a folder = its
     # generation_config.json
     generation_config: str = "auto"
-    dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # parameters AND the KV cache: "auto" | "float32" | "bfloat16" | "float16" ("half", "float")
     # override the KV cache dtype (None = dtype): "float32" | "bfloat16" | "float16" | "float8_e4m3fn";
     # vLLM's kv_cache_dtype spellings too ("auto" = None, "fp8" / "fp8_e4m3" = float8_e4m3fn)
     kv_dtype: str | None = None
@@ -182,6 +182,11 @@ class EngineConfig:
             raise ValueError(f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not supported: 'auto', 'float32', "
                              "'bfloat16', 'float16' or 'fp8' (float8_e4m3fn)")
         object.__setattr__(self, "kv_dtype", kd)
+        dt = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)  # (vLLM's spellings)
+        if dt not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r} is not supported: 'auto', 'bfloat16', 'float16' ('half') or "
+                             "'float32' ('float')")
+        object.__setattr__(self, "dtype", dt)
         from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS
 
         if self.quantization not in QUANTIZATIONS and self.quantization not in CHECKPOINT_QUANTIZATIONS:

@@ -127,6 +127,24 @@ def _on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What scripts written for vLLM read off `llm.llm_engine.model_config` (`LLMEngine.model_config`)."""
+
+    model: str
+    dtype: str  # the parameters' dtype, resolved ("bfloat16", ...)
+    quantization: str | None  # how the weights are stored (`model.Model.quantization`)
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hidden_size
+
+
 class LLMEngine:
     """The serving engine. `LLMEngine(model, params, config)` or `LLMEngine.from_config(config)`.
 
@@ -309,6 +327,18 @@ class LLMEngine:
             tok = load_tokenizer(config.tokenizer, show_progress=config.show_progress)
             model = dataclasses.replace(model, tokenizer=tok)
         return cls(model, params, config, owns_params=True)
+
+    @property
+    def model_config(self) -> ModelInfo:
+        """vLLM's `llm_engine.model_config`: the model, its resolved dtype and quantization, the context length."""
+        cfg = self.model.cfg
+        return ModelInfo(model=self.model.name or self.config.model, dtype=self.model.dtype,
+                         quantization=getattr(self.model, "quantization", None),
+                         max_model_len=self.config.max_model_len, vocab_size=cfg.vocab_size,
+                         hidden_size=cfg.hidden_size)
+
+    def get_model_config(self) -> ModelInfo:
+        return self.model_config
 
     @property
     def extra_kv_layers(self) -> int:

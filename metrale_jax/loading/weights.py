@@ -209,7 +209,8 @@ class WeightReader:
         marker, read = readers[scheme.method] if scheme is not None else (None, None)
         prefix = name[: -len("weight")] if name.endswith(".weight") else None
         if marker is None or prefix is None or not self.has(prefix + marker):
-            raise MissingTensorError(f"tensor {name!r} is missing from checkpoint {self.origin}")
+            quantized = f" (nor its {scheme.method} tensor {prefix + marker!r})" if marker and prefix else ""
+            raise MissingTensorError(f"tensor {name!r}{quantized} is missing from checkpoint {self.origin}")
         if len(shape) != 2:
             raise UnsupportedDtypeError(f"{self.origin}: {name} is quantized ({scheme.method}) but is read as a "
                                         f"{len(shape)}-D tensor {tuple(shape)}; quantized weights must be matrices")

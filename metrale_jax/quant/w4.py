@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from metrale_jax.errors import CorruptCheckpointError, TensorShapeError, UnsupportedDtypeError
+from metrale_jax.errors import CorruptCheckpointError, MissingTensorError, TensorShapeError, UnsupportedDtypeError
 from metrale_jax.quant.fp8 import MODELOPT_FP8, exact_div
 
 FP4_GROUP = 16  # NVFP4's scale block (elements along K)
@@ -74,11 +74,15 @@ class W4Scheme:
     method: "gptq" | "awq" | "compressed-tensors" | "nvfp4-ct" | "modelopt".
     group_size: elements per scale along K (None: read from the tensors, e.g. CT "channel").
     gptq_v1: GPTQ stores zero - 1 (checkpoint_format "gptq"); False for "gptq_v2".
+    act_order: GPTQ `desc_act`: every linear must carry its g_idx.
+    zero_points: compressed-tensors W4A16 not `symmetric`: every linear must carry its weight_zero_point.
     """
 
     method: str
     group_size: int | None = None
     gptq_v1: bool = True
+    act_order: bool = False
+    zero_points: bool = False
 
 
 @dataclass
@@ -185,7 +189,8 @@ def parse_group(g, what: str) -> int | None:
 def _bits(qc: Mapping, key: str, what: str) -> None:
     bits = qc.get(key, 4)
     if bits != 4:
-        raise _err(f"{what} with {bits}-bit weights is not supported (4-bit or 8-bit only)")
+        raise _err(f"{what} with {bits}-bit weights is not supported "
+                   f"({'4-bit or 8-bit' if what == 'GPTQ' else '4-bit'} only)")
 
 
 def parse_w4_config(qc: Mapping) -> W4Scheme | None:
@@ -200,7 +205,8 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
         if fmt not in ("gptq", "gptq_v2"):
             raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2'; "
                        "Marlin / BitBLAS repacked checkpoints are not)")
-        return W4Scheme("gptq", parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq")
+        return W4Scheme("gptq", parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq",
+                        act_order=bool(qc.get("desc_act", False)))
     if method == "awq":
         _bits(qc, "bits" if "bits" in qc else "w_bit", "AWQ")
         version = str(qc.get("version", "gemm")).lower()
@@ -255,10 +261,12 @@ def _parse_ct(qc: Mapping) -> W4Scheme | None:
                 raise _err(f"compressed-tensors {name}: quantized activations (W4A{act.get('num_bits')}) are not "
                            "supported; only W4A16")
             strategy = w.get("strategy")
+            zp = not w.get("symmetric", True)
             if strategy == "group":
-                schemes.append(W4Scheme("compressed-tensors", parse_group(w.get("group_size"), "compressed-tensors")))
+                schemes.append(W4Scheme("compressed-tensors", parse_group(w.get("group_size"), "compressed-tensors"),
+                                        zero_points=zp))
             elif strategy == "channel":
-                schemes.append(W4Scheme("compressed-tensors", None))
+                schemes.append(W4Scheme("compressed-tensors", None, zero_points=zp))
             else:
                 raise _err(f"compressed-tensors {name}: weight strategy {strategy!r} is not supported "
                            "('group' or 'channel')")
@@ -272,7 +280,8 @@ def _parse_ct(qc: Mapping) -> W4Scheme | None:
     if len({s.method for s in schemes}) > 1:
         raise _err("compressed-tensors config_groups mixing W4A16 and NVFP4 are not supported")
     # Per-module group sizes come from the tensors (scale shapes), so differing groups are fine.
-    return schemes[0] if len(schemes) == 1 else W4Scheme(schemes[0].method, None)
+    return schemes[0] if len(schemes) == 1 else W4Scheme(schemes[0].method, None,
+                                                         zero_points=any(s.zero_points for s in schemes))
 
 
 # ---- readers ----------------------------------------------------------------------------------------
@@ -331,6 +340,9 @@ def read_gptq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     s = int_scales(load(prefix + "scales"), prefix + "scales")
     check_shape(s, (ng, n), prefix + "scales")
     perm = None
+    if scheme.act_order and not load.has(prefix + "g_idx"):  # (without it the columns' groups are unknown)
+        raise MissingTensorError(f"tensor {prefix + 'g_idx'!r} is missing: the GPTQ config has desc_act true "
+                                 "(act-order), so each linear needs its g_idx")
     g_idx = load(prefix + "g_idx") if load.has(prefix + "g_idx") else None
     if g_idx is not None:
         perm = act_order(g_idx, k, g, prefix + "g_idx")
@@ -389,6 +401,9 @@ def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weigh
     check_shape(words, (n, -(-k // 8)), prefix + "weight_packed")
     s, g = ct_scales(load, prefix, n, k, scheme.group_size)
     ng = s.shape[1]
+    if scheme.zero_points and not load.has(prefix + "weight_zero_point"):
+        raise MissingTensorError(f"tensor {prefix + 'weight_zero_point'!r} is missing: the compressed-tensors "
+                                 "config is asymmetric (symmetric: false)")
     if load.has(prefix + "weight_zero_point"):
         zp = u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
         check_shape(zp, (-(-n // 8), ng), prefix + "weight_zero_point")
