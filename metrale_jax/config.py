@@ -277,6 +277,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return cfg.rope_scaling.attention_factor
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's and torch's spellings of dtypes)
 QUANTIZATIONS = (None, "fp8", "int4", "nvfp4")  # quantize-on-load choices
 # vLLM's `quantization` names of checkpoint formats -> the quant_method (or file format) they name.
 # They choose nothing here (the checkpoint's config says how to read it); a script passing the

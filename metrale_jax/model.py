@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from metrale_jax.cache import EngineState
 from metrale_jax.cache.kv import init_kv_cache, kv_bytes_per_block
-from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS, ModelConfig
+from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, DTYPE_ALIASES, QUANTIZATIONS, ModelConfig
 from metrale_jax.errors import LoadError
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
@@ -25,7 +25,6 @@ from metrale_jax.models import family_for
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's and torch's spellings)
 
 
 @dataclass(frozen=True)

@@ -182,12 +182,13 @@ class EngineConfig:
             raise ValueError(f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not supported: 'auto', 'float32', "
                              "'bfloat16', 'float16' or 'fp8' (float8_e4m3fn)")
         object.__setattr__(self, "kv_dtype", kd)
-        dt = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)  # (vLLM's spellings)
+        from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, DTYPE_ALIASES, QUANTIZATIONS
+
+        dt = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dt not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r} is not supported: 'auto', 'bfloat16', 'float16' ('half') or "
                              "'float32' ('float')")
         object.__setattr__(self, "dtype", dt)
-        from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS
 
         if self.quantization not in QUANTIZATIONS and self.quantization not in CHECKPOINT_QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS} (quantize at load) "
