@@ -681,6 +681,7 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero points"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"8-bit weights is not supported \(4-bit only\)"),
+    ({"quant_method": "gptq", "group_size": 128}, "no 'bits'"),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "W4A8_AWQ"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "tensor"),

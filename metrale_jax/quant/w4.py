@@ -187,7 +187,9 @@ def parse_group(g, what: str) -> int | None:
 
 
 def _bits(qc: Mapping, key: str, what: str) -> None:
-    bits = qc.get(key, 4)
+    if key not in qc:  # (vLLM refuses it too: the codes' width is not guessed)
+        raise _err(f"{what} config has no {key!r} (the weights' bit width)")
+    bits = qc[key]
     if bits != 4:
         raise _err(f"{what} with {bits}-bit weights is not supported "
                    f"({'4-bit or 8-bit' if what == 'GPTQ' else '4-bit'} only)")
