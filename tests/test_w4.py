@@ -727,7 +727,10 @@ def test_missing_qzeros_is_an_error(gptq_copy):
 
 def test_tensors_the_config_promises_are_required(gptq_copy, tmp_path):
     """An act-order GPTQ linear without its g_idx, or an asymmetric compressed-tensors one without
-    its zero points, is a named error (loaded without them, their weights would be silently wrong)."""
+    its zero points, is a named error (loaded without them, their weights would be silently wrong);
+    so is a 4-bit linear without the tensor that marks its format."""
+    from metrale_jax.loading.tensors import SafetensorsSource
+
     _edit(gptq_copy, lambda t: t.pop("model.layers.0.self_attn.q_proj.g_idx"))
     with pytest.raises(MissingTensorError, match=r"layers\.0\.self_attn\.q_proj\.g_idx.*desc_act"):
         load_model(gptq_copy, show_progress=False)
@@ -741,6 +744,14 @@ def test_tensors_the_config_promises_are_required(gptq_copy, tmp_path):
     _edit(ct, lambda t: t.pop("model.layers.1.mlp.down_proj.weight_zero_point"))
     with pytest.raises(MissingTensorError, match=r"layers\.1\.mlp\.down_proj\.weight_zero_point.*symmetric"):
         load_model(ct, show_progress=False)
+    mo = tmp_path / "mo"  # ModelOpt NVFP4 without weight_scale_2: not read as a dense weight of the wrong shape
+    shutil.copytree(FIXTURES / "llama_nvfp4_modelopt_tiny", mo)
+    src = SafetensorsSource(mo)
+    kept = {n: np.array(src.load(n)) for n in src.names() if n != "model.layers.0.self_attn.q_proj.weight_scale_2"}
+    src.close()
+    save_file(kept, mo / "model.safetensors")  # (safetensors.numpy writes, but cannot read, float8)
+    with pytest.raises(MissingTensorError, match=r"q_proj\.weight_scale_2' is missing .*packed 4-bit codes"):
+        load_model(mo, show_progress=False)
     sym = tmp_path / "sym"  # (a symmetric one has none, and needs none)
     shutil.copytree(FIXTURES / "llama_w4a16_ct_channel_tiny", sym)
     assert not any(n.endswith("weight_zero_point") for n in load_file(sym / "model.safetensors"))

@@ -40,6 +40,17 @@ class TensorLoader:
         return np.asarray(self.reader.source.load(name))
 
 
+def _check_not_packed(reader, name: str, marker: str) -> None:
+    """A linear without its format's marker tensor is read dense, unless its weight holds packed
+    4-bit codes (u8, NVFP4's layout): then the marker is what is missing."""
+    from metrale_jax.errors import MissingTensorError
+
+    prefix = _prefix(name)
+    if not reader.has(prefix + marker) and reader.has(name) and np.dtype(reader.source.dtype(name)) == np.uint8:
+        raise MissingTensorError(f"tensor {prefix + marker!r} is missing from checkpoint {reader.origin}: "
+                                 f"{name!r} holds packed 4-bit codes (uint8)")
+
+
 def _prefix(name: str) -> str:
     if not name.endswith(".weight"):
         raise LoadError(f"linear weight name {name!r} does not end in '.weight'")
@@ -70,6 +81,8 @@ def read_w4_linears(reader, num_layers: int, k: int, parts, desc: str = "") -> W
         quantized = {reader.has(_prefix(name) + marker) for i in range(num_layers) for name, _ in parts(i)}
         if quantized != {True}:
             if True in quantized:
+                for name in (name for i in range(num_layers) for name, _ in parts(i)):
+                    _check_not_packed(reader, name, marker)
                 _dense(reader, names, "are 4-bit in some layers or parts only")
             return None
     layers = [[_read_part(reader, name, n, k) for name, n in parts(i)]
