@@ -231,6 +231,8 @@ def load_model(
                                      {"source": str(ckpt.path), "dtype": dtype})
     finally:
         ckpt.close()
+    if quantization is not None:
+        _quantize_on_load_report(params, quantization, cfg.architecture, dtype)
     qc = ckpt.config.get("quantization_config")
     stored = "gguf" if ckpt.format == "gguf" else str(qc.get("quant_method")) if isinstance(qc, dict) else None
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=str(path),
@@ -240,6 +242,39 @@ def load_model(
     log.info("loaded %s (%s, %s, %.1f MB) in %.1fs", path, cfg.architecture, dtype, nbytes / 1e6,
              time.perf_counter() - t0)
     return model, params
+
+
+# parameter keys that are not linears a quantize-on-load choice would take (embeddings, the LM head,
+# norms, routers, the SSM's conv / A / D / dt, per-token gates of one column)
+_NOT_LINEAR = re.compile(r"embed|lm_head|norm|router|conv|A_log|dt_bias|(^|\.)D$|shared_gate$")
+
+
+def _quantize_on_load_report(params, quantization: str, arch: str, dtype: str) -> None:
+    """After a quantize-on-load (`quantization` "fp8" / "int4" / "nvfp4"): a ValueError when no
+    linear took it (e.g. Mamba-2's in_proj: only the Llama-style attention / MLP linears, and FP8 MoE
+    experts, have those kernels), a warning naming the matrices that stay `dtype` when some did."""
+    from metrale_jax.layers.linear import Fp8Linear, W4Linear
+
+    kinds = (Fp8Linear, W4Linear)
+    quantized, dense = set(), set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda w: isinstance(w, kinds))[0]:
+        names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        key = ".".join(names)
+        if isinstance(leaf, kinds):
+            quantized.add(key)
+            continue
+        # (a layer-stacked array: its first axis is the layers; `Unstacked` parts are one layer each)
+        stacked = names[:1] == ["layers"] and not any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
+        shape = tuple(getattr(leaf, "shape", ()))[1 if stacked else 0:]
+        if len(shape) >= 2 and sorted(shape)[-2] >= 16 and not _NOT_LINEAR.search(key):
+            dense.add(key)
+    if not dense:
+        return
+    if not quantized:
+        raise ValueError(f"quantization={quantization!r}: no linear of {arch} takes it (its matrices "
+                         f"{', '.join(sorted(dense))} have no {quantization} path here); load it without quantization")
+    log.warning("quantization=%r: %s's %s stay %s (no %s path for them here); quantized: %s", quantization, arch,
+                ", ".join(sorted(dense)), dtype, quantization, ", ".join(sorted(quantized)))
 
 
 def _dense_summary(reader, dtype: str) -> str:
