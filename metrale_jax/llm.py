@@ -27,6 +27,40 @@ PromptType = str | dict | list[int]
 log = logging.getLogger(__name__)
 
 
+def engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = None, swap_space: float | None = None,
+                  trust_remote_code: bool = False, enforce_eager: bool = False, kv_cache_dtype: str | None = None,
+                  tokenizer_mode: str = "auto", enable_chunked_prefill: bool | None = None,
+                  disable_log_stats: bool = True, max_seq_len_to_capture: int | None = None,
+                  distributed_executor_backend: str | None = None, **engine_kwargs: Any) -> EngineConfig:
+    """The EngineConfig of vLLM's engine arguments: what `LLM(...)` and `EngineArgs(...)` take
+    (`LLM`'s docstring: vLLM's names mapped onto EngineConfig's, the rest passed through)."""
+    del trust_remote_code, disable_log_stats, max_seq_len_to_capture, distributed_executor_backend  # (nothing to set)
+    if tokenizer_mode not in ("auto", "slow", "hf"):
+        raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported ('auto'; the tokenizer is always "
+                         "the `tokenizers` one of tokenizer.json or the GGUF)")
+    if enable_chunked_prefill is False:
+        log.info("enable_chunked_prefill=False: metrale-jax always prefills long prompts in chunks")
+    if kv_cache_dtype is not None:
+        engine_kwargs["kv_dtype"] = kv_cache_dtype
+    if enforce_eager:
+        log.info("enforce_eager=True: metrale-jax has no eager mode; its steps are compiled ahead of time")
+    if swap_space is not None:
+        engine_kwargs["swap_space_gb"] = float(swap_space)
+    return EngineConfig(model=str(model), tokenizer=tokenizer, **engine_kwargs)
+
+
+class EngineArgs:
+    """vLLM's `EngineArgs`: `LLM`'s keyword arguments kept for `LLMEngine.from_engine_args`
+    (`EngineArgs(model=..., max_model_len=...)`; `create_engine_config()` checks them)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
+        self.model = model
+        self.kwargs = kwargs
+
+    def create_engine_config(self) -> EngineConfig:
+        return engine_config(self.model, **self.kwargs)
+
+
 class LLM:
     """Load a model, compile its steps, generate.
 
@@ -72,22 +106,14 @@ class LLM:
         distributed_executor_backend: str | None = None,
         **engine_kwargs: Any,
     ):
-        if tokenizer_mode not in ("auto", "slow", "hf"):
-            raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported ('auto'; the tokenizer is always "
-                             "the `tokenizers` one of tokenizer.json or the GGUF)")
-        if enable_chunked_prefill is False:
-            log.info("enable_chunked_prefill=False: metrale-jax always prefills long prompts in chunks")
-        if kv_cache_dtype is not None:
-            engine_kwargs["kv_dtype"] = kv_cache_dtype
-        if enforce_eager:
-            log.info("enforce_eager=True: metrale-jax has no eager mode; its steps are compiled ahead of time")
-        if swap_space is not None:
-            engine_kwargs["swap_space_gb"] = float(swap_space)
-        config = EngineConfig(
-            model=str(model), tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs,
-        )
+        config = engine_config(
+            model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens, seed=seed, tokenizer=tokenizer, swap_space=swap_space,
+            trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
+            tokenizer_mode=tokenizer_mode, enable_chunked_prefill=enable_chunked_prefill,
+            disable_log_stats=disable_log_stats, max_seq_len_to_capture=max_seq_len_to_capture,
+            distributed_executor_backend=distributed_executor_backend, **engine_kwargs)
         self.llm_engine = LLMEngine.from_config(config)
         self._ids = itertools.count()
 

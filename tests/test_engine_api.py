@@ -237,7 +237,8 @@ def test_priority_scheduling():
 def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path):
     """What ported vLLM scripts pass: `tokenizer` (loaded in place of the model's: a GGUF file or a
     folder with tokenizer.json), `swap_space` (GiB), `trust_remote_code` and `enforce_eager`
-    (accepted; the latter logged); unknown names still fail."""
+    (accepted; the latter logged); unknown names still fail. The same through `EngineArgs` and
+    `LLMEngine.from_engine_args`."""
     from metrale_jax.engine import engine as engine_mod
     from metrale_jax.loading.checkpoint import load_tokenizer
     from tests._smollm2 import smollm2_gguf_path
@@ -267,6 +268,15 @@ def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path):
     assert "enforce_eager" in caplog.text
     with pytest.raises(TypeError, match="no_such_arg"):
         LLM(model="m", no_such_arg=1)
+    # vLLM's EngineArgs -> LLMEngine.from_engine_args: the same arguments, mapped the same way
+    from metrale_jax import EngineArgs, LLMEngine
+
+    seen.clear()
+    LLMEngine.from_engine_args(EngineArgs(model="m2", kv_cache_dtype="fp8", swap_space=1, max_model_len=64))
+    c = seen["c"]
+    assert (c.model, c.kv_dtype, c.swap_space_gb, c.max_model_len) == ("m2", "float8_e4m3fn", 1.0, 64)
+    with pytest.raises(TypeError, match="no_such_arg"):
+        EngineArgs(model="m", no_such_arg=1).create_engine_config()
     assert llm.get_default_sampling_params() == SamplingParams()
 
 

@@ -328,6 +328,11 @@ class LLMEngine:
             model = dataclasses.replace(model, tokenizer=tok)
         return cls(model, params, config, owns_params=True)
 
+    @classmethod
+    def from_engine_args(cls, engine_args) -> LLMEngine:
+        """vLLM's: the engine of an `EngineArgs` (`metrale_jax.EngineArgs`: `LLM`'s keyword arguments)."""
+        return cls.from_config(engine_args.create_engine_config())
+
     @property
     def model_config(self) -> ModelInfo:
         """vLLM's `llm_engine.model_config`: the model, its resolved dtype and quantization, the context length."""
