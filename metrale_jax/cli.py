@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 
 from metrale_jax import __version__
-from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS
+from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, DTYPE_ALIASES, DTYPE_NAMES, QUANTIZATIONS
 from metrale_jax.loading.hub import DEFAULT_MODEL
 
 # modules that add subcommands: (module, function taking the argparse subparsers object)
@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | None = No
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face repo id (default: main)")
     add_tokenizer_args(g)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES, *DTYPE_ALIASES],
                    help="parameter and KV cache dtype (auto: the checkpoint's)")
     g.add_argument("--quantization", default=None,
                    choices=[q for q in QUANTIZATIONS if q] + sorted(set(CHECKPOINT_QUANTIZATIONS) - set(QUANTIZATIONS)),

@@ -277,6 +277,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return cfg.rope_scaling.attention_factor
 
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # parameter / activation dtypes (besides "auto")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's and torch's spellings of dtypes)
 QUANTIZATIONS = (None, "fp8", "int4", "nvfp4")  # quantize-on-load choices
 # vLLM's `quantization` names of checkpoint formats -> the quant_method (or file format) they name.
@@ -287,3 +288,10 @@ CHECKPOINT_QUANTIZATIONS = {
     "compressed-tensors": "compressed-tensors", "modelopt": "modelopt", "modelopt_fp4": "modelopt",
     "fbgemm_fp8": "fbgemm_fp8", "bitsandbytes": "bitsandbytes", "gguf": "gguf", "fp8": "fp8",
 }
+
+
+def check_quantization_name(quantization) -> None:
+    """ValueError unless `quantization` is a quantize-on-load choice or vLLM's name of a checkpoint format."""
+    if quantization not in QUANTIZATIONS and quantization not in CHECKPOINT_QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS} (quantize at load) or "
+                         f"vLLM's name of the checkpoint's own format: {sorted(CHECKPOINT_QUANTIZATIONS)}")

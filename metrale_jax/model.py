@@ -16,7 +16,14 @@ import jax.numpy as jnp
 
 from metrale_jax.cache import EngineState
 from metrale_jax.cache.kv import init_kv_cache, kv_bytes_per_block
-from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, DTYPE_ALIASES, QUANTIZATIONS, ModelConfig
+from metrale_jax.config import (
+    CHECKPOINT_QUANTIZATIONS,
+    DTYPE_ALIASES,
+    DTYPE_NAMES,
+    QUANTIZATIONS,
+    ModelConfig,
+    check_quantization_name,
+)
 from metrale_jax.errors import LoadError
 from metrale_jax.layers.attention import AttentionConfig
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
@@ -24,7 +31,7 @@ from metrale_jax.models import family_for
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -179,16 +186,16 @@ def load_model(
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-    quantization = checkpoint_quantization(quantization, ckpt.config.get("quantization_config"), ckpt.format, path)
+    qc = ckpt.config.get("quantization_config")
+    quantization = checkpoint_quantization(quantization, qc, ckpt.format, path)
     _check_quantization(quantization)
     w4_scheme = dense_scheme = None
-    if ckpt.config.get("quantization_config") is not None:
+    if qc is not None:
         from metrale_jax.quant.bnb import parse_bnb_config
         from metrale_jax.quant.fp8 import check_fp8_quantization_config
         from metrale_jax.quant.int8 import parse_int8_config
         from metrale_jax.quant.w4 import parse_w4_config
 
-        qc = ckpt.config["quantization_config"]
         # read dense: 8-bit GPTQ, compressed-tensors W8A16 / W8A8-INT8, bitsandbytes
         dense_scheme = parse_int8_config(qc) or parse_bnb_config(qc)
         w4_scheme = None if dense_scheme else parse_w4_config(qc)  # GPTQ, AWQ, compressed-tensors, NVFP4
@@ -233,7 +240,6 @@ def load_model(
         ckpt.close()
     if quantization is not None:
         _quantize_on_load_report(params, quantization, cfg.architecture, dtype)
-    qc = ckpt.config.get("quantization_config")
     stored = "gguf" if ckpt.format == "gguf" else str(qc.get("quant_method")) if isinstance(qc, dict) else None
     model = Model(cfg=cfg, family_name=fam_name, dtype=dtype, name=str(path),
                   eos_token_ids=tuple(cfg.eos_token_ids), tokenizer=ckpt.tokenizer,
@@ -322,9 +328,9 @@ def checkpoint_quantization(quantization: str | None, qc: dict | None, fmt: str,
 
 def _check_quantization(quantization) -> bool:
     """True for "fp8" (quantize on load), False for None, "int4" or "nvfp4"; anything else is an error."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS} (or vLLM's name of the "
-                         f"checkpoint's own format: {sorted(CHECKPOINT_QUANTIZATIONS)})")
+    check_quantization_name(quantization)
+    if quantization not in QUANTIZATIONS:  # (a checkpoint format's name `checkpoint_quantization` let through)
+        raise ValueError(f"quantization={quantization!r} names a checkpoint format, not a quantize-on-load choice")
     return quantization == "fp8"
 
 

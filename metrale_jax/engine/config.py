@@ -182,17 +182,15 @@ class EngineConfig:
             raise ValueError(f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not supported: 'auto', 'float32', "
                              "'bfloat16', 'float16' or 'fp8' (float8_e4m3fn)")
         object.__setattr__(self, "kv_dtype", kd)
-        from metrale_jax.config import CHECKPOINT_QUANTIZATIONS, DTYPE_ALIASES, QUANTIZATIONS
+        from metrale_jax.config import DTYPE_ALIASES, DTYPE_NAMES, check_quantization_name
 
         dt = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if dt not in ("auto", "float32", "bfloat16", "float16"):
+        if dt != "auto" and dt not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not supported: 'auto', 'bfloat16', 'float16' ('half') or "
                              "'float32' ('float')")
         object.__setattr__(self, "dtype", dt)
 
-        if self.quantization not in QUANTIZATIONS and self.quantization not in CHECKPOINT_QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS} (quantize at load) "
-                             f"or vLLM's name of the checkpoint's own format: {sorted(CHECKPOINT_QUANTIZATIONS)}")
+        check_quantization_name(self.quantization)
         if self.hf_overrides is not None:
             ov = self.hf_overrides
             try:

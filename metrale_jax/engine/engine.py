@@ -338,7 +338,7 @@ class LLMEngine:
         """vLLM's `llm_engine.model_config`: the model, its resolved dtype and quantization, the context length."""
         cfg = self.model.cfg
         return ModelInfo(model=self.model.name or self.config.model, dtype=self.model.dtype,
-                         quantization=getattr(self.model, "quantization", None),
+                         quantization=self.model.quantization,
                          max_model_len=self.config.max_model_len, vocab_size=cfg.vocab_size,
                          hidden_size=cfg.hidden_size)
 

@@ -92,6 +92,11 @@ class W4Linear:
     def n_out(self) -> int:
         return self.packed.shape[-2]
 
+    @property
+    def aux(self) -> jax.Array:
+        """The kernels' and the reference's fourth operand: zeros (int4) or row_scale (fp4)."""
+        return self.row_scale if self.kind == "fp4" else self.zeros
+
 
 def dequantize(w: Fp8Linear, dtype) -> jax.Array:
     """-> [N_pad, K] in `dtype`: each element times its block's scale (and its row's `col_scale`)."""

@@ -47,8 +47,7 @@ def dequantize_w4(w, dtype) -> jax.Array:
     """W4Linear -> [..., N, K] in `dtype` (weight columns in the packed order: x[..., perm] pairs with it)."""
     from pallas_kernels.linear.reference import dequantize_w4_reference
 
-    aux = w.row_scale if w.kind == "fp4" else w.zeros
-    return dequantize_w4_reference(w.packed, w.scales, aux, k=w.k, group_size=w.group_size,
+    return dequantize_w4_reference(w.packed, w.scales, w.aux, k=w.k, group_size=w.group_size,
                                    kind=w.kind).astype(dtype)
 
 
@@ -76,7 +75,7 @@ def w4_linear(x: jax.Array, w, bias: jax.Array | None = None, residual: jax.Arra
     from pallas_kernels.linear import skinny_matmul_w4
 
     nw, eps = norm if norm is not None else (None, 1e-6)
-    y = skinny_matmul_w4(x.reshape(1, x.shape[-1]), w.packed, w.scales, w.row_scale if w.kind == "fp4" else w.zeros,
+    y = skinny_matmul_w4(x.reshape(1, x.shape[-1]), w.packed, w.scales, w.aux,
                          k=w.k, group_size=w.group_size, kind=w.kind, interpret=w.interpret, norm_weight=nw,
                          eps=float(eps), silu_mul=silu_mul, bias=bias,
                          residual=None if residual is None else residual.reshape(1, -1))
@@ -99,8 +98,7 @@ def w4_matmul(x: jax.Array, w) -> jax.Array:
             y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, w.row_scale,
                                       group_size=w.group_size, kind=w.kind, params=params, interpret=w.interpret)
             return y.reshape(x.shape[:-1] + (-1,))
-        aux = w.row_scale if w.kind == "fp4" else w.zeros
-        y = skinny_matmul_w4(x.reshape(m, x.shape[-1]), w.packed, w.scales, aux, k=w.k, group_size=w.group_size,
+        y = skinny_matmul_w4(x.reshape(m, x.shape[-1]), w.packed, w.scales, w.aux, k=w.k, group_size=w.group_size,
                              kind=w.kind, interpret=w.interpret)
         return y.reshape(x.shape[:-1] + (-1,)).astype(jnp.float32)
     wd = dequantize_w4(w, x.dtype)  # [N, K] in the packed column order

@@ -390,12 +390,11 @@ def _dot8_packed(w, ps, interpret: bool, fp4: bool):
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
                gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret,
-               fused: W4Fused = None):
+               fused: W4Fused):
     # x_ref bf16|f16[M, K] (silu_mul: [1, 2K]); p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref
     # u8[N, NG] (int4) or r_ref f32[N] (fp4), then the fused inputs (`W4Fused`, half2 only: norm
     # weight [K], bias [N], residual [1, N]), then o_ref [M, N] (split_k: f32[S, 1, N], and with
     # the norm a second f32[S, 1, N] of each program's sum of squares). All whole arrays.
-    fused = fused or W4Fused()
     aux_ref, *refs = refs
     nw_ref = refs.pop(0) if fused.norm else None
     b_ref = refs.pop(0) if fused.bias else None
