@@ -16,7 +16,8 @@ the same rule holds for layer-stacked `[L, ...]` and per-layer arrays:
     conv filters                       conv_w [C, K]                        dim -2
     experts [E, in, out]               by expert (EP) dim -3, else like their dense twins
     4-bit linears (`W4Linear`, [N, K]-major codes, scales, zeros): along N when column-parallel,
-                                       along K when row-parallel (act-order `perm` with K)
+                                       along K when row-parallel (act-order `perm` with K);
+                                       4-bit experts under EP by expert (row_scale, perm dim -2)
     vocabulary                         embed [V, H] dim -2, lm_head [H, V] dim -1
     everything else (norms, routers, q/k norms, biases of the router)      replicated
 
@@ -148,6 +149,8 @@ class Sharder:
             name = names[-2]
             column, row = _W4_AXES[names[-1]]
             dim = {-1: column, -2: row}.get(param_dim(name, 2, False))
+            if dim is not None and self.expert_parallel and param_dim(name, 2, True) == -3:
+                dim = -2 if names[-1] in ("row_scale", "perm") else -3  # experts [..., E, N, ...] by expert
             return self._sharding(f"{name}.{names[-1]}", shape, dim)
         return self._sharding(name, shape, param_dim(name, len(shape), self.expert_parallel))
 

@@ -1155,14 +1155,14 @@ def test_quantize_on_load(tmp_path, quantization):
 
 
 def test_quantize_on_load_says_what_it_left(caplog):
-    """Quantize-on-load where the kernels take only part of a family (MoE experts have no 4-bit
-    path) warns with the matrices left as they were; where they take none (Mamba-2's, Nemotron-H's
-    linears) it is an error instead of a silently unquantized model."""
+    """Quantize-on-load where the kernels take only part of a family (Qwen2-MoE's shared expert has
+    no 4-bit path) warns with the matrices left as they were; where they take none (Mamba-2's,
+    Nemotron-H's linears) it is an error instead of a silently unquantized model."""
     with caplog.at_level("WARNING"):
-        _, q = load_model(FIXTURES / "qwen3_moe_tiny", dtype="float32", quantization="int4", show_progress=False)
-    assert isinstance(q["layers"]["wqkv"], W4Linear)
-    assert "layers.experts_down, layers.experts_gate_up stay float32" in caplog.text
-    assert "quantized: layers.wo, layers.wqkv" in caplog.text
+        _, q = load_model(FIXTURES / "qwen2_moe_tiny", dtype="float32", quantization="int4", show_progress=False)
+    assert isinstance(q["layers"]["wqkv"], W4Linear) and isinstance(q["layers"]["experts_down"], W4Linear)
+    assert "layers.shared_down, layers.shared_gate_up stay float32" in caplog.text
+    assert "quantized: layers.experts_down, layers.experts_gate_up, layers.wo, layers.wqkv" in caplog.text
     for name, quantization in (("mamba2_tiny", "int4"), ("nemotron_h_tiny", "fp8")):
         with pytest.raises(ValueError, match=rf"quantization='{quantization}': no linear of .* mamba\.in_proj"):
             load_model(FIXTURES / name, dtype="float32", quantization=quantization, show_progress=False)

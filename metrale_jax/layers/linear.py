@@ -177,15 +177,17 @@ def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tenso
     `fp4_tensor_cores` the NVFP4 ones) of 2-1,024 rows through the 4-bit GEMM
     (`linear_w4.w4_matmul`; it gets its transposed scales here); `w4_fused_decode`: one-row 4-bit
     linears with the layer's norms, SwiGLU and residual adds in their launches (`linear_w4.w4_linear`)."""
-    def mark(w):
+    def mark(path, w):
         if isinstance(w, Fp8Linear):
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
         if isinstance(w, W4Linear):
             from metrale_jax.layers.linear_w4 import w4_kernel_scales
 
-            ks = w4_kernel_scales(w) if w8a8 and (w.kind == "int4" or fp4_tensor_cores) else None
+            # (MoE experts run their own kernels: `layers/moe_w4.py`)
+            experts = any(str(getattr(p, "key", "")).startswith("experts_") for p in path)
+            ks = w4_kernel_scales(w) if w8a8 and not experts and (w.kind == "int4" or fp4_tensor_cores) else None
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks,
                                        fused_decode=w4_fused_decode)
         return w
 
-    return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))
+    return jax.tree_util.tree_map_with_path(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))

@@ -176,24 +176,30 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
     w_down [E, I, H] -> [T, H] in x's dtype. use_tokamax: the GPU grouped GEMM (see module doc).
     lora: a `metrale_jax.lora.ops.LoRAInputs` with expert leaves: the gate/up/down LoRA deltas of
     the tokens whose `moe_slot` >= 0 (gated experts only).
-    Block-FP8 experts (`Fp8Linear`s [E, N_pad, K]): few pairs through `moe_fp8.pair_experts`, the
-    others through the grouped GEMM below with `moe_fp8.fp8_grouped_matmul`.
+    Quantized experts (block-FP8 `Fp8Linear`s [E, N_pad, K], 4-bit `W4Linear`s [E, N, K/2]): few
+    pairs through `pair_experts` with their format's `pair_matvec` (`moe_fp8`, `moe_w4`), the others
+    through the grouped GEMM below with the format's (`moe_fp8.fp8_grouped_matmul`,
+    `moe_w4.w4_grouped_matmul`).
     """
-    from metrale_jax.layers.linear import Fp8Linear
+    from metrale_jax.layers.linear import Fp8Linear, W4Linear
 
-    if isinstance(w_gate_up, Fp8Linear):
-        from metrale_jax.layers import moe_fp8
+    if isinstance(w_gate_up, (Fp8Linear, W4Linear)):
+        from metrale_jax.layers import moe_fp8, moe_w4
 
+        fp8 = isinstance(w_gate_up, Fp8Linear)
+        quant = moe_fp8 if fp8 else moe_w4
         if lora is not None and "x_down_b" in lora.w:
-            raise ValueError("LoRA on FP8 MoE experts is not supported: build the engine with lora_experts=False")
-        if moe_fp8.use_pairs(x, experts, w_down):
-            return moe_fp8.pair_experts(x, weights, experts, w_gate_up, w_down, act=act, gated=gated)
-        matmul = functools.partial(moe_fp8.fp8_grouped_matmul, use_tokamax=use_tokamax)
+            raise ValueError("LoRA on quantized (FP8 or 4-bit) MoE experts is not supported: build the engine "
+                             "with lora_experts=False")
+        if quant.use_pairs(x, experts, w_down):
+            return pair_experts(x, weights, experts, w_gate_up, w_down, quant.pair_matvec, act=act, gated=gated)
+        matmul = functools.partial(moe_fp8.fp8_grouped_matmul if fp8 else moe_w4.w4_grouped_matmul,
+                                   use_tokamax=use_tokamax)
     else:
         def matmul(xs, w, sizes):
             return grouped_matmul(xs, w.astype(xs.dtype), sizes, use_tokamax)
     t, k = experts.shape
-    num_experts = w_down.w8.shape[0] if isinstance(w_down, Fp8Linear) else w_down.shape[0]
+    num_experts = num_experts_of(w_down)
     flat = experts.reshape(-1)  # i32[T*k]
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     tok = order // k  # i32[T*k]: the token of each sorted pair
@@ -218,3 +224,27 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
         y = y + expert_lora(a.astype(x.dtype), grp, lw["x_down_a"], lw["x_down_b"], use_tokamax)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[tok].add(y).astype(x.dtype)
+
+
+def num_experts_of(w) -> int:
+    """E of one layer's experts: an array [E, ...], an `Fp8Linear` or a `W4Linear`."""
+    return getattr(w, "w8", getattr(w, "packed", w)).shape[0]
+
+
+def pair_experts(x, weights, experts, w_gate_up, w_down, matvec, act=jax.nn.silu, gated: bool = True):
+    """As `routed_experts` (x [T, H], weights f32[T, k], experts i32[T, k] -> [T, H]), each (token,
+    expert) pair through its expert's weights alone: matvec(xp [P, K], w, flat i32[P]) -> f32[P, N]
+    (a quantized format's `pair_matvec`). For decode, where the P = T * k pairs route to fewer
+    experts than the layer has, so reading each pair's expert beats a grouped GEMM over all."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)  # i32[P]
+    xs = jnp.repeat(x, k, axis=0)  # [P, H]: pair p = (token p // k, its (p % k)-th expert)
+    h = matvec(xs, w_gate_up, flat)
+    if gated:
+        g, u = jnp.split(h, 2, axis=-1)
+        a = act(g) * u
+    else:
+        a = act(h)
+    y = matvec(a.astype(x.dtype), w_down, flat)
+    y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[:, None]
+    return y.reshape(t, k, -1).sum(axis=1).astype(x.dtype)

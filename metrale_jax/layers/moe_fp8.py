@@ -1,11 +1,12 @@
 """Routed experts with block-FP8 weights (`Fp8Linear` [E, N_pad, K] per layer) kept FP8 on the device.
 
 Two static paths, by the number of (token, expert) pairs P = T * k against the expert count E
-(`moe.routed_experts` picks with `use_pairs`):
+(`moe.routed_experts` picks with `use_pairs`; `moe_w4.py` is the 4-bit twin):
 * P < E, or P < 4E with the kernel (decode): each pair's matvec reads only its expert's FP8
   weights: with `use_kernel` (the engine's GPU default, `linear.use_fp8_kernel`) and bf16
   activations through the Pallas kernel `pallas_kernels/linear/expert_fp8.py`, otherwise by
-  gathering the pairs' FP8 weights and dequantizing them in XLA (`pair_experts`);
+  gathering the pairs' FP8 weights and dequantizing them in XLA (`pair_matvec`, under
+  `moe.pair_experts`);
 * otherwise (prefill): the grouped GEMM of `moe.routed_experts` with `fp8_grouped_matmul`: on the
   GPU tokamax's Hopper kernel for quantized weights (FP8 read, upcast in registers; the H200,
   session 30: 1.9-3.9x faster than dequantizing, 0.74-1.02x the time of bf16 experts), else every
@@ -39,7 +40,7 @@ def dense_experts(w: Fp8Linear, dtype) -> jax.Array:
 
 
 def use_pairs(x, experts, w_down: Fp8Linear) -> bool:
-    """Whether the P = T * k pairs of `experts` i32[T, k] take the per-pair path (`pair_experts`)."""
+    """Whether the P = T * k pairs of `experts` i32[T, k] take the per-pair path (`moe.pair_experts`)."""
     # the kernel reads 1 byte per pair and parameter; the grouped GEMM of the routed experts reads
     # each routed expert once, but in 64-row tiles. At P ~ E they tie: a batch-64 decode step of
     # Qwen3-Next (640 pairs for 512 experts) took 513 us per layer on the kernel (session 15) and
@@ -50,35 +51,19 @@ def use_pairs(x, experts, w_down: Fp8Linear) -> bool:
     return experts.size < (4 if kernel else 1) * w_down.w8.shape[0]
 
 
-def pair_experts(x, weights, experts, w_gate_up: Fp8Linear, w_down: Fp8Linear, act=jax.nn.silu,
-                 gated: bool = True):
-    """As `moe.routed_experts` (x [T, H], weights f32[T, k], experts i32[T, k] -> [T, H]), each
-    (token, expert) pair through its expert's FP8 weights alone."""
-    t, k = experts.shape
-    flat = experts.reshape(-1)  # i32[P]
+def pair_matvec(xp, w: Fp8Linear, flat) -> jax.Array:
+    """xp [P, K], w `Fp8Linear` [E, N_pad, K], flat i32[P] -> f32[P, N]: row p through expert flat[p]
+    alone (`moe.pair_experts`), on the kernel or by gathering the pairs' FP8 weights in XLA."""
+    if w.use_kernel and xp.dtype == jnp.bfloat16:
+        from pallas_kernels.linear.expert_fp8 import expert_matvec_fp8
 
-    def matvec(xp, w: Fp8Linear):  # xp [P, K] -> f32[P, N]: each pair through its expert only
-        if w.use_kernel and xp.dtype == jnp.bfloat16:
-            from pallas_kernels.linear.expert_fp8 import expert_matvec_fp8
-
-            y = expert_matvec_fp8(xp, w.w8, w.scale_inv, flat, interpret=w.interpret).astype(jnp.float32)
-            if w.col_scale is not None:  # per-channel FP8 (the kernel takes block scales)
-                y = y * w.col_scale[flat]
-            return _valid_columns(y, w)  # f32[P, N_pad] -> [P, N]
-        sub = jax.tree.map(lambda a: a[flat], w)  # the pairs' experts: FP8 bytes [P, N_pad, K] and their scales
-        wd = _select_rows(dequantize(sub, xp.dtype), w.segments)  # [P, N, K]
-        return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
-
-    xs = jnp.repeat(x, k, axis=0)  # [P, H]: pair p = (token p // k, its (p % k)-th expert)
-    h = matvec(xs, w_gate_up)
-    if gated:
-        g, u = jnp.split(h, 2, axis=-1)
-        a = act(g) * u
-    else:
-        a = act(h)
-    y = matvec(a.astype(x.dtype), w_down)
-    y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[:, None]
-    return y.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
+        y = expert_matvec_fp8(xp, w.w8, w.scale_inv, flat, interpret=w.interpret).astype(jnp.float32)
+        if w.col_scale is not None:  # per-channel FP8 (the kernel takes block scales)
+            y = y * w.col_scale[flat]
+        return _valid_columns(y, w)  # f32[P, N_pad] -> [P, N]
+    sub = jax.tree.map(lambda a: a[flat], w)  # the pairs' experts: FP8 bytes [P, N_pad, K] and their scales
+    wd = _select_rows(dequantize(sub, xp.dtype), w.segments)  # [P, N, K]
+    return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
 
 
 def fp8_grouped_matmul(x, w: Fp8Linear, sizes, use_tokamax: bool):

@@ -244,7 +244,7 @@ class WeightReader:
 
     def is_fp8(self, name: str) -> bool:
         """Whether `name` is an FP8 weight with block scales (or one per tensor): what the FP8
-        experts take (`loading/experts_fp8.py`); linears take per-channel ones too (`linears`)."""
+        experts take (`loading/experts.py`); linears take per-channel ones too (`linears`)."""
         return self.fp8_kind(name) == "block"
 
     def _fp8_codes(self, name: str, shape: tuple[int, int]) -> np.ndarray:

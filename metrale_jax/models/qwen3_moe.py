@@ -26,20 +26,20 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
 
 def load_moe_mlp(cfg: ModelConfig, reader, block: str = "mlp",
                  projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict:
-    """Router and per-expert weights, stacked over layers (block-FP8 experts stay FP8: `loading/experts_fp8.py`).
+    """Router and per-expert weights, stacked over layers (FP8 and 4-bit experts stay so: `loading/experts.py`).
     Checkpoint names: `model.layers.{i}.{block}.gate.weight` (the router) and
     `model.layers.{i}.{block}.experts.{e}.{proj}.weight` for the gate, up and down `projs`."""
-    from metrale_jax.loading.experts_fp8 import fp8_experts
+    from metrale_jax.loading.experts import quantized_experts
 
     e, h, inter, L = cfg.get("num_experts"), cfg.hidden_size, cfg.get("moe_intermediate_size"), cfg.num_layers
     gate, up, down = projs
-    fp8 = fp8_experts(reader, L, e, h, inter, "model.layers.{}." + block + ".experts.{}.", projs)
+    quant = quantized_experts(reader, L, e, h, inter, "model.layers.{}." + block + ".experts.{}.", projs)
     out = reader.stacks(L, router=(h, e))
-    out.update(fp8 or reader.stacks(L, experts_gate_up=(e, h, 2 * inter), experts_down=(e, inter, h)))
+    out.update(quant or reader.stacks(L, experts_gate_up=(e, h, 2 * inter), experts_down=(e, inter, h)))
     for i in reader.progress(range(L), "experts"):
         p = f"model.layers.{i}.{block}."
         reader.put_t(out["router"], i, reader.get(p + "gate.weight", (e, h), cast=True))
-        for j in range(0 if fp8 else e):
+        for j in range(0 if quant else e):
             q = f"{p}experts.{j}."
             g = reader.get(q + gate + ".weight", (inter, h), cast=True)
             u = reader.get(q + up + ".weight", (inter, h), cast=True)

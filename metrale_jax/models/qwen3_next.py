@@ -102,13 +102,13 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     kd, vd, r = nk * dk, nv * dv, nv // nk
     c = 2 * kd + vd
     stacks = reader.stacks
-    from metrale_jax.loading.experts_fp8 import fp8_experts
+    from metrale_jax.loading.experts import quantized_experts
     from metrale_jax.models.qwen2_moe import put_shared_expert
 
-    fp8 = fp8_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # block-FP8 experts stay FP8
+    quant = quantized_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # FP8 / 4-bit experts stay so
     layers = {
         **stacks(L, in_norm=(h,), post_norm=(h,), router=(h, e)),
-        **(fp8 or stacks(L, experts_gate_up=(e, h, 2 * im), experts_down=(e, im, h))),
+        **(quant or stacks(L, experts_gate_up=(e, h, 2 * im), experts_down=(e, im, h))),
         **stacks(L, shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1)),
     }
     attn = stacks(la, wq=(h, hq * 2 * d), wkv=(h, 2 * hkv * d), wo=(hq * d, h), q_norm=(d,), k_norm=(d,))
@@ -121,7 +121,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         layers["post_norm"][i] = reader.get(p + "post_attention_layernorm.weight", (h,))
         m = p + "mlp."
         reader.put_t(layers["router"], i, reader.get(m + "gate.weight", (e, h), cast=True))
-        for j in range(0 if fp8 else e):
+        for j in range(0 if quant else e):
             q = f"{m}experts.{j}."
             g_ = reader.get(q + "gate_proj.weight", (im, h), cast=True)
             u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)

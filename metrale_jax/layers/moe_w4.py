@@ -1,0 +1,71 @@
+"""Routed experts with packed 4-bit weights (`W4Linear` [E, N, K/2] per layer: GPTQ, AWQ,
+compressed-tensors W4A16 and NVFP4 checkpoints, `loading/experts.py`) kept 4-bit on the device.
+
+The same two static paths as the FP8 experts (`moe_fp8.py`), picked by `use_pairs` on the
+number of (token, expert) pairs P = T * k against the expert count E:
+* few pairs (decode): each pair's matvec reads only its expert's packed weights (`pair_matvec`
+  under `moe.pair_experts`): with `use_kernel` (the engine's GPU default, `linear.use_fp8_kernel`)
+  and bf16 / f16 activations through the Pallas kernel `pallas_kernels/linear/expert_w4.py`,
+  otherwise by gathering the pairs' packed weights and dequantizing them in XLA;
+* otherwise (prefill): `moe.routed_experts`' grouped GEMM over the layer's experts dequantized to
+  the activation dtype (`w4_grouped_matmul`: a transient dense copy of one layer's experts, e.g.
+  1.2 GB for a Qwen3-30B-A3B layer, written and read once per step).
+The weights stay 4-bit in memory (a quarter of bf16, plus the group scales), so a 4-bit
+Qwen3-30B-A3B takes ~17 GB instead of 61, and Qwen3-Next-80B-A3B fits one GPU. GPTQ act-order
+experts (`perm`): the pair paths gather x's columns into each expert's packed order, the grouped
+path puts the dequantized weights' columns back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.layers.linear import W4Linear
+from metrale_jax.layers.linear_w4 import dequantize_w4
+
+
+def _kernel_takes(x, w: W4Linear) -> bool:
+    return w.use_kernel and x.dtype in (jnp.bfloat16, jnp.float16) and w.group_size % 2 == 0
+
+
+def use_pairs(x, experts, w_down: W4Linear) -> bool:
+    """Whether the P = T * k pairs of `experts` i32[T, k] take the per-pair path (`moe.pair_experts`)."""
+    # the kernel reads half a byte per pair and parameter; the grouped path writes and reads the
+    # layer's experts dense (~4.5 bytes per parameter), so pairs win up to several times E (the FP8
+    # experts' bound, P < 4E, is kept: unmeasured for 4-bit). XLA's gather materializes the pairs'
+    # dequantized weights, so without the kernel only P < E
+    return experts.size < (4 if _kernel_takes(x, w_down) else 1) * w_down.packed.shape[0]
+
+
+def pair_matvec(xp, w: W4Linear, flat) -> jax.Array:
+    """xp [P, K], w `W4Linear` [E, N, K/2], flat i32[P] -> f32[P, N]: row p through expert flat[p]
+    alone (`moe.pair_experts`), on the kernel or by gathering the pairs' packed weights in XLA."""
+    if w.perm is not None:  # each pair's x in its expert's packed column order
+        xp = jnp.take_along_axis(xp, w.perm[flat], axis=-1)
+    if _kernel_takes(xp, w):
+        from pallas_kernels.linear.expert_w4 import expert_matvec_w4
+
+        return expert_matvec_w4(xp, w.packed, w.scales, w.aux, flat, k=w.k, group_size=w.group_size, kind=w.kind,
+                                interpret=w.interpret).astype(jnp.float32)
+    sub = W4Linear(w.packed[flat], w.scales[flat], None if w.zeros is None else w.zeros[flat],
+                   None if w.row_scale is None else w.row_scale[flat], None, k=w.k, group_size=w.group_size,
+                   kind=w.kind)  # the pairs' experts [P, N, K/2]
+    return jnp.einsum("pk,pnk->pn", xp, dequantize_w4(sub, xp.dtype), preferred_element_type=jnp.float32)
+
+
+def dense_experts(w: W4Linear, dtype) -> jax.Array:
+    """W4Linear [E, N, K/2] -> [E, K, N] in `dtype` (the layout `moe.grouped_matmul` takes), the
+    columns of act-order experts back in the input's order."""
+    wd = dequantize_w4(w, dtype)  # [E, N, K] in the packed column order
+    if w.perm is not None:
+        wd = jnp.take_along_axis(wd, jnp.argsort(w.perm, axis=-1)[:, None, :], axis=-1)
+    return jnp.swapaxes(wd, -1, -2)
+
+
+def w4_grouped_matmul(x, w: W4Linear, sizes, use_tokamax: bool):
+    """x [M, K] rows sorted by group, w `W4Linear` [G, N, K/2], sizes i32[G] -> f32[M, N]: the
+    experts dequantized to x's dtype, then `moe.grouped_matmul` (tokamax's GEMM on the GPU)."""
+    from metrale_jax.layers import moe
+
+    return moe.grouped_matmul(x, dense_experts(w, x.dtype), sizes, use_tokamax)
