@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [fp8moe] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -375,6 +375,19 @@ fi
 if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, FP8 kept FP8 against bf16 (tokamax)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP8MOE_LIMIT:-200} python3 bench/kernels/expert_fp8.py --out "$OUT/expert_fp8" \
     --tokamax 2>&1 | tail -20
+fi
+if [[ $parts == *moe4* ]]; then  # issue 19 (session 42): 4-bit MoE experts kept 4-bit. One layer's routed experts
+  # (the Pallas expert kernel and XLA's gather, int4 and NVFP4, beside bf16 through tokamax and FP8; memcpy roofline),
+  # then generate on a Qwen3-30B-A3B shape (8 layers), bf16 beside int4, batches 1 and 64. Run `tests` with
+  # GPU_TEST_FILES=tests/test_w4_moe.py first: the expert kernel had never run on a GPU when it was written
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE4_LIMIT:-240} python3 bench/kernels/expert_fp8.py --out "$OUT/expert_w4" \
+    --tokamax --w4 2>&1 | tail -45
+  for q in bf16 int4; do
+    qa=$([[ $q != bf16 ]] && echo "--quantization $q")
+    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape qwen3-30b-a3b --num-layers 8 --steps 64 \
+      --repeats 1 --batches 1,64 $qa --out "$OUT/generate_qwen3_30b_a3b_$q.json" > "$OUT/generate_qwen3_30b_a3b_$q.log" 2>&1
+    echo "== $q"; grep -v "rematerialization" "$OUT/generate_qwen3_30b_a3b_$q.log" | tail -6
+  done
 fi
 if [[ $parts == *fp8gmm* ]]; then  # issue 19: FP8 experts' grouped GEMM at prefill sizes, tokamax's quantized kernel
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${FP8GMM_LIMIT:-200} python3 bench/kernels/fp8_grouped.py \

@@ -149,8 +149,8 @@ class Sharder:
             name = names[-2]
             column, row = _W4_AXES[names[-1]]
             dim = {-1: column, -2: row}.get(param_dim(name, 2, False))
-            if dim is not None and self.expert_parallel and param_dim(name, 2, True) == -3:
-                dim = -2 if names[-1] in ("row_scale", "perm") else -3  # experts [..., E, N, ...] by expert
+            if self.expert_parallel and param_dim(name, 2, True) == -3:  # experts [..., E, N, ...] by expert
+                dim = -2 if names[-1] in ("row_scale", "perm") else -3
             return self._sharding(f"{name}.{names[-1]}", shape, dim)
         return self._sharding(name, shape, param_dim(name, len(shape), self.expert_parallel))
 

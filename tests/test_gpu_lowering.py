@@ -70,7 +70,8 @@ def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
 
 # (CI time: Qwen3-MoE, pure Mamba-2 and GPTQ, whose kernels the others lower too, are `slow`)
 @pytest.mark.parametrize("name", ["llama_tiny", "qwen3_next_tiny", "nemotron_h_tiny", "llama_fp8_tiny",
-                                  "llama_nvfp4_ct_tiny"] + [pytest.param(n, marks=pytest.mark.slow) for n in
+                                  "llama_nvfp4_ct_tiny", "qwen3_moe_gptq_tiny"] +
+                         [pytest.param(n, marks=pytest.mark.slow) for n in
                                                             ("qwen3_moe_tiny", "mamba2_tiny", "llama_gptq_tiny")])
 def test_default_gpu_steps_lower_for_h200(name):
     model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
@@ -82,6 +83,8 @@ def test_default_gpu_steps_lower_for_h200(name):
         assert kind == "verify" or "stablehlo.while" not in text, (name, kind)
     if "fp8" in name or "nvfp4" in name or "gptq" in name:  # the weight-streaming decode kernel
         assert "skinny_matmul" in texts["decode"] or "_w4_kernel" in texts["decode"], name
+    if name == "qwen3_moe_gptq_tiny":  # 4-bit experts: 8 decode pairs through the expert kernel, 128 prefill pairs not
+        assert "expert_matvec_w4" in texts["decode"] and "expert_matvec_w4" not in texts["prefill"]
 
 
 def test_fp8_w8a8_steps_lower_at_any_rows():

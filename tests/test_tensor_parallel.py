@@ -101,6 +101,18 @@ def test_rules():
             ("wo", "kernel_scales", 4, P(None, None, "tp", None)), ("router", "packed", 3, P())]:
         path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey(parent), jax.tree_util.GetAttrKey(leaf))
         assert sh.param_sharding(path, np.zeros((2,) * ndim)).spec == spec, (parent, leaf)
+    # 4-bit experts [L, E, N, K/2]: like their dense twins, or by expert under expert parallelism
+    ep = Sharder(mesh, expert_parallel=True)
+    for parent, leaf, ndim, spec, ep_spec in [
+            ("experts_gate_up", "packed", 4, P(None, None, "tp", None), P(None, "tp", None, None)),
+            ("experts_down", "packed", 4, P(None, None, None, "tp"), P(None, "tp", None, None)),
+            ("experts_down", "zeros", 4, P(None, None, None, "tp"), P(None, "tp", None, None)),
+            ("experts_gate_up", "row_scale", 3, P(None, None, "tp"), P(None, "tp", None)),
+            ("experts_down", "perm", 3, P(None, None, "tp"), P(None, "tp", None)),
+            ("experts_gate_up", "perm", 3, P(), P(None, "tp", None))]:
+        path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey(parent), jax.tree_util.GetAttrKey(leaf))
+        assert sh.param_sharding(path, np.zeros((2,) * ndim)).spec == spec, (parent, leaf)
+        assert ep.param_sharding(path, np.zeros((2,) * ndim)).spec == ep_spec, (parent, leaf, "ep")
     with pytest.raises(ValueError, match="needs that many devices"):
         make_mesh(len(jax.devices()) + 1)
 

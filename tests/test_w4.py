@@ -867,34 +867,36 @@ def _same_logits(dense_dir, q_dir, caplog):
 
 @pytest.mark.parametrize("name", ["qwen3_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny"])
 def test_4bit_weights_outside_the_kernels_load_dense(tmp_path, name, caplog):
-    """4-bit weights no 4-bit kernel runs (MoE experts, lm_head, Qwen3-Next's and Nemotron-H's
-    layers) load dequantized, with a warning naming them; the model matches the dense checkpoint
-    holding the same dequantized values."""
+    """4-bit weights no 4-bit kernel runs (lm_head, Qwen3-Next's and Nemotron-H's layers) load
+    dequantized, with a warning naming them; the MoE experts stay 4-bit (`W4Linear`, Nemotron-H's
+    relu² ones too); the model matches the dense checkpoint holding the same dequantized values."""
     def which(nm):
         return nm.endswith(".weight") and not any(x in nm for x in ("embed", "norm", ".gate.", "expert_gate"))
 
     dense, q = _quantized_pair(tmp_path, name, which)
     params = _same_logits(dense, q, caplog)
     assert "to run dense" in caplog.text and "lm_head" in caplog.text
-    assert "experts.*.down_proj" in caplog.text
+    assert "experts.*" not in caplog.text
+    experts = params["moe"]["experts_up"] if name == "nemotron_h_tiny" else params["layers"]["experts_gate_up"]
+    assert isinstance(experts, W4Linear) and experts.packed.ndim == 4
     if name == "qwen3_moe_tiny":  # its attention linears are Llama's: the 4-bit kernels'
         assert isinstance(params["layers"]["wqkv"], W4Linear) and isinstance(params["layers"]["wo"], W4Linear)
         assert "self_attn" not in caplog.text
 
 
 def test_dense_copies_that_do_not_fit_are_named(tmp_path, monkeypatch):
-    """Out of device memory while placing weights that were dequantized (e.g. a 4-bit MoE whose
-    experts only fit packed): a LoadError that says so, not the bare allocator error."""
+    """Out of device memory while placing weights that were dequantized (e.g. a 4-bit model whose
+    layers no 4-bit kernel takes only fit packed): a LoadError that says so, not the bare allocator error."""
     from metrale_jax.errors import LoadError
     from metrale_jax.loading.weights import WeightReader
 
-    _, q = _quantized_pair(tmp_path, "qwen3_moe_tiny", lambda nm: "experts" in nm)
+    _, q = _quantized_pair(tmp_path, "qwen3_next_tiny", lambda nm: "linear_attn" in nm and nm.endswith(".weight"))
 
     def oom(self, tree):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
 
     monkeypatch.setattr(WeightReader, "to_device", oom)
-    with pytest.raises(LoadError, match=r"out of device memory .* 48 quantized weights .*experts\.\*\.down_proj"):
+    with pytest.raises(LoadError, match=r"out of device memory .* 9 quantized weights .*\.linear_attn\.out_proj"):
         load_model(q, dtype="float32", show_progress=False)
 
 
@@ -1155,17 +1157,21 @@ def test_quantize_on_load(tmp_path, quantization):
 
 
 def test_quantize_on_load_says_what_it_left(caplog):
-    """Quantize-on-load where the kernels take only part of a family (Qwen2-MoE's shared expert has
-    no 4-bit path) warns with the matrices left as they were; where they take none (Mamba-2's,
-    Nemotron-H's linears) it is an error instead of a silently unquantized model."""
+    """Quantize-on-load where the kernels take only part of a family (Qwen2-MoE's shared expert,
+    Nemotron-H's Mamba and attention linears) warns with the matrices left as they were; where they
+    take none (Mamba-2's linears) it is an error instead of a silently unquantized model."""
     with caplog.at_level("WARNING"):
         _, q = load_model(FIXTURES / "qwen2_moe_tiny", dtype="float32", quantization="int4", show_progress=False)
     assert isinstance(q["layers"]["wqkv"], W4Linear) and isinstance(q["layers"]["experts_down"], W4Linear)
     assert "layers.shared_down, layers.shared_gate_up stay float32" in caplog.text
     assert "quantized: layers.experts_down, layers.experts_gate_up, layers.wo, layers.wqkv" in caplog.text
-    for name, quantization in (("mamba2_tiny", "int4"), ("nemotron_h_tiny", "fp8")):
+    for quantization in ("int4", "fp8"):
         with pytest.raises(ValueError, match=rf"quantization='{quantization}': no linear of .* mamba\.in_proj"):
-            load_model(FIXTURES / name, dtype="float32", quantization=quantization, show_progress=False)
+            load_model(FIXTURES / "mamba2_tiny", dtype="float32", quantization=quantization, show_progress=False)
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # Nemotron-H: its MoE experts take it, its Mamba / attention / MLP linears not
+        load_model(FIXTURES / "nemotron_h_tiny", dtype="float32", quantization="fp8", show_progress=False)
+    assert "mamba.in_proj" in caplog.text and "quantized: moe.experts_down, moe.experts_up" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
         load_model(FIXTURES / "llama_tiny", dtype="float32", quantization="nvfp4", show_progress=False)

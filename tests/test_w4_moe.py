@@ -133,21 +133,33 @@ def test_pair_gather_is_exact_in_float32():
     np.testing.assert_allclose(routed_experts(x, w, idx, gu, down), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("q", ["int4", "nvfp4"])
-def test_quantize_on_load_takes_the_experts(q, caplog):
+QUANTIZE_ON_LOAD = [("qwen3_moe_tiny", "int4"), ("qwen3_moe_tiny", "nvfp4"), ("qwen3_next_tiny", "int4"),
+                    ("nemotron_h_tiny", "int4"), ("nemotron_h_tiny", "fp8")]
+
+
+@pytest.mark.parametrize("name,q", QUANTIZE_ON_LOAD)
+def test_quantize_on_load_takes_the_experts(name, q, caplog):
     """quantization="int4" / "nvfp4" quantizes a dense MoE checkpoint's experts too (they stayed in
-    the model dtype before, with a warning naming them); the model equals itself with those 4-bit
-    experts dequantized and run dense."""
-    d = FIXTURES / "qwen3_moe_tiny"
+    the model dtype before, with a warning naming them; Qwen3-Next under int4 and Nemotron-H under
+    any choice were errors: nothing took it), and so does "fp8" Nemotron-H's relu² experts; the model
+    equals itself with those experts dequantized and run dense."""
+    from metrale_jax.layers import moe_fp8
+    from metrale_jax.layers.linear import Fp8Linear
+
+    d = FIXTURES / name
     with caplog.at_level(logging.WARNING):
         model, params = load_model(d, dtype="float32", quantization=q, show_progress=False)
-    assert not [r for r in caplog.records if "experts" in r.getMessage()]
-    layers = params["layers"]
-    assert isinstance(layers["experts_gate_up"], W4Linear) and isinstance(layers["experts_down"], W4Linear)
-    assert layers["experts_gate_up"].kind == ("fp4" if q == "nvfp4" else "int4")
-    assert layers["experts_gate_up"].packed.shape == (2, 8, 32, 32)
-    dense = dict(params, layers=dict(layers, **{k: dense_experts(layers[k], jnp.float32)
-                                                for k in ("experts_gate_up", "experts_down")}))
+    assert not [r for r in caplog.records if "experts_" in r.getMessage().split(" stay ")[0]]  # (the list left)
+    group, keys = ("moe", ("experts_up", "experts_down")) if name.startswith("nemotron") else \
+        ("layers", ("experts_gate_up", "experts_down"))
+    ws = {k: params[group][k] for k in keys}
+    kind = Fp8Linear if q == "fp8" else W4Linear
+    assert all(isinstance(w, kind) for w in ws.values())
+    if q != "fp8":
+        w = ws[keys[0]]
+        assert w.kind == ("fp4" if q == "nvfp4" else "int4") and w.packed.ndim == 4  # [L, E, N, K/2]
+    dense_of = moe_fp8.dense_experts if q == "fp8" else dense_experts
+    dense = dict(params, **{group: dict(params[group], **{k: dense_of(w, jnp.float32) for k, w in ws.items()})})
     g = np.load(d / "golden.npz")
     ids, lengths = jnp.asarray(g["input_ids"]), jnp.asarray(g["lengths"])
     np.testing.assert_allclose(model.forward(params, ids, None, lengths), model.forward(dense, ids, None, lengths),

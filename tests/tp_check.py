@@ -33,7 +33,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
 PLAN = {"llama_tiny": ("2", "4", "2:pallas", "2:features"), "qwen3_tiny": ("2",), "qwen3_moe_tiny": ("2", "2:ep"),
         "qwen3_next_tiny": ("2", "4"), "nemotron_h_tiny": ("2",), "mamba2_tiny": ("2",),
-        "llama_gptq_tiny": ("2", "4"), "llama_nvfp4_ct_tiny": ("2",)}
+        "llama_gptq_tiny": ("2", "4"), "llama_nvfp4_ct_tiny": ("2",), "qwen3_moe_gptq_tiny": ("2", "2:ep")}
 # what CI runs (`--plan ci`): the features (prefix caching, LoRA, the server; the Pallas kernels
 # under shard_map are check_shard_heads' and PLAN's; Mamba-2 across two processes is
 # test_two_processes_match_one's); the rest is PLAN's (slow), replicated KV heads at TP=4 with GDN

@@ -23,37 +23,45 @@ experts) and the down projection:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from metrale_jax.errors import LoadError
 
 
-def quantized_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str,
+def quantized_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix,
                       projs: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")) -> dict | None:
     """{"experts_gate_up" (or "experts_up" for non-gated experts), "experts_down"} as quantized
     linears when the checkpoint's experts are FP8 or 4-bit, or the reader quantizes at load; None
     otherwise: the caller loads them dense.
-    prefix: "model.layers.{}.mlp.experts.{}." (layer, expert); projs: the projections' names in it,
+    prefix: "model.layers.{}.mlp.experts.{}." (layer, expert; or a function of the two, for families
+    whose MoE layers are some of the checkpoint's layers); projs: the projections' names in it,
     the input one(s) first and down last (Qwen's gate_proj, up_proj, down_proj; Mixtral's w1, w3,
     w2; non-gated experts: up_proj, down_proj)."""
     return (fp8_experts(reader, num_layers, num_experts, hidden, inter, prefix, projs)
             or w4_experts(reader, num_layers, num_experts, hidden, inter, prefix, projs))
 
 
+def _at(prefix) -> Callable[[int, int], str]:
+    return prefix.format if isinstance(prefix, str) else prefix
+
+
 def _keys(projs) -> tuple[str, str]:
     return ("experts_gate_up" if len(projs) == 3 else "experts_up"), "experts_down"
 
 
-def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str,
+def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix,
                 projs: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")) -> dict | None:
     """`quantized_experts` for FP8 experts (stored so, or `quantization="fp8"`, as vLLM's
     on-the-fly FP8 quantizes MoE experts too); None for any other experts."""
     *first, down = projs
-    mode = "quantize" if reader.quantize_fp8 else reader.fp8_kind(prefix.format(0, 0) + first[0] + ".weight")
+    prefix = _at(prefix)
+    mode = "quantize" if reader.quantize_fp8 else reader.fp8_kind(prefix(0, 0) + first[0] + ".weight")
     if mode is None:
         return None
 
     def names(*projs):  # -> (layer, expert) -> that expert's weights, each FP8 as expert 0 of layer 0 is
         def of(i, j):
-            out = [prefix.format(i, j) + f"{p}.weight" for p in projs]
+            out = [prefix(i, j) + f"{p}.weight" for p in projs]
             bad = [name for name in out if mode != "quantize" and reader.fp8_kind(name) != mode]
             if bad:
                 raise LoadError(f"{reader.origin}: expert weight {bad[0]!r} is not {mode}-scaled FP8 while "
@@ -70,7 +78,7 @@ def fp8_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: i
     }
 
 
-def w4_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix: str,
+def w4_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: int, prefix,
                projs: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")) -> dict | None:
     """`quantized_experts` for 4-bit experts (a GPTQ / AWQ / compressed-tensors / NVFP4 checkpoint,
     or `quantization="int4"` / `"nvfp4"`); None for other experts, and for 4-bit ones that
@@ -83,10 +91,10 @@ def w4_experts(reader, num_layers: int, num_experts: int, hidden: int, inter: in
     from metrale_jax.loading.linears_w4 import read_w4_linears
 
     *first, down = projs
-    e = num_experts
+    e, prefix = num_experts, _at(prefix)
 
     def parts(names_sizes):  # one flat index per (layer, expert): the reader stacks L * E "layers"
-        return lambda i: [(prefix.format(i // e, i % e) + f"{p}.weight", n) for p, n in names_sizes]
+        return lambda i: [(prefix(i // e, i % e) + f"{p}.weight", n) for p, n in names_sizes]
 
     key_in, key_down = _keys(projs)
     w_in = read_w4_linears(reader, num_layers * e, hidden, parts([(p, inter) for p in first]),

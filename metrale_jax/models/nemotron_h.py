@@ -119,8 +119,14 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     if count[MOE]:
         e, im, ish, le = cfg.get("n_routed_experts"), cfg.get("moe_intermediate_size"), \
             cfg.get("moe_shared_expert_intermediate_size"), count[MOE]
-        params["moe"] = stacks(le, router=(h, e), e_bias=(e,), experts_up=(e, h, im), experts_down=(e, im, h),
-                               shared_up=(h, ish), shared_down=(ish, h))
+        from metrale_jax.loading.experts import quantized_experts
+
+        moe_layers = [i for i, kind in enumerate(kinds) if kind == MOE]  # FP8 / 4-bit experts stay so (no gate)
+        quant = quantized_experts(reader, le, e, h, im,
+                                  lambda j, x: f"backbone.layers.{moe_layers[j]}.mixer.experts.{x}.",
+                                  ("up_proj", "down_proj"))
+        params["moe"] = stacks(le, router=(h, e), e_bias=(e,), shared_up=(h, ish), shared_down=(ish, h))
+        params["moe"].update(quant or stacks(le, experts_up=(e, h, im), experts_down=(e, im, h)))
     idx = dict.fromkeys(count, 0)
     for i in reader.progress(range(len(kinds)), "layers"):
         pre = f"backbone.layers.{i}."
@@ -149,7 +155,7 @@ def load_params(cfg: ModelConfig, reader) -> dict:
             im, ish = cfg.get("moe_intermediate_size"), cfg.get("moe_shared_expert_intermediate_size")
             reader.put_t(q["router"], j, get(m + "gate.weight", (e, h), cast=True))
             q["e_bias"][j] = get(m + "gate.e_score_correction_bias", (e,))
-            for x in range(e):
+            for x in range(0 if quant else e):
                 reader.put_t(q["experts_up"], (j, x), get(m + f"experts.{x}.up_proj.weight", (im, h), cast=True))
                 reader.put_t(q["experts_down"], (j, x), get(m + f"experts.{x}.down_proj.weight", (h, im), cast=True))
             reader.put_t(q["shared_up"], j, get(m + "shared_experts.up_proj.weight", (ish, h), cast=True))
