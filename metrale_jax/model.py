@@ -257,8 +257,9 @@ _NOT_LINEAR = re.compile(r"embed|lm_head|norm|router|conv|A_log|dt_bias|(^|\.)D$
 
 def _quantize_on_load_report(params, quantization: str, arch: str, dtype: str) -> None:
     """After a quantize-on-load (`quantization` "fp8" / "int4" / "nvfp4"): a ValueError when no
-    linear took it (e.g. Mamba-2's in_proj: only the Llama-style attention / MLP linears, and FP8 MoE
-    experts, have those kernels), a warning naming the matrices that stay `dtype` when some did."""
+    linear took it, a warning naming the matrices that stay `dtype` when some did (every family's
+    linears and experts take it since session 42; a family whose loader reads a matrix without
+    `WeightReader.linears` would show here)."""
     from metrale_jax.layers.linear import Fp8Linear, W4Linear
 
     kinds = (Fp8Linear, W4Linear)

@@ -87,6 +87,19 @@ def test_default_gpu_steps_lower_for_h200(name):
         assert "expert_matvec_w4" in texts["decode"] and "expert_matvec_w4" not in texts["prefill"]
 
 
+@pytest.mark.parametrize("name,quantization", [("qwen3_next_tiny", "fp8"), ("nemotron_h_tiny", "int4"),
+                                               pytest.param("qwen3_next_tiny", "nvfp4", marks=pytest.mark.slow)])
+def test_quantized_hybrid_steps_lower_for_h200(name, quantization):
+    """The hybrids with every linear and expert quantized (FP8 / 4-bit: the Gated DeltaNet, Mamba and
+    gated-attention projections through the Llama linears' kernels, session 42) lower for an H200."""
+    model, params = load_model(FIXTURES / name, dtype="bfloat16", quantization=quantization, show_progress=False)
+    texts = _lower_steps(model, params)
+    kernel = "skinny_matmul" if quantization == "fp8" else "_w4_kernel"
+    assert kernel in texts["decode"] and ("expert_matvec" in texts["decode"])
+    for kind, text in texts.items():
+        assert text.count("stablehlo.case") == 3, (name, kind)
+
+
 def test_fp8_w8a8_steps_lower_at_any_rows():
     """FP8 linears of 9-64 rows take the W8A8 kernel (Mosaic GPU, TMA): decode steps of 20 rows
     (the last default bucket of max_num_seqs=20), verify steps of 4 rows with 2 drafts (12) and a

@@ -867,9 +867,11 @@ def _same_logits(dense_dir, q_dir, caplog):
 
 @pytest.mark.parametrize("name", ["qwen3_moe_tiny", "qwen3_next_tiny", "nemotron_h_tiny"])
 def test_4bit_weights_outside_the_kernels_load_dense(tmp_path, name, caplog):
-    """4-bit weights no 4-bit kernel runs (lm_head, Qwen3-Next's and Nemotron-H's layers) load
-    dequantized, with a warning naming them; the MoE experts stay 4-bit (`W4Linear`, Nemotron-H's
-    relu² ones too); the model matches the dense checkpoint holding the same dequantized values."""
+    """A GPTQ checkpoint of each MoE / hybrid family: the 4-bit weights no 4-bit kernel runs (the
+    LM head) load dequantized, with a warning naming them; the linears (Qwen3-Next's attention and
+    Gated DeltaNet, Nemotron-H's Mamba and attention, the shared experts) and the MoE experts
+    (Nemotron-H's relu² ones too) stay 4-bit; the model matches the dense checkpoint holding the
+    same dequantized values."""
     def which(nm):
         return nm.endswith(".weight") and not any(x in nm for x in ("embed", "norm", ".gate.", "expert_gate"))
 
@@ -879,6 +881,11 @@ def test_4bit_weights_outside_the_kernels_load_dense(tmp_path, name, caplog):
     assert "experts.*" not in caplog.text
     experts = params["moe"]["experts_up"] if name == "nemotron_h_tiny" else params["layers"]["experts_gate_up"]
     assert isinstance(experts, W4Linear) and experts.packed.ndim == 4
+    linears = {"qwen3_next_tiny": [("gdn", "w_qkvz"), ("gdn", "w_ba"), ("attn", "wq"), ("layers", "shared_down")],
+               "nemotron_h_tiny": [("mamba", "in_proj"), ("attn", "wqkv"), ("mlp", "down"), ("moe", "shared_up")],
+               "qwen3_moe_tiny": [("layers", "wqkv")]}[name]
+    assert all(isinstance(params[a][b], W4Linear) for a, b in linears)
+    assert "linear_attn" not in caplog.text and "mixer" not in caplog.text
     if name == "qwen3_moe_tiny":  # its attention linears are Llama's: the 4-bit kernels'
         assert isinstance(params["layers"]["wqkv"], W4Linear) and isinstance(params["layers"]["wo"], W4Linear)
         assert "self_attn" not in caplog.text
@@ -886,17 +893,17 @@ def test_4bit_weights_outside_the_kernels_load_dense(tmp_path, name, caplog):
 
 def test_dense_copies_that_do_not_fit_are_named(tmp_path, monkeypatch):
     """Out of device memory while placing weights that were dequantized (e.g. a 4-bit model whose
-    layers no 4-bit kernel takes only fit packed): a LoadError that says so, not the bare allocator error."""
+    LM head no 4-bit kernel takes only fits packed): a LoadError that says so, not the bare allocator error."""
     from metrale_jax.errors import LoadError
     from metrale_jax.loading.weights import WeightReader
 
-    _, q = _quantized_pair(tmp_path, "qwen3_next_tiny", lambda nm: "linear_attn" in nm and nm.endswith(".weight"))
+    _, q = _quantized_pair(tmp_path, "qwen3_next_tiny", lambda nm: nm == "lm_head.weight")
 
     def oom(self, tree):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
 
     monkeypatch.setattr(WeightReader, "to_device", oom)
-    with pytest.raises(LoadError, match=r"out of device memory .* 9 quantized weights .*\.linear_attn\.out_proj"):
+    with pytest.raises(LoadError, match=r"out of device memory .* 1 quantized weights .*: lm_head; the dense"):
         load_model(q, dtype="float32", show_progress=False)
 
 
@@ -1157,25 +1164,48 @@ def test_quantize_on_load(tmp_path, quantization):
 
 
 def test_quantize_on_load_says_what_it_left(caplog):
-    """Quantize-on-load where the kernels take only part of a family (Qwen2-MoE's shared expert,
-    Nemotron-H's Mamba and attention linears) warns with the matrices left as they were; where they
-    take none (Mamba-2's linears) it is an error instead of a silently unquantized model."""
+    """Quantize-on-load where the kernels take only part of a family (the MTP-less families take
+    every linear now; Qwen2-MoE's shared expert gate and the SSMs' conv filters are not linears)
+    warns with the matrices left as they were; where they would take none it is an error instead
+    of a silently unquantized model (`model._quantize_on_load_report`)."""
+    from metrale_jax.model import _quantize_on_load_report
+
+    for name, quantization in (("qwen2_moe_tiny", "int4"), ("mamba2_tiny", "int4"), ("nemotron_h_tiny", "fp8"),
+                               ("qwen3_next_tiny", "nvfp4")):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            _, q = load_model(FIXTURES / name, dtype="float32", quantization=quantization, show_progress=False)
+        assert "stay" not in caplog.text, name  # every linear taken
+    assert isinstance(q["gdn"]["w_qkvz"], W4Linear) and isinstance(q["layers"]["shared_down"], W4Linear)
+    dense = {"layers": {"wqkv": np.zeros((2, 64, 96)), "attn_norm": np.zeros((2, 64)), "router": np.zeros((2, 64, 8))}}
+    with pytest.raises(ValueError, match=r"quantization='int4': no linear of Foo takes it .* layers\.wqkv"):
+        _quantize_on_load_report(dense, "int4", "Foo", "float32")
     with caplog.at_level("WARNING"):
-        _, q = load_model(FIXTURES / "qwen2_moe_tiny", dtype="float32", quantization="int4", show_progress=False)
-    assert isinstance(q["layers"]["wqkv"], W4Linear) and isinstance(q["layers"]["experts_down"], W4Linear)
-    assert "layers.shared_down, layers.shared_gate_up stay float32" in caplog.text
-    assert "quantized: layers.experts_down, layers.experts_gate_up, layers.wo, layers.wqkv" in caplog.text
-    for quantization in ("int4", "fp8"):
-        with pytest.raises(ValueError, match=rf"quantization='{quantization}': no linear of .* mamba\.in_proj"):
-            load_model(FIXTURES / "mamba2_tiny", dtype="float32", quantization=quantization, show_progress=False)
-    caplog.clear()
-    with caplog.at_level("WARNING"):  # Nemotron-H: its MoE experts take it, its Mamba / attention / MLP linears not
-        load_model(FIXTURES / "nemotron_h_tiny", dtype="float32", quantization="fp8", show_progress=False)
-    assert "mamba.in_proj" in caplog.text and "quantized: moe.experts_down, moe.experts_up" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        load_model(FIXTURES / "llama_tiny", dtype="float32", quantization="nvfp4", show_progress=False)
-    assert "stay" not in caplog.text  # (every linear taken: nothing to say)
+        _quantize_on_load_report({"layers": dict(dense["layers"], wo=W4Linear(*[None] * 5))}, "int4", "Foo", "float32")
+    assert "Foo's layers.wqkv stay float32" in caplog.text and "quantized: layers.wo" in caplog.text
+
+
+@pytest.mark.parametrize("name,quantization", [("qwen3_next_tiny", "fp8"), ("qwen3_next_tiny", "int4"),
+                                               ("nemotron_h_tiny", "nvfp4"), ("mamba2_tiny", "fp8"),
+                                               ("mamba2_tiny", "int4"), ("qwen2_moe_tiny", "fp8")])
+def test_quantized_hybrid_linears_are_wired(name, quantization):
+    """The hybrids' linears (Qwen3-Next's gated attention and Gated DeltaNet projections, whose
+    products are regrouped from the checkpoint's per-key-head order, Nemotron-H's and Mamba-2's
+    Mamba, attention and MLP linears, the shared experts) quantized at load: the model equals the
+    same tree with every quantized linear dequantized and run dense (a wiring error, e.g. the
+    regroup, a fused part or a transposition, is O(1) here; the kernels are others' tests)."""
+    from metrale_jax.layers import moe_fp8, moe_w4
+    from metrale_jax.layers.linear import Fp8Linear
+
+    model, q = load_model(FIXTURES / name, dtype="float32", quantization=quantization, show_progress=False)
+    kinds = (Fp8Linear, W4Linear)
+    leaves = jax.tree.leaves(q, is_leaf=lambda w: isinstance(w, kinds))
+    assert sum(isinstance(w, kinds) for w in leaves) >= 2  # (Mamba-2: in_proj and out)
+    dense = jax.tree.map(lambda w: (moe_fp8 if isinstance(w, Fp8Linear) else moe_w4).dense_experts(w, jnp.float32)
+                         if isinstance(w, kinds) else w, q, is_leaf=lambda w: isinstance(w, kinds))
+    toks = jnp.asarray(np.load(FIXTURES / name / "golden.npz")["input_ids"][2:3])
+    np.testing.assert_allclose(np.asarray(model.forward(q, toks)), np.asarray(model.forward(dense, toks)),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_w4_params_for_reads_the_tuned_table(monkeypatch):

@@ -55,11 +55,11 @@ def pair_matvec(xp, w: W4Linear, flat) -> jax.Array:
 
 
 def dense_experts(w: W4Linear, dtype) -> jax.Array:
-    """W4Linear [E, N, K/2] -> [E, K, N] in `dtype` (the layout `moe.grouped_matmul` takes), the
-    columns of act-order experts back in the input's order."""
-    wd = dequantize_w4(w, dtype)  # [E, N, K] in the packed column order
+    """W4Linear [..., E, N, K/2] -> [..., E, K, N] in `dtype` (the layout `moe.grouped_matmul` takes,
+    and a dense linear's [K, N]), the columns of act-order weights back in the input's order."""
+    wd = dequantize_w4(w, dtype)  # [..., N, K] in the packed column order
     if w.perm is not None:
-        wd = jnp.take_along_axis(wd, jnp.argsort(w.perm, axis=-1)[:, None, :], axis=-1)
+        wd = jnp.take_along_axis(wd, jnp.argsort(w.perm, axis=-1)[..., None, :], axis=-1)
     return jnp.swapaxes(wd, -1, -2)
 
 

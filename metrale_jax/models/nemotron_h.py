@@ -101,32 +101,45 @@ def ssm_spec(cfg: ModelConfig) -> dict:
 
 # ---- loading ---------------------------------------------------------------------------------------
 def load_params(cfg: ModelConfig, reader) -> dict:
+    """The parameter tree above. Linears go through `WeightReader.linears` (FP8 and 4-bit
+    checkpoints' linears stay quantized, quantize-on-load takes them), the experts through
+    `loading.experts.quantized_experts`."""
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     nh, p, n, ng, inner, cd, w = _dims(cfg)
     kinds = _kinds(cfg)
     count = {k: kinds.count(k) for k in (MAMBA, ATTN, MLP, MOE)}
+    at = {k: [i for i, kind in enumerate(kinds) if kind == k] for k in count}  # each kind's checkpoint layers
     stacks, get = reader.stacks, reader.get
+
+    def linears(kind, k: int, parts, key: str):  # parts: [(module under the layer's mixer, N)]
+        return reader.linears(count[kind], k, lambda j: [(f"backbone.layers.{at[kind][j]}.mixer.{m}.weight", n_)
+                                                         for m, n_ in parts], key, key)
+
     params = {"layers": stacks(len(kinds), norm=(h,))}
     if count[MAMBA]:
-        lm = count[MAMBA]
-        params["mamba"] = stacks(lm, in_proj=(h, inner + cd + nh), conv_w=(cd, w), conv_b=(cd,), dt_bias=(nh,),
-                                 A_log=(nh,), D=(nh,), norm=(inner,), out=(inner, h))
+        params["mamba"] = {**stacks(count[MAMBA], conv_w=(cd, w), conv_b=(cd,), dt_bias=(nh,), A_log=(nh,), D=(nh,),
+                                    norm=(inner,)),
+                           "in_proj": linears(MAMBA, h, [("in_proj", inner + cd + nh)], "in_proj"),
+                           "out": linears(MAMBA, inner, [("out_proj", h)], "out")}
     if count[ATTN]:
-        params["attn"] = stacks(count[ATTN], wqkv=(h, (hq + 2 * hkv) * d), wo=(hq * d, h))
+        params["attn"] = {"wqkv": linears(ATTN, h, [("q_proj", hq * d), ("k_proj", hkv * d), ("v_proj", hkv * d)],
+                                          "wqkv"),
+                          "wo": linears(ATTN, hq * d, [("o_proj", h)], "wo")}
     if count[MLP]:
         im = cfg.intermediate_size
-        params["mlp"] = stacks(count[MLP], up=(h, im), down=(im, h))
+        params["mlp"] = {"up": linears(MLP, h, [("up_proj", im)], "up"),
+                         "down": linears(MLP, im, [("down_proj", h)], "down")}
     if count[MOE]:
         e, im, ish, le = cfg.get("n_routed_experts"), cfg.get("moe_intermediate_size"), \
             cfg.get("moe_shared_expert_intermediate_size"), count[MOE]
         from metrale_jax.loading.experts import quantized_experts
 
-        moe_layers = [i for i, kind in enumerate(kinds) if kind == MOE]  # FP8 / 4-bit experts stay so (no gate)
-        quant = quantized_experts(reader, le, e, h, im,
-                                  lambda j, x: f"backbone.layers.{moe_layers[j]}.mixer.experts.{x}.",
-                                  ("up_proj", "down_proj"))
-        params["moe"] = stacks(le, router=(h, e), e_bias=(e,), shared_up=(h, ish), shared_down=(ish, h))
-        params["moe"].update(quant or stacks(le, experts_up=(e, h, im), experts_down=(e, im, h)))
+        quant = quantized_experts(reader, le, e, h, im, lambda j, x: f"backbone.layers.{at[MOE][j]}.mixer.experts.{x}.",
+                                  ("up_proj", "down_proj"))  # FP8 / 4-bit experts stay so (relu² experts: no gate)
+        params["moe"] = {**stacks(le, router=(h, e), e_bias=(e,)),
+                         "shared_up": linears(MOE, h, [("shared_experts.up_proj", ish)], "shared_up"),
+                         "shared_down": linears(MOE, ish, [("shared_experts.down_proj", h)], "shared_down"),
+                         **(quant or stacks(le, experts_up=(e, h, im), experts_down=(e, im, h)))}
     idx = dict.fromkeys(count, 0)
     for i in reader.progress(range(len(kinds)), "layers"):
         pre = f"backbone.layers.{i}."
@@ -136,30 +149,18 @@ def load_params(cfg: ModelConfig, reader) -> dict:
         idx[kind] += 1
         if kind == MAMBA:
             q = params["mamba"]
-            reader.put_t(q["in_proj"], j, get(m + "in_proj.weight", (inner + cd + nh, h), cast=True))
             q["conv_w"][j] = get(m + "conv1d.weight", (cd, 1, w))[:, 0]
             q["conv_b"][j] = get(m + "conv1d.bias", (cd,)) if reader.has(m + "conv1d.bias") else 0.0
             for name in ("dt_bias", "A_log", "D"):
                 q[name][j] = get(m + name, (nh,))
             q["norm"][j] = get(m + "norm.weight", (inner,))
-            reader.put_t(q["out"], j, get(m + "out_proj.weight", (h, inner), cast=True))
-        elif kind == ATTN:
-            reader.put_t(params["attn"]["wqkv"], j, *(get(m + f"{x}_proj.weight", (s * d, h), cast=True)
-                                                      for x, s in (("q", hq), ("k", hkv), ("v", hkv))))
-            reader.put_t(params["attn"]["wo"], j, get(m + "o_proj.weight", (h, hq * d), cast=True))
-        elif kind == MLP:
-            reader.put_t(params["mlp"]["up"], j, get(m + "up_proj.weight", (cfg.intermediate_size, h), cast=True))
-            reader.put_t(params["mlp"]["down"], j, get(m + "down_proj.weight", (h, cfg.intermediate_size), cast=True))
-        else:
-            q, e = params["moe"], cfg.get("n_routed_experts")
-            im, ish = cfg.get("moe_intermediate_size"), cfg.get("moe_shared_expert_intermediate_size")
+        elif kind == MOE:
+            q = params["moe"]
             reader.put_t(q["router"], j, get(m + "gate.weight", (e, h), cast=True))
             q["e_bias"][j] = get(m + "gate.e_score_correction_bias", (e,))
             for x in range(0 if quant else e):
                 reader.put_t(q["experts_up"], (j, x), get(m + f"experts.{x}.up_proj.weight", (im, h), cast=True))
                 reader.put_t(q["experts_down"], (j, x), get(m + f"experts.{x}.down_proj.weight", (h, im), cast=True))
-            reader.put_t(q["shared_up"], j, get(m + "shared_experts.up_proj.weight", (ish, h), cast=True))
-            reader.put_t(q["shared_down"], j, get(m + "shared_experts.down_proj.weight", (h, ish), cast=True))
     params["embed"] = get("backbone.embeddings.weight", (cfg.vocab_size, h), cast=True)
     params["norm_f"] = get("backbone.norm_f.weight", (h,), cast=True)
     if not cfg.tie_word_embeddings:

@@ -23,23 +23,28 @@ def adapt_config(cfg: ModelConfig) -> ModelConfig:
 
 def load_moe_mlp(cfg: ModelConfig, reader) -> dict:
     """Qwen3-MoE's router and experts, and the shared expert with its gate."""
-    h, ish, L = cfg.hidden_size, cfg.get("shared_expert_intermediate_size"), cfg.num_layers
     out = qwen3_moe.load_moe_mlp(cfg, reader)
-    out.update(reader.stacks(L, shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1)))
-    for i in reader.progress(range(L), "shared experts"):
-        put_shared_expert(reader, out, i, f"model.layers.{i}.mlp.", h, ish)
+    out.update(load_shared_expert(reader, cfg.num_layers, "model.layers.{}.mlp.", cfg.hidden_size,
+                                  cfg.get("shared_expert_intermediate_size")))
     return out
 
 
-def put_shared_expert(reader, layers: dict, i: int, m: str, h: int, ish: int) -> None:
-    """Layer i's shared expert (`{m}shared_expert.*`) and its gate (`{m}shared_expert_gate`) into the
-    stacks shared_gate_up, shared_down and shared_gate (as Qwen3-Next's checkpoints name them too)."""
-    s = m + "shared_expert."
-    g = reader.get(s + "gate_proj.weight", (ish, h), cast=True)
-    u = reader.get(s + "up_proj.weight", (ish, h), cast=True)
-    reader.put_t(layers["shared_gate_up"], i, g, u)
-    reader.put_t(layers["shared_down"], i, reader.get(s + "down_proj.weight", (h, ish), cast=True))
-    reader.put_t(layers["shared_gate"], i, reader.get(m + "shared_expert_gate.weight", (1, h), cast=True))
+def load_shared_expert(reader, num_layers: int, prefix: str, h: int, ish: int) -> dict:
+    """The shared expert (`{prefix}shared_expert.{gate,up,down}_proj`, prefix formatted with the
+    layer) and its gate (`{prefix}shared_expert_gate`) as the stacks shared_gate_up, shared_down
+    (through `WeightReader.linears`: quantized where the checkpoint is) and shared_gate (dense), as
+    Qwen2-MoE's and Qwen3-Next's checkpoints name them."""
+    s = prefix + "shared_expert."
+    out = {"shared_gate_up": reader.linears(num_layers, h, lambda i: [(s.format(i) + "gate_proj.weight", ish),
+                                                                       (s.format(i) + "up_proj.weight", ish)],
+                                            "shared experts", "shared_gate_up"),
+           "shared_down": reader.linears(num_layers, ish, lambda i: [(s.format(i) + "down_proj.weight", h)],
+                                         "shared experts", "shared_down"),
+           **reader.stacks(num_layers, shared_gate=(h, 1))}
+    for i in range(num_layers):
+        gate = reader.get(prefix.format(i) + "shared_expert_gate.weight", (1, h), cast=True)
+        reader.put_t(out["shared_gate"], i, gate)
+    return out
 
 
 def load_params(cfg: ModelConfig, reader) -> dict:

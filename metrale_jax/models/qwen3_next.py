@@ -11,9 +11,12 @@ Parameter tree (L layers, La attention layers, Lg GDN layers):
     layers/in_norm, post_norm [L, H]
     layers/router [L, H, E]  experts_gate_up [L, E, H, 2 Im]  experts_down [L, E, Im, H]
     layers/shared_gate_up [L, H, 2 Is]  shared_down [L, Is, H]  shared_gate [L, H, 1]
+(every linear an `Fp8Linear` / `W4Linear` where the checkpoint stores it so, or with quantize-on-load)
     attn/wq [La, H, Hq 2D] (per head: query then gate)  wkv [La, H, 2 Hkv D]  wo [La, Hq D, H]
     attn/q_norm, k_norm [La, D]
-    gdn/w_qkvz [Lg, H, 2 Kd + 2 Vd] (reordered to q | k | v | z)  w_ba [Lg, H, 2 HV] (b | a)
+    gdn/w_qkvz [Lg, H, 2 Kd + 2 Vd]  w_ba [Lg, H, 2 HV]  (the checkpoint's column order: per key
+        head [q (dk), k (dk), v (r dv), z (r dv)] and [b (r), a (r)], r = HV / Hk; `_gdn` regroups
+        the products, so quantized checkpoints' rows stay as stored)
     gdn/conv_w [Lg, C, W] (C = 2 Kd + Vd)  dt_bias, A_log [Lg, HV]  norm [Lg, dv]  wo [Lg, Vd, H]
 SSM pool per sequence slot: gdn/conv f32[slots, Lg, C, W-1], gdn/rec f32[slots, Lg, HV, dk, dv].
 """
@@ -99,21 +102,32 @@ def load_params(cfg: ModelConfig, reader) -> dict:
     e, im, ish = cfg.get("num_experts"), cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
     kinds = _kinds(cfg)
     la, lg, L = kinds.count(ATTN), kinds.count(GDN), cfg.num_layers
-    kd, vd, r = nk * dk, nv * dv, nv // nk
+    at = {k: [i for i, kind in enumerate(kinds) if kind == k] for k in (ATTN, GDN)}  # each kind's checkpoint layers
+    kd, vd = nk * dk, nv * dv
     c = 2 * kd + vd
     stacks = reader.stacks
     from metrale_jax.loading.experts import quantized_experts
-    from metrale_jax.models.qwen2_moe import put_shared_expert
+    from metrale_jax.models.qwen2_moe import load_shared_expert
+
+    def linears(kind, k: int, parts, key: str):  # parts: [(module under the layer, N)]
+        return reader.linears(len(at[kind]), k, lambda j: [(f"model.layers.{at[kind][j]}.{m}.weight", n)
+                                                           for m, n in parts], key, key)
 
     quant = quantized_experts(reader, L, e, h, im, "model.layers.{}.mlp.experts.{}.")  # FP8 / 4-bit experts stay so
     layers = {
         **stacks(L, in_norm=(h,), post_norm=(h,), router=(h, e)),
         **(quant or stacks(L, experts_gate_up=(e, h, 2 * im), experts_down=(e, im, h))),
-        **stacks(L, shared_gate_up=(h, 2 * ish), shared_down=(ish, h), shared_gate=(h, 1)),
+        **load_shared_expert(reader, L, "model.layers.{}.mlp.", h, ish),
     }
-    attn = stacks(la, wq=(h, hq * 2 * d), wkv=(h, 2 * hkv * d), wo=(hq * d, h), q_norm=(d,), k_norm=(d,))
-    gdn = stacks(lg, w_qkvz=(h, 2 * kd + 2 * vd), w_ba=(h, 2 * nv), conv_w=(c, w), dt_bias=(nv,), A_log=(nv,),
-                 norm=(dv,), wo=(vd, h))
+    a, g = "self_attn.", "linear_attn."
+    attn = {**stacks(la, q_norm=(d,), k_norm=(d,)),
+            "wq": linears(ATTN, h, [(a + "q_proj", hq * 2 * d)], "wq"),
+            "wkv": linears(ATTN, h, [(a + "k_proj", hkv * d), (a + "v_proj", hkv * d)], "wkv"),
+            "wo": linears(ATTN, hq * d, [(a + "o_proj", h)], "wo")}
+    gdn = {**stacks(lg, conv_w=(c, w), dt_bias=(nv,), A_log=(nv,), norm=(dv,)),
+           "w_qkvz": linears(GDN, h, [(g + "in_proj_qkvz", 2 * kd + 2 * vd)], "w_qkvz"),
+           "w_ba": linears(GDN, h, [(g + "in_proj_ba", 2 * nv)], "w_ba"),
+           "wo": linears(GDN, vd, [(g + "out_proj", h)], "wo")}
     ia = ig = 0
     for i in reader.progress(range(L), "layers"):
         p = f"model.layers.{i}."
@@ -127,30 +141,15 @@ def load_params(cfg: ModelConfig, reader) -> dict:
             u_ = reader.get(q + "up_proj.weight", (im, h), cast=True)
             reader.put_t(layers["experts_gate_up"], (i, j), g_, u_)
             reader.put_t(layers["experts_down"], (i, j), reader.get(q + "down_proj.weight", (h, im), cast=True))
-        put_shared_expert(reader, layers, i, m, h, ish)
         if kinds[i] == ATTN:
-            a = p + "self_attn."
-            reader.put_t(attn["wq"], ia, reader.get(a + "q_proj.weight", (hq * 2 * d, h), cast=True))
-            wk, wv = (reader.get(a + f"{x}_proj.weight", (hkv * d, h), cast=True) for x in "kv")
-            reader.put_t(attn["wkv"], ia, wk, wv)
-            reader.put_t(attn["wo"], ia, reader.get(a + "o_proj.weight", (h, hq * d), cast=True))
-            attn["q_norm"][ia] = reader.get(a + "q_norm.weight", (d,))
-            attn["k_norm"][ia] = reader.get(a + "k_norm.weight", (d,))
+            attn["q_norm"][ia] = reader.get(p + a + "q_norm.weight", (d,))
+            attn["k_norm"][ia] = reader.get(p + a + "k_norm.weight", (d,))
             ia += 1
         else:
-            a = p + "linear_attn."
-            # Rows come grouped per key head as [q (dk), k (dk), v (r dv), z (r dv)]; regroup as q | k | v | z.
-            qkvz = reader.get(a + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h), cast=True)
-            qkvz = qkvz.reshape(nk, 2 * dk + 2 * r * dv, h)
-            parts = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-            reader.put_t(gdn["w_qkvz"], ig, *[x.reshape(-1, h) for x in parts])
-            ba = reader.get(a + "in_proj_ba.weight", (2 * nv, h), cast=True).reshape(nk, 2 * r, h)
-            reader.put_t(gdn["w_ba"], ig, ba[:, :r].reshape(-1, h), ba[:, r:].reshape(-1, h))
-            gdn["conv_w"][ig] = reader.get(a + "conv1d.weight", (c, 1, w))[:, 0]
-            gdn["dt_bias"][ig] = reader.get(a + "dt_bias", (nv,))
-            gdn["A_log"][ig] = reader.get(a + "A_log", (nv,))
-            gdn["norm"][ig] = reader.get(a + "norm.weight", (dv,))
-            reader.put_t(gdn["wo"], ig, reader.get(a + "out_proj.weight", (h, vd), cast=True))
+            gdn["conv_w"][ig] = reader.get(p + g + "conv1d.weight", (c, 1, w))[:, 0]
+            gdn["dt_bias"][ig] = reader.get(p + g + "dt_bias", (nv,))
+            gdn["A_log"][ig] = reader.get(p + g + "A_log", (nv,))
+            gdn["norm"][ig] = reader.get(p + g + "norm.weight", (dv,))
             ig += 1
     params = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h), cast=True),
@@ -232,9 +231,15 @@ def _gdn(cfg: ModelConfig, gp: dict, h: jax.Array, cu_seqlens, conv0, rec0, kern
         conv_fn, rule_fn = naive_causal_conv1d_varlen, naive_gated_delta_rule
     nk, nv, dk, dv, _ = _gdn_dims(cfg)
     kd, vd = nk * dk, nv * dv
-    qkvz = linear(h, gp["w_qkvz"])
-    mixed, z = qkvz[:, : 2 * kd + vd], qkvz[:, 2 * kd + vd:]
-    b, a = jnp.split(linear(h, gp["w_ba"]).astype(jnp.float32), 2, axis=-1)
+    r = nv // nk
+    # the products in the checkpoint's order, per key head [q, k, v (r heads), z (r heads)] and
+    # [b (r), a (r)], regrouped to q | k | v (the conv's channels) and z, b, a
+    qkvz = linear(h, gp["w_qkvz"]).reshape(-1, nk, 2 * dk + 2 * r * dv)
+    q_, k_, v_, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    mixed = jnp.concatenate([q_.reshape(-1, kd), k_.reshape(-1, kd), v_.reshape(-1, vd)], axis=-1)
+    z = z.reshape(-1, vd)
+    b, a = (x.reshape(-1, nv) for x in jnp.split(linear(h, gp["w_ba"]).astype(jnp.float32).reshape(-1, nk, 2 * r),
+                                                  2, axis=-1))
     pre_conv = mixed
     mixed, conv = conv_fn(mixed, gp["conv_w"], None, cu_seqlens=cu_seqlens, initial_state=conv0, silu=True)
     q = mixed[:, :kd].reshape(-1, nk, dk)
