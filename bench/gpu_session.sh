@@ -378,13 +378,13 @@ if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, F
 fi
 if [[ $parts == *moe4* ]]; then  # issue 19 (session 42): 4-bit MoE experts kept 4-bit. One layer's routed experts
   # (the Pallas expert kernel and XLA's gather, int4 and NVFP4, beside bf16 through tokamax and FP8; memcpy roofline),
-  # then generate on a Qwen3-30B-A3B shape (8 layers), bf16 beside int4, batches 1 and 64. Run `tests` with
+  # then generate on a Qwen3-30B-A3B shape (4 layers, as the acceptance run), bf16 beside int4, batches 1 and 64. Run `tests` with
   # GPU_TEST_FILES=tests/test_w4_moe.py first: the expert kernel had never run on a GPU when it was written
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE4_LIMIT:-240} python3 bench/kernels/expert_fp8.py --out "$OUT/expert_w4" \
     --tokamax --w4 2>&1 | tail -45
   for q in bf16 int4; do
     qa=$([[ $q != bf16 ]] && echo "--quantization $q")
-    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape qwen3-30b-a3b --num-layers 8 --steps 64 \
+    timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape qwen3-30b-a3b --num-layers 4 --steps 64 \
       --repeats 1 --batches 1,64 $qa --out "$OUT/generate_qwen3_30b_a3b_$q.json" > "$OUT/generate_qwen3_30b_a3b_$q.log" 2>&1
     echo "== $q"; grep -v "rematerialization" "$OUT/generate_qwen3_30b_a3b_$q.log" | tail -6
   done

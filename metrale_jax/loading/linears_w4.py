@@ -59,8 +59,7 @@ def _prefix(name: str) -> str:
 
 def _read_part(reader, name: str, n: int, k: int) -> q4.W4Weight | None:
     if reader.quantize_w4:
-        w = reader.get(name, (n, k))
-        return q4.quantize_int4(w) if reader.quantize_w4 == "int4" else q4.quantize_nvfp4(w)
+        return reader.w4_quantized(name, (n, k))
     marker, read = q4.READERS[reader.w4_scheme.method]
     prefix = _prefix(name)
     if not reader.has(prefix + marker):

@@ -66,6 +66,16 @@ class RandomWeightReader(WeightReader):
             self._drawn[key] = super().fp8_weight(name, shape)
         return self._drawn[key]
 
+    def w4_quantized(self, name: str, shape: tuple[int, int]):
+        """As `WeightReader.w4_quantized`; with `repeat_layers` one quantization per shape (the MoE
+        experts, read one by one, would take minutes otherwise)."""
+        if not self.repeat_layers:
+            return super().w4_quantized(name, shape)
+        key = ("w4", tuple(shape))
+        if key not in self._drawn:
+            self._drawn[key] = super().w4_quantized(name, shape)
+        return self._drawn[key]
+
     def linears(self, num_layers: int, k: int, parts, desc: str = "", key: str = ""):
         if not self.repeat_layers:
             return super().linears(num_layers, k, parts, desc, key)

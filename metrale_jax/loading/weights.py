@@ -274,6 +274,13 @@ class WeightReader:
         w8 = self._fp8_codes(name, shape)
         return w8, fp8_channel_scales(self._scale_of(name), shape[0], name=self._scale_name(name))
 
+    def w4_quantized(self, name: str, shape: tuple[int, int]):
+        """`quant.w4.W4Weight` of dense weight `name` [N, K] quantized now (`quantize_w4`: "int4" | "nvfp4")."""
+        from metrale_jax.quant import w4 as q4
+
+        w = self.get(name, shape)
+        return q4.quantize_int4(w) if self.quantize_w4 == "int4" else q4.quantize_nvfp4(w)
+
     def fp8_stack(self, num_layers: int, lead: tuple[int, ...], k: int, sizes: list[int], key: str, mode: str,
                   names: Callable[..., list[str]], desc: str = "") -> Fp8Linear:
         """An `Fp8Linear` [L, *lead, N_pad, K] (lead: e.g. the experts) of FP8 weights: names(i, *j)
