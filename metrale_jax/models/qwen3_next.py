@@ -11,13 +11,14 @@ Parameter tree (L layers, La attention layers, Lg GDN layers):
     layers/in_norm, post_norm [L, H]
     layers/router [L, H, E]  experts_gate_up [L, E, H, 2 Im]  experts_down [L, E, Im, H]
     layers/shared_gate_up [L, H, 2 Is]  shared_down [L, Is, H]  shared_gate [L, H, 1]
-(every linear an `Fp8Linear` / `W4Linear` where the checkpoint stores it so, or with quantize-on-load)
     attn/wq [La, H, Hq 2D] (per head: query then gate)  wkv [La, H, 2 Hkv D]  wo [La, Hq D, H]
     attn/q_norm, k_norm [La, D]
     gdn/w_qkvz [Lg, H, 2 Kd + 2 Vd]  w_ba [Lg, H, 2 HV]  (the checkpoint's column order: per key
         head [q (dk), k (dk), v (r dv), z (r dv)] and [b (r), a (r)], r = HV / Hk; `_gdn` regroups
         the products, so quantized checkpoints' rows stay as stored)
     gdn/conv_w [Lg, C, W] (C = 2 Kd + Vd)  dt_bias, A_log [Lg, HV]  norm [Lg, dv]  wo [Lg, Vd, H]
+Every linear and the routed experts are an `Fp8Linear` / `W4Linear` where the checkpoint stores
+them so, or with quantize-on-load (the router and shared_gate stay dense).
 SSM pool per sequence slot: gdn/conv f32[slots, Lg, C, W-1], gdn/rec f32[slots, Lg, HV, dk, dv].
 """
 
