@@ -343,3 +343,17 @@ def test_dense_experts_put_act_order_columns_back():
         back = np.zeros_like(wd)
         back[:, np.asarray(w.perm[e])] = wd
         np.testing.assert_array_equal(got[e], back.T)
+
+
+def test_kv_sizing_holds_back_the_dequantized_experts():
+    """The grouped GEMM's transient dense copy of one layer's 4-bit experts (gate|up 8 x 192 x 64,
+    down 8 x 64 x 96 here) is what the engine's KV sizing holds back for it; none without them."""
+    from metrale_jax.layers.moe_w4 import dequantized_scratch_bytes
+    from metrale_jax.layers.stack import split_layers
+
+    _, params = load_model(FIXTURES / "qwen3_moe_gptq_tiny", dtype="bfloat16", show_progress=False)
+    want = (8 * 192 * 64 + 8 * 64 * 96) * 2
+    assert dequantized_scratch_bytes(params, "bfloat16") == want
+    assert dequantized_scratch_bytes(split_layers(params), "bfloat16") == want  # (the engine's GPU layout)
+    _, dense = load_model(FIXTURES / "qwen3_moe_tiny", dtype="bfloat16", show_progress=False)
+    assert dequantized_scratch_bytes(dense, "bfloat16") == 0

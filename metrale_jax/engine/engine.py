@@ -505,6 +505,9 @@ class LLMEngine:
         if not c.attention.use_pallas:  # the XLA reference gathers every row's pages in f32
             rows = c.max_num_seqs + c.max_prefill_streams
             act += 2 * 4 * rows * c.max_model_len * mc.num_kv_heads * mc.head_dim
+        from metrale_jax.layers.moe_w4 import dequantized_scratch_bytes
+
+        act += dequantized_scratch_bytes(self.params, self.model.dtype)  # (4-bit experts' grouped GEMM)
         other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
         if self.uses_ssm:
             other += (c.max_ssm_slots + c.max_ssm_snapshots) * self.model.ssm_bytes_per_slot()

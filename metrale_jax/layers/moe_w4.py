@@ -69,3 +69,18 @@ def w4_grouped_matmul(x, w: W4Linear, sizes, use_tokamax: bool):
     from metrale_jax.layers import moe
 
     return moe.grouped_matmul(x, dense_experts(w, x.dtype), sizes, use_tokamax)
+
+
+def dequantized_scratch_bytes(params, dtype) -> int:
+    """Device scratch of `w4_grouped_matmul` in a step: one layer's 4-bit experts dequantized to
+    `dtype` (gate|up and down: `dense_experts`' copies), for the engine's KV-pool sizing to hold back
+    (a Qwen3-Next layer: 3.2 GB in bf16). 0 without 4-bit experts."""
+    from metrale_jax.layers.stack import Unstacked
+
+    total = 0
+    for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda a: isinstance(a, W4Linear))[0]:
+        if isinstance(w, W4Linear) and any(str(getattr(k, "key", "")).startswith("experts_") for k in path):
+            packed = w.packed.parts[0] if isinstance(w.packed, Unstacked) else w.packed
+            e, n = packed.shape[-3:-1]
+            total += e * n * w.k * jnp.dtype(dtype).itemsize
+    return total
