@@ -214,11 +214,7 @@ def routed_experts(x, weights, experts, w_gate_up, w_down, act=jax.nn.silu, gate
         lw = lora.w
         grp = expert_groups(lora.moe_slot, flat, order, k, num_experts, lw["x_down_b"].shape[0])
         h = h + expert_lora(xs, grp, lw["x_gate_up_a"], lw["x_gate_up_b"], use_tokamax)
-    if gated:
-        g, u = jnp.split(h, 2, axis=-1)
-        a = act(g) * u
-    else:
-        a = act(h)
+    a = _activation(h, act, gated)
     y = matmul(a.astype(x.dtype), w_down, sizes)
     if lora is not None:
         y = y + expert_lora(a.astype(x.dtype), grp, lw["x_down_a"], lw["x_down_b"], use_tokamax)
@@ -239,12 +235,15 @@ def pair_experts(x, weights, experts, w_gate_up, w_down, matvec, act=jax.nn.silu
     t, k = experts.shape
     flat = experts.reshape(-1)  # i32[P]
     xs = jnp.repeat(x, k, axis=0)  # [P, H]: pair p = (token p // k, its (p % k)-th expert)
-    h = matvec(xs, w_gate_up, flat)
-    if gated:
-        g, u = jnp.split(h, 2, axis=-1)
-        a = act(g) * u
-    else:
-        a = act(h)
+    a = _activation(matvec(xs, w_gate_up, flat), act, gated)
     y = matvec(a.astype(x.dtype), w_down, flat)
     y = y.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1)[:, None]
     return y.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
+
+
+def _activation(h, act, gated: bool):
+    """The experts' hidden activation: act(gate) * up of h = gate | up (gated), else act(h)."""
+    if gated:
+        g, u = jnp.split(h, 2, axis=-1)
+        return act(g) * u
+    return act(h)
