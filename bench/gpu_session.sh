@@ -85,6 +85,12 @@
 # of three families 385 s warm, of two 304 s warm (all PASS), an HLO dump 81 s, two remat-off generates 178 s; a second
 # machine for two NVFP4 generates 139 s cold. Next: `fuse` (the layer fusion both ways beside bf16, ~400 s) on an H200
 # if one comes, then `fp4dot` with its defaults and `pdl` at batch 64; `acceptance` first if a step or kernel changed.
+# Session 42: no GPU lent. It changed Qwen3-Next's Gated DeltaNet (the q|k|v|z and b|a products regrouped at run time)
+# and every hybrid's loading (linears through WeightReader.linears), and added 4-bit MoE experts with a Pallas expert
+# kernel never run on a GPU. Next: `acceptance` of the five families first (bf16: the GDN change), then
+# `GPU_TEST_FILES="tests/test_w4_moe.py tests/test_w4.py" bash bench/gpu_session.sh tests moe4`, then `acceptance` with
+# ACCEPTANCE_ARGS='--family qwen3-30b-a3b --family qwen3-next-80b-a3b --engine-config {"quantization":"int4"}' (and
+# nemotron-h-8b with {"quantization":"fp8"}: its Mamba / attention linears FP8 now); then the list of session 41.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
