@@ -1,7 +1,7 @@
 """Routed experts with block-FP8 weights (`Fp8Linear` [E, N_pad, K] per layer) kept FP8 on the device.
 
 Two static paths, by the number of (token, expert) pairs P = T * k against the expert count E
-(`moe.routed_experts` picks with `use_pairs`; `moe_w4.py` is the 4-bit twin):
+(`moe.routed_experts` picks with `use_pairs`; `moe_w4.py` is the 4-bit twin, whose kernel bound is 8E):
 * P < E, or P < 4E with the kernel (decode): each pair's matvec reads only its expert's FP8
   weights: with `use_kernel` (the engine's GPU default, `linear.use_fp8_kernel`) and bf16
   activations through the Pallas kernel `pallas_kernels/linear/expert_fp8.py`, otherwise by

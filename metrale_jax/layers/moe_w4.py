@@ -3,7 +3,8 @@ compressed-tensors W4A16 and NVFP4 checkpoints, `loading/experts.py`) kept 4-bit
 
 The same two static paths as the FP8 experts (`moe_fp8.py`), picked by `use_pairs` on the
 number of (token, expert) pairs P = T * k against the expert count E:
-* few pairs (decode): each pair's matvec reads only its expert's packed weights (`pair_matvec`
+* few pairs (P < 8E with the kernel, P < E without: decode): each pair's matvec reads only its
+  expert's packed weights (`pair_matvec`
   under `moe.pair_experts`): with `use_kernel` (the engine's GPU default, `linear.use_fp8_kernel`)
   and bf16 / f16 activations through the Pallas kernel `pallas_kernels/linear/expert_w4.py`,
   otherwise by gathering the pairs' packed weights and dequantizing them in XLA;
@@ -31,11 +32,12 @@ def _kernel_takes(x, w: W4Linear) -> bool:
 
 def use_pairs(x, experts, w_down: W4Linear) -> bool:
     """Whether the P = T * k pairs of `experts` i32[T, k] take the per-pair path (`moe.pair_experts`)."""
-    # the kernel reads half a byte per pair and parameter; the grouped path writes and reads the
-    # layer's experts dense (~4.5 bytes per parameter), so pairs win up to several times E (the FP8
-    # experts' bound, P < 4E, is kept: unmeasured for 4-bit). XLA's gather materializes the pairs'
-    # dequantized weights, so without the kernel only P < E
-    return experts.size < (4 if _kernel_takes(x, w_down) else 1) * w_down.packed.shape[0]
+    # the kernel reads half a byte per pair and parameter (pairs of one expert apart in the grid: no
+    # L2 reuse counted); the grouped path reads the codes and writes and reads the layer's experts
+    # dense (~4.5 bytes per parameter), so they tie near P = 9E: P < 8E (unmeasured; a batch-64
+    # Qwen3-30B-A3B step, 512 pairs for 128 experts, stays on the kernel). XLA's gather
+    # materializes the pairs' dequantized weights, so without the kernel only P < E
+    return experts.size < (8 if _kernel_takes(x, w_down) else 1) * w_down.packed.shape[0]
 
 
 def pair_matvec(xp, w: W4Linear, flat) -> jax.Array:
