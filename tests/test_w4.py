@@ -832,14 +832,18 @@ def _gptq_v1(w: np.ndarray, g: int) -> tuple[dict, np.ndarray]:
     return {"qweight": qweight.view(np.int32), "qzeros": qzeros.view(np.int32), "scales": s}, deq
 
 
-def _quantized_pair(tmp_path, name: str, which, g: int = 16):
+def _quantized_pair(tmp_path, name: str, which, g: int = 16, pack=None, qc=None):
     """Two copies of fixture `name`: "q" with the 2-D weights `which(name)` selects in GPTQ 4-bit
-    (config.json says so), "dense" with those weights replaced by their dequantized values."""
+    (config.json says so), "dense" with those weights replaced by their dequantized values.
+    pack(name, w f32[N, K]) -> (tensors {suffix: array}, dequantized f32[N, K]) and qc (the
+    quantization_config) for another format."""
+    pack = pack or (lambda nm, w: _gptq_v1(w, g))
+    qc = qc or {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False, "sym": False}
     t = load_file(FIXTURES / name / "model.safetensors")
     dense, quant = dict(t), dict(t)
     for nm, w in t.items():
         if w.ndim == 2 and which(nm):
-            tensors, dense[nm] = _gptq_v1(w.astype(np.float32), g)
+            tensors, dense[nm] = pack(nm, w.astype(np.float32))
             del quant[nm]
             quant.update({nm[: -len("weight")] + x: v for x, v in tensors.items()})
     cfg = json.loads((FIXTURES / name / "config.json").read_text())
@@ -848,17 +852,136 @@ def _quantized_pair(tmp_path, name: str, which, g: int = 16):
         d = tmp_path / kind
         d.mkdir()
         save_file(tensors, d / "model.safetensors")
-        c = dict(cfg, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False,
-                                           "sym": False}) if kind == "q" else cfg
+        c = dict(cfg, quantization_config=qc) if kind == "q" else cfg
         (d / "config.json").write_text(json.dumps(c))
         out[kind] = d
     return out["dense"], out["q"]
 
 
+def _words(v: np.ndarray) -> np.ndarray:
+    """[R, C] codes 0..15 -> i32[R, ceil(C/8)], code 8w + j in bits 4j..4j+3 of word w."""
+    r, c = v.shape
+    v = np.concatenate([v, np.zeros((r, -c % 8), v.dtype)], 1).astype(np.uint64)
+    out = np.zeros((r, v.shape[1] // 8), np.uint64)
+    for j in range(8):
+        out |= v[:, j::8] << np.uint64(4 * j)
+    return out.astype(np.uint32).view(np.int32)
+
+
+def _ct_int4(w: np.ndarray, g: int, sym: bool) -> tuple[dict, np.ndarray]:
+    """compressed-tensors pack-quantized tensors of w f32[N, K] in groups of g (the last one partial
+    where g does not divide K), symmetric (no weight_zero_point, codes offset by 8) or asymmetric,
+    and their dequantized f32[N, K]; from the format's documentation, per group in numpy."""
+    n, k = w.shape
+    groups = [np.arange(i, min(k, i + g)) for i in range(0, k, g)]
+    q = np.zeros((n, k), np.int64)
+    s = np.zeros((n, len(groups)), np.float32)
+    z = np.full((n, len(groups)), 8, np.int64)
+    deq = np.zeros((n, k), np.float32)
+    for j, cols in enumerate(groups):
+        blk = w[:, cols]
+        if sym:
+            sc = np.abs(blk).max(1) / 7.5
+        else:
+            lo, hi = np.minimum(blk.min(1), 0), np.maximum(blk.max(1), 0)
+            sc = (hi - lo) / 15
+        sc = np.where(sc == 0, 1, sc).astype(ml_dtypes.bfloat16).astype(np.float32)
+        if not sym:
+            z[:, j] = np.clip(np.round(-np.minimum(blk.min(1), 0) / sc), 0, 15)
+        q[:, cols] = np.clip(np.round(blk / sc[:, None]) + z[:, j][:, None], 0, 15)
+        s[:, j] = sc
+        deq[:, cols] = (q[:, cols] - z[:, j][:, None]) * sc[:, None]
+    t = {"weight_packed": _words(q), "weight_scale": s.astype(ml_dtypes.bfloat16),
+         "weight_shape": np.array([n, k], np.int64)}
+    if not sym:
+        t["weight_zero_point"] = np.ascontiguousarray(_words(z.T).T)  # [ceil(N/8), G], packed along N
+    return t, deq
+
+
+def _modelopt_nvfp4(w: np.ndarray) -> tuple[dict, np.ndarray]:
+    """ModelOpt NVFP4 tensors of w f32[N, K] (codes in `weight` u8[N, K/2], e4m3 scales per 16, the
+    global multiplier `weight_scale_2`) and their dequantized f32[N, K]: nearest e2m1 magnitude."""
+    n, k = w.shape
+    e2m1 = np.array(E2M1, np.float32)
+    g2 = np.float32(np.abs(w).max() / (6 * 448))
+    blk = w.reshape(n, k // 16, 16)
+    s8 = (np.abs(blk).max(-1) / 6 / g2).astype(ml_dtypes.float8_e4m3fn)
+    sf = s8.astype(np.float32) * g2
+    sf[sf == 0] = 1
+    v = blk / sf[..., None]
+    mag = np.argmin(np.abs(np.abs(v)[..., None] - e2m1), axis=-1)
+    codes = (mag | ((v < 0) & (mag > 0)) * 8).reshape(n, k).astype(np.uint8)
+    deq = np.where(codes & 8, -1, 1) * e2m1[codes & 7] * np.repeat(sf, 16, axis=1)
+    return {"weight": codes[:, 0::2] | (codes[:, 1::2] << 4), "weight_scale": s8,
+            "weight_scale_2": np.array(g2, np.float32)}, deq.astype(np.float32)
+
+
+def test_nvfp4_quantize_on_load_leaves_k_not_in_16s_dense(caplog):
+    """quantization="nvfp4" on a linear whose K is not a multiple of 16 (here the down projection,
+    K = 24) leaves that linear dense with the warning that names it, instead of failing the load."""
+    from metrale_jax.model import random_model
+
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=24,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+               rope_theta=1000.0, max_position_embeddings=64, tie_word_embeddings=True)
+    with caplog.at_level("WARNING"):
+        _, q = random_model(cfg, dtype="float32", quantization="nvfp4")
+    assert isinstance(q["layers"]["w_gate_up"], W4Linear) and not isinstance(q["layers"]["w_down"], W4Linear)
+    assert "K=24, not a multiple of NVFP4's groups of 16; left in the model dtype" in caplog.text
+
+
+def test_compressed_tensors_groups_that_differ(tmp_path):
+    """config_groups with a symmetric group (no weight_zero_point, as llm-compressor writes it) beside
+    an asymmetric one, in groups of 32 where K = 48 (Qwen2-MoE's shared expert down: a partial last
+    group): each module takes its own tensors. Before, a symmetric module was refused for a missing
+    zero point, and with several groups the group size was taken as ceil(K / groups) = 24 (silently
+    wrong weights)."""
+    def ctw(sym):
+        return {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": sym,
+                "dynamic": False}
+
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"mlp": {"targets": ["re:.*mlp.*"], "weights": ctw(True)},
+                            "attn": {"targets": ["re:.*self_attn.*"], "weights": ctw(False)}},
+          "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
+    dense, q = _quantized_pair(tmp_path, "qwen2_moe_tiny", lambda nm: nm.endswith("_proj.weight"),
+                               pack=lambda nm, w: _ct_int4(w, 32, sym=".mlp." in nm), qc=qc)
+    params = _same_logits(dense, q, None)
+    assert isinstance(params["layers"]["shared_down"], W4Linear) and params["layers"]["shared_down"].group_size == 32
+    scheme = q4.parse_w4_config(qc)
+    assert scheme.group_size == 32 and scheme.zero_points is None
+    two = dict(qc, config_groups={"a": {"targets": ["re:.*mlp.*"], "weights": ctw(False)},
+                                  "b": {"targets": ["Linear"], "weights": dict(ctw(False), group_size=64)}})
+    assert q4.parse_w4_config(two).group_sizes == (32, 64) and q4.parse_w4_config(two).group_size is None
+    scales = {"p.weight_scale": np.ones((4, 2), np.float32)}
+    load = DictLoad(scales)
+    assert q4.ct_scales(load, "p.", 4, 48, None, (32, 64))[1] == 32  # 2 groups along 48: 32, not 64 (1 group)
+    with pytest.raises(TensorShapeError, match="fit none of the config's group sizes"):
+        q4.ct_scales(load, "p.", 4, 300, None, (32, 64))
+
+
+def test_modelopt_weights_left_dense_load(tmp_path, caplog):
+    """A ModelOpt NVFP4 checkpoint with one linear left unquantized (layer 1's o_proj, as
+    exclude_modules writes it) and a quantized lm_head: the o_proj stack and the head load dense,
+    dequantized from the packed `weight` bytes (before: a TensorShapeError on those bytes)."""
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}
+    dense, q = _quantized_pair(tmp_path, "llama_tiny",
+                               lambda nm: (nm.endswith("_proj.weight") and "layers.1.self_attn.o_proj" not in nm)
+                               or nm == "lm_head.weight", pack=lambda nm, w: _modelopt_nvfp4(w), qc=qc)
+    params = _same_logits(dense, q, caplog)
+    assert isinstance(params["layers"]["wqkv"], W4Linear) and not isinstance(params["layers"]["wo"], W4Linear)
+    assert "some layers or parts only" in caplog.text and "layers.1.self_attn.o_proj" in caplog.text
+
+
+
+
+
 def _same_logits(dense_dir, q_dir, caplog):
+    import contextlib
+
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 11)))
     _, ref = load_model(dense_dir, dtype="float32", show_progress=False)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("WARNING") if caplog is not None else contextlib.nullcontext():
         model, params = load_model(q_dir, dtype="float32", show_progress=False)
     np.testing.assert_allclose(np.asarray(model.forward(params, ids)), np.asarray(model.forward(ref, ids)),
                                atol=2e-4, rtol=2e-4)

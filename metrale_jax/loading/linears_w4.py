@@ -68,21 +68,26 @@ def _read_part(reader, name: str, n: int, k: int) -> q4.W4Weight | None:
 
 
 def _dense(reader, names, why: str) -> None:
-    log.warning("%s: %s %s; loading %s dense (dequantized, the model dtype)", reader.origin, names, why,
-                "it" if len(names) == 1 else "them")
+    log.warning("%s: %s %s; %s", reader.origin, names, why, "left in the model dtype" if reader.quantize_w4 else
+                f"loading {'it' if len(names) == 1 else 'them'} dense (dequantized, the model dtype)")
 
 
 def read_w4_linears(reader, num_layers: int, k: int, parts, desc: str = "") -> W4Linear | None:
     """parts(i) -> [(HF weight name, N_j)] of layer i (as `WeightReader.linears`); None: load it dense."""
     names = [name for name, _ in parts(0)]
+    if reader.quantize_w4 == "nvfp4" and k % q4.FP4_GROUP:
+        _dense(reader, names, f"have K={k}, not a multiple of NVFP4's groups of {q4.FP4_GROUP}")
+        return None
     if not reader.quantize_w4:
         marker = q4.READERS[reader.w4_scheme.method][0]
-        quantized = {reader.has(_prefix(name) + marker) for i in range(num_layers) for name, _ in parts(i)}
-        if quantized != {True}:
-            if True in quantized:
-                for name in (name for i in range(num_layers) for name, _ in parts(i)):
+        every = [name for i in range(num_layers) for name, _ in parts(i)]
+        dense = [name for name in every if not reader.has(_prefix(name) + marker)]
+        if dense:
+            if len(dense) < len(every):
+                for name in every:
                     _check_not_packed(reader, name, marker)
-                _dense(reader, names, "are 4-bit in some layers or parts only")
+                _dense(reader, names, f"are 4-bit in some layers or parts only ({len(dense)} of {len(every)} "
+                       f"weights not, e.g. {dense[0]!r})")
             return None
     layers = [[_read_part(reader, name, n, k) for name, n in parts(i)]
               for i in reader.progress(range(num_layers), desc)]

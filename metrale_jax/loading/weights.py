@@ -191,11 +191,12 @@ class WeightReader:
         return self.cast(arr) if cast else arr.astype(np.float32)
 
     def _dense_marker(self, name: str) -> bool:
-        """Whether `name` is a weight of `dense_scheme`'s format stored under its own name (int8,
-        or bitsandbytes' packed bytes), beside the tensor that marks it quantized."""
-        if self.dense_scheme is None or not name.endswith(".weight"):
+        """Whether `name` is a quantized weight stored under its own name (int8, bitsandbytes' packed
+        bytes, ModelOpt NVFP4's packed codes), beside the tensor that marks it quantized."""
+        scheme = self.dense_scheme or self.w4_scheme
+        if scheme is None or not name.endswith(".weight"):
             return False
-        return self.has(name[: -len("weight")] + _int_readers(True)[self.dense_scheme.method][0])
+        return self.has(name[: -len("weight")] + _int_readers(self.dense_scheme is not None)[scheme.method][0])
 
     def _dequantized_int(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """f32 `shape` of a quantized weight read dense: any weight of a format no kernel here runs

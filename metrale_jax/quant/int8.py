@@ -41,11 +41,13 @@ class Int8Scheme:
     method: "gptq" | "ct-packed" (compressed-tensors pack-quantized) | "ct-int" (int-quantized).
     group_size: input columns per scale (None: from the tensors' shapes).
     gptq_v1: GPTQ stores zero - 1 (checkpoint_format "gptq").
+    group_sizes: config groups with different group sizes: the sizes declared (`quant.w4.ct_scales`).
     """
 
     method: str
     group_size: int | None = None
     gptq_v1: bool = True
+    group_sizes: tuple[int, ...] = ()
     label: ClassVar[str] = "8-bit integer"  # (in the load's warning)
 
 
@@ -89,7 +91,8 @@ def parse_int8_config(qc: Mapping) -> Int8Scheme | None:
                        "supported ('tensor', 'channel' or 'group')")
         sizes.add(q4.parse_group(w.get("group_size"), "compressed-tensors") if strategy == "group" else None)
     return Int8Scheme("ct-int" if fmts == {"int-quantized"} else "ct-packed",
-                      sizes.pop() if len(sizes) == 1 else None)
+                      next(iter(sizes)) if len(sizes) == 1 else None,
+                      group_sizes=tuple(sorted(x for x in sizes if x is not None)))
 
 
 def dequantize_groups(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, g: int,
@@ -151,7 +154,7 @@ def read_ct_packed8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np
         raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
     words = q4.u32_words(load(prefix + "weight_packed"), prefix + "weight_packed")
     q4.check_shape(words, (n, -(-k // 4)), prefix + "weight_packed")
-    s, g = q4.ct_scales(load, prefix, n, k, scheme.group_size)
+    s, g = q4.ct_scales(load, prefix, n, k, scheme.group_size, scheme.group_sizes)
     zeros = None
     if load.has(prefix + "weight_zero_point"):
         zp = q4.u32_words(load(prefix + "weight_zero_point"), prefix + "weight_zero_point")
@@ -166,7 +169,7 @@ def read_ct_int8(load, prefix: str, n: int, k: int, scheme: Int8Scheme) -> np.nd
     if q.dtype != np.int8:
         raise UnsupportedDtypeError(f"{prefix}weight: int-quantized weights must be int8; got {q.dtype}")
     q4.check_shape(q, (n, k), prefix + "weight")
-    s, g = q4.ct_scales(load, prefix, n, k, scheme.group_size)
+    s, g = q4.ct_scales(load, prefix, n, k, scheme.group_size, scheme.group_sizes)
     zeros = None
     if load.has(prefix + "weight_zero_point"):
         z = np.asarray(load(prefix + "weight_zero_point"))

@@ -75,14 +75,18 @@ class W4Scheme:
     group_size: elements per scale along K (None: read from the tensors, e.g. CT "channel").
     gptq_v1: GPTQ stores zero - 1 (checkpoint_format "gptq"); False for "gptq_v2".
     act_order: GPTQ `desc_act`: every linear must carry its g_idx.
-    zero_points: compressed-tensors W4A16 not `symmetric`: every linear must carry its weight_zero_point.
+    zero_points: compressed-tensors W4A16 not `symmetric`: every linear must carry its weight_zero_point
+        (None: config groups that differ, so each linear's own tensors say).
+    group_sizes: compressed-tensors config groups with different group sizes: the sizes declared,
+        one of which each linear's scales fit (`ct_scales`).
     """
 
     method: str
     group_size: int | None = None
     gptq_v1: bool = True
     act_order: bool = False
-    zero_points: bool = False
+    zero_points: bool | None = False
+    group_sizes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -281,9 +285,14 @@ def _parse_ct(qc: Mapping) -> W4Scheme | None:
             schemes.append(W4Scheme("nvfp4-ct", FP4_GROUP))  # activations (W4A4) run in bf16: weight-only
     if len({s.method for s in schemes}) > 1:
         raise _err("compressed-tensors config_groups mixing W4A16 and NVFP4 are not supported")
-    # Per-module group sizes come from the tensors (scale shapes), so differing groups are fine.
-    return schemes[0] if len(schemes) == 1 else W4Scheme(schemes[0].method, None,
-                                                         zero_points=any(s.zero_points for s in schemes))
+    if len(set(schemes)) == 1:  # (one group, or several with the same scheme and other targets)
+        return schemes[0]
+    # Groups that differ: each module's group size is the declared one its scales fit (`ct_scales`),
+    # its zero points are there or not (symmetric groups beside asymmetric ones)
+    sizes = tuple(sorted({s.group_size for s in schemes if s.group_size is not None}))
+    zps = {s.zero_points for s in schemes}
+    return W4Scheme(schemes[0].method, sizes[0] if len(sizes) == 1 and None not in {s.group_size for s in schemes}
+                    else None, zero_points=zps.pop() if len(zps) == 1 else None, group_sizes=sizes)
 
 
 # ---- readers ----------------------------------------------------------------------------------------
@@ -378,9 +387,11 @@ def read_awq(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weight:
     return W4Weight("int4", packed, np.ascontiguousarray(s.T), zeros, g, k=k)
 
 
-def ct_scales(load, prefix: str, n: int, k: int, group_size: int | None) -> tuple[np.ndarray, int]:
+def ct_scales(load, prefix: str, n: int, k: int, group_size: int | None,
+              group_sizes: tuple[int, ...] = ()) -> tuple[np.ndarray, int]:
     """(compressed-tensors' `weight_scale` as [N, n_groups], the group size): a scale per group
-    ([N, n_groups]), per channel ([N, 1] or [N]) or per tensor ([] or [1], then one per row)."""
+    ([N, n_groups]), per channel ([N, 1] or [N]) or per tensor ([] or [1], then one per row).
+    group_size None: the one of `group_sizes` (config groups that differ) these scales fit."""
     s = int_scales(load(prefix + "weight_scale"), prefix + "weight_scale")
     if s.size == 1:
         s = np.full((n, 1), s.reshape(-1)[0], s.dtype)
@@ -389,7 +400,15 @@ def ct_scales(load, prefix: str, n: int, k: int, group_size: int | None) -> tupl
     if s.ndim != 2 or s.shape[0] != n:
         raise TensorShapeError(f"{prefix}weight_scale: shape {s.shape}, expected [{n}, groups], [{n}, 1] or [1]")
     ng = s.shape[1]
-    g = k if ng == 1 else group_size or -(-k // ng)
+    if ng == 1 or group_size:
+        g = k if ng == 1 else group_size
+    else:
+        fits = [c for c in group_sizes if -(-k // c) == ng]
+        if len(fits) != 1:
+            raise TensorShapeError(f"{prefix}weight_scale: {ng} groups along K={k} fit "
+                                   f"{'none' if not fits else 'more than one'} of the config's group sizes "
+                                   f"{list(group_sizes)}")
+        g = fits[0]
     if -(-k // g) != ng:
         raise TensorShapeError(f"{prefix}weight_scale: {ng} groups do not fit K={k} in groups of {g}")
     return s, g
@@ -401,7 +420,7 @@ def read_ct_int4(load, prefix: str, n: int, k: int, scheme: W4Scheme) -> W4Weigh
         raise TensorShapeError(f"{prefix}weight_shape: {shape}, expected {(n, k)} from the config")
     words = u32_words(load(prefix + "weight_packed"), prefix + "weight_packed")
     check_shape(words, (n, -(-k // 8)), prefix + "weight_packed")
-    s, g = ct_scales(load, prefix, n, k, scheme.group_size)
+    s, g = ct_scales(load, prefix, n, k, scheme.group_size, scheme.group_sizes)
     ng = s.shape[1]
     if scheme.zero_points and not load.has(prefix + "weight_zero_point"):
         raise MissingTensorError(f"tensor {prefix + 'weight_zero_point'!r} is missing: the compressed-tensors "
