@@ -4,10 +4,10 @@ compressed-tensors W4A16 and NVFP4 checkpoints, `loading/experts.py`) kept 4-bit
 The same two static paths as the FP8 experts (`moe_fp8.py`), picked by `use_pairs` on the
 number of (token, expert) pairs P = T * k against the expert count E:
 * few pairs (P < 8E with the kernel, P < E without: decode): each pair's matvec reads only its
-  expert's packed weights (`pair_matvec`
-  under `moe.pair_experts`): with `use_kernel` (the engine's GPU default, `linear.use_fp8_kernel`)
-  and bf16 / f16 activations through the Pallas kernel `pallas_kernels/linear/expert_w4.py`,
-  otherwise by gathering the pairs' packed weights and dequantizing them in XLA;
+  expert's packed weights (`pair_matvec` under `moe.pair_experts`): with `use_kernel` (the
+  engine's GPU default, `linear.use_fp8_kernel`) and bf16 / f16 activations through the Pallas
+  kernel `pallas_kernels/linear/expert_w4.py`, otherwise by gathering the pairs' packed weights
+  and dequantizing them in XLA;
 * otherwise (prefill): `moe.routed_experts`' grouped GEMM over the layer's experts dequantized to
   the activation dtype (`w4_grouped_matmul`: a transient dense copy of one layer's experts, e.g.
   1.2 GB for a Qwen3-30B-A3B layer, written and read once per step).
