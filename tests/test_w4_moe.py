@@ -357,3 +357,28 @@ def test_kv_sizing_holds_back_the_dequantized_experts():
     assert dequantized_scratch_bytes(split_layers(params), "bfloat16") == want  # (the engine's GPU layout)
     _, dense = load_model(FIXTURES / "qwen3_moe_tiny", dtype="bfloat16", show_progress=False)
     assert dequantized_scratch_bytes(dense, "bfloat16") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,quantization", [("qwen3_moe_gptq_tiny", None), ("mixtral_awq_tiny", None),
+                                               ("qwen3_next_tiny", "int4"), ("nemotron_h_tiny", "fp8")])
+def test_default_gpu_engine_runs_quantized_moe_and_hybrids(name, quantization):
+    """The GPU's default EngineConfig (the expert kernel at decode, the grouped GEMM through tokamax,
+    the hybrids' FP8 / 4-bit linears on the Llama linears' kernels) through `LLM.generate`: it runs,
+    and a batch of ragged requests gives each request's first greedy id alone (bf16, and other
+    kernels at other batch sizes: the tiny random nets' later ids may flip on near ties)."""
+    g = np.load(FIXTURES / name / "golden.npz")
+    llm = LLM(model=str(FIXTURES / name), dtype="bfloat16", quantization=quantization, max_model_len=128,
+              show_progress=False)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": g["input_ids"][i, :n].tolist()} for i, n in enumerate(g["lengths"])]
+    together = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    for p, out in zip(prompts, together):
+        alone = llm.generate([p], sp)[0].outputs[0]
+        t = out.token_ids[0]
+        assert t == alone.token_ids[0] and abs(out.logprobs[0][t].logprob - alone.logprobs[0][t].logprob) < 0.1
+        assert len(out.token_ids) == 8 and all(np.isfinite(lp[t].logprob) for t, lp in zip(out.token_ids,
+                                                                                           out.logprobs))
+    if quantization is None:  # transformers' greedy ids on the dequantized weights (the first: bf16 drifts)
+        ref = llm.generate([{"prompt_token_ids": g["greedy_prompt"].tolist()}], sp)[0].outputs[0]
+        assert ref.token_ids[:2] == g["greedy_ids"][:2].tolist()
