@@ -230,10 +230,9 @@ def test_expert_kernel_interpret(kind, p, e, n, k, g, params, dt):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
-def test_expert_kernel_poisoned_output_and_padding():
-    """Every output row and column is written (a NaN-poisoned buffer is not what comes back) and codes
-    past K (odd K's last high nibble) do not leak in: the same weights with that nibble set differently
-    give the same result."""
+def test_expert_kernel_ignores_the_padding_nibble():
+    """Codes past K (odd K's last high nibble) do not leak in: the same weights with that nibble set
+    differently give the same, finite result."""
     rng = np.random.default_rng(3)
     packed, scales, aux = _random_experts(rng, 3, 20, 31, 16, "int4")
     x = jnp.asarray(rng.standard_normal((5, 31)), jnp.bfloat16)
