@@ -81,16 +81,16 @@ def test_engine_greedy_matches_transformers():
     assert llm.llm_engine.model_config.quantization == "gptq"
 
 
-def test_engine_with_the_expert_kernel():
-    """With the GPU's kernels (interpret mode, bf16) the steps' experts run the 4-bit expert kernel
-    (the 11-token prefill too: 22 pairs < 8 * 8 experts): near the float32 engine without kernels.
-    bf16 and the other kernels' roundings (the 4-bit attention linears, paged attention), amplified
-    by the tiny random net, move the logprobs by up to ~0.1 and the 4th id on (`test_paths_equal_dense_experts`
-    checks the experts alone to 1e-2); a wiring error moves them by O(1)."""
+def test_engine_with_the_gpu_kernels():
+    """With the GPU's kernels (interpret mode, bf16) the 4-bit MoE runs (its experts through XLA's
+    gather and the grouped GEMM: the expert kernel is off by default, `W4Linear.expert_kernel`), near
+    the float32 engine without kernels. bf16 and the other kernels' roundings (the 4-bit attention
+    linears, paged attention), amplified by the tiny random net, move the logprobs by up to ~0.1;
+    a wiring error moves them by O(1)."""
     d = FIXTURES / "qwen3_moe_gptq_tiny"
     llm, out = _generate(d, "bfloat16", True, 3)
     w = llm.llm_engine.params["layers"]["experts_gate_up"]
-    assert w.use_kernel and w.kernel_scales is None  # (the dense linears' tensor-core scales: not for experts)
+    assert w.use_kernel and not w.expert_kernel and w.kernel_scales is None  # (tensor-core scales: not for experts)
     _, ref = _generate(d, "float32", False, 3)
     assert out.token_ids == ref.token_ids
     for t, a, b in zip(out.token_ids, out.logprobs, ref.logprobs):
@@ -112,12 +112,13 @@ def _pairs_case(name, tokens, seed, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("tokens", [1, 3, 4, 16, 32])
 def test_paths_equal_dense_experts(name, tokens):
     """Every path of 4-bit experts against the same experts dequantized and run dense: XLA's pair
-    gather (P < E), the grouped GEMM (P >= E) and, marked for the kernels, the expert kernel
+    gather (P < E), the grouped GEMM (P >= E) and, with `expert_kernel`, the expert kernel
     (interpret; P < 8E, so not at 32 tokens = 64 pairs)."""
     x, w, idx, gu, down = _pairs_case(name, tokens, tokens)
     want = np.asarray(routed_experts(x, w, idx, dense_experts(gu, jnp.float32), dense_experts(down, jnp.float32)),
                       np.float32)
-    marked = use_fp8_kernel({"experts_gate_up": gu, "experts_down": down}, interpret=True)
+    marked = {k: dataclasses.replace(w, expert_kernel=True, interpret=True) for k, w in
+              use_fp8_kernel({"experts_gate_up": gu, "experts_down": down}, interpret=True).items()}
     for a, b, kernel in ((gu, down, False), (marked["experts_gate_up"], marked["experts_down"], True)):
         got = np.asarray(jax.jit(routed_experts)(x, w, idx, a, b), np.float32)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, (kernel, tokens)

@@ -118,7 +118,8 @@ def main(argv=None):
             impls["fp8_xla"] = (fp8, {})
             routed_bytes = {impl: step_bytes for impl in impls}
             for kind, (ws, g) in w4.items():
-                impls[f"{kind}_kernel"] = ([tuple(dataclasses.replace(a, use_kernel=True, interpret=interpret)
+                impls[f"{kind}_kernel"] = ([tuple(dataclasses.replace(a, use_kernel=True, expert_kernel=True,
+                                                                      interpret=interpret)
                                                   for a in pair) for pair in ws], {})
                 impls[f"{kind}_xla"] = (ws, {})
                 nb = routed * (_w4_bytes(2 * inter, h, kind, g) + _w4_bytes(h, inter, kind, g))

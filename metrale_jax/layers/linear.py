@@ -87,6 +87,9 @@ class W4Linear:
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)
     # one row: the decode layer's pieces around the product in the kernel's launch (`linear_w4.w4_fuses`)
     fused_decode: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    # MoE experts: per-pair matvecs through the Pallas expert kernel (`layers/moe_w4.py`) instead of
+    # XLA's gather; off everywhere by default: slower than the gather on the H100 (session 42)
+    expert_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def n_out(self) -> int:

@@ -163,7 +163,9 @@ def grouped_matmul(x, w, sizes, use_tokamax: bool):
     use_tokamax: tokamax's Mosaic GPU kernel for bf16/f16 operands (it takes no others: a float32
     model raised NotImplementedError on the H200); falls back to `jax.lax.ragged_dot` for other
     dtypes and when tokamax is unusable (one warning per process)."""
-    if use_tokamax and x.dtype in (jnp.bfloat16, jnp.float16) and tokamax_available():
+    # (tokamax's TMA tiles take K below 64 or a multiple of it: K = 96 failed to lower on the H100)
+    k = x.shape[-1]
+    if use_tokamax and x.dtype in (jnp.bfloat16, jnp.float16) and (k < 64 or k % 64 == 0) and tokamax_available():
         return _tokamax_grouped_matmul(x, w, sizes)
     return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
 

@@ -3,11 +3,13 @@ compressed-tensors W4A16 and NVFP4 checkpoints, `loading/experts.py`) kept 4-bit
 
 The same two static paths as the FP8 experts (`moe_fp8.py`), picked by `use_pairs` on the
 number of (token, expert) pairs P = T * k against the expert count E:
-* few pairs (P < 8E with the kernel, P < E without: decode): each pair's matvec reads only its
-  expert's packed weights (`pair_matvec` under `moe.pair_experts`): with `use_kernel` (the
-  engine's GPU default, `linear.use_fp8_kernel`) and bf16 / f16 activations through the Pallas
-  kernel `pallas_kernels/linear/expert_w4.py`, otherwise by gathering the pairs' packed weights
-  and dequantizing them in XLA;
+* few pairs (P < E; P < 8E with the kernel: decode): each pair's matvec reads only its expert's
+  packed weights (`pair_matvec` under `moe.pair_experts`), by gathering the pairs' packed weights
+  and dequantizing them in XLA, or with `W4Linear.expert_kernel` and bf16 / f16 activations
+  through the Pallas kernel `pallas_kernels/linear/expert_w4.py`. The kernel is off by default: on
+  the H100 (session 42, `bench/results/expert_w4_h100_2026-12-05_s42.md`) one Qwen3-30B-A3B layer's
+  routed int4 experts took 44.8 / 226 us on it at 1 / 8 tokens against 30.1 / 156 us gathered by
+  XLA (bf16 experts: 55 / 200 us), and 1,646 us at 64 tokens against bf16's 444;
 * otherwise (prefill): `moe.routed_experts`' grouped GEMM over the layer's experts dequantized to
   the activation dtype (`w4_grouped_matmul`: a transient dense copy of one layer's experts, e.g.
   1.2 GB for a Qwen3-30B-A3B layer, written and read once per step).
@@ -27,7 +29,7 @@ from metrale_jax.layers.linear_w4 import dequantize_w4
 
 
 def _kernel_takes(x, w: W4Linear) -> bool:
-    return w.use_kernel and x.dtype in (jnp.bfloat16, jnp.float16) and w.group_size % 2 == 0
+    return w.expert_kernel and x.dtype in (jnp.bfloat16, jnp.float16) and w.group_size % 2 == 0
 
 
 def use_pairs(x, experts, w_down: W4Linear) -> bool:
