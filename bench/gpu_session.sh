@@ -85,12 +85,13 @@
 # of three families 385 s warm, of two 304 s warm (all PASS), an HLO dump 81 s, two remat-off generates 178 s; a second
 # machine for two NVFP4 generates 139 s cold. Next: `fuse` (the layer fusion both ways beside bf16, ~400 s) on an H200
 # if one comes, then `fp4dot` with its defaults and `pdl` at batch 64; `acceptance` first if a step or kernel changed.
-# Session 42: no GPU lent. It changed Qwen3-Next's Gated DeltaNet (the q|k|v|z and b|a products regrouped at run time)
-# and every hybrid's loading (linears through WeightReader.linears), and added 4-bit MoE experts with a Pallas expert
-# kernel never run on a GPU. Next: `acceptance` of the five families first (bf16: the GDN change), then
-# `GPU_TEST_FILES="tests/test_w4_moe.py tests/test_w4.py" bash bench/gpu_session.sh tests moe4`, then `acceptance` with
+# Session 42: a GPU only late (an H100, two calls, then none): `tests acceptance` (test_w4_moe.py; Qwen3-Next +
+# Nemotron-H after the GDN regroup: PASS) 333 s cold, `tests moe4` 203 s warm (the 4-bit expert kernel slower than
+# XLA's gather: made opt-in afterwards). Next: `acceptance` of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 (their loaders
+# changed), `GPU_TEST_FILES=tests/test_w4_moe.py bash bench/gpu_session.sh tests moe4` with MOE4_LIMIT=3 (the XLA
+# default through generate; the engine gpu cases after the tokamax K guard), then `acceptance` with
 # ACCEPTANCE_ARGS='--family qwen3-30b-a3b --family qwen3-next-80b-a3b --engine-config {"quantization":"int4"}' (and
-# nemotron-h-8b with {"quantization":"fp8"}: its Mamba / attention linears FP8 now); then the list of session 41.
+# nemotron-h-8b with {"quantization":"fp8"}); then the list of session 41.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -384,8 +385,8 @@ if [[ $parts == *fp8moe* ]]; then  # issue 19: one MoE layer's routed experts, F
 fi
 if [[ $parts == *moe4* ]]; then  # issue 19 (session 42): 4-bit MoE experts kept 4-bit. One layer's routed experts
   # (the Pallas expert kernel and XLA's gather, int4 and NVFP4, beside bf16 through tokamax and FP8; memcpy roofline),
-  # then generate on a Qwen3-30B-A3B shape (4 layers, as the acceptance run), bf16 beside int4, batches 1 and 64. Run `tests` with
-  # GPU_TEST_FILES=tests/test_w4_moe.py first: the expert kernel had never run on a GPU when it was written
+  # then generate on a Qwen3-30B-A3B shape (4 layers, as the acceptance run), bf16 beside int4, batches 1 and 64
+  # (session 42, H100: 203 s with `tests`; MOE4_LIMIT=3 skips the per-layer bench)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE4_LIMIT:-240} python3 bench/kernels/expert_fp8.py --out "$OUT/expert_w4" \
     --tokamax --w4 2>&1 | tail -45
   for q in bf16 int4; do
