@@ -34,11 +34,11 @@ def _kernel_takes(x, w: W4Linear) -> bool:
 
 def use_pairs(x, experts, w_down: W4Linear) -> bool:
     """Whether the P = T * k pairs of `experts` i32[T, k] take the per-pair path (`moe.pair_experts`)."""
-    # the kernel reads half a byte per pair and parameter (pairs of one expert apart in the grid: no
-    # L2 reuse counted); the grouped path reads the codes and writes and reads the layer's experts
-    # dense (~4.5 bytes per parameter), so they tie near P = 9E: P < 8E (unmeasured; a batch-64
-    # Qwen3-30B-A3B step, 512 pairs for 128 experts, stays on the kernel). XLA's gather
-    # materializes the pairs' dequantized weights, so without the kernel only P < E
+    # the kernel (opt-in) reads half a byte per pair and parameter; the grouped path reads the codes
+    # and writes and reads the layer's experts dense (~4.5 bytes per parameter): by bytes they tie
+    # near P = 9E, hence P < 8E with it (but on the H100 the kernel reached 0.2-0.7 TB/s: a batch-64
+    # Qwen3-30B-A3B layer, 512 pairs, took 1,646 us on it). XLA's gather materializes the pairs'
+    # dequantized weights, so without the kernel only P < E
     return experts.size < (8 if _kernel_takes(x, w_down) else 1) * w_down.packed.shape[0]
 
 
