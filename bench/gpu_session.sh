@@ -85,13 +85,12 @@
 # of three families 385 s warm, of two 304 s warm (all PASS), an HLO dump 81 s, two remat-off generates 178 s; a second
 # machine for two NVFP4 generates 139 s cold. Next: `fuse` (the layer fusion both ways beside bf16, ~400 s) on an H200
 # if one comes, then `fp4dot` with its defaults and `pdl` at batch 64; `acceptance` first if a step or kernel changed.
-# Session 42: a GPU only late (an H100, two calls, then none): `tests acceptance` (test_w4_moe.py; Qwen3-Next +
-# Nemotron-H after the GDN regroup: PASS) 333 s cold, `tests moe4` 203 s warm (the 4-bit expert kernel slower than
-# XLA's gather: made opt-in afterwards). Next: `acceptance` of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 (their loaders
-# changed), `GPU_TEST_FILES=tests/test_w4_moe.py bash bench/gpu_session.sh tests moe4` with MOE4_LIMIT=3 (the XLA
-# default through generate; the engine gpu cases after the tokamax K guard), then `acceptance` with
-# ACCEPTANCE_ARGS='--family qwen3-30b-a3b --family qwen3-next-80b-a3b --engine-config {"quantization":"int4"}' (and
-# nemotron-h-8b with {"quantization":"fp8"}); then the list of session 41.
+# Session 42: a GPU only late: on an H100 `tests acceptance` (test_w4_moe.py; Qwen3-Next + Nemotron-H after the GDN
+# regroup: PASS) 333 s cold, `tests moe4` 203 s warm (the 4-bit expert kernel slower than XLA's gather: made opt-in);
+# on an H200 `tests moe4` with MOE4_LIMIT=3 262 s cold (8 gpu cases pass; the XLA default through generate); two
+# starts refused. Next: `acceptance` of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 (their loaders changed), then
+# `acceptance` with ACCEPTANCE_ARGS='--family qwen3-30b-a3b --family qwen3-next-80b-a3b --engine-config
+# {"quantization":"int4"}' (and nemotron-h-8b with {"quantization":"fp8"}); then the list of session 41.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
