@@ -172,6 +172,11 @@ def has_quantized_linears(params) -> bool:
     return any(isinstance(w, kinds) for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, kinds)))
 
 
+def is_experts(path) -> bool:
+    """Whether a parameter-tree path (`jax.tree_util` keys) leads into MoE experts (`experts_*`)."""
+    return any(str(getattr(k, "key", "")).startswith("experts_") for k in path)
+
+
 def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = True,
                    w4_fused_decode: bool = False):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
@@ -187,8 +192,8 @@ def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tenso
             from metrale_jax.layers.linear_w4 import w4_kernel_scales
 
             # (MoE experts run their own kernels: `layers/moe_w4.py`)
-            experts = any(str(getattr(p, "key", "")).startswith("experts_") for p in path)
-            ks = w4_kernel_scales(w) if w8a8 and not experts and (w.kind == "int4" or fp4_tensor_cores) else None
+            ks = w4_kernel_scales(w) if w8a8 and not is_experts(path) and (w.kind == "int4" or fp4_tensor_cores) \
+                else None
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks,
                                        fused_decode=w4_fused_decode)
         return w

@@ -21,10 +21,12 @@ path puts the dequantized weights' columns back.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.layers.linear import W4Linear
+from metrale_jax.layers.linear import W4Linear, is_experts
 from metrale_jax.layers.linear_w4 import dequantize_w4
 
 
@@ -52,9 +54,7 @@ def pair_matvec(xp, w: W4Linear, flat) -> jax.Array:
 
         return expert_matvec_w4(xp, w.packed, w.scales, w.aux, flat, k=w.k, group_size=w.group_size, kind=w.kind,
                                 interpret=w.interpret).astype(jnp.float32)
-    sub = W4Linear(w.packed[flat], w.scales[flat], None if w.zeros is None else w.zeros[flat],
-                   None if w.row_scale is None else w.row_scale[flat], None, k=w.k, group_size=w.group_size,
-                   kind=w.kind)  # the pairs' experts [P, N, K/2]
+    sub = jax.tree.map(lambda a: a[flat], dataclasses.replace(w, perm=None))  # the pairs' experts [P, N, K/2]
     return jnp.einsum("pk,pnk->pn", xp, dequantize_w4(sub, xp.dtype), preferred_element_type=jnp.float32)
 
 
@@ -83,7 +83,7 @@ def dequantized_scratch_bytes(params, dtype) -> int:
 
     total = 0
     for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda a: isinstance(a, W4Linear))[0]:
-        if isinstance(w, W4Linear) and any(str(getattr(k, "key", "")).startswith("experts_") for k in path):
+        if isinstance(w, W4Linear) and is_experts(path):
             packed = w.packed.parts[0] if isinstance(w.packed, Unstacked) else w.packed
             e, n = packed.shape[-3:-1]
             total += e * n * w.k * jnp.dtype(dtype).itemsize

@@ -56,25 +56,23 @@ class RandomWeightReader(WeightReader):
         arr = self._draw(name, shape)
         return self.cast(arr) if cast else arr
 
-    def fp8_weight(self, name: str, shape: tuple[int, int]):
-        """As `WeightReader.fp8_weight` (quantized now: nothing here is FP8); with `repeat_layers`
-        one quantization per shape (the MoE experts of a layer would take minutes otherwise)."""
+    def _per_shape(self, kind: str, shape, make):
+        """make(), once per (kind, shape) with `repeat_layers` (the MoE experts of a layer, quantized
+        one by one, would take minutes otherwise), else every call."""
         if not self.repeat_layers:
-            return super().fp8_weight(name, shape)
-        key = ("fp8", tuple(shape))
+            return make()
+        key = (kind, tuple(shape))
         if key not in self._drawn:
-            self._drawn[key] = super().fp8_weight(name, shape)
+            self._drawn[key] = make()
         return self._drawn[key]
 
+    def fp8_weight(self, name: str, shape: tuple[int, int]):
+        """As `WeightReader.fp8_weight` (quantized now: nothing here is FP8), once per shape."""
+        return self._per_shape("fp8", shape, lambda: super(RandomWeightReader, self).fp8_weight(name, shape))
+
     def w4_quantized(self, name: str, shape: tuple[int, int]):
-        """As `WeightReader.w4_quantized`; with `repeat_layers` one quantization per shape (the MoE
-        experts, read one by one, would take minutes otherwise)."""
-        if not self.repeat_layers:
-            return super().w4_quantized(name, shape)
-        key = ("w4", tuple(shape))
-        if key not in self._drawn:
-            self._drawn[key] = super().w4_quantized(name, shape)
-        return self._drawn[key]
+        """As `WeightReader.w4_quantized`, once per shape."""
+        return self._per_shape("w4", shape, lambda: super(RandomWeightReader, self).w4_quantized(name, shape))
 
     def linears(self, num_layers: int, k: int, parts, desc: str = "", key: str = ""):
         if not self.repeat_layers:
