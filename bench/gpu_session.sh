@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [l2prefetch] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -352,6 +352,18 @@ if [[ $parts == *pdl* ]]; then  # issue 19: XLA's programmatic dependent launch 
         > "$OUT/generate_llama3_8b_${q}_pdl_$pdl.log" 2>&1
       echo "$q xla_pdl=$pdl"; grep "batch  *[0-9]" "$OUT/generate_llama3_8b_${q}_pdl_$pdl.log" | tail -4
     done
+  done
+fi
+if [[ $parts == *l2prefetch* ]]; then  # issue 19 (session 43): our Mosaic GPU linears with programmatic dependent launch
+  # (`AttentionConfig.kernel_pdl`: W8A8 and the 4-bit tensor-core GEMM, weights prefetched to L2 before the wait)
+  # against the default, Llama-3-8B at L2PREFETCH_BATCHES (default 64), bf16 first; run `tests` with test_w4.py and
+  # test_linear_kernels.py first (their PDL cases)
+  for run in "bf16:" "fp8:--quantization fp8" "fp8_kpdl:--quantization fp8 --attention {\"kernel_pdl\":true}" \
+             "int4:--quantization int4" "int4_kpdl:--quantization int4 --attention {\"kernel_pdl\":true}"; do
+    IFS=: read -r name extra <<< "$run"
+    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
+      --batches ${L2PREFETCH_BATCHES:-64} $extra --out "$OUT/generate_llama3_8b_${name}.json" > "$OUT/generate_llama3_8b_${name}.log" 2>&1
+    echo "== $name"; grep "batch  *[0-9]" "$OUT/generate_llama3_8b_${name}.log" | tail -4
   done
 fi
 if [[ $parts == *w4* ]]; then  # issue 19: the 4-bit decode kernel's sweep, then generate at batch 1 / 64 (int4, nvfp4)

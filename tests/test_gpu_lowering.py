@@ -49,7 +49,7 @@ def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
         params = split_layers(params)
     if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
         params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8, fp4_tensor_cores=attn.fp4_tensor_cores,
-                                w4_fused_decode=attn.w4_fused_decode)
+                                w4_fused_decode=attn.w4_fused_decode, pdl=attn.kernel_pdl)
     sds = jax.ShapeDtypeStruct
     p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
@@ -114,6 +114,23 @@ def test_fp8_w8a8_steps_lower_at_any_rows():
                                                  StepBucket("mixed", num_seqs=4, num_tokens=32, num_streams=1)))
     for kind, text in texts.items():
         assert "skinny_matmul_w8a8_mgpu" in text, kind
+
+
+@pytest.mark.parametrize("quantization,kernel", [("fp8", "skinny_matmul_w8a8_mgpu"), ("int4", "skinny_matmul_w4_mgpu")])
+def test_kernel_pdl_steps_lower(quantization, kernel):
+    """`kernel_pdl`: the Mosaic GPU linears of a 20-row decode step (W8A8, 4-bit tensor cores) lower
+    with their L2 prefetches and grid-dependency wait, and Mosaic marks the kernels for a PDL
+    launch (`mosaic_gpu.uses_pdl`); off (the default), neither."""
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+               rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    model, params = random_model(cfg, dtype="bfloat16", seed=0, quantization=quantization)
+    buckets = (StepBucket("decode", num_seqs=20),)
+    on = _lower_steps(model, params, buckets=buckets, kernel_pdl=True)["decode"]
+    off = _lower_steps(model, params, buckets=buckets)["decode"]
+    assert kernel in on and kernel in off
+    for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch", "uses_pdl"):
+        assert marker in on and marker not in off, marker
 
 
 def test_fp4_tensor_core_steps_lower():

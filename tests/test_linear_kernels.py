@@ -449,15 +449,19 @@ def test_mgpu_gpu_unsupported_shape_raises(m, n, k):
 def test_w8a8_gpu_any_rows_and_stacked_terms(m):
     """W8A8 at rows that are not whole 8-row TMA tiles (padded; they failed to lower before), with
     x's two terms stacked in one tile (`MgpuParams.stack_terms`) and with two groups a step
-    (block_k 256), against exact x."""
+    (block_k 256), against exact x; x * 3 is computed in the same executable, just before the kernel,
+    so a PDL kernel that read x before its grid-dependency wait would read a stale or half-written x."""
     rng = np.random.default_rng(m)
     n, k = 4096, 4096
     x = _bf16(rng, (m, k))
     w8, s = _fp8_weight(rng, n, k)
-    want = np.asarray(x, np.float64) @ _np_dequant(w8, s).T
+    want = np.asarray(x * 3, np.float64) @ _np_dequant(w8, s).T
     for p in (None, MgpuParams(stack_terms=True), MgpuParams(block_n=128, split_k=2, stack_terms=True),
-              MgpuParams(block_k=256), MgpuParams(block_n=128, block_k=256, split_k=2, stack_terms=True)):
-        y = skinny_matmul_w8a8_mgpu(x, jnp.asarray(w8), jnp.asarray(s), params=p)
+              MgpuParams(block_k=256), MgpuParams(block_n=128, block_k=256, split_k=2, stack_terms=True),
+              # programmatic dependent launch (x * 3 is written by the XLA kernel just before)
+              MgpuParams(block_n=128, block_k=256, split_k=2, stack_terms=True, pdl=True),
+              MgpuParams(block_n=64, block_k=256, split_k=2, pdl=True)):
+        y = jax.jit(lambda x, p=p: skinny_matmul_w8a8_mgpu(x * 3, jnp.asarray(w8), jnp.asarray(s), params=p))(x)
         assert y.shape == (m, n) and _rows_rel_err(y, want) < 8e-3, p
 
 

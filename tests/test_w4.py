@@ -654,9 +654,14 @@ def test_w4_mgpu_lowers_for_h200():
     (2, 6144, 4096, 16, {"kind": "fp4"}), (64, 4096, 14336, 16, {"kind": "fp4"}),
     (17, 1024, 4096, 16, {"kind": "fp4", "dtype": jnp.float16}), (300, 6144, 4096, 16, {"kind": "fp4"}),
     (64, 4096, 4096, 16, {"kind": "fp4", "overlap": True, "chunks": 2}),
+    # programmatic dependent launch (x written by the XLA kernel just before, in the same executable)
+    (2, 6144, 4096, 128, {"pdl": True}), (64, 4096, 14336, 128, {"pdl": True}), (24, 2048, 4096, 64, {"pdl": True}),
+    (300, 6144, 4096, 128, {"pdl": True}), (64, 4096, 14336, 16, {"kind": "fp4", "pdl": True}),
 ])
 def test_w4_mgpu_gpu(m, n, k, g, variant):
-    """The register-operand kernel and its variants on the GPU against the float32 reference."""
+    """The register-operand kernel and its variants on the GPU against the float32 reference; x is
+    computed (x * 3) in the same executable, just before the kernel, so a PDL kernel that read x
+    before its grid-dependency wait would read a stale or half-written x."""
     from pallas_kernels.linear import skinny_matmul_w4_reference
     from pallas_kernels.linear.w4_mgpu import skinny_matmul_w4_mgpu, w4_mgpu_params_for
 
@@ -667,8 +672,9 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
     x, packed, scales, aux, ks = _mgpu_case(rng, m, n, k, g, dt, kind)
     params = dataclasses.replace(w4_mgpu_params_for(m, n, k, g), **variant)
     row_scale = jnp.asarray(aux) if kind == "fp4" else None
-    y = skinny_matmul_w4_mgpu(x, jnp.asarray(packed), ks, row_scale, group_size=g, kind=kind, params=params)
-    want = skinny_matmul_w4_reference(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k,
+    y = jax.jit(lambda x: skinny_matmul_w4_mgpu(x * 3, jnp.asarray(packed), ks, row_scale, group_size=g, kind=kind,
+                                                params=params))(x)
+    want = skinny_matmul_w4_reference(x * 3, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k,
                                       group_size=k if g == -1 else g, kind=kind)
     assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
 

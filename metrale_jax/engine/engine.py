@@ -182,7 +182,7 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret, w8a8=c.attention.fp8_w8a8,
                                          fp4_tensor_cores=c.attention.fp4_tensor_cores,
-                                         w4_fused_decode=c.attention.w4_fused_decode)
+                                         w4_fused_decode=c.attention.w4_fused_decode, pdl=c.attention.kernel_pdl)
         phases["split_layers"] = time.perf_counter() - t
         self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
         if c.enable_lora:

@@ -84,6 +84,11 @@ class AttentionConfig:
     # leaves jaxlib's default, unchecked here (a note on OpenXLA's main says both are on by default
     # on Hopper). Not measured yet (session 37: the options exist; nothing run).
     xla_pdl: bool | None = None
+    # The same for our Mosaic GPU linear kernels (Hopper; `pallas_kernels/linear/pdl.py`): the
+    # W8A8 and 4-bit tensor-core GEMMs (decode steps of 2-64 rows, 4-bit prefill) launched with
+    # PDL, each CTA's first weight tiles prefetched to L2 before it waits for the kernel that
+    # writes its x. Off until measured (session 43).
+    kernel_pdl: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,

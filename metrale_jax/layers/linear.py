@@ -18,6 +18,7 @@ Llama-3-8B layer at 3.51 TB/s against XLA's 3.46-3.71 (bench/results/linear.md),
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class Fp8Linear:
     use_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)  # the kernel on CPU (tests)
     w8a8: bool = dataclasses.field(metadata=dict(static=True), default=False)  # 9-64 rows: the W8A8 kernel
+    pdl: bool = dataclasses.field(metadata=dict(static=True), default=False)  # the W8A8 kernel's (`use_fp8_kernel`)
     # f32[..., N_pad] | None: per-output-channel scales (per-channel FP8 checkpoints, whose block
     # scales are then 1), applied to the product's columns
     col_scale: jax.Array | None = None
@@ -87,6 +89,8 @@ class W4Linear:
     interpret: bool = dataclasses.field(metadata=dict(static=True), default=False)
     # one row: the decode layer's pieces around the product in the kernel's launch (`linear_w4.w4_fuses`)
     fused_decode: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    # the tensor-core kernel with programmatic dependent launch (`use_fp8_kernel`)
+    pdl: bool = dataclasses.field(metadata=dict(static=True), default=False)
     # MoE experts: per-pair matvecs through the Pallas expert kernel (`layers/moe_w4.py`) instead of
     # XLA's gather; off everywhere by default: slower than the gather on the H100 (session 42)
     expert_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
@@ -162,6 +166,11 @@ def _fp8_kernel(w: Fp8Linear, dtype, m: int):
     from pallas_kernels.linear.skinny_mgpu import skinny_matmul_w8a8_mgpu, w8a8_supports
 
     if w.w8a8 and m > W8A16_MAX_M and w8a8_supports(m, *w.w8.shape):
+        if w.pdl:
+            from pallas_kernels.linear.skinny_mgpu import w8a8_params_for
+
+            params = dataclasses.replace(w8a8_params_for(*w.w8.shape), pdl=True)
+            return functools.partial(skinny_matmul_w8a8_mgpu, params=params)
         return skinny_matmul_w8a8_mgpu
     return skinny_matmul_fp8 if m <= KERNEL_MAX_M else None
 
@@ -178,16 +187,17 @@ def is_experts(path) -> bool:
 
 
 def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = True,
-                   w4_fused_decode: bool = False):
+                   w4_fused_decode: bool = False, pdl: bool = False):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
     FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones (and with
     `fp4_tensor_cores` the NVFP4 ones) of 2-1,024 rows through the 4-bit GEMM
     (`linear_w4.w4_matmul`; it gets its transposed scales here); `w4_fused_decode`: one-row 4-bit
-    linears with the layer's norms, SwiGLU and residual adds in their launches (`linear_w4.w4_linear`)."""
+    linears with the layer's norms, SwiGLU and residual adds in their launches (`linear_w4.w4_linear`);
+    `pdl`: those Mosaic GPU kernels with programmatic dependent launch (`AttentionConfig.kernel_pdl`)."""
     def mark(path, w):
         if isinstance(w, Fp8Linear):
-            return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8)
+            return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8, pdl=pdl)
         if isinstance(w, W4Linear):
             from metrale_jax.layers.linear_w4 import w4_kernel_scales
 
@@ -195,7 +205,7 @@ def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tenso
             ks = w4_kernel_scales(w) if w8a8 and not is_experts(path) and (w.kind == "int4" or fp4_tensor_cores) \
                 else None
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks,
-                                       fused_decode=w4_fused_decode)
+                                       fused_decode=w4_fused_decode, pdl=pdl)
         return w
 
     return jax.tree_util.tree_map_with_path(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))

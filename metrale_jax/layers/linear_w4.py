@@ -14,6 +14,7 @@ gathers x's columns into that order, the XLA path puts the dequantized weight's 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -95,6 +96,7 @@ def w4_matmul(x: jax.Array, w) -> jax.Array:
             x = jnp.take(x, w.perm, axis=-1)
         if tc:  # the tensor cores (one row: the streaming kernel)
             params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, w.group_size, interpret=w.interpret)
+            params = dataclasses.replace(params, pdl=w.pdl)
             y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, w.row_scale,
                                       group_size=w.group_size, kind=w.kind, params=params, interpret=w.interpret)
             return y.reshape(x.shape[:-1] + (-1,))

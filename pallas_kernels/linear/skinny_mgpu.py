@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.linear.params import FP8_BLOCK
+from pallas_kernels.linear.pdl import prefetch_count, prefetch_then_wait
 
 MAX_M = 64
 _ROWS = 64  # wgmma M: x tiles are 64 rows (zero-filled past M)
@@ -56,6 +57,9 @@ class MgpuParams:
       of one 64-row tile (hi in rows 0..M-1, lo in rows 32..32+M-1), so each step runs one wgmma,
       as one FP8 term did, instead of two; the halves' f32 products are added once, at the end.
       Off until measured on the H200 (the one-term kernel's 16-32-row times are its expectation).
+    pdl: W8A8: programmatic dependent launch (`pdl.py`): the CTA's first weight tiles
+      (`PDL_PREFETCH_BYTES`) prefetched to L2 before it waits for the kernel that writes x (off in
+      interpret mode).
     """
 
     block_n: int = 64
@@ -63,6 +67,7 @@ class MgpuParams:
     max_concurrent_steps: int = 4
     split_k: int = 1
     stack_terms: bool = False
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -151,7 +156,7 @@ def _store(acc, o_gmem, *, m: int, bn: int, split: bool, halves: bool = False):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
+def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int, pdl: bool):
     """refs: x's terms, w_gmem float8[N, K], sx_gmem f32[KB, 64] (x's group scales, transposed, a
     row per x tile row, zero past x's rows), sw_gmem f32[NB, KB], o_gmem [M, N] | f32[S, M, N].
     x's terms: xh_gmem, xl_gmem float8[M, K] (`quantize_rows_fp8`; x = (hi + lo) times the scale
@@ -162,7 +167,7 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
     added to the running f32 tile times (x's row scales of that group) x (W's block scale): the
     block scales change every 128 columns, so the products are scaled per group (DeepGEMM's
     promotion), in registers. A step of two groups (block_k 256) issues both groups' wgmmas into
-    two accumulators, then scales the first while the second runs."""
+    two accumulators, then scales the first while the second runs. pdl: `params.pdl` on the GPU."""
     *x_gmems, w_gmem, sx_gmem, sw_gmem, o_gmem = refs
     bn = params.block_n
     groups = params.block_k // FP8_BLOCK
@@ -172,6 +177,11 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
     k_step0 = si * steps_per_split
     nb = (ni * bn) // FP8_BLOCK
     last_kb = -(-k // FP8_BLOCK) - 1
+    bk = params.block_k
+    if pdl:  # (boxes of 128 columns: TMA's 256-element limit)
+        ahead = prefetch_count(steps_per_split * groups, bn * FP8_BLOCK)
+        prefetch_then_wait([w_gmem.at[pl.ds(ni * bn, bn), pl.ds(k_step0 * bk + j * FP8_BLOCK, FP8_BLOCK)]
+                            for j in range(ahead)])
 
     def step(idx, *smem):
         *x_smems, w_smem, sx_smem, acc = smem
@@ -199,7 +209,6 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int):
         return pl.run_scoped(part, *[plgpu.ACC((_ROWS, bn))] * groups)  # f32[64, BN]
 
     acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA)
-    bk = params.block_k
     x_spec = plgpu.BlockSpec((_ROWS, bk), lambda kk: (0, k_step0 + kk))
     acc = plgpu.emit_pipeline(
         step,
@@ -232,7 +241,8 @@ def _call(x, w, scale_inv, *, params: MgpuParams, interpret: bool, x_scales=None
     params = dataclasses.replace(params, split_k=split_k)
     out_shape = (split_k, m, n) if split_k > 1 else (m, n)
     if w8a8:
-        body = functools.partial(_body_w8a8, m=m, k=k, params=params, steps_per_split=steps_per_split)
+        body = functools.partial(_body_w8a8, m=m, k=k, params=params, steps_per_split=steps_per_split,
+                                 pdl=params.pdl and not interpret)
         scratch, name, args = [], "skinny_matmul_w8a8_mgpu", (*x, w, x_scales, scale_inv)
     else:
         body = functools.partial(_body, m=m, k=k, params=params, steps_per_split=steps_per_split, fp8=fp8)

@@ -65,6 +65,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.linear.pdl import prefetch_count, prefetch_then_wait
+
 _ROWS = 64  # wgmma M: weight rows per CTA
 
 
@@ -88,7 +90,9 @@ class W4MgpuParams:
     a CTA, two compute warpgroups beside a TMA warpgroup (`_body_ws`; one slice a step, no
     overlap, groups a multiple of block_k); block_m: x rows per CTA (wgmma's N, a multiple of 8
     up to 256) where M is larger (prefill: a grid axis over M; each CTA dequantizes its weight
-    tile again).
+    tile again); pdl: programmatic dependent launch (`pdl.py`): the CTA's first weight and scale
+    tiles (`PDL_PREFETCH_BYTES`) prefetched to L2 before it waits for the kernel that writes x (one
+    compute warpgroup; off in interpret mode).
     """
 
     block_k: int = 128
@@ -100,6 +104,7 @@ class W4MgpuParams:
     overlap: bool = False
     compute_wgs: int = 1
     block_m: int = 64
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -112,8 +117,8 @@ class W4MgpuParams:
             raise ValueError(f"{self.chunks=} must split block_k={self.block_k} into multiples of 64 columns")
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
             raise ValueError(f"{self.block_m=} must be a multiple of 8 in 8..256")
-        if self.compute_wgs not in (1, 2) or (self.compute_wgs == 2 and (self.chunks > 1 or self.overlap)):
-            raise ValueError(f"{self.compute_wgs=} must be 1, or 2 without chunks or overlap")
+        if self.compute_wgs not in (1, 2) or (self.compute_wgs == 2 and (self.chunks > 1 or self.overlap or self.pdl)):
+            raise ValueError(f"{self.compute_wgs=} must be 1, or 2 without chunks, overlap or pdl")
 
 
 _SMS = 132  # H200 streaming multiprocessors
@@ -191,15 +196,21 @@ def _fp4_values(codes):
 
 
 def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split, group, dtype,
-          fp4):
+          fp4, pdl):
     """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N] | e4m3[1, G, N] (fp4),
     o_gmem f32[N, Mpad] | f32[S, N, Mpad]; this CTA: 64 weight rows (n), a K range (s), `tile_m`
-    rows of x (m)."""
+    rows of x (m). pdl: `params.pdl` on the GPU."""
     bk = params.block_k
     ni = lax.axis_index("n")
     si = lax.axis_index("s")
     mi = lax.axis_index("m")
     k_step0 = si * steps_per_split
+    per_step = max(1, bk // group)  # scale rows a step reads
+    if pdl:
+        ahead = prefetch_count(steps_per_split, _ROWS * bk // 2)
+        rows = pl.ds(ni * _ROWS, _ROWS)
+        prefetch_then_wait([w_gmem.at[rows, pl.ds((k_step0 + j) * bk, bk)] for j in range(ahead)]
+                           + [ks_gmem.at[:, pl.ds((k_step0 * bk) // group, max(1, (ahead * bk) // group)), rows]])
 
     def acc_scope(acc_ref):
         def step(idx, w_smem, x_smem, ks_smem):
@@ -241,7 +252,6 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
             elif not params.overlap:
                 plgpu.wgmma_wait(0)
 
-        per_step = max(1, bk // group)  # scale rows a step reads
         plgpu.emit_pipeline(
             step,
             grid=(steps_per_split,),
@@ -369,7 +379,7 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, row_scale=None, *, group_size: int
     a_scratch = [plgpu.SMEM((2, _ROWS, bk) if ws else (_ROWS, bk), x.dtype)] if params.a_smem else []
     f = plgpu.kernel(
         functools.partial(_body_ws if ws else _body, tile_m=tm, params=params, steps_per_split=steps_per_split,
-                          group=g, dtype=x.dtype, **({} if ws else dict(fp4=fp4))),
+                          group=g, dtype=x.dtype, **({} if ws else dict(fp4=fp4, pdl=params.pdl and not interpret))),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(-(-n // (_ROWS * params.compute_wgs)), split_k, mpad // tm),
         grid_names=("n", "s", "m"),
