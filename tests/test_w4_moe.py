@@ -7,6 +7,7 @@ dense, and a float64 numpy matvec for the kernel."""
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -357,6 +358,15 @@ def test_kv_sizing_holds_back_the_dequantized_experts():
     assert dequantized_scratch_bytes(split_layers(params), "bfloat16") == want  # (the engine's GPU layout)
     _, dense = load_model(FIXTURES / "qwen3_moe_tiny", dtype="bfloat16", show_progress=False)
     assert dequantized_scratch_bytes(dense, "bfloat16") == 0
+    # FP8 experts: the same dense copy where tokamax's FP8 grouped GEMM does not take them (here K =
+    # 64 and 96, not multiples of 128: every case), none on it (a made-up K of 128)
+    _, fp8 = load_model(FIXTURES / "qwen3_moe_tiny", dtype="bfloat16", quantization="fp8", show_progress=False)
+    gu, down = fp8["layers"]["experts_gate_up"], fp8["layers"]["experts_down"]
+    rows = sum(w.w8.shape[-3] * w.w8.shape[-2] * w.w8.shape[-1] for w in (gu, down))
+    assert dequantized_scratch_bytes(fp8, "bfloat16") == dequantized_scratch_bytes(fp8, "bfloat16", True) == 2 * rows
+    wide = {"experts_x": dataclasses.replace(gu, w8=jnp.zeros((*gu.w8.shape[:-1], 128), jnp.float8_e4m3fn))}
+    assert dequantized_scratch_bytes(wide, "bfloat16", tokamax=True) == 0
+    assert dequantized_scratch_bytes(wide, "float16", tokamax=True) == 2 * math.prod(wide["experts_x"].w8.shape[1:])
 
 
 @pytest.mark.gpu

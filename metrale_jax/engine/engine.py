@@ -507,7 +507,8 @@ class LLMEngine:
             act += 2 * 4 * rows * c.max_model_len * mc.num_kv_heads * mc.head_dim
         from metrale_jax.layers.moe_w4 import dequantized_scratch_bytes
 
-        act += dequantized_scratch_bytes(self.params, self.model.dtype)  # (4-bit experts' grouped GEMM)
+        # (quantized experts' grouped GEMM over a dense copy of one layer's experts)
+        act += dequantized_scratch_bytes(self.params, self.model.dtype, tokamax=c.attention.tokamax_moe)
         other = (c.max_penalty_rows or 0) * mc.vocab_size * 5
         if self.uses_ssm:
             other += (c.max_ssm_slots + c.max_ssm_snapshots) * self.model.ssm_bytes_per_slot()

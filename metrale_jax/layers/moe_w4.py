@@ -75,16 +75,25 @@ def w4_grouped_matmul(x, w: W4Linear, sizes, use_tokamax: bool):
     return moe.grouped_matmul(x, dense_experts(w, x.dtype), sizes, use_tokamax)
 
 
-def dequantized_scratch_bytes(params, dtype) -> int:
-    """Device scratch of `w4_grouped_matmul` in a step: one layer's 4-bit experts dequantized to
-    `dtype` (gate|up and down: `dense_experts`' copies), for the engine's KV-pool sizing to hold back
-    (a Qwen3-Next layer: 3.2 GB in bf16). 0 without 4-bit experts."""
+def dequantized_scratch_bytes(params, dtype, tokamax: bool = False) -> int:
+    """Device scratch of a prefill step's grouped GEMM over one layer's quantized experts
+    dequantized to `dtype` (gate|up and down: `dense_experts`' copies), for the engine's KV-pool
+    sizing to hold back (a 4-bit Qwen3-Next layer: 3.2 GB in bf16): 4-bit experts always
+    (`w4_grouped_matmul`), FP8 ones where tokamax's FP8 grouped GEMM does not take them
+    (`moe_fp8.fp8_grouped_matmul`: `tokamax` off, activations other than bf16, K not a multiple of
+    128). 0 without quantized experts."""
+    from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear
     from metrale_jax.layers.stack import Unstacked
 
+    kinds = (W4Linear, Fp8Linear)
     total = 0
-    for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda a: isinstance(a, W4Linear))[0]:
-        if isinstance(w, W4Linear) and is_experts(path):
-            packed = w.packed.parts[0] if isinstance(w.packed, Unstacked) else w.packed
-            e, n = packed.shape[-3:-1]
-            total += e * n * w.k * jnp.dtype(dtype).itemsize
+    for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda a: isinstance(a, kinds))[0]:
+        if not (isinstance(w, kinds) and is_experts(path)):
+            continue
+        arr = w.packed if isinstance(w, W4Linear) else w.w8
+        arr = arr.parts[0] if isinstance(arr, Unstacked) else arr
+        e, n, k = *arr.shape[-3:-1], (w.k if isinstance(w, W4Linear) else arr.shape[-1])
+        if isinstance(w, Fp8Linear) and tokamax and jnp.dtype(dtype) == jnp.bfloat16 and k % FP8_BLOCK == 0:
+            continue  # (FP8 x bf16 on tokamax's kernel: no dense copy)
+        total += e * n * k * jnp.dtype(dtype).itemsize
     return total
