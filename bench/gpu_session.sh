@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [l2prefetch] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -352,6 +352,20 @@ if [[ $parts == *pdl* ]]; then  # issue 19: XLA's programmatic dependent launch 
         > "$OUT/generate_llama3_8b_${q}_pdl_$pdl.log" 2>&1
       echo "$q xla_pdl=$pdl"; grep "batch  *[0-9]" "$OUT/generate_llama3_8b_${q}_pdl_$pdl.log" | tail -4
     done
+  done
+fi
+if [[ $parts == *promote* ]]; then  # issue 19 (session 43): the 4-bit tensor-core GEMM's `promote` form (codes upcast
+  # to bf16 exactly, f32 products scaled afterwards) against the Triton kernel at M = 1 and the default form at 64, with
+  # and without PDL; then generate (Llama-3-8B, PROMOTE_BATCHES, default 1) for PROMOTE_RUNS (name:extra args)
+  only='^(auto|promote)(_pdl)?$|^promote_d[24]_s[148]$'
+  runs='int4_promote_pdl:--quantization@int4@--attention@{"w4_promote":true,"kernel_pdl":true} int4:--quantization@int4'
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PROMOTE_LIMIT:-200} python3 bench/kernels/w4_mgpu.py --out "$OUT/promote" \
+    --ms ${PROMOTE_MS:-1,64} --only "${PROMOTE_ONLY:-$only}" 2>&1 | grep "^|" | tail -12
+  for run in ${PROMOTE_RUNS:-$runs}; do  # (@ for a space)
+    IFS=: read -r name extra <<< "$run"
+    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
+      --batches ${PROMOTE_BATCHES:-1} ${extra//@/ } --out "$OUT/generate_llama3_8b_${name}.json" > "$OUT/generate_llama3_8b_${name}.log" 2>&1
+    echo "== $name"; grep "batch  *[0-9]" "$OUT/generate_llama3_8b_${name}.log" | tail -4
   done
 fi
 if [[ $parts == *l2prefetch* ]]; then  # issue 19 (session 43): our Mosaic GPU linears with programmatic dependent launch

@@ -49,7 +49,7 @@ def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
         params = split_layers(params)
     if attn.fp8_kernel:  # FP8 / 4-bit decode linears marked for their Pallas kernels
         params = use_fp8_kernel(params, w8a8=attn.fp8_w8a8, fp4_tensor_cores=attn.fp4_tensor_cores,
-                                w4_fused_decode=attn.w4_fused_decode, pdl=attn.kernel_pdl)
+                                w4_fused_decode=attn.w4_fused_decode, pdl=attn.kernel_pdl, w4_promote=attn.w4_promote)
     sds = jax.ShapeDtypeStruct
     p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
@@ -131,6 +131,20 @@ def test_kernel_pdl_steps_lower(quantization, kernel):
     assert kernel in on and kernel in off
     for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch", "uses_pdl"):
         assert marker in on and marker not in off, marker
+
+
+def test_w4_promote_steps_lower():
+    """`w4_promote`: an int4 model's one-row and 20-row decode steps and its prefill step lower with
+    every linear on the 4-bit tensor-core kernel (its promote form), none on the streaming kernel."""
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+               rope_theta=1000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    model, params = random_model(cfg, dtype="bfloat16", seed=0, quantization="int4")
+    buckets = (StepBucket("decode", num_seqs=1), StepBucket("prefill", num_tokens=64, num_streams=2))
+    for kind, text in _lower_steps(model, params, buckets=buckets, w4_promote=True).items():
+        assert "skinny_matmul_w4_mgpu" in text and "_w4_kernel" not in text, kind
+    one_row = _lower_steps(model, params, buckets=buckets[:1])["decode"]  # (the default: the streaming kernel)
+    assert "skinny_matmul_w4_mgpu" not in one_row and "_w4_kernel" in one_row
 
 
 def test_fp4_tensor_core_steps_lower():

@@ -489,6 +489,13 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16, kind="int4"):
     (15, 136, 512, 16, 2, jnp.float16, {"kind": "fp4"}),  # f16 x (the products e2m1 x e4m3 exact in f16)
     (9, 64, 512, 16, 1, jnp.bfloat16, {"kind": "fp4", "chunks": 2, "overlap": True}),
     (65, 72, 256, 16, 1, jnp.bfloat16, {"kind": "fp4", "block_m": 32}),  # prefill tiles
+    # promote: the codes' products with x exact in f32, scaled per row and slice afterwards
+    (1, 72, 256, 128, 1, jnp.bfloat16, {"promote": True}),
+    (5, 136, 512, 128, 2, jnp.bfloat16, {"promote": True}),
+    (17, 64, 384, -1, 1, jnp.bfloat16, {"promote": True}),  # per-channel scales
+    (64, 128, 512, 256, 4, jnp.bfloat16, {"promote": True}),  # groups of 2 steps
+    (8, 64, 256, 64, 1, jnp.bfloat16, {"promote": True, "chunks": 2}),  # groups of 64: a slice each
+    (100, 72, 256, 128, 1, jnp.bfloat16, {"promote": True, "block_m": 32}),  # prefill tiles
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
@@ -507,8 +514,8 @@ def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     want = np.asarray(x.astype(jnp.float32), np.float64) @ _oracle_weight(packed, scales, aux, k, k if g == -1 else g,
                                                                           kind).T
     err = np.abs(np.asarray(y, np.float64) - want).max(axis=1) / np.abs(want).max(axis=1)
-    # the weights rounded to x's dtype (int4; NVFP4's products are exact), f32 accumulation and output
-    assert err.max() < (1e-5 if kind == "fp4" else 1e-2), err
+    # the weights rounded to x's dtype (int4; NVFP4's and promote's products are exact), f32 accumulation
+    assert err.max() < (1e-5 if kind == "fp4" or params.promote else 1e-2), err
 
 
 def test_w4_mgpu_rejects_bad_input():
@@ -550,6 +557,12 @@ def test_w4_mgpu_rejects_bad_input():
         skinny_matmul_w4_mgpu(x, jnp.asarray(packed)[:, :64], ks, group_size=128)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         skinny_matmul_w4_mgpu(x.astype(jnp.float32), jnp.asarray(packed), ks, group_size=128)
+    with pytest.raises(ValueError, match="promote takes bfloat16"):
+        skinny_matmul_w4_mgpu(x.astype(jnp.float16), jnp.asarray(packed), ks, group_size=128,
+                              params=W4MgpuParams(promote=True))
+    with pytest.raises(ValueError, match="promote"):
+        W4MgpuParams(promote=True, overlap=True)
+    assert "promote" in w4_mgpu_supports(4, 64, 256, 16, W4MgpuParams(promote=True), kind="fp4")
 
 
 def test_w4_mgpu_routing():
@@ -581,6 +594,25 @@ def test_w4_mgpu_routing():
         want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
         got = np.asarray(linear(x, wm).astype(jnp.float32), np.float64)
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-2, m
+    # `w4_promote`: bf16 x of 1-1,024 rows through the tensor cores' promote form, whose products are
+    # exact in f32 (no bf16 rounding of the weights: within 1e-5 of the oracle, where the plain form
+    # is ~1e-3 off); f16 x keeps the plain paths (one row: the streaming kernel), and the one-row
+    # fusion yields to it
+    from metrale_jax.layers.linear import matmul_f32
+    from metrale_jax.layers.linear_w4 import w4_fuses
+
+    promoted = use_fp8_kernel({"w": w}, interpret=True, w8a8=True, w4_promote=True, w4_fused_decode=True)["w"]
+    assert not use_fp8_kernel({"w": w}, interpret=True, w8a8=False, w4_promote=True)["w"].promote  # (not Hopper)
+    tc = "skinny_matmul_w4_mgpu"
+    for m, dt, kernel, tol in ((1, jnp.bfloat16, tc, 1e-5), (3, jnp.bfloat16, tc, 1e-5), (80, jnp.bfloat16, tc, 1e-5),
+                               (1, jnp.float16, "skinny_matmul_w4", 1e-2), (3, jnp.float16, tc, 1e-2)):
+        x = jnp.asarray(rng.standard_normal((m, k)), dt)
+        assert not w4_fuses(x, dataclasses.replace(promoted, perm=None)) or dt == jnp.float16
+        jaxpr = str(jax.make_jaxpr(linear)(x, promoted))
+        assert ("skinny_matmul_w4_mgpu" in jaxpr) == (kernel == "skinny_matmul_w4_mgpu") and kernel in jaxpr
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
+        got = np.asarray(matmul_f32(x, promoted), np.float64)  # (linear's output is rounded to x's dtype)
+        assert np.abs(got - want).max() / np.abs(want).max() < tol, (m, dt)
     # the engine's unrolled layers (`split_layers`: per-layer arrays) get per-layer kernel scales
     from metrale_jax.layers.stack import Unstacked, split_layers
     from pallas_kernels.linear.w4_mgpu import w4_mgpu_scales
@@ -657,6 +689,10 @@ def test_w4_mgpu_lowers_for_h200():
     # programmatic dependent launch (x written by the XLA kernel just before, in the same executable)
     (2, 6144, 4096, 128, {"pdl": True}), (64, 4096, 14336, 128, {"pdl": True}), (24, 2048, 4096, 64, {"pdl": True}),
     (300, 6144, 4096, 128, {"pdl": True}), (64, 4096, 14336, 16, {"kind": "fp4", "pdl": True}),
+    # promote (int4, bf16 x), one row too, with and without PDL
+    (1, 6144, 4096, 128, {"promote": True}), (1, 28672, 4096, 128, {"promote": True, "pdl": True}),
+    (64, 4096, 14336, 128, {"promote": True}), (24, 2048, 4096, 64, {"promote": True, "dtype": jnp.bfloat16}),
+    (300, 6144, 4096, 128, {"promote": True, "pdl": True}), (7, 4096, 4096, -1, {"promote": True}),
 ])
 def test_w4_mgpu_gpu(m, n, k, g, variant):
     """The register-operand kernel and its variants on the GPU against the float32 reference; x is
@@ -676,7 +712,7 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
                                                 params=params))(x)
     want = skinny_matmul_w4_reference(x * 3, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(aux), k=k,
                                       group_size=k if g == -1 else g, kind=kind)
-    assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 1e-2
+    assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < (1e-5 if params.promote else 1e-2)
 
 
 # ---- formats: config and tensor errors ---------------------------------------------------------------

@@ -195,15 +195,18 @@ def _xla_native_dot(x, w, scales, aux, *, kind, group_size):
     return (y * aux[None, :] if kind == "fp4" else y).astype(jnp.bfloat16)
 
 
-def shape_args(doc: str, argv, ms: str, kind: bool = False) -> tuple[argparse.Namespace, pathlib.Path]:
-    """--out DIR (made), --ms, --shapes (and with `kind`, --kind int4|fp4): the arguments of the
-    4-bit benches beside this one (w4_mgpu.py, w4_prefill.py)."""
+def shape_args(doc: str, argv, ms: str, kind: bool = False,
+               only: bool = False) -> tuple[argparse.Namespace, pathlib.Path]:
+    """--out DIR (made), --ms, --shapes (and with `kind`, --kind int4|fp4; with `only`, --only REGEX):
+    the arguments of the 4-bit benches beside this one (w4_mgpu.py, w4_prefill.py)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default=ms)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     if kind:
         ap.add_argument("--kind", choices=("int4", "fp4"), default="int4")
+    if only:
+        ap.add_argument("--only", default="", help="a regular expression: the kernel variants to time")
     args = ap.parse_args(argv)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

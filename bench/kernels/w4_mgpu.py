@@ -9,7 +9,10 @@ path before this kernel; above 64 rows XLA's dequantize-then-dot, the engine's e
 path) and a torch `copy_` (the roofline). Each kernel's output on copy 0 is checked against a
 float32 dot on the dequantized weight. Results: DIR/w4_mgpu.json and w4_mgpu.md.
 
-    PYTHONPATH=. python3 bench/kernels/w4_mgpu.py --out DIR [--ms 16,64] [--shapes qkv,o] [--kind fp4]
+    PYTHONPATH=. python3 bench/kernels/w4_mgpu.py --out DIR [--ms 16,64] [--shapes qkv,o] [--kind fp4] [--only REGEX]
+
+(--only: the variants whose names match, beside bf16 and the Triton kernel; at M = 1 the Triton
+kernel is the one-row half2 path the engine runs.)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -73,11 +77,19 @@ def _variants(m, n, k, kind):
     out["auto_overlap_chunks2"] = dataclasses.replace(auto, overlap=True, chunks=2)  # (not yet run)
     for s in (1, 2, 4):  # two compute warpgroups, 128 rows a CTA (not yet run)
         out[f"wgs2_s{s}"] = W4MgpuParams(split_k=s, compute_wgs=2)
+    # promote (session 43): the codes upcast to bf16 exactly, products scaled in f32 afterwards; with
+    # programmatic dependent launch (here each weight copy's kernel follows the previous copy's)
+    out["promote"] = dataclasses.replace(auto, promote=True)
+    out["promote_pdl"] = dataclasses.replace(auto, promote=True, pdl=True)
+    out["auto_pdl"] = dataclasses.replace(auto, pdl=True)
+    for d in (2, 4, 6):
+        for s in (1, 2, 4, 8):
+            out[f"promote_d{d}_s{s}"] = W4MgpuParams(max_concurrent_steps=d, split_k=s, promote=True)
     return out
 
 
 def main(argv=None):
-    args, out_dir = shape_args(__doc__, argv, "8,16,32,64", kind=True)
+    args, out_dir = shape_args(__doc__, argv, "8,16,32,64", kind=True, only=True)
     kind, group = args.kind, GROUPS[args.kind]
     memcpy = _memcpy()
     rows, table = [], []
@@ -104,6 +116,8 @@ def main(argv=None):
             cells = {"bf16": (lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), x, wb),
                      "triton_w4": (w4_old, x, ws)}
             for vname, params in _variants(m, n, k, kind).items():
+                if args.only and not re.search(args.only, vname):
+                    continue
                 cells[f"mgpu_{vname}"] = (lambda x, p, s, *rs, params=params: skinny_matmul_w4_mgpu(
                     x, p, s, *rs, group_size=group, kind=kind, params=params), x, ks)
             for cname, r in _time_interleaved(cells).items():
@@ -114,14 +128,17 @@ def main(argv=None):
                 res[f"{cname}_us"] = r[0] * 1e6
                 if cname != "bf16":
                     res[f"{cname}_err"] = float(np.abs(np.asarray(r[1], np.float32) - ref).max() / np.abs(ref).max())
-            best = min((v for kk, v in res.items() if kk.startswith("mgpu_") and kk.endswith("_us")), default=None)
+            timed = {kk[5:-3]: v for kk, v in res.items() if kk.startswith("mgpu_") and kk.endswith("_us")}
+            best = min(timed.values(), default=None)
             res["mgpu_best_us"] = best
+            res["mgpu_best_variant"] = min(timed, key=timed.get) if timed else None
             res["packed_TBps_best"] = packed_bytes / (best * 1e-6) / 1e12 if best else None
             rows.append(res)
             line = (f"| {name} | {m} | {res['bf16_us']:.1f} | {res['triton_w4_us']:.1f} | "
                     f"{res.get('mgpu_auto_us', float('nan')):.1f} | {best or float('nan'):.1f} | "
                     f"{res['bf16_us'] / best if best else float('nan'):.2f}x | "
-                    f"{res['packed_TBps_best'] or float('nan'):.2f} | {res.get('mgpu_auto_err', float('nan')):.1e} |")
+                    f"{res['packed_TBps_best'] or float('nan'):.2f} | {res.get('mgpu_auto_err', float('nan')):.1e} | "
+                    f"{res['mgpu_best_variant']} |")
             table.append(line)
             print(line, {kk: round(v, 1) for kk, v in res.items() if kk.endswith("_us")}, flush=True)
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -129,7 +146,7 @@ def main(argv=None):
             "memcpy_TBps": memcpy / 1e12, "kind": kind, "group_size": group}
     (out_dir / "w4_mgpu.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     head = ("| shape | M | bf16 XLA (us) | Triton w4 (us) | mgpu auto (us) | mgpu best (us) | best vs bf16 | "
-            "packed TB/s | auto rel err |\n|---|---|---|---|---|---|---|---|---|\n")
+            "packed TB/s | auto rel err | best variant |\n|---|---|---|---|---|---|---|---|---|---|\n")
     (out_dir / "w4_mgpu.md").write_text(f"{meta}\n\n{head}" + "\n".join(table) + "\n")
     print(head + "\n".join(table))
 

@@ -182,7 +182,8 @@ class LLMEngine:
         if c.attention.fp8_kernel:
             self.params = use_fp8_kernel(self.params, interpret=c.attention.interpret, w8a8=c.attention.fp8_w8a8,
                                          fp4_tensor_cores=c.attention.fp4_tensor_cores,
-                                         w4_fused_decode=c.attention.w4_fused_decode, pdl=c.attention.kernel_pdl)
+                                         w4_fused_decode=c.attention.w4_fused_decode, pdl=c.attention.kernel_pdl,
+                                         w4_promote=c.attention.w4_promote)
         phases["split_layers"] = time.perf_counter() - t
         self.lora = None  # LoRAManager (enable_lora): slots under params["layers"]["lora"]
         if c.enable_lora:

@@ -89,6 +89,12 @@ class AttentionConfig:
     # PDL, each CTA's first weight tiles prefetched to L2 before it waits for the kernel that
     # writes its x. Off until measured (session 43).
     kernel_pdl: bool = False
+    # int4 linears with bf16 inputs through the 4-bit tensor-core GEMM's `promote` form (Hopper;
+    # `pallas_kernels/linear/w4_mgpu.py`): the codes upcast to bf16 exactly (Mosaic GPU's int4
+    # conversion), multiplied by x as they are, and only the f32 products scaled per row and group,
+    # instead of each code converted to f32, scaled and rounded to bf16; one row too, instead of the
+    # streaming kernel. More exact (no bf16 rounding of the weights). Off until measured (session 43).
+    w4_promote: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a
     # batch-64 Llama-3-8B step on the H200, session 16). Slower than those on the H200 (session 17,

@@ -91,6 +91,8 @@ class W4Linear:
     fused_decode: bool = dataclasses.field(metadata=dict(static=True), default=False)
     # the tensor-core kernel with programmatic dependent launch (`use_fp8_kernel`)
     pdl: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    # int4 with bf16 x: the tensor-core kernel's `promote` form from one row up (`linear_w4.w4_matmul`)
+    promote: bool = dataclasses.field(metadata=dict(static=True), default=False)
     # MoE experts: per-pair matvecs through the Pallas expert kernel (`layers/moe_w4.py`) instead of
     # XLA's gather; off everywhere by default: slower than the gather on the H100 (session 42)
     expert_kernel: bool = dataclasses.field(metadata=dict(static=True), default=False)
@@ -187,14 +189,16 @@ def is_experts(path) -> bool:
 
 
 def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tensor_cores: bool = True,
-                   w4_fused_decode: bool = False, pdl: bool = False):
+                   w4_fused_decode: bool = False, pdl: bool = False, w4_promote: bool = False):
     """`params` with every `Fp8Linear` (and `W4Linear`) marked to run decode-sized inputs through
     the Pallas kernels (a new tree sharing the arrays); `w8a8` (Hopper's tensor-core kernels): the
     FP8 ones of 9-64 rows through the W8A8 kernel (`_fp8_kernel`), the int4 ones (and with
     `fp4_tensor_cores` the NVFP4 ones) of 2-1,024 rows through the 4-bit GEMM
     (`linear_w4.w4_matmul`; it gets its transposed scales here); `w4_fused_decode`: one-row 4-bit
     linears with the layer's norms, SwiGLU and residual adds in their launches (`linear_w4.w4_linear`);
-    `pdl`: those Mosaic GPU kernels with programmatic dependent launch (`AttentionConfig.kernel_pdl`)."""
+    `pdl`: those Mosaic GPU kernels with programmatic dependent launch (`AttentionConfig.kernel_pdl`);
+    `w4_promote`: int4 linears with bf16 inputs of 1-1,024 rows through the 4-bit GEMM's `promote`
+    form (`AttentionConfig.w4_promote`; one row too, instead of the streaming kernel)."""
     def mark(path, w):
         if isinstance(w, Fp8Linear):
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, w8a8=w8a8, pdl=pdl)
@@ -205,7 +209,7 @@ def use_fp8_kernel(params, interpret: bool = False, w8a8: bool = True, fp4_tenso
             ks = w4_kernel_scales(w) if w8a8 and not is_experts(path) and (w.kind == "int4" or fp4_tensor_cores) \
                 else None
             return dataclasses.replace(w, use_kernel=True, interpret=interpret, kernel_scales=ks,
-                                       fused_decode=w4_fused_decode, pdl=pdl)
+                                       fused_decode=w4_fused_decode, pdl=pdl, promote=w4_promote and w8a8)
         return w
 
     return jax.tree_util.tree_map_with_path(mark, params, is_leaf=lambda w: isinstance(w, (Fp8Linear, W4Linear)))

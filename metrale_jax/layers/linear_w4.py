@@ -58,7 +58,12 @@ def w4_fuses(x: jax.Array, w) -> bool:
     from metrale_jax.layers.linear import W4Linear
 
     return (isinstance(w, W4Linear) and w.use_kernel and w.fused_decode and w.packed.ndim == 2 and w.perm is None
-            and math.prod(x.shape[:-1]) == 1 and x.dtype in (jnp.bfloat16, jnp.float16))
+            and math.prod(x.shape[:-1]) == 1 and x.dtype in (jnp.bfloat16, jnp.float16) and not _promotes(x, w))
+
+
+def _promotes(x: jax.Array, w) -> bool:
+    """Whether x @ w runs the tensor-core kernel's `promote` form (`W4Linear.promote`: int4, bf16 x)."""
+    return w.promote and w.kind == "int4" and w.kernel_scales is not None and x.dtype == jnp.bfloat16
 
 
 def w4_linear(x: jax.Array, w, bias: jax.Array | None = None, residual: jax.Array | None = None,
@@ -86,7 +91,8 @@ def w4_linear(x: jax.Array, w, bias: jax.Array | None = None, residual: jax.Arra
 def w4_matmul(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ W^T -> f32[..., N] (float32 accumulation)."""
     m = math.prod(x.shape[:-1])
-    tc = w.kernel_scales is not None and 2 <= m <= W4_MGPU_MAX_M
+    promote = _promotes(x, w)
+    tc = w.kernel_scales is not None and (1 if promote else 2) <= m <= W4_MGPU_MAX_M
     if w.use_kernel and w.packed.ndim == 2 and (1 <= m <= W4_KERNEL_MAX_M or tc) and \
             x.dtype in (jnp.bfloat16, jnp.float16):
         from pallas_kernels.linear import skinny_matmul_w4
@@ -94,9 +100,9 @@ def w4_matmul(x: jax.Array, w) -> jax.Array:
 
         if w.perm is not None:  # x's columns in the packed order (a pass over x, not over the weight)
             x = jnp.take(x, w.perm, axis=-1)
-        if tc:  # the tensor cores (one row: the streaming kernel)
+        if tc:  # the tensor cores (one row: the streaming kernel, unless `promote`)
             params = w4_mgpu_params_for(m, w.packed.shape[0], w.k, w.group_size, interpret=w.interpret)
-            params = dataclasses.replace(params, pdl=w.pdl)
+            params = dataclasses.replace(params, pdl=w.pdl, promote=promote)
             y = skinny_matmul_w4_mgpu(x.reshape(m, x.shape[-1]), w.packed, w.kernel_scales, w.row_scale,
                                       group_size=w.group_size, kind=w.kind, params=params, interpret=w.interpret)
             return y.reshape(x.shape[:-1] + (-1,))

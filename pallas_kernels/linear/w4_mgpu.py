@@ -92,7 +92,10 @@ class W4MgpuParams:
     up to 256) where M is larger (prefill: a grid axis over M; each CTA dequantizes its weight
     tile again); pdl: programmatic dependent launch (`pdl.py`): the CTA's first weight and scale
     tiles (`PDL_PREFETCH_BYTES`) prefetched to L2 before it waits for the kernel that writes x (one
-    compute warpgroup; off in interpret mode).
+    compute warpgroup; off in interpret mode); promote (int4, bf16 x): the codes (top bit flipped:
+    code - 8) upcast to bf16 exactly by Mosaic GPU's int4 conversion and multiplied by x as they are,
+    into a fresh accumulator per slice, and only the f32 products scaled (`_body_promote`): no
+    per-code float conversion or multiply-add.
     """
 
     block_k: int = 128
@@ -105,6 +108,7 @@ class W4MgpuParams:
     compute_wgs: int = 1
     block_m: int = 64
     pdl: bool = False
+    promote: bool = False
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -119,6 +123,8 @@ class W4MgpuParams:
             raise ValueError(f"{self.block_m=} must be a multiple of 8 in 8..256")
         if self.compute_wgs not in (1, 2) or (self.compute_wgs == 2 and (self.chunks > 1 or self.overlap or self.pdl)):
             raise ValueError(f"{self.compute_wgs=} must be 1, or 2 without chunks, overlap or pdl")
+        if self.promote and (self.compute_wgs == 2 or self.overlap or self.signed_upcast):
+            raise ValueError("promote takes neither compute_wgs=2, overlap nor signed_upcast")
 
 
 _SMS = 132  # H200 streaming multiprocessors
@@ -175,6 +181,8 @@ def w4_mgpu_supports(m: int, n: int, k: int, group_size: int, params: W4MgpuPara
         return f"K={k} must be a multiple of block_k={bk} and N={n} of 8"
     p = params or W4MgpuParams()
     if kind == "fp4":
+        if p.promote:
+            return "NVFP4 does not take promote"
         if g != FP4_GROUP:
             return f"NVFP4 group size {group_size} must be {FP4_GROUP}"
         if p.compute_wgs == 2 or p.signed_upcast:
@@ -195,6 +203,14 @@ def _fp4_values(codes):
     return lax.bitcast_convert_type(h.astype(jnp.int16), jnp.float16).astype(jnp.float32)
 
 
+def _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group):
+    """`W4MgpuParams.pdl`: this CTA's first weight and scale tiles to L2, then the grid-dependency wait."""
+    ahead = prefetch_count(steps_per_split, _ROWS * bk // 2)
+    rows = pl.ds(ni * _ROWS, _ROWS)
+    prefetch_then_wait([w_gmem.at[rows, pl.ds((k_step0 + j) * bk, bk)] for j in range(ahead)]
+                       + [ks_gmem.at[:, pl.ds((k_step0 * bk) // group, max(1, (ahead * bk) // group)), rows]])
+
+
 def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split, group, dtype,
           fp4, pdl):
     """w_gmem uint4[N, K], x_gmem [M | Mpad, K], ks_gmem f32[2, G, N] | e4m3[1, G, N] (fp4),
@@ -207,10 +223,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
     k_step0 = si * steps_per_split
     per_step = max(1, bk // group)  # scale rows a step reads
     if pdl:
-        ahead = prefetch_count(steps_per_split, _ROWS * bk // 2)
-        rows = pl.ds(ni * _ROWS, _ROWS)
-        prefetch_then_wait([w_gmem.at[rows, pl.ds((k_step0 + j) * bk, bk)] for j in range(ahead)]
-                           + [ks_gmem.at[:, pl.ds((k_step0 * bk) // group, max(1, (ahead * bk) // group)), rows]])
+        _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group)
 
     def acc_scope(acc_ref):
         def step(idx, w_smem, x_smem, ks_smem):
@@ -269,6 +282,78 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, tile_m)))  # f32[64, tile_m]
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, tile_m), jnp.float32))
+    def _(o_smem):
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * tile_m, tile_m)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split,
+                  group, pdl):
+    """`promote`: y = sum over slices of s * ((C - 8) x) + (b + 8 s) * sum(x), per row and slice,
+    where C are a slice's codes, s and b = -zero * s its group's scale planes, and the tensor cores
+    compute (C - 8) x exactly in f32 from bf16 operands (C - 8 is a small integer): the codes are
+    read as int4 with the top bit flipped (code - 8) and upcast by Mosaic GPU's int4 -> bf16
+    conversion (CUTLASS's: a few bit operations per two codes); each slice's product goes to a
+    fresh accumulator and is scaled once, in f32, per row (DeepGEMM's promotion, as the W8A8
+    kernel's). xs_gmem f32[K / WC, Mpad]: x's sums over each slice of WC columns. The weights are
+    never rounded to bf16, so the result is closer to the float64 oracle than `_body`'s."""
+    bk = params.block_k
+    wc = bk // params.chunks
+    ni = lax.axis_index("n")
+    si = lax.axis_index("s")
+    mi = lax.axis_index("m")
+    k_step0 = si * steps_per_split
+    per_step = max(1, bk // group)
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    if pdl:
+        _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group)
+
+    def bcast(v, dim):
+        return lax.broadcast_in_dim(v, (_ROWS, tile_m), [dim])
+
+    def step(idx, w_smem, x_smem, ks_smem, xs_smem, acc):
+        def part(*accs):
+            for c, acc_ref in enumerate(accs):
+                cols = pl.ds(c * wc, wc)
+                w_c, x_c = (w_smem, x_smem) if params.chunks == 1 else (w_smem.at[:, cols], x_smem.at[:, cols])
+                a = (w_c[...] ^ jnp.int4(-8)).astype(jnp.bfloat16)  # code - 8, exact
+                if params.a_smem:  # (interpret mode: no register operand)
+                    (a_smem,) = scratch
+                    a_ref = a_smem if params.chunks == 1 else a_smem.at[:, cols]
+                    a_ref[...] = a
+                    plgpu.commit_smem()
+                    a = a_ref
+                plgpu.wgmma(acc_ref, a, x_c.transpose((1, 0)))
+            out = acc
+            for c, acc_ref in enumerate(accs):
+                gi = (c * wc) // group if bk > group else 0  # the slice's group in this step's scale rows
+                sc = plgpu.load(ks_smem.at[0, gi], (), layout=row)
+                b8 = plgpu.load(ks_smem.at[1, gi], (), layout=row) + 8.0 * sc
+                xs = plgpu.load(xs_smem.at[c], (), layout=col)
+                prod = plgpu.wgmma_accumulator_load(acc_ref, wait_n=params.chunks - 1 - c)  # (this slice's wgmma)
+                out = out + prod * bcast(sc, 0) + bcast(b8, 0) * bcast(xs, 1)
+            return out
+
+        return pl.run_scoped(part, *[plgpu.ACC((_ROWS, tile_m))] * params.chunks)
+
+    acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, tile_m), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.emit_pipeline(
+        step,
+        grid=(steps_per_split,),
+        in_specs=[
+            plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk)),
+            plgpu.BlockSpec((tile_m, bk), lambda kk: (mi, k_step0 + kk)),
+            plgpu.BlockSpec((2, per_step, _ROWS), lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
+            plgpu.BlockSpec((params.chunks, tile_m), lambda kk: (k_step0 + kk, mi)),
+        ],
+        max_concurrent_steps=params.max_concurrent_steps,
+        init_carry=acc0,
+    )(w_gmem, x_gmem, ks_gmem, xs_gmem)
 
     @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, tile_m), jnp.float32))
     def _(o_smem):
@@ -363,6 +448,9 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, row_scale=None, *, group_size: int
                          f"{'float8_e4m3fn' if fp4 else 'float'}{list(want)}")
     if fp4 != (row_scale is not None) or (fp4 and row_scale.shape != (n,)):
         raise ValueError(f"skinny_matmul_w4_mgpu: row_scale [N={n}] goes with kind 'fp4' only")
+    if params.promote and x.dtype != jnp.bfloat16:
+        raise ValueError(f"skinny_matmul_w4_mgpu: promote takes bfloat16 x (Mosaic GPU's fast int4 upcast); "
+                         f"got {x.dtype}")
     bk = params.block_k
     mpad = -(-m // 8) * 8  # x's rows as the kernel sees them: a tile of tm rows per CTA
     tm = mpad if mpad <= params.block_m else params.block_m
@@ -374,12 +462,19 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, row_scale=None, *, group_size: int
     params = dataclasses.replace(params, split_k=split_k)
     out_shape = (split_k, n, mpad) if split_k > 1 else (n, mpad)
     # the same bytes as 4-bit codes (module docstring; int4 for the signed upcast)
-    codes = lax.bitcast_convert_type(packed, jnp.int4 if params.signed_upcast else jnp.uint4).reshape(n, k)
+    signed = params.signed_upcast or params.promote
+    codes = lax.bitcast_convert_type(packed, jnp.int4 if signed else jnp.uint4).reshape(n, k)
     ws = params.compute_wgs == 2
     a_scratch = [plgpu.SMEM((2, _ROWS, bk) if ws else (_ROWS, bk), x.dtype)] if params.a_smem else []
+    pdl = params.pdl and not interpret
+    if ws:
+        body = functools.partial(_body_ws, dtype=x.dtype)
+    elif params.promote:
+        body = functools.partial(_body_promote, pdl=pdl)
+    else:
+        body = functools.partial(_body, dtype=x.dtype, fp4=fp4, pdl=pdl)
     f = plgpu.kernel(
-        functools.partial(_body_ws if ws else _body, tile_m=tm, params=params, steps_per_split=steps_per_split,
-                          group=g, dtype=x.dtype, **({} if ws else dict(fp4=fp4, pdl=params.pdl and not interpret))),
+        functools.partial(body, tile_m=tm, params=params, steps_per_split=steps_per_split, group=g),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(-(-n // (_ROWS * params.compute_wgs)), split_k, mpad // tm),
         grid_names=("n", "s", "m"),
@@ -391,7 +486,12 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, row_scale=None, *, group_size: int
     )
     if m > 8 and m != mpad:  # TMA: a dimension beyond its tile (8+ rows) must be a multiple of it
         x = jnp.pad(x, ((0, mpad - m), (0, 0)))
-    out = f(codes, x, kscales if fp4 else kscales.astype(jnp.float32))
+    if params.promote:  # x's sums over each slice of the kernel's steps, f32[K / WC, Mpad]
+        wc = bk // params.chunks
+        xs = jnp.sum(x.astype(jnp.float32).reshape(x.shape[0], k // wc, wc), axis=-1).T
+        out = f(codes, x, kscales.astype(jnp.float32), jnp.pad(xs, ((0, 0), (0, mpad - x.shape[0]))))
+    else:
+        out = f(codes, x, kscales if fp4 else kscales.astype(jnp.float32))
     if split_k > 1:
         out = jnp.sum(out, axis=0)
     if fp4:
