@@ -300,7 +300,9 @@ def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, pa
     read as int4 with the top bit flipped (code - 8) and upcast by Mosaic GPU's int4 -> bf16
     conversion (CUTLASS's: a few bit operations per two codes); each slice's product goes to a
     fresh accumulator and is scaled once, in f32, per row (DeepGEMM's promotion, as the W8A8
-    kernel's). xs_gmem f32[K / WC, Mpad]: x's sums over each slice of WC columns. The weights are
+    kernel's). xs_gmem f32[K / WC, M tiles * W]: x's sums over each slice of WC columns, each tile of
+    `tile_m` rows padded to W (a multiple of 32: TMA writes shared memory at 128-byte boundaries; 8
+    or 24 floats a tile gave misaligned-address faults on the H100, session 43). The weights are
     never rounded to bf16, so the result is closer to the float64 oracle than `_body`'s."""
     bk = params.block_k
     wc = bk // params.chunks
@@ -334,7 +336,7 @@ def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, pa
                 gi = (c * wc) // group if bk > group else 0  # the slice's group in this step's scale rows
                 sc = plgpu.load(ks_smem.at[0, gi], (), layout=row)
                 b8 = plgpu.load(ks_smem.at[1, gi], (), layout=row) + 8.0 * sc
-                xs = plgpu.load(xs_smem.at[c], (), layout=col)
+                xs = plgpu.load(xs_smem.at[c, pl.ds(0, tile_m)], (), layout=col)
                 prod = plgpu.wgmma_accumulator_load(acc_ref, wait_n=params.chunks - 1 - c)  # (this slice's wgmma)
                 out = out + prod * bcast(sc, 0) + bcast(b8, 0) * bcast(xs, 1)
             return out
@@ -349,7 +351,7 @@ def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, pa
             plgpu.BlockSpec((_ROWS, bk), lambda kk: (ni, k_step0 + kk)),
             plgpu.BlockSpec((tile_m, bk), lambda kk: (mi, k_step0 + kk)),
             plgpu.BlockSpec((2, per_step, _ROWS), lambda kk: (0, (k_step0 + kk) // max(1, group // bk), ni)),
-            plgpu.BlockSpec((params.chunks, tile_m), lambda kk: (k_step0 + kk, mi)),
+            plgpu.BlockSpec((params.chunks, _xs_width(tile_m)), lambda kk: (k_step0 + kk, mi)),
         ],
         max_concurrent_steps=params.max_concurrent_steps,
         init_carry=acc0,
@@ -362,6 +364,11 @@ def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, pa
         dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
         plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * tile_m, tile_m)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _xs_width(tile_m: int) -> int:
+    """`_body_promote`'s floats per tile of x's rows in xs (128-byte TMA boxes)."""
+    return -(-tile_m // 32) * 32
 
 
 def _body_ws(w_gmem, x_gmem, ks_gmem, o_gmem, o_smem, *scratch, tile_m, params: W4MgpuParams, steps_per_split,
@@ -486,10 +493,12 @@ def skinny_matmul_w4_mgpu(x, packed, kscales, row_scale=None, *, group_size: int
     )
     if m > 8 and m != mpad:  # TMA: a dimension beyond its tile (8+ rows) must be a multiple of it
         x = jnp.pad(x, ((0, mpad - m), (0, 0)))
-    if params.promote:  # x's sums over each slice of the kernel's steps, f32[K / WC, Mpad]
+    if params.promote:  # x's sums over each slice of the kernel's steps, f32[K / WC, M tiles * W]
         wc = bk // params.chunks
-        xs = jnp.sum(x.astype(jnp.float32).reshape(x.shape[0], k // wc, wc), axis=-1).T
-        out = f(codes, x, kscales.astype(jnp.float32), jnp.pad(xs, ((0, 0), (0, mpad - x.shape[0]))))
+        xs = jnp.sum(x.astype(jnp.float32).reshape(x.shape[0], k // wc, wc), axis=-1).T  # [K / WC, M]
+        xs = jnp.pad(xs, ((0, 0), (0, mpad - x.shape[0]))).reshape(k // wc, mpad // tm, tm)
+        xs = jnp.pad(xs, ((0, 0), (0, 0), (0, _xs_width(tm) - tm))).reshape(k // wc, -1)
+        out = f(codes, x, kscales.astype(jnp.float32), xs)
     else:
         out = f(codes, x, kscales if fp4 else kscales.astype(jnp.float32))
     if split_k > 1:
