@@ -203,6 +203,21 @@ def _fp4_values(codes):
     return lax.bitcast_convert_type(h.astype(jnp.int16), jnp.float16).astype(jnp.float32)
 
 
+def _store(acc, o_gmem, *, split: bool):
+    """This CTA's f32[64, tile_m] tile of y^T into o_gmem f32[N, Mpad] (or its split's slice of
+    f32[S, N, Mpad]) by TMA (rows past N clipped)."""
+    rows, tile_m = acc.shape
+    ni, si, mi = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("m")
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((rows, tile_m), jnp.float32))
+    def _(o_smem):
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        dst = o_gmem.at[si] if split else o_gmem
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * rows, rows), pl.ds(mi * tile_m, tile_m)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group):
     """`W4MgpuParams.pdl`: this CTA's first weight and scale tiles to L2, then the grid-dependency wait."""
     ahead = prefetch_count(steps_per_split, _ROWS * bk // 2)
@@ -282,14 +297,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((_ROWS, tile_m)))  # f32[64, tile_m]
-
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, tile_m), jnp.float32))
-    def _(o_smem):
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * tile_m, tile_m)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _store(acc, o_gmem, split=params.split_k > 1)
 
 
 def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParams, steps_per_split,
@@ -356,14 +364,7 @@ def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, pa
         max_concurrent_steps=params.max_concurrent_steps,
         init_carry=acc0,
     )(w_gmem, x_gmem, ks_gmem, xs_gmem)
-
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((_ROWS, tile_m), jnp.float32))
-    def _(o_smem):
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        dst = o_gmem.at[si] if params.split_k > 1 else o_gmem
-        plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(ni * _ROWS, _ROWS), pl.ds(mi * tile_m, tile_m)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _store(acc, o_gmem, split=params.split_k > 1)
 
 
 def _xs_width(tile_m: int) -> int:
