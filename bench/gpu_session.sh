@@ -91,6 +91,14 @@
 # starts refused. Next: `acceptance` of Llama-3-8B + Qwen3-30B-A3B + Mamba-2 (their loaders changed), then
 # `acceptance` with ACCEPTANCE_ARGS='--family qwen3-30b-a3b --family qwen3-next-80b-a3b --engine-config
 # {"quantization":"int4"}' (and nemotron-h-8b with {"quantization":"fp8"}); then the list of session 41.
+# Session 43: one H100 call (every other start refused, 23:19-01:01 UTC; the refusals took the budget): `tests promote`
+# with GPU_TEST_FILES="tests/test_w4.py tests/test_linear_kernels.py" 303 s cold: the PDL cases pass; the promote
+# form faulted (misaligned address) at 8- and 24-row tiles of x, fixed since on the CPU only
+# (`bench/results/session43_2026-12-06.md`). Next, first: `tests promote` with GPU_TEST_FILES="tests/test_w4.py::
+# test_w4_mgpu_gpu tests/test_linear_kernels.py::test_w8a8_gpu_any_rows_and_stacked_terms" PROMOTE_MS=1 (~80 s +
+# ~120 s + two batch-1 generates ~190 s: promote + PDL against the default, on an H200 if one comes), then
+# `l2prefetch` (~330 s: batch 64, FP8 / int4 with and without `kernel_pdl`), then the `acceptance` runs listed for
+# session 42 below (not run in sessions 42-43 for Llama-3-8B, Qwen3-30B-A3B and Mamba-2).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
