@@ -366,7 +366,7 @@ if [[ $parts == *promote* ]]; then  # issue 19 (session 43): the 4-bit tensor-co
   # to bf16 exactly, f32 products scaled afterwards) against the Triton kernel at M = 1 and the default form at 64, with
   # and without PDL; then generate (Llama-3-8B, PROMOTE_BATCHES, default 1) for PROMOTE_RUNS (name:extra args)
   only='^(auto|promote)(_pdl)?$|^promote_d[24]_s[148]$'
-  runs='int4_promote_pdl:--quantization@int4@--attention@{"w4_promote":true,"kernel_pdl":true} int4:--quantization@int4'
+  runs='int4_promote_pdl:--quantization@int4@--attention@{"w4_promote":true,"kernel_pdl":true} int4:--quantization@int4 bf16:'
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PROMOTE_LIMIT:-200} python3 bench/kernels/w4_mgpu.py --out "$OUT/promote" \
     --ms ${PROMOTE_MS:-1,64} --only "${PROMOTE_ONLY:-$only}" 2>&1 | grep "^|" | tail -12
   for run in ${PROMOTE_RUNS:-$runs}; do  # (@ for a space)
