@@ -496,6 +496,9 @@ def _mgpu_case(rng, m, n, k, g, dt=jnp.bfloat16, kind="int4"):
     (64, 128, 512, 256, 4, jnp.bfloat16, {"promote": True}),  # groups of 2 steps
     (8, 64, 256, 64, 1, jnp.bfloat16, {"promote": True, "chunks": 2}),  # groups of 64: a slice each
     (100, 72, 256, 128, 1, jnp.bfloat16, {"promote": True, "block_m": 32}),  # prefill tiles
+    # x's slice sums padded to 32 floats a tile (24-row tile; 3 tiles of 40 rows, the last padded)
+    (24, 64, 256, 64, 1, jnp.bfloat16, {"promote": True, "chunks": 2}),
+    (100, 72, 256, 128, 2, jnp.bfloat16, {"promote": True, "block_m": 40}),
 ])
 def test_w4_mgpu_interpret(m, n, k, g, split, dt, variant):
     """Mosaic GPU interpret mode (the dequantized tile through shared memory: the interpreter has
