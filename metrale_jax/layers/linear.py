@@ -165,15 +165,11 @@ def _fp8_kernel(w: Fp8Linear, dtype, m: int):
     if not (w.use_kernel and w.w8.ndim == 2 and dtype == jnp.bfloat16 and m >= 1):
         return None
     from pallas_kernels.linear import skinny_matmul_fp8
-    from pallas_kernels.linear.skinny_mgpu import skinny_matmul_w8a8_mgpu, w8a8_supports
+    from pallas_kernels.linear.skinny_mgpu import skinny_matmul_w8a8_mgpu, w8a8_params_for, w8a8_supports
 
     if w.w8a8 and m > W8A16_MAX_M and w8a8_supports(m, *w.w8.shape):
-        if w.pdl:
-            from pallas_kernels.linear.skinny_mgpu import w8a8_params_for
-
-            params = dataclasses.replace(w8a8_params_for(*w.w8.shape), pdl=True)
-            return functools.partial(skinny_matmul_w8a8_mgpu, params=params)
-        return skinny_matmul_w8a8_mgpu
+        params = dataclasses.replace(w8a8_params_for(*w.w8.shape), pdl=w.pdl)
+        return functools.partial(skinny_matmul_w8a8_mgpu, params=params)
     return skinny_matmul_fp8 if m <= KERNEL_MAX_M else None
 
 

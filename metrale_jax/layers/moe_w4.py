@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.layers.linear import W4Linear, is_experts
+from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear, W4Linear, is_experts
 from metrale_jax.layers.linear_w4 import dequantize_w4
 
 
@@ -82,7 +82,6 @@ def dequantized_scratch_bytes(params, dtype, tokamax: bool = False) -> int:
     (`w4_grouped_matmul`), FP8 ones where tokamax's FP8 grouped GEMM does not take them
     (`moe_fp8.fp8_grouped_matmul`: `tokamax` off, activations other than bf16, K not a multiple of
     128). 0 without quantized experts."""
-    from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear
     from metrale_jax.layers.stack import Unstacked
 
     kinds = (W4Linear, Fp8Linear)
