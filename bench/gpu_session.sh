@@ -99,6 +99,13 @@
 # ~120 s + two batch-1 generates ~190 s: promote + PDL against the default, on an H200 if one comes), then
 # `l2prefetch` (~330 s: batch 64, FP8 / int4 with and without `kernel_pdl`), then the `acceptance` runs listed for
 # session 42 below (not run in sessions 42-43 for Llama-3-8B, Qwen3-30B-A3B and Mamba-2).
+# Session 44: three refused starts (181 + 180 + 105 s of budget), then one H100: `tests acceptance` (the two gpu test
+# functions above: 30 passed, the promote fix holds; Llama-3-8B + Qwen3-30B-A3B + Mamba-2: PASS) 502 s cold, `promote`
+# (M = 1 sweep, three batch-1 generates) 320 s warm, `promote` with PROMOTE_MS=64 PROMOTE_BATCHES=64 and two
+# batch-64 generates 198 s warm (`bench/results/session44_2026-12-06.md`): promote slower at 1 and 64 rows (off),
+# the first PDL form 1.4-2.9x slower per kernel (changed since: release after the main loop, first fill prefetched).
+# Next: `promote` with PROMOTE_ONLY='^auto(_pdl)?$' PROMOTE_MS=1,64 PROMOTE_RUNS=' ' (~90 s: the new PDL form in
+# isolation), then `l2prefetch` (~330 s) if it is no slower, then the session-42 acceptance variants (int4 / fp8 MoE).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection

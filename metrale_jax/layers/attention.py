@@ -87,13 +87,15 @@ class AttentionConfig:
     # The same for our Mosaic GPU linear kernels (Hopper; `pallas_kernels/linear/pdl.py`): the
     # W8A8 and 4-bit tensor-core GEMMs (decode steps of 2-64 rows, 4-bit prefill) launched with
     # PDL, each CTA's first weight tiles prefetched to L2 before it waits for the kernel that
-    # writes its x. Off until measured (session 43).
+    # writes its x, its dependents released after its main loop. Off: the first form (released
+    # right after the wait) was 1.4-2.9x slower per kernel on an H100; this one is not measured.
     kernel_pdl: bool = False
     # int4 linears with bf16 inputs through the 4-bit tensor-core GEMM's `promote` form (Hopper;
     # `pallas_kernels/linear/w4_mgpu.py`): the codes upcast to bf16 exactly (Mosaic GPU's int4
     # conversion), multiplied by x as they are, and only the f32 products scaled per row and group,
     # instead of each code converted to f32, scaled and rounded to bf16; one row too, instead of the
-    # streaming kernel. More exact (no bf16 rounding of the weights). Off until measured (session 43).
+    # streaming kernel. More exact (no bf16 rounding of the weights). Off: slower on an H100
+    # (session 44): 1.35-1.5x the streaming kernel's time at one row, +10% on a batch-64 step.
     w4_promote: bool = False
     # The sampler's threshold searches count through a Pallas kernel over rows x vocabulary chunks
     # (pallas_kernels/sampling) instead of XLA's one-block-per-row reductions (~0.57 ms of a

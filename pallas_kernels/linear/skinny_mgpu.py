@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.linear.params import FP8_BLOCK
-from pallas_kernels.linear.pdl import prefetch_count, prefetch_then_wait
+from pallas_kernels.linear.pdl import prefetch_count, prefetch_then_wait, release_dependents
 
 MAX_M = 64
 _ROWS = 64  # wgmma M: x tiles are 64 rows (zero-filled past M)
@@ -57,9 +57,9 @@ class MgpuParams:
       of one 64-row tile (hi in rows 0..M-1, lo in rows 32..32+M-1), so each step runs one wgmma,
       as one FP8 term did, instead of two; the halves' f32 products are added once, at the end.
       Off until measured on the H200 (the one-term kernel's 16-32-row times are its expectation).
-    pdl: W8A8: programmatic dependent launch (`pdl.py`): the CTA's first weight tiles
-      (`PDL_PREFETCH_BYTES`) prefetched to L2 before it waits for the kernel that writes x (off in
-      interpret mode).
+    pdl: W8A8: programmatic dependent launch (`pdl.py`): the CTA's first weight tiles (the
+      pipeline's first fill) prefetched to L2 before it waits for the kernel that writes x, its
+      dependents released after its main loop (off in interpret mode).
     """
 
     block_n: int = 64
@@ -179,7 +179,7 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int, pdl: bool)
     last_kb = -(-k // FP8_BLOCK) - 1
     bk = params.block_k
     if pdl:  # (boxes of 128 columns: TMA's 256-element limit)
-        ahead = prefetch_count(steps_per_split * groups, bn * FP8_BLOCK)
+        ahead = prefetch_count(steps_per_split * groups, bn * FP8_BLOCK, params.max_concurrent_steps * groups)
         prefetch_then_wait([w_gmem.at[pl.ds(ni * bn, bn), pl.ds(k_step0 * bk + j * FP8_BLOCK, FP8_BLOCK)]
                             for j in range(ahead)])
 
@@ -221,6 +221,8 @@ def _body_w8a8(*refs, m, k, params: MgpuParams, steps_per_split: int, pdl: bool)
         max_concurrent_steps=params.max_concurrent_steps,
         init_carry=acc0,
     )(*x_gmems, w_gmem, sx_gmem)
+    if pdl:
+        release_dependents()
     _store(acc, o_gmem, m=m, bn=bn, split=params.split_k > 1, halves=len(x_gmems) == 1)
 
 
