@@ -387,11 +387,14 @@ if [[ $parts == *l2prefetch* ]]; then  # issue 19 (session 43): our Mosaic GPU l
   # (`AttentionConfig.kernel_pdl`: W8A8 and the 4-bit tensor-core GEMM, weights prefetched to L2 before the wait)
   # against the default, Llama-3-8B at L2PREFETCH_BATCHES (default 64), bf16 first; run `tests` with test_w4.py and
   # test_linear_kernels.py first (their PDL cases)
-  for run in "bf16:" "fp8:--quantization fp8" "fp8_kpdl:--quantization fp8 --attention {\"kernel_pdl\":true}" \
-             "int4:--quantization int4" "int4_kpdl:--quantization int4 --attention {\"kernel_pdl\":true}"; do
+  # (L2PREFETCH_RUNS "name:args@with@spaces ...": e.g. fp8_kpdl_xpdl with {"kernel_pdl":true,"xla_pdl":true}, XLA's
+  # kernels launched with PDL too, so that the fusion before a linear may release it early)
+  runs='bf16: fp8:--quantization@fp8 fp8_kpdl:--quantization@fp8@--attention@{"kernel_pdl":true}
+        int4:--quantization@int4 int4_kpdl:--quantization@int4@--attention@{"kernel_pdl":true}'
+  for run in ${L2PREFETCH_RUNS:-$runs}; do
     IFS=: read -r name extra <<< "$run"
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
-      --batches ${L2PREFETCH_BATCHES:-64} $extra --out "$OUT/generate_llama3_8b_${name}.json" > "$OUT/generate_llama3_8b_${name}.log" 2>&1
+      --batches ${L2PREFETCH_BATCHES:-64} ${extra//@/ } --out "$OUT/generate_llama3_8b_${name}.json" > "$OUT/generate_llama3_8b_${name}.log" 2>&1
     echo "== $name"; grep "batch  *[0-9]" "$OUT/generate_llama3_8b_${name}.log" | tail -4
   done
 fi
