@@ -66,14 +66,19 @@ def pair_matvec(xp, w: Fp8Linear, flat) -> jax.Array:
     return jnp.einsum("pk,pnk->pn", xp, wd, preferred_element_type=jnp.float32)
 
 
+def tokamax_takes(dtype, k: int, use_tokamax: bool) -> bool:
+    """Whether `fp8_grouped_matmul` runs tokamax's FP8 kernel (no dense copy of the experts) for
+    activations of `dtype` and K = k, where tokamax is installed."""
+    return use_tokamax and jnp.dtype(dtype) == jnp.bfloat16 and k % FP8_BLOCK == 0
+
+
 def fp8_grouped_matmul(x, w: Fp8Linear, sizes, use_tokamax: bool):
     """x [M, K] rows sorted by group, w `Fp8Linear` [G, N_pad, K], sizes i32[G] -> f32[M, N] (the
     valid columns of `w.segments`): tokamax's quantized grouped GEMM on the GPU (bf16 x, K a
     multiple of 128), else the experts dequantized to x's dtype and `moe.grouped_matmul`."""
     from metrale_jax.layers import moe
 
-    k = w.w8.shape[-1]
-    if use_tokamax and x.dtype == jnp.bfloat16 and k % FP8_BLOCK == 0 and moe.tokamax_available():
+    if tokamax_takes(x.dtype, w.w8.shape[-1], use_tokamax) and moe.tokamax_available():
         y = _tokamax_fp8_grouped_matmul(x, w.w8, w.scale_inv, sizes)  # f32[M, N_pad]
         if w.col_scale is not None:  # per-channel FP8: each row times its group's channel scales
             groups = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=x.shape[0])

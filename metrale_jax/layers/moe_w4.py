@@ -26,8 +26,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.layers.linear import FP8_BLOCK, Fp8Linear, W4Linear, is_experts
+from metrale_jax.layers.linear import Fp8Linear, W4Linear, is_experts
 from metrale_jax.layers.linear_w4 import dequantize_w4
+from metrale_jax.layers.moe_fp8 import tokamax_takes
 
 
 def _kernel_takes(x, w: W4Linear) -> bool:
@@ -80,8 +81,8 @@ def dequantized_scratch_bytes(params, dtype, tokamax: bool = False) -> int:
     dequantized to `dtype` (gate|up and down: `dense_experts`' copies), for the engine's KV-pool
     sizing to hold back (a 4-bit Qwen3-Next layer: 3.2 GB in bf16): 4-bit experts always
     (`w4_grouped_matmul`), FP8 ones where tokamax's FP8 grouped GEMM does not take them
-    (`moe_fp8.fp8_grouped_matmul`: `tokamax` off, activations other than bf16, K not a multiple of
-    128). 0 without quantized experts."""
+    (`moe_fp8.tokamax_takes`: `tokamax` off, activations other than bf16, K not a
+    multiple of 128). 0 without quantized experts."""
     from metrale_jax.layers.stack import Unstacked
 
     kinds = (W4Linear, Fp8Linear)
@@ -92,7 +93,7 @@ def dequantized_scratch_bytes(params, dtype, tokamax: bool = False) -> int:
         arr = w.packed if isinstance(w, W4Linear) else w.w8
         arr = arr.parts[0] if isinstance(arr, Unstacked) else arr
         e, n, k = *arr.shape[-3:-1], (w.k if isinstance(w, W4Linear) else arr.shape[-1])
-        if isinstance(w, Fp8Linear) and tokamax and jnp.dtype(dtype) == jnp.bfloat16 and k % FP8_BLOCK == 0:
-            continue  # (FP8 x bf16 on tokamax's kernel: no dense copy)
+        if isinstance(w, Fp8Linear) and tokamax_takes(dtype, k, tokamax):
+            continue  # (tokamax's FP8 kernel: no dense copy)
         total += e * n * k * jnp.dtype(dtype).itemsize
     return total
