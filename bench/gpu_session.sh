@@ -106,6 +106,12 @@
 # the first PDL form 1.4-2.9x slower per kernel (changed since: release after the main loop, first fill prefetched).
 # Next: `promote` with PROMOTE_ONLY='^auto(_pdl)?$' PROMOTE_MS=1,64 PROMOTE_RUNS=' ' (~90 s: the new PDL form in
 # isolation), then `l2prefetch` (~330 s) if it is no slower, then the session-42 acceptance variants (int4 / fp8 MoE).
+# Session 45: one H100, no refusals: `tests promote` (the two gpu test functions: 30 passed; `auto` against `auto_pdl`
+# at M = 1, 64) 140 s cold, `l2prefetch` 380 s, `acceptance` of Qwen3-30B-A3B + Qwen3-Next with {"quantization":"int4"}
+# 402 s (PASS), of Nemotron-H with {"quantization":"fp8"} 193 s (PASS), `pdl` 329 s, all warm
+# (`bench/results/session45_2026-12-06.md`): the second PDL form is still 1.3-1.6x slower at M = 1 (stays off).
+# Next: `acceptance` (the default, three families then two) if a step, kernel or the engine changed; on an H200,
+# `gen4` at batch 1 (the issue's bar is the H200's) and `fp4dot`; `fuse` on an H200.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
