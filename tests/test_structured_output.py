@@ -320,6 +320,8 @@ def llm(smollm2_gguf):  # noqa: F811
     return LLM.from_engine(LLMEngine(model, params, cfg))
 
 
+PET = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+       "required": ["name", "age"], "additionalProperties": False}
 ANIMALS = ["a cat", "a dog", "a parrot", "an old cat", "a puppy", "a canary", "a sleepy dog", "a kitten"]
 
 
@@ -330,11 +332,13 @@ def _chat_prompt(llm, text: str) -> dict:
 
 
 def test_json_schema_outputs_validate(llm):
+    """A nested schema through generate, without free whitespace (`disable_any_whitespace`: about
+    half the tokens of SmolLM2's indented JSON, which the server tests below get)."""
     from metrale_jax.engine.compile import CompileCounter
 
     prompts = [_chat_prompt(llm, f"Describe {a} as a JSON object.") for a in ANIMALS]
     sp = SamplingParams(temperature=0.8, seed=11, max_tokens=160,
-                        structured_outputs=StructuredOutputsParams(json=SCHEMA))
+                        structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     with CompileCounter() as cc:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     assert cc.lowerings == 0  # a constrained request compiles nothing
@@ -342,6 +346,7 @@ def test_json_schema_outputs_validate(llm):
         c = o.outputs[0]
         assert c.finish_reason == "stop", c.text  # the grammar ended with EOS
         jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", c.text)), c.text  # none outside strings
     assert len({o.outputs[0].text for o in outs}) > 1
 
 
@@ -398,10 +403,8 @@ def test_grammar_and_allowed_token_ids_together(llm):
 def test_structural_tag_through_generate(llm):
     """A structural tag through `LLM.chat`: free text, and every ```json code block the model opens
     holds an object of the schema and is closed (SmolLM2 opens one when asked to)."""
-    pet = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
-           "required": ["name", "age"], "additionalProperties": False}
     tag = {"type": "structural_tag", "triggers": ["```"],
-           "structures": [{"begin": "```json\n", "schema": pet, "end": "\n```"}]}
+           "structures": [{"begin": "```json\n", "schema": PET, "end": "\n```"}]}
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=80,
                         structured_outputs=StructuredOutputsParams(structural_tag=tag))
     outs = llm.chat([[{"role": "user", "content": f"Describe {a} as JSON (name, age) in a ```json code block."}]
@@ -411,7 +414,7 @@ def test_structural_tag_through_generate(llm):
         text = o.outputs[0].text
         found = re.findall(r"```json\n(.*?)\n```", text, re.S)
         for b in found:
-            jsonschema.validate(json.loads(b), pet)
+            jsonschema.validate(json.loads(b), PET)
         blocks += len(found)
         assert text.count("```") % 2 == 0 or o.outputs[0].finish_reason == "length", text
     assert blocks >= 2  # (the tag was exercised, not only free text)
@@ -425,11 +428,11 @@ def test_server_response_format(llm):
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
         msgs = [{"role": "user", "content": "Describe a cat as JSON."}]
         r = client.chat.completions.create(
-            model="smol", messages=msgs, max_tokens=160, temperature=0.8, seed=3,
-            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
+            model="smol", messages=msgs, max_tokens=80, temperature=0.8, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
         for ch in r.choices:
             assert ch.finish_reason == "stop"
-            jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+            jsonschema.validate(json.loads(ch.message.content), PET)
         r = client.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=1.0,
                                            extra_body={"guided_choice": ["meow", "purr"]})
         assert r.choices[0].message.content in ("meow", "purr")

@@ -14,7 +14,9 @@ it in turn). Dependents launched earlier sit on SMs, waiting, that this kernel's
 
 The first form (session 43) prefetched up to 128 KB a CTA and released its dependents right after the wait. On an
 H100 (session 44) it made each kernel 1.4-2.9x slower in isolation, and an int4 batch-1 step with it and
-`w4_promote` 3.2x slower than the default's (`bench/results/session44_2026-12-06.md`). This form is not measured yet.
+`w4_promote` 3.2x slower than the default's (`bench/results/session44_2026-12-06.md`). This form (H100,
+session 45, `bench/results/session45_2026-12-06.md`) is still 1.3-1.6x slower at one row and level to 1.2x at 64 rows;
+int4 batch 64 through `generate` 6.84 against 6.54 ms a step. `AttentionConfig.kernel_pdl` stays off.
 
 Neither instruction exists in Mosaic GPU's interpret mode (the CPU tests): kernels skip both there.
 """
