@@ -447,7 +447,7 @@ def test_server_response_format(llm):
 
 def test_server_tool_calls(llm):
     """Forced tool calls through the server with the openai client: SmolLM2's replies are
-    constrained to the named tool's parameters, or to a list of calls of the given tools."""
+    constrained to the named tool's parameters, or to one call of the given tools."""
     openai = pytest.importorskip("openai")
     from metrale_jax.server import BackgroundServer, ServerConfig
 
@@ -468,7 +468,8 @@ def test_server_tool_calls(llm):
             assert ch.finish_reason == "stop" and call.function.name == "clock"
             jsonschema.validate(json.loads(call.function.arguments), tz)
         stream = client.chat.completions.create(model="smol", messages=msgs, tools=tools, max_tokens=120,
-                                                temperature=0.7, seed=2, tool_choice="required", stream=True)
+                                                temperature=0.7, seed=2, tool_choice="required", stream=True,
+                                                parallel_tool_calls=False)
         calls: dict[int, list[str]] = {}
         for chunk in stream:
             for tc in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
@@ -476,7 +477,7 @@ def test_server_tool_calls(llm):
                 calls[tc.index][0] += tc.function.name or ""
                 calls[tc.index][1] += tc.function.arguments or ""
             finish = chunk.choices[0].finish_reason if chunk.choices else None
-        assert finish == "tool_calls" and calls
+        assert finish == "tool_calls" and len(calls) == 1  # (parallel_tool_calls false: one call)
         for name, args in calls.values():
             jsonschema.validate(json.loads(args), {"forecast": city, "clock": tz}[name])
         with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
