@@ -254,8 +254,8 @@ def test_llm_takes_vllms_constructor_arguments(monkeypatch, caplog, tmp_path):
     # through the engine: llama_tiny has no tokenizer of its own
     llm = LLM(model=str(FIXTURES / "llama_tiny"), tokenizer=str(tmp_path), dtype="float32", show_progress=False,
               trust_remote_code=True, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32)
-    c = llm.llm_engine.config  # (the defaults: the test below, one LLM(model=...) on them in CI)
-    assert (c.max_num_seqs, c.max_model_len, c.max_num_batched_tokens) == (2, 64, 32)
+    cfg = llm.llm_engine.config  # (the defaults: the test below, one LLM(model=...) on them in CI)
+    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens) == (2, 64, 32)
     assert llm.get_tokenizer().encode("hello there, tokenizer") == ids
     prompt = "a,b+1"  # ids under llama_tiny's 256 (single characters)
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]

@@ -220,9 +220,11 @@ def _store(acc, o_gmem, *, split: bool):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group, depth):
-    """`W4MgpuParams.pdl`: this CTA's first `depth` weight and scale tiles to L2, then the grid-dependency wait."""
-    ahead = prefetch_count(steps_per_split, _ROWS * bk // 2, depth)
+def _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, group, params: W4MgpuParams):
+    """`W4MgpuParams.pdl`: this CTA's weight and scale tiles of the pipeline's first fill
+    (`max_concurrent_steps`) to L2, then the grid-dependency wait."""
+    bk = params.block_k
+    ahead = prefetch_count(steps_per_split, _ROWS * bk // 2, params.max_concurrent_steps)
     rows = pl.ds(ni * _ROWS, _ROWS)
     prefetch_then_wait([w_gmem.at[rows, pl.ds((k_step0 + j) * bk, bk)] for j in range(ahead)]
                        + [ks_gmem.at[:, pl.ds((k_step0 * bk) // group, max(1, (ahead * bk) // group)), rows]])
@@ -240,7 +242,7 @@ def _body(w_gmem, x_gmem, ks_gmem, o_gmem, *scratch, tile_m, params: W4MgpuParam
     k_step0 = si * steps_per_split
     per_step = max(1, bk // group)  # scale rows a step reads
     if pdl:
-        _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group, params.max_concurrent_steps)
+        _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, group, params)
 
     def acc_scope(acc_ref):
         def step(idx, w_smem, x_smem, ks_smem):
@@ -325,7 +327,7 @@ def _body_promote(w_gmem, x_gmem, ks_gmem, xs_gmem, o_gmem, *scratch, tile_m, pa
     per_step = max(1, bk // group)
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     if pdl:
-        _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, bk, group, params.max_concurrent_steps)
+        _prefetch_then_wait(w_gmem, ks_gmem, ni, k_step0, steps_per_split, group, params)
 
     def bcast(v, dim):
         return lax.broadcast_in_dim(v, (_ROWS, tile_m), [dim])
