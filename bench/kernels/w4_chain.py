@@ -12,6 +12,9 @@ a decode layer; attention left out: o reads q's columns), in one jitted function
 * `narrow`: q|k|v warms o, down warms the next layer's q|k|v;
 * `narrow_down`: also gate|up warms down;
 * `all_guN`: also o warms the first N MB of gate|up (60 MB: more than L2 keeps);
+and with --per-projection each projection's kernel alone, L calls on L layers' weights (`_cold`,
+from HBM), the same with each call warming the next one's (`_cold_warm`), and on one layer's
+(`_hot`, from L2 after the first call): what warming could at best reach;
 beside the same chain in bf16 (XLA's dots, the bf16 checkpoint's step) and a torch `copy_`
 (the roofline: every variant's bytes over memcpy's bandwidth).
 
@@ -96,6 +99,18 @@ def chain(x, layers, *, links: dict, gu_mb: int | None, interpret: bool):
     return x
 
 
+def projection_calls(x, weights, *, k: int, interpret: bool, warm_next: bool = False):
+    """One projection's kernel called once per entry of `weights` (each call's x takes a negligible
+    term of the last output, so the calls stay in order and none is dead); warm_next: each call
+    warms the next call's weights."""
+    y = None
+    for i, w in enumerate(weights):
+        xi = x if y is None else x + (y[:, :1] * 1e-30).astype(x.dtype)
+        nxt = tuple(weights[i + 1]) if warm_next and i + 1 < len(weights) else ()
+        y = skinny_matmul_w4(xi, *w, k=k, group_size=GROUP, kind="int4", interpret=interpret, warm=nxt)
+    return y
+
+
 def chain_bf16(x, layers):
     h = x.shape[-1]
     for lw in layers:
@@ -121,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--per-projection", action="store_true",
+                    help="also each projection alone, on L layers' weights (cold) and on one layer's (hot, in L2)")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +162,22 @@ def main(argv=None):
     for name, o in outs.items():
         if not np.array_equal(o, ref):
             raise SystemExit(f"{name} differs from the first variant: warming changed the result")
+    if a.per_projection:  # each projection alone: cold (a new layer's weights each call) and hot (layer 0's, in L2)
+        for name, k in (("qkv", dims["h"]), ("o", dims["h"]), ("gate_up", dims["h"]), ("down", dims["inter"])):
+            xk = jax.random.normal(keys[-1], (1, k), jnp.bfloat16)
+            cold = [lw[name] for lw in w4_layers]
+            for temp, ws, wn in (("cold", cold, False), ("cold_warm", cold, True),
+                                 ("hot", [w4_layers[0][name]] * layers_n, False)):
+                fn = jax.jit(functools.partial(projection_calls, k=k, interpret=a.cpu_smoke, warm_next=wn))
+                if a.cpu_smoke:
+                    fn(xk, ws)
+                    continue
+                s = median_seconds(fn, xk, ws, group=10, groups=9)
+                nb = sum(t.nbytes for t in w4_layers[0][name])
+                rows.append(dict(variant=f"{name}_{temp}", us_per_layer=s / layers_n * 1e6, weight_bytes_per_layer=nb,
+                                 tb_s=nb * layers_n / s / 1e12))
+                print(f"{name}_{temp:9s} {rows[-1]['us_per_layer']:7.2f} us a call  {rows[-1]['tb_s']:.2f} TB/s",
+                      flush=True)
     del w4_layers
     if a.cpu_smoke:
         print("cpu smoke: variants agree")
@@ -165,8 +198,8 @@ def main(argv=None):
                 memcpy_tb_s=mem)
     (a.out / "w4_chain.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# 4-bit projection chain, {layers_n} Llama-3-8B layers at one row ({meta['device']}, jax {meta['jax']}, "
-             f"{meta['date']}); memcpy {mem:.2f} TB/s", "", "| variant | us a layer | TB/s | of memcpy |",
-             "|---|---|---|---|"]
+             f"{meta['date']}); memcpy {mem:.2f} TB/s", "",
+             "| variant | us a layer (a call for one projection) | TB/s | of memcpy |", "|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['us_per_layer']:.2f} | {r['tb_s']:.2f} | {r['tb_s'] / mem:.2f} |" for r in rows]
     (a.out / "w4_chain.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
