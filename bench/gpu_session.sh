@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -314,10 +314,21 @@ if [[ $parts == *wholek* ]]; then  # issue 19: the int4 batch-1 step profiled (k
     head -24 "$OUT"/profile_int4_b1_$t/*/kernels.txt 2>/dev/null
   done
 fi
-if [[ $parts == *chain4* ]]; then  # issue 19 (session 46): one-row int4 projections warming the next one's weights into
-  # L2 (`skinny_matmul_w4(..., warm=)`) against none, a chain of CHAIN4_LAYERS Llama-3-8B layers, beside bf16 (~120 s)
+if [[ $parts == *chain4* ]]; then  # issue 19 (session 46): one-row int4 projections chained as in a decode layer beside
+  # bf16, and (CHAIN4_ARGS=--per-projection) each alone, cold (HBM) and hot (L2) (~120 s)
   timeout ${CHAIN4_LIMIT:-240} python3 bench/kernels/w4_chain.py --out "$OUT/chain4" --layers ${CHAIN4_LAYERS:-16} \
-    ${CHAIN4_ARGS:-} 2>&1 | grep -v rematerialization | tail -12
+    ${CHAIN4_ARGS:-} 2>&1 | grep -v rematerialization | tail -14
+fi
+if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the one-row int4 kernel, each Llama-3-8B
+  # projection twice (caches flushed between replays: HBM), the full section set; text pages kept, the report dropped
+  ncu --version | tail -1
+  timeout ${NCU4_LIMIT:-300} ncu --clock-control none --set full -k regex:skinny_matmul_w4 -c 8 -f -o /tmp/w4_m1 \
+    python3 bench/kernels/w4_chain.py --ncu --out /tmp/ncu_x > "$OUT/ncu4_run.log" 2>&1
+  tail -4 "$OUT/ncu4_run.log"
+  ncu -i /tmp/w4_m1.ncu-rep --page details > "$OUT/ncu4_details.txt" 2>&1
+  ncu -i /tmp/w4_m1.ncu-rep --page source --print-source sass --csv 2>&1 | gzip > "$OUT/ncu4_sass.csv.gz"
+  grep -E "skinny|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Memory Throughput|DRAM Throughput|Executed Ipc A|Block Limit Reg|Waves Per SM|Stall" \
+    "$OUT/ncu4_details.txt" | head -80
 fi
 if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (the one-row decode layer's norms, SwiGLU
   # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16

@@ -71,7 +71,6 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
@@ -391,21 +390,15 @@ def _dot8_packed(w, ps, interpret: bool, fp4: bool):
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
                gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret,
-               fused: W4Fused, warm_sectors: tuple[tuple[int, int], ...] = ()):
+               fused: W4Fused):
     # x_ref bf16|f16[M, K] (silu_mul: [1, 2K]); p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref
     # u8[N, NG] (int4) or r_ref f32[N] (fp4), then the fused inputs (`W4Fused`, half2 only: norm
     # weight [K], bias [N], residual [1, N]), then o_ref [M, N] (split_k: f32[S, 1, N], and with
     # the norm a second f32[S, 1, N] of each program's sum of squares). All whole arrays.
-    # warm_sectors (one-row half2 only, `skinny_matmul_w4`'s `warm`): after the fused inputs, one
-    # u8[bytes] ref per (bytes, sectors a program) and the i32[1] zero flag; after the outputs the
-    # u8[programs] sink, never written.
     aux_ref, *refs = refs
     nw_ref = refs.pop(0) if fused.norm else None
     b_ref = refs.pop(0) if fused.bias else None
     res_ref = refs.pop(0) if fused.residual else None
-    warm_refs = [refs.pop(0) for _ in warm_sectors]
-    flag_ref = refs.pop(0) if warm_sectors else None
-    sink_ref = refs.pop() if warm_sectors else None
     o_ref, ss_ref = (refs[0], refs[1] if len(refs) > 1 else None)
     pid_n = pl.program_id(0)
     half = block_k // 2
@@ -546,21 +539,6 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 part, xg = group_sums(d, jnp.sum(x8, axis=1), 8)
                 return acc + zero_and_scale(i, part, xg)
 
-            # this program's share of the next kernel's bytes: one byte per 32-byte sector, loaded
-            # before the main loop and kept in L2 (evict_last; the loop's own loads are evict_first)
-            program = pl.program_id(0) * split_k + pl.program_id(1)
-            warmed = []
-            for ref, (nbytes, sectors) in zip(warm_refs, warm_sectors):
-                at = (program * sectors + jnp.arange(sectors, dtype=jnp.int32)) * 32  # i32[S] byte offsets
-                warmed.append(plgpu_triton.load(ref.at[at], mask=at < nbytes, other=0, eviction_policy="evict_last"))
-
-            def sink():  # the warm loads' only use: a store that the zero flag masks off at run time
-                if warmed:
-                    one = jnp.zeros((1,), jnp.int32)
-                    v = functools.reduce(jnp.maximum, [jnp.max(w.astype(jnp.int32)) for w in warmed])
-                    plgpu_triton.store(sink_ref.at[program + one], (v + one).astype(jnp.uint8),
-                                       mask=plgpu_triton.load(flag_ref.at[one]) != 0)
-
             # (acc f32[BN], the norm's squares summed per position f32[W, 8]: one reduction after the loop)
             carry0 = (jnp.zeros((block_n,), jnp.float32), jnp.zeros((nw, 8), jnp.float32) if fused.norm else None)
             sps = -(-num_steps // split_k)  # steps per program along K (those past the last: masked off)
@@ -582,7 +560,6 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 acc = acc * plgpu_triton.load(aux_ref.at[ncols], mask=n_ok, other=0.0)
             zero = jnp.zeros_like(ncols)
             ss = None if ss is None else jnp.sum(jnp.sum(ss, axis=1))  # this program's share of K's sum of squares
-            sink()
             if split_k > 1:  # o_ref f32[S, 1, N] (the wrapper applies the fused epilogue)
                 plgpu_triton.store(o_ref.at[pl.program_id(1) + zero, zero, ncols], acc, mask=n_ok)
                 if ss is not None:  # (the same value in each column: a vector store)
@@ -686,13 +663,6 @@ def _check(x, packed, scales, aux, k: int, group: int, kind: str, fused: W4Fused
         raise ValueError(f"skinny_matmul_w4: packed must be uint8; got {packed.dtype}")
 
 
-def _as_bytes(a: jax.Array) -> jax.Array:
-    """Any array -> u8[bytes], its bytes in memory order (bitcasts: no copy)."""
-    if jnp.dtype(a.dtype) != jnp.dtype(jnp.uint8):
-        a = jax.lax.bitcast_convert_type(a, jnp.uint8)  # (a trailing axis of the itemsize when wider)
-    return a.reshape(-1)
-
-
 def _prologue(x, norm_weight, eps: float, silu_mul: bool):
     """The fused input in XLA (`W4Fused`): -> (the product's input [M, K], the row scale f32[M, 1] or None)."""
     if silu_mul:  # (as layers.mlp.silu_mul)
@@ -715,11 +685,10 @@ def _epilogue(y, r, bias, residual, dtype):
     return y if residual is None else (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret", "eps", "silu_mul",
-                                             "warm_max_bytes"))
+@functools.partial(jax.jit, static_argnames=("k", "group_size", "kind", "params", "interpret", "eps", "silu_mul"))
 def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: str,
                      params: W4Params | None = None, interpret: bool = False, norm_weight=None, eps: float = 1e-6,
-                     silu_mul: bool = False, bias=None, residual=None, warm=(), warm_max_bytes: int | None = None):
+                     silu_mul: bool = False, bias=None, residual=None):
     """x bf16|f16[M, K] @ W^T -> [M, N] in x's dtype for a packed 4-bit W (module docstring), M in 1..64.
 
     aux: zeros u8[N, ceil(K/G)] (kind "int4") or row_scale f32[N] (kind "fp4").
@@ -727,10 +696,6 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     norm_weight [K]: x is the residual stream, the input RMSNorm(x) * norm_weight (`eps`) as
     `layers.norms.rms_norm_linear` rounds it; silu_mul: x is gate | up [M, 2K], the input
     `layers.mlp.silu_mul(x)`; bias [N]; residual [M, N]: residual + the result, in x's dtype.
-    warm: arrays the next kernel will read (its packed weights, scales, zeros), any shape and dtype;
-    on the one-row half2 path each program loads one byte of every 32-byte sector of its share
-    before its own stream, so the next launch finds them in L2 (ignored on the other paths);
-    warm_max_bytes: only the first this many bytes of them, in order (None: all).
     """
     fused = W4Fused(norm=norm_weight is not None, eps=float(eps), silu_mul=silu_mul, bias=bias is not None,
                     residual=residual is not None)
@@ -755,35 +720,22 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"skinny_matmul_w4: norm_weight {norm_weight.shape} must be {(k,)}")
     split_k = min(params.split_k, -(-k // block_k)) if params.half2 and gemv else 1
-    programs = -(-n // params.block_n) * split_k
-    warm = [_as_bytes(a) for a in warm] if params.half2 and gemv else []
-    # the bytes of each to load (a prefix, the kernel masks the rest: a slice here would be a copy)
-    cap = np.inf if warm_max_bytes is None else warm_max_bytes
-    starts = np.cumsum([0] + [a.size for a in warm])[:-1]
-    kept = [(a, int(min(a.size, cap - c))) for a, c in zip(warm, starts) if c < cap]
-    warm = [a for a, _ in kept]
-    # (bytes, sectors a program: a power of two covering its share)
-    warm_sectors = tuple((b, 1 << max(0, (-(-b // (32 * programs)) - 1).bit_length())) for _, b in kept)
     kernel = functools.partial(
         _w4_kernel, m=m, n=n, k=k, mp=m_bucket(m), block_n=params.block_n, block_k=block_k, group=group_size,
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
         split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv,
-        packed_x=params.packed_x and gemv, interpret=interpret, fused=fused, warm_sectors=warm_sectors)
+        packed_x=params.packed_x and gemv, interpret=interpret, fused=fused)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     inputs = [x, packed, scales, aux] + [a for a in (norm_weight, bias, residual) if a is not None]
-    if warm:
-        inputs += [*warm, jnp.zeros((1,), jnp.int32)]
     partial = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)] if split_k == 1 else [partial] * (2 if fused.norm else 1)
-    if warm:
-        out_shape.append(jax.ShapeDtypeStruct((programs,), jnp.uint8))
+    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype) if split_k == 1 else (partial, partial) if fused.norm else partial
     out = pl.pallas_call(
         kernel,
         grid=(-(-n // params.block_n), split_k),
         in_specs=[pl.no_block_spec] * len(inputs),
-        out_specs=[pl.no_block_spec] * len(out_shape),
+        out_specs=(pl.no_block_spec,) * 2 if split_k > 1 and fused.norm else pl.no_block_spec,
         out_shape=out_shape,
         compiler_params=plgpu_triton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages),
         interpret=interpret,
@@ -792,8 +744,8 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
                                                                  ("bias", fused.bias), ("res", fused.residual)) if on),
     )(*inputs)
     if split_k == 1:
-        return out[0]
+        return out
     # the programs' f32 partials along K (and their shares of the norm's sum of squares), added in XLA
-    acc, ss = (out[0], out[1]) if fused.norm else (out[0], None)
+    acc, ss = out if fused.norm else (out, None)
     r = None if ss is None else jax.lax.rsqrt(ss.sum(axis=0) / k + eps)
     return _epilogue(acc.sum(axis=0), r, bias, residual, x.dtype)
