@@ -348,7 +348,7 @@ if [[ $parts == *m1pack* ]]; then  # issue 19: the half2 kernel at M = 1, some v
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${M1PACK_LIMIT:-220} python3 bench/kernels/w4.py --out "$OUT/m1pack" \
     --budget-s $(( ${M1PACK_LIMIT:-220} - 40 )) --ms 1 ${M1PACK_SWEEP:---only packed_x} --with-tuned 2>&1 | tail -12
   merge_w4_table "$OUT/m1pack/tuned_w4.json"
-  for q in bf16 int4 nvfp4; do
+  for q in ${M1PACK_KINDS:-bf16 int4 nvfp4}; do
     qa=$([[ $q != bf16 ]] && echo "--quantization $q")
     # int4: the decode step's optimized HLO (which XLA fusions run between the kernels: ~260 us a step)
     # (dumped outside $OUT: in session 40 dump files kept appearing there after the archive was made,

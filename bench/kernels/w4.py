@@ -121,7 +121,15 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 4096, 4, 1, True, True, half2=True, packed_x=True),
          W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=2),
          W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=4),
-         W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=4, word_scales=True)] + [
+         W4Params(16, 4096, 4, 1, True, True, half2=True, split_k=4, word_scales=True),
+         # more warps a program, fewer words a thread (session 46: Nsight Compute on the H100 found the one-row
+         # programs at 1.5-4.4 active warps a scheduler, 79-167 registers a thread, latency-bound):
+         # `--only half2,num_warps`
+         W4Params(16, 2048, 8, 1, True, True, half2=True), W4Params(16, 2048, 16, 1, True, True, half2=True),
+         W4Params(32, 2048, 8, 1, True, True, half2=True), W4Params(32, 2048, 16, 1, True, True, half2=True),
+         W4Params(16, 4096, 16, 1, True, True, half2=True), W4Params(32, 4096, 16, 1, True, True, half2=True),
+         W4Params(64, 2048, 16, 1, True, True, half2=True), W4Params(32, 1024, 8, 1, True, True, half2=True),
+         W4Params(16, 2048, 16, 1, True, True, half2=True, split_k=2)] + [
              W4Params(bn, bk, nw, ns, scale_tile=True, swap_ab=True)
              for bn, bk, nw, ns in [(64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3), (128, 128, 8, 4),
                                     (64, 128, 4, 4), (128, 256, 4, 3), (64, 256, 8, 3)]]
