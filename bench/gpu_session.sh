@@ -321,9 +321,10 @@ if [[ $parts == *chain4* ]]; then  # issue 19 (session 46): one-row int4 project
 fi
 if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the one-row int4 kernel, each Llama-3-8B
   # projection twice (caches flushed between replays: HBM), the full section set; text pages kept, the report dropped
+  # (NCU4_ARGS="--params JSON": W4Params for all four instead of the table's)
   ncu --version | tail -1
   timeout ${NCU4_LIMIT:-300} ncu --clock-control none --set full -k regex:skinny_matmul_w4 -c 8 -f -o /tmp/w4_m1 \
-    python3 bench/kernels/w4_chain.py --ncu --out /tmp/ncu_x > "$OUT/ncu4_run.log" 2>&1
+    python3 bench/kernels/w4_chain.py --ncu --out /tmp/ncu_x ${NCU4_ARGS:-} > "$OUT/ncu4_run.log" 2>&1
   tail -4 "$OUT/ncu4_run.log"
   ncu -i /tmp/w4_m1.ncu-rep --page details > "$OUT/ncu4_details.txt" 2>&1
   ncu -i /tmp/w4_m1.ncu-rep --page source --print-source sass --csv 2>&1 | gzip > "$OUT/ncu4_sass.csv.gz"

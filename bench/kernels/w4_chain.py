@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import median_seconds, memcpy_seconds  # noqa: E402
 
-from pallas_kernels.linear import skinny_matmul_w4  # noqa: E402
+from pallas_kernels.linear import W4Params, skinny_matmul_w4  # noqa: E402
 
 LLAMA = dict(h=4096, qkv=6144, inter=14336)
 GROUP = 128
@@ -68,8 +68,8 @@ def _rms(x):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype)
 
 
-def _w4(x, w, k: int, interpret: bool):
-    return skinny_matmul_w4(x, *w, k=k, group_size=GROUP, kind="int4", interpret=interpret)
+def _w4(x, w, k: int, interpret: bool, params: W4Params | None = None):
+    return skinny_matmul_w4(x, *w, k=k, group_size=GROUP, kind="int4", interpret=interpret, params=params)
 
 
 def chain(x, layers, *, interpret: bool):
@@ -111,6 +111,7 @@ def main(argv=None):
     ap.add_argument("--per-projection", action="store_true",
                     help="also each projection alone, on L layers' weights (cold) and on one layer's (hot, in L2)")
     ap.add_argument("--ncu", action="store_true", help="only each projection's kernel twice (for Nsight Compute)")
+    ap.add_argument("--params", default="", help="W4Params fields as JSON for every projection (default: the table's)")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,8 @@ def main(argv=None):
     projections = (("qkv", dims["h"]), ("o", dims["h"]), ("gate_up", dims["h"]), ("down", dims["inter"]))
     if a.ncu:
         for name, k in projections:
-            fn = jax.jit(functools.partial(_w4, k=k, interpret=a.cpu_smoke))
+            params = W4Params(**json.loads(a.params)) if a.params else None
+            fn = jax.jit(functools.partial(_w4, k=k, interpret=a.cpu_smoke, params=params))
             xk = jax.random.normal(keys[-1], (1, k), jnp.bfloat16)
             for _ in range(2):
                 jax.block_until_ready(fn(xk, w4_layers[0][name]))
