@@ -199,13 +199,6 @@ def _random_w4(rng, n, k, g, kind):
                                      packed_x=True, word_scales=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       packed_x=True, unroll=True)),  # float16 activations
-    # x_slices: x as eight [W] column vectors (partial last step, odd groups a step, split K, float16 x)
-    ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=128, gemv=True, group_partial=True, half2=True,
-                                      x_slices=True, split_k=2, prefetch=True)),
-    ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
-                                     x_slices=True, word_scales=True)),
-    ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
-                                      x_slices=True, unroll=True)),  # float16 activations
     # whole-K tiles (block_k past K: one masked step per program), split along K too
     ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True)),
     ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True,
@@ -330,10 +323,6 @@ def test_w4_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="packed_x"):
         skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=32, kind="int4",
                          params=W4Params(block_k=32, packed_x=True))
-    with pytest.raises(ValueError, match="x_slices"):  # (half2 and packed_x are its own alternative)
-        skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=32, kind="int4",
-                         params=W4Params(block_k=32, gemv=True, group_partial=True, half2=True, packed_x=True,
-                                         x_slices=True))
     with pytest.raises(ValueError, match="row_scale"):
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 
@@ -354,8 +343,6 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, packed_x=True)),
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, packed_x=True)),
     ("int4", 128, W4Params(block_k=4096, gemv=True, group_partial=True, half2=True)),  # whole K (session 39)
-    ("int4", 128, W4Params(block_k=2048, gemv=True, group_partial=True, half2=True, x_slices=True)),
-    ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, x_slices=True)),
     ("fp4", 16, W4Params(block_k=4096, num_warps=8, gemv=True, group_partial=True, half2=True, word_scales=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
@@ -461,11 +448,6 @@ def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
                                         packed_x=True)),
     ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
                                         packed_x=True)),
-    ("int4", 1, 6144, 4096, 128, W4Params(32, 2048, 4, 3, gemv=True, group_partial=True, half2=True, x_slices=True)),
-    ("int4", 1, 1000, 1000, 64, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
-                                         x_slices=True)),
-    ("fp4", 1, 4096, 14336, 16, W4Params(16, 2048, 4, 3, gemv=True, group_partial=True, half2=True, split_k=2,
-                                         word_scales=True, x_slices=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

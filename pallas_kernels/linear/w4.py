@@ -138,11 +138,6 @@ class W4Params:
     # column (on the [W] vectors, before the broadcast over the tile's rows), instead of inside the
     # PTX per (row, word): 4 fewer instructions per word of ~20 (session 36 guess, for the sweep).
     packed_x: bool = False
-    # half2, no fusion: x read as eight [W] vectors (column c of each word), each broadcast over the
-    # tile's rows, instead of one [W, 8] load split into columns. Session 46's Nsight Compute run
-    # (H100) found that split costing eight shared-memory round trips with two barriers each per step,
-    # where 1.5-4.4 warps a scheduler had nothing else to run (for the next sweep: `--only x_slices`).
-    x_slices: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -234,8 +229,6 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
         return "word_scales needs half2 with gemv (M = 1)"
     if params.packed_x and not (params.half2 and gemv):
         return "packed_x needs half2 with gemv (M = 1)"
-    if params.x_slices and (params.packed_x or not (params.half2 and gemv)):
-        return "x_slices needs half2 with gemv (M = 1), without packed_x"
     if params.split_k > 1 and not (params.half2 and params.gemv):
         return f"split_k={params.split_k} needs half2 with gemv"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
@@ -396,8 +389,8 @@ def _dot8_packed(w, ps, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, x_slices,
-               interpret, fused: W4Fused):
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret,
+               fused: W4Fused):
     # x_ref bf16|f16[M, K] (silu_mul: [1, 2K]); p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref
     # u8[N, NG] (int4) or r_ref f32[N] (fp4), then the fused inputs (`W4Fused`, half2 only: norm
     # weight [K], bias [N], residual [1, N]), then o_ref [M, N] (split_k: f32[S, 1, N], and with
@@ -506,10 +499,6 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 w_ok = jw < kw
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
                                        other=0, eviction_policy="evict_first")
-                if x_slices:  # (no fusion) eight f32[W]: column c of each word
-                    zw = jnp.zeros_like(jw)
-                    return wt, [plgpu_triton.load(x_ref.at[zw, 8 * jw + c], mask=w_ok, other=0.0).astype(jnp.float32)
-                                for c in range(8)], None
                 cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
                 zc = jnp.zeros_like(cols)
                 x8 = plgpu_triton.load(x_ref.at[zc, cols], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
@@ -526,26 +515,18 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 # (in-thread: no barrier in the loop): |x * cs| < 2^15, so products <= 15 * 2^-9 and
                 # half2 sums stay far from f16's range (NVFP4: <= 6 * 2^-14 * 2^15 per product); inv undoes
                 # cs and the code's 2^-24 (int4) or 2^-14 (NVFP4) on the f32 sum: 2^(e - 117) or 2^(e - 127).
-                # (x_slices: x8 is eight f32[W], column c of each word; else f32[W, 8])
-                amax = functools.reduce(jnp.maximum, map(jnp.abs, x8)) if x_slices else jnp.max(jnp.abs(x8), axis=1)
-                xsum = sum(x8) if x_slices else jnp.sum(x8, axis=1)  # f32[W]
-                e = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 255
+                e = (jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x8), axis=1), jnp.int32) >> 23) & 255
                 e = jnp.clip(e, 14, 244)  # i32[W]
                 cs = jax.lax.bitcast_convert_type((268 - e) << 23, jnp.float32)  # f32[W]
                 inv = jax.lax.bitcast_convert_type((e if fp4 else e + 10) << 23, jnp.float32)
-                if x_slices:  # each column scaled into f16 (int4's odd ones / 16, as odd_16), broadcast over rows
-                    hs = [(v * (cs if fp4 or c % 2 == 0 else cs * 0.0625)).astype(jnp.float16)
-                          for c, v in enumerate(x8)]
-                    d = _dot8(wt, [jnp.broadcast_to(h[None, :], (block_n, nw)) for h in hs], interpret, fp4)
+                xs = x8 * cs[:, None]
+                h8 = (xs if fp4 else xs * odd_16).astype(jnp.float16)  # f16[W, 8]
+                if packed_x:  # the pairs packed once per word column, then broadcast over the rows
+                    ps = [jnp.broadcast_to(q[None, :], (block_n, nw)) for q in _pack_pairs(h8, fp4)]
+                    d = _dot8_packed(wt, ps, interpret, fp4)
                 else:
-                    xs = x8 * cs[:, None]
-                    h8 = (xs if fp4 else xs * odd_16).astype(jnp.float16)  # f16[W, 8]
-                    if packed_x:  # the pairs packed once per word column, then broadcast over the rows
-                        ps = [jnp.broadcast_to(q[None, :], (block_n, nw)) for q in _pack_pairs(h8, fp4)]
-                        d = _dot8_packed(wt, ps, interpret, fp4)
-                    else:
-                        hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
-                        d = _dot8(wt, hs, interpret, fp4)
+                    hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
+                    d = _dot8(wt, hs, interpret, fp4)
                 d = d * inv[None, :]  # f32[BN, W]: each word's sum of code * x
                 if word_scales:  # scale (and zero) of each word's group, gathered per word
                     jw = i * nw + jnp.arange(nw, dtype=jnp.int32)
@@ -553,9 +534,9 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     gw = ncols[:, None], (8 * jw // group)[None, :]
                     if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
                         z = plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0).astype(jnp.int32)
-                        d = d - z.astype(jnp.float32) * xsum[None, :]
+                        d = d - z.astype(jnp.float32) * jnp.sum(x8, axis=1)[None, :]
                     return acc + jnp.sum(d * _load_scale(s_ref.at[gw], g_ok), axis=1)
-                part, xg = group_sums(d, xsum, 8)
+                part, xg = group_sums(d, jnp.sum(x8, axis=1), 8)
                 return acc + zero_and_scale(i, part, xg)
 
             # (acc f32[BN], the norm's squares summed per position f32[W, 8]: one reduction after the loop)
@@ -744,8 +725,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
         split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv,
-        packed_x=params.packed_x and gemv, x_slices=params.x_slices and gemv and not fused.any, interpret=interpret,
-        fused=fused)
+        packed_x=params.packed_x and gemv, interpret=interpret, fused=fused)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     inputs = [x, packed, scales, aux] + [a for a in (norm_weight, bias, residual) if a is not None]
