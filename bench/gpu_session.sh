@@ -321,15 +321,34 @@ if [[ $parts == *chain4* ]]; then  # issue 19 (session 46): one-row int4 project
 fi
 if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the one-row int4 kernel, each Llama-3-8B
   # projection twice (caches flushed between replays: HBM), the full section set; text pages kept, the report dropped
-  # (NCU4_ARGS="--params JSON": W4Params for all four instead of the table's)
+  # (NCU4_ARGS="--params JSON": W4Params for all four instead of the table's). NCU4_SWEEP=FIELDS instead: only the
+  # duration of the table's pick and of each half2 SWEEP entry with FIELDS changed (e.g. "half2": all 57), twice each,
+  # tabulated, the fastest merged into the table where 3% faster (NCU4_GENERATE=1: int4 batch 1 before and after)
   ncu --version | tail -1
-  timeout ${NCU4_LIMIT:-300} ncu --clock-control none --set full -k regex:skinny_matmul_w4 -c 8 -f -o /tmp/w4_m1 \
-    python3 bench/kernels/w4_chain.py --ncu --out /tmp/ncu_x ${NCU4_ARGS:-} > "$OUT/ncu4_run.log" 2>&1
-  tail -4 "$OUT/ncu4_run.log"
-  ncu -i /tmp/w4_m1.ncu-rep --page details > "$OUT/ncu4_details.txt" 2>&1
-  ncu -i /tmp/w4_m1.ncu-rep --page source --print-source sass --csv 2>&1 | gzip > "$OUT/ncu4_sass.csv.gz"
-  grep -E "skinny|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Memory Throughput|DRAM Throughput|Executed Ipc A|Block Limit Reg|Waves Per SM|Stall" \
-    "$OUT/ncu4_details.txt" | head -80
+  if [[ -n ${NCU4_SWEEP:-} ]]; then
+    timeout ${NCU4_LIMIT:-300} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:skinny_matmul_w4 \
+      -f -o /tmp/w4_sweep python3 bench/kernels/w4_chain.py --ncu --sweep "$NCU4_SWEEP" --out "$OUT/ncu4_sweep" \
+      > "$OUT/ncu4_sweep_run.log" 2>&1
+    tail -3 "$OUT/ncu4_sweep_run.log"
+    ncu -i /tmp/w4_sweep.ncu-rep --page raw --csv --metrics gpu__time_duration.sum > "$OUT/ncu4_sweep/durations.csv"
+    python3 bench/kernels/w4_chain.py --ncu-table "$OUT/ncu4_sweep/durations.csv" --out "$OUT/ncu4_sweep" | head -40
+    # NCU4_GENERATE=1: int4 at batch 1 through generate with the shipped table, then with the merged one
+    for t in shipped merged; do
+      [[ $t == merged ]] && merge_w4_table "$OUT/ncu4_sweep/tuned_w4.json"
+      [[ -z ${NCU4_GENERATE:-} ]] && continue
+      timeout ${GENERATE_LIMIT:-120} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
+        --quantization int4 --out "$OUT/generate_llama3_8b_int4_b1_$t.json" > "$OUT/generate_llama3_8b_int4_b1_$t.log" 2>&1
+      echo "== $t"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_$t.log" | tail -4
+    done
+  else
+    timeout ${NCU4_LIMIT:-300} ncu --clock-control none --set full -k regex:skinny_matmul_w4 -c 8 -f -o /tmp/w4_m1 \
+      python3 bench/kernels/w4_chain.py --ncu --out /tmp/ncu_x ${NCU4_ARGS:-} > "$OUT/ncu4_run.log" 2>&1
+    tail -4 "$OUT/ncu4_run.log"
+    ncu -i /tmp/w4_m1.ncu-rep --page details > "$OUT/ncu4_details.txt" 2>&1
+    ncu -i /tmp/w4_m1.ncu-rep --page source --print-source sass --csv 2>&1 | gzip > "$OUT/ncu4_sass.csv.gz"
+    grep -E "skinny|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Memory Throughput|DRAM Throughput|Executed Ipc A|Block Limit Reg|Waves Per SM|Stall" \
+      "$OUT/ncu4_details.txt" | head -80
+  fi
 fi
 if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (the one-row decode layer's norms, SwiGLU
   # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16

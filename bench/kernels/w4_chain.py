@@ -15,7 +15,13 @@ start on L2 hits): the chain got slower (69.2 us a layer without, 70.7-87.3 with
 most 1.2x faster than cold (`bench/results/w4_chain_h100_2026-12-06_s46_call*`); it was removed.
 
 --ncu: each projection's kernel twice on one layer's weights and nothing else (run under Nsight
-Compute, `bench/gpu_session.sh ncu4`).
+Compute, `bench/gpu_session.sh ncu4`); with --sweep FIELDS, twice for the table's pick and for each
+one-row half2 entry of bench/kernels/w4.py's SWEEP with FIELDS changed from their defaults (as its
+--only), the launch order written to DIR/ncu_order.json. --ncu-table CSV then joins the durations
+Nsight Compute measured (`--page raw --csv`, gpu__time_duration.sum: each launch from cold caches,
+~1% apart between repeats in session 46 where the CUDA-event sweep of bench/kernels/w4.py spread
+10-60%) with that order: DIR/ncu_sweep.md, .json and tuned_w4.json (each projection's fastest,
+where it beats the table's pick by 3%: for `gpu_session.sh`'s merge_w4_table).
 
 Run (GPU machine, repo root): PYTHONPATH=. python3 bench/kernels/w4_chain.py --out DIR [--layers 16]
     --cpu-smoke: two tiny layers in interpret mode (no timing).
@@ -28,6 +34,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -42,6 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import median_seconds, memcpy_seconds  # noqa: E402
 
 from pallas_kernels.linear import W4Params, skinny_matmul_w4  # noqa: E402
+from pallas_kernels.linear.w4 import w4_params_for, w4_tuned_key  # noqa: E402
 
 LLAMA = dict(h=4096, qkv=6144, inter=14336)
 GROUP = 128
@@ -103,6 +111,88 @@ def chain_bf16(x, layers):
     return x
 
 
+def _sweep_variants(fields: str, k: int) -> list[W4Params]:
+    """bench/kernels/w4.py's one-row half2 SWEEP entries with `fields` changed from their defaults that take K."""
+    from w4 import SWEEP
+
+    from pallas_kernels.linear.w4 import _params_fit
+
+    out = []
+    for p in SWEEP:
+        changed = all(getattr(p, f) != getattr(W4Params(), f) for f in filter(None, fields.split(",")))
+        if p.half2 and p.gemv and changed and _params_fit(p, 1, k, GROUP) is None and p not in out:
+            out.append(p)
+    return out
+
+
+def _ncu_launches(a, w4_layers, keys, projections):
+    """Each projection's kernel twice per variant (the table's pick first); the order to DIR/ncu_order.json."""
+    import concurrent.futures
+
+    order = []
+    for name, k in projections:
+        n = w4_layers[0][name][0].shape[0]
+        table = w4_params_for("int4", 1, n, k, GROUP)
+        variants = [table] + ([p for p in _sweep_variants(a.sweep, k) if p != table] if a.sweep else [])
+        if a.params:
+            variants = [W4Params(**json.loads(a.params))]
+        if a.cpu_smoke:  # (interpret-mode compiles are slow: the plumbing only)
+            variants = variants[:3]
+        xk = jax.random.normal(keys[-1], (1, k), jnp.bfloat16)
+        w = w4_layers[0][name]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # (XLA and Triton compile outside the GIL)
+            fns = list(pool.map(lambda p, k=k, w=w, xk=xk: jax.jit(functools.partial(
+                _w4, k=k, interpret=a.cpu_smoke, params=p)).lower(xk, w).compile(), variants))
+        for p, fn in zip(variants, fns):
+            for _ in range(2):
+                jax.block_until_ready(fn(xk, w))
+                order.append(dict(projection=name, n=n, k=k, table=p == table, params=dataclasses.asdict(p)))
+    (a.out / "ncu_order.json").write_text(json.dumps(order, indent=1))
+    print(f"ncu: {len(order)} launches")
+
+
+def ncu_table(csv_path: pathlib.Path, order_path: pathlib.Path, out: pathlib.Path) -> list[dict]:
+    """Nsight Compute's raw CSV (gpu__time_duration.sum of each skinny_matmul_w4 launch, in order) joined
+    with `_ncu_launches`' order -> rows (projection, params, us: the faster of the two launches)."""
+    import csv
+
+    order = json.loads(order_path.read_text())
+    lines = list(csv.reader(csv_path.read_text().splitlines()))
+    head = next(i for i, r in enumerate(lines) if "gpu__time_duration.sum" in r)
+    col, name_col = lines[head].index("gpu__time_duration.sum"), lines[head].index("Kernel Name")
+    body = lines[head + 1:]
+    unit = body[0][col] if body and not body[0][0] else "nsecond"
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[unit]
+    us = [float(r[col].replace(",", "")) * scale for r in body if r and r[0] and "skinny_matmul_w4" in r[name_col]]
+    if len(us) != len(order):
+        raise SystemExit(f"{len(us)} durations for {len(order)} launches in {order_path}")
+    best: dict = {}
+    for o, t in zip(order, us):
+        key = (o["projection"], json.dumps(o["params"], sort_keys=True))
+        prev = best.get(key)
+        best[key] = dict(o, us=min(t, prev["us"]) if prev else t)
+    rows = sorted(best.values(), key=lambda r: (r["projection"], r["us"]))
+    tuned, lines_md = {}, ["| projection | us | packed TB/s | of the table's | params (changed from W4Params()) |",
+                           "|---|---|---|---|---|"]
+    default = dataclasses.asdict(W4Params())
+    for proj in dict.fromkeys(r["projection"] for r in rows):
+        mine = [r for r in rows if r["projection"] == proj]
+        table = next(r for r in mine if r["table"])
+        if mine[0]["us"] < 0.97 * table["us"]:
+            tuned[w4_tuned_key("int4", 1, mine[0]["n"], mine[0]["k"])] = mine[0]["params"]
+        for r in mine:
+            changed = {f: v for f, v in r["params"].items() if v != default[f]}
+            lines_md.append(f"| {proj}{' (table)' if r['table'] else ''} | {r['us']:.2f} | "
+                            f"{r['n'] * r['k'] / 2 / r['us'] / 1e6:.2f} | {r['us'] / table['us']:.3f} | {changed} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ncu_sweep.json").write_text(json.dumps(rows, indent=1))
+    (out / "ncu_sweep.md").write_text("\n".join(lines_md) + "\n\n(split_k > 1: the XLA sum of the partials is not "
+                                      "counted)\n")
+    (out / "tuned_w4.json").write_text(json.dumps(tuned, indent=1))
+    print("\n".join(lines_md))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, required=True)
@@ -112,22 +202,21 @@ def main(argv=None):
                     help="also each projection alone, on L layers' weights (cold) and on one layer's (hot, in L2)")
     ap.add_argument("--ncu", action="store_true", help="only each projection's kernel twice (for Nsight Compute)")
     ap.add_argument("--params", default="", help="W4Params fields as JSON for every projection (default: the table's)")
+    ap.add_argument("--sweep", default="", help="with --ncu: also the SWEEP entries with these fields changed")
+    ap.add_argument("--ncu-table", type=pathlib.Path, help="Nsight Compute's raw CSV: tabulate, nothing else")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.ncu_table:
+        ncu_table(a.ncu_table, a.out / "ncu_order.json", a.out)
+        return
     dims = dict(h=256, qkv=384, inter=512) if a.cpu_smoke else LLAMA
     layers_n = 1 if a.ncu else 2 if a.cpu_smoke else a.layers
     keys = jax.random.split(jax.random.key(0), layers_n + 1)
     w4_layers = [_layer_weights(kk, dims["h"], dims["qkv"], dims["inter"], "int4") for kk in keys[:-1]]
     projections = (("qkv", dims["h"]), ("o", dims["h"]), ("gate_up", dims["h"]), ("down", dims["inter"]))
     if a.ncu:
-        for name, k in projections:
-            params = W4Params(**json.loads(a.params)) if a.params else None
-            fn = jax.jit(functools.partial(_w4, k=k, interpret=a.cpu_smoke, params=params))
-            xk = jax.random.normal(keys[-1], (1, k), jnp.bfloat16)
-            for _ in range(2):
-                jax.block_until_ready(fn(xk, w4_layers[0][name]))
-        print("ncu: each projection twice")
+        _ncu_launches(a, w4_layers, keys, projections)
         return
     x = jax.random.normal(keys[-1], (1, dims["h"]), jnp.bfloat16)
     fn = jax.jit(functools.partial(chain, interpret=a.cpu_smoke))
