@@ -110,8 +110,15 @@
 # at M = 1, 64) 140 s cold, `l2prefetch` 380 s, `acceptance` of Qwen3-30B-A3B + Qwen3-Next with {"quantization":"int4"}
 # 402 s (PASS), of Nemotron-H with {"quantization":"fp8"} 193 s (PASS), `pdl` 329 s, all warm
 # (`bench/results/session45_2026-12-06.md`): the second PDL form is still 1.3-1.6x slower at M = 1 (stays off).
-# Next: `acceptance` (the default, three families then two) if a step, kernel or the engine changed; on an H200,
-# `gen4` at batch 1 (the issue's bar is the H200's) and `fp4dot`; `fuse` on an H200.
+# Session 46: six calls, all H100, no refusals (`bench/results/session46_2026-12-06.md`): `chain4 gen4` 204 s cold,
+# `tests chain4` (GPU_TEST_FILES=tests/test_w4.py: 58 passed; --per-projection) 96 s cold, `ncu4` 39 s cold (Nsight
+# Compute works here: --set full on 8 launches), `m1pack ncu4` (warps sweep, two generates) 329 s cold, `gen4 ncu4
+# m1pack` cut at 560 s (a 112-step unrolled variant compiled for minutes under ncu), `tests ncu4` 68 s cold. Parts run
+# in this file's order, not the order given (ncu4 before m1pack). A cold call cost ~60 s of budget before its command.
+# Next: NCU4_SWEEP=half2 NCU4_GENERATE=1 `ncu4` (~250 s: every one-row variant by Nsight Compute's duration, the
+# table merged where 3% faster, int4 batch 1 before and after); `acceptance` (the default, three families then two)
+# if a step, kernel or the engine changed; on an H200, `gen4` at batch 1 (the issue's bar is the H200's), `fp4dot`,
+# `fuse`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
