@@ -129,7 +129,16 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(32, 2048, 8, 1, True, True, half2=True), W4Params(32, 2048, 16, 1, True, True, half2=True),
          W4Params(16, 4096, 16, 1, True, True, half2=True), W4Params(32, 4096, 16, 1, True, True, half2=True),
          W4Params(64, 2048, 16, 1, True, True, half2=True), W4Params(32, 1024, 8, 1, True, True, half2=True),
-         W4Params(16, 2048, 16, 1, True, True, half2=True, split_k=2)
+         W4Params(16, 2048, 16, 1, True, True, half2=True, split_k=2),
+         # the next step's tile in flight while this one computes, at more steps and programs (for the Nsight
+         # Compute sweep, session 46: the shipped picks load a step, then compute it): `--only half2,prefetch`
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True),
+         W4Params(32, 512, 4, 1, True, True, half2=True, prefetch=True),
+         W4Params(16, 512, 8, 1, True, True, half2=True, prefetch=True),
+         W4Params(16, 1024, 8, 1, True, True, half2=True, prefetch=True),
+         W4Params(32, 1024, 4, 1, True, True, half2=True, prefetch=True),
+         W4Params(16, 2048, 4, 1, True, True, half2=True, prefetch=True),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True, split_k=2)
          # (session 46 also measured one group a step, block_k 128 unrolled: 2-3.5x slower at 40 registers and
          # 9% occupancy; and x read as eight column vectors instead of a [W, 8] load split through shared
          # memory: q|k|v 11.2 against 11.0 us under Nsight Compute, its smem stalls became HBM waits. Neither kept.)
