@@ -159,11 +159,14 @@ def ncu_table(csv_path: pathlib.Path, order_path: pathlib.Path, out: pathlib.Pat
     order = json.loads(order_path.read_text())
     lines = list(csv.reader(csv_path.read_text().splitlines()))
     head = next(i for i, r in enumerate(lines) if "gpu__time_duration.sum" in r)
-    col, name_col = lines[head].index("gpu__time_duration.sum"), lines[head].index("Kernel Name")
+    col = lines[head].index("gpu__time_duration.sum")
+    # (the launches were already filtered by name, `ncu -k`; a name column, where there is one, is checked)
+    name_col = next((i for i, h in enumerate(lines[head]) if h in ("Kernel Name", "Function Name")), None)
     body = lines[head + 1:]
-    unit = body[0][col] if body and not body[0][0] else "nsecond"
+    unit = body[0][col] if body and not body[0][0] else "nsecond"  # (a units row has no launch ID)
     scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[unit]
-    us = [float(r[col].replace(",", "")) * scale for r in body if r and r[0] and "skinny_matmul_w4" in r[name_col]]
+    us = [float(r[col].replace(",", "")) * scale for r in body
+          if r and r[0] and (name_col is None or "skinny_matmul_w4" in r[name_col])]
     if len(us) != len(order):
         raise SystemExit(f"{len(us)} durations for {len(order)} launches in {order_path}")
     best: dict = {}
