@@ -115,7 +115,8 @@
 # Compute works here: --set full on 8 launches), `m1pack ncu4` (warps sweep, two generates) 329 s cold, `gen4 ncu4
 # m1pack` cut at 560 s (a 112-step unrolled variant compiled for minutes under ncu), `tests ncu4` 68 s cold. Parts run
 # in this file's order, not the order given (ncu4 before m1pack). A cold call cost ~60 s of budget before its command.
-# Next: NCU4_SWEEP=half2 NCU4_GENERATE=1 `ncu4` (~250 s: every one-row variant by Nsight Compute's duration, the
+# Next: `tests` with GPU_TEST_FILES=tests/test_w4.py (the prefetch-ring gpu cases, not yet run), then
+# NCU4_SWEEP=half2 NCU4_GENERATE=1 `ncu4` (~250 s: every one-row variant by Nsight Compute's duration, the
 # table merged where 3% faster, int4 batch 1 before and after); `acceptance` (the default, three families then two)
 # if a step, kernel or the engine changed; on an H200, `gen4` at batch 1 (the issue's bar is the H200's), `fp4dot`,
 # `fuse`.
@@ -329,7 +330,7 @@ fi
 if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the one-row int4 kernel, each Llama-3-8B
   # projection twice (caches flushed between replays: HBM), the full section set; text pages kept, the report dropped
   # (NCU4_ARGS="--params JSON": W4Params for all four instead of the table's). NCU4_SWEEP=FIELDS instead: only the
-  # duration of the table's pick and of each half2 SWEEP entry with FIELDS changed (e.g. "half2": all 64), twice each,
+  # duration of the table's pick and of each half2 SWEEP entry with FIELDS changed (e.g. "half2": all 71), twice each,
   # tabulated, the fastest merged into the table where 3% faster (NCU4_GENERATE=1: int4 batch 1 before and after)
   ncu --version | tail -1
   if [[ -n ${NCU4_SWEEP:-} ]]; then

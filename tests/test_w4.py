@@ -199,6 +199,13 @@ def _random_w4(rng, n, k, g, kind):
                                      packed_x=True, word_scales=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       packed_x=True, unroll=True)),  # float16 activations
+    # prefetch rings: 2-3 steps ahead (past a program's last step along K: masked), more than the steps
+    ("int4", 1, 40, 456, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      prefetch=2, split_k=3)),
+    ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                     prefetch=3, word_scales=True, unroll=True)),
+    ("int4", 1, 24, 160, 32, W4Params(block_n=32, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      prefetch=4)),  # float16 activations; 3 steps
     # whole-K tiles (block_k past K: one masked step per program), split along K too
     ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True)),
     ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True,
@@ -244,6 +251,7 @@ _H2 = dict(gemv=True, group_partial=True, half2=True)
     ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, **_H2), "norm+bias"),
     ("fp4", 24, 256, 16, W4Params(block_n=16, block_k=64, split_k=2, prefetch=True, **_H2), "norm"),
     ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, **_H2), "silu+residual"),
+    ("int4", 40, 456, 64, W4Params(block_n=16, block_k=64, split_k=2, prefetch=3, **_H2), "norm"),  # a ring of 3
     # other paths: the same in XLA around the kernel
     ("int4", 40, 201, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True), "norm+bias"),
     ("int4", 40, 201, 64, W4Params(block_n=16, block_k=64), "silu+residual"),
@@ -343,6 +351,7 @@ def test_w4_kernel_rejects_bad_input():
     ("int4", 128, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, packed_x=True)),
     ("fp4", 16, W4Params(block_k=1024, gemv=True, group_partial=True, half2=True, word_scales=True, packed_x=True)),
     ("int4", 128, W4Params(block_k=4096, gemv=True, group_partial=True, half2=True)),  # whole K (session 39)
+    ("int4", 128, W4Params(block_k=512, gemv=True, group_partial=True, half2=True, prefetch=3, split_k=2)),
     ("fp4", 16, W4Params(block_k=4096, num_warps=8, gemv=True, group_partial=True, half2=True, word_scales=True)),
 ])
 def test_w4_kernel_lowers_for_h200(kind, g, params):
@@ -448,6 +457,9 @@ def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
                                         packed_x=True)),
     ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
                                         packed_x=True)),
+    ("int4", 1, 6144, 4096, 128, W4Params(16, 512, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=3)),
+    ("int4", 1, 4096, 14336, 128, W4Params(16, 1024, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=2,
+                                           split_k=2)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

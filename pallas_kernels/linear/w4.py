@@ -116,10 +116,12 @@ class W4Params:
     # two per word. ~4 instructions per byte against ~10 (module docstring). Needs K % 8 == 0 and a
     # group size divisible by 8; interpret mode runs a jnp twin of the PTX.
     half2: bool = False
-    # half2: carry the next step's weight words and x in the loop (loaded before this step's math), so
-    # a program has a step's loads in flight while it computes (Triton does not software-pipeline
-    # loads that feed no dot).
-    prefetch: bool = False
+    # half2: carry the next steps' weight words and x in the loop (loaded before this step's math), so
+    # a program has loads in flight while it computes (Triton does not software-pipeline loads that
+    # feed no dot). An int: how many steps ahead (True = 1). Session 46's Nsight Compute run found the
+    # one-row programs loading a step, then computing it; one step ahead cannot cover a load's
+    # latency when a step's math is shorter (for the next sweep: `--only half2,prefetch`).
+    prefetch: int = 0
     # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
     # more programs for narrow layers, whose few programs each had one step's loads in flight.
@@ -148,6 +150,8 @@ class W4Params:
             raise ValueError(f"{self.block_k=} must be >= 32 (16 bytes a row)")
         if self.split_k < 1:
             raise ValueError(f"{self.split_k=} must be >= 1")
+        if self.prefetch < 0:
+            raise ValueError(f"{self.prefetch=} must be >= 0 (steps ahead)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,9 +498,10 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
 
             def load_half2(i):
                 # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns, f32[W, 8] their
-                # squares before the norm's weight (norm), else None)
+                # squares before the norm's weight (norm), else None); a prefetch past this program's
+                # last step along K loads nothing (past K's last step the column mask covers it)
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
-                w_ok = jw < kw
+                w_ok = (jw < kw) & (i < last) if prefetch and split_k > 1 else jw < kw
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
                                        other=0, eviction_policy="evict_first")
                 cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
@@ -543,16 +548,21 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             carry0 = (jnp.zeros((block_n,), jnp.float32), jnp.zeros((nw, 8), jnp.float32) if fused.norm else None)
             sps = -(-num_steps // split_k)  # steps per program along K (those past the last: masked off)
             first = pl.program_id(1) * sps
+            last = first + sps  # (this program's steps end there)
 
             def advance(i, carry, wt, x8, sq):
                 acc, ss = carry
                 return step_half2(i, acc, wt, x8), None if sq is None else ss + sq
 
-            if prefetch:  # (loads past the last step are masked off: no memory traffic)
-                def body_prefetch(t, carry):
-                    return (advance(first + t, carry[0], *carry[1:]), *load_half2(first + t + 1))
+            if prefetch:  # a ring of the next `prefetch` steps' loads (past the program's last: masked off)
+                ahead = int(prefetch)
 
-                acc, ss = _loop(sps, body_prefetch, (carry0, *load_half2(first)), unroll)[0]
+                def body_prefetch(t, carry):
+                    state, ring = carry
+                    return advance(first + t, state, *ring[0]), ring[1:] + (load_half2(first + t + ahead),)
+
+                ring0 = (load_half2(first),) + tuple(load_half2(first + d) for d in range(1, ahead))
+                acc, ss = _loop(sps, body_prefetch, (carry0, ring0), unroll)[0]
             else:
                 acc, ss = _loop(sps, lambda t, carry: advance(first + t, carry, *load_half2(first + t)), carry0,
                                 unroll)
