@@ -199,7 +199,7 @@ def _random_w4(rng, n, k, g, kind):
                                      packed_x=True, word_scales=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       packed_x=True, unroll=True)),  # float16 activations
-    # prefetch rings: 2-3 steps ahead (past a program's last step along K: masked), more than the steps
+    # prefetch rings: 2-4 steps ahead (past a program's last step along K: masked; 4 ahead of 3 steps)
     ("int4", 1, 40, 456, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
                                       prefetch=2, split_k=3)),
     ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
@@ -331,6 +331,8 @@ def test_w4_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="packed_x"):
         skinny_matmul_w4(x[:1], packed, s, z, k=64, group_size=32, kind="int4",
                          params=W4Params(block_k=32, packed_x=True))
+    with pytest.raises(ValueError, match="prefetch"):
+        W4Params(prefetch=-1)
     with pytest.raises(ValueError, match="row_scale"):
         skinny_matmul_w4(x, packed, s, z, k=64, group_size=32, kind="fp4")
 
