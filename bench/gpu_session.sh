@@ -330,7 +330,7 @@ fi
 if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the one-row int4 kernel, each Llama-3-8B
   # projection twice (caches flushed between replays: HBM), the full section set; text pages kept, the report dropped
   # (NCU4_ARGS="--params JSON": W4Params for all four instead of the table's). NCU4_SWEEP=FIELDS instead: only the
-  # duration of the table's pick and of each half2 SWEEP entry with FIELDS changed (e.g. "half2": all 71), twice each,
+  # duration of the table's pick and of each half2 SWEEP entry with FIELDS changed (e.g. "half2": all 73), twice each,
   # tabulated, the fastest merged into the table where 3% faster (NCU4_GENERATE=1: int4 batch 1 before and after)
   ncu --version | tail -1
   if [[ -n ${NCU4_SWEEP:-} ]]; then
