@@ -160,6 +160,11 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
 MIN_ROTATION_BYTES = 256e6
 
 
+def sweep_with(fields: str) -> list[W4Params]:
+    """The SWEEP entries with each of `fields` (comma-separated W4Params names) changed from its default."""
+    return [p for p in SWEEP if all(getattr(p, f) != getattr(W4Params(), f) for f in filter(None, fields.split(",")))]
+
+
 def _memcpy() -> float:
     """torch copy_ bandwidth (bytes/s): bench/kernels/linear.py's measurement."""
     import sys
@@ -316,9 +321,7 @@ def main(argv=None):
     SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
     KINDS = {k: KINDS[k] for k in args.kinds.split(",")}
     MS = tuple(int(m) for m in args.ms.split(","))
-    for flag in filter(None, args.only.split(",")):
-        SWEEP = [p for p in SWEEP if getattr(p, flag) != getattr(W4Params(), flag)]
-    SWEEP = [p for p in SWEEP if p.block_k >= args.min_block_k]
+    SWEEP = [p for p in sweep_with(args.only) if p.block_k >= args.min_block_k]
     kernel = skinny_matmul_w4
     if args.cpu_smoke:
         SHAPES, MS, SWEEP, MIN_ROTATION_BYTES = {"a": (256, 96)}, (1, 17), SWEEP[:2] + SWEEP[-1:], 1e4

@@ -113,16 +113,12 @@ def chain_bf16(x, layers):
 
 def _sweep_variants(fields: str, k: int) -> list[W4Params]:
     """bench/kernels/w4.py's one-row half2 SWEEP entries with `fields` changed from their defaults that take K."""
-    from w4 import SWEEP
+    from w4 import sweep_with
 
     from pallas_kernels.linear.w4 import _params_fit
 
-    out = []
-    for p in SWEEP:
-        changed = all(getattr(p, f) != getattr(W4Params(), f) for f in filter(None, fields.split(",")))
-        if p.half2 and p.gemv and changed and _params_fit(p, 1, k, GROUP) is None and p not in out:
-            out.append(p)
-    return out
+    fit = [p for p in sweep_with(fields) if p.half2 and p.gemv and _params_fit(p, 1, k, GROUP) is None]
+    return list(dict.fromkeys(fit))  # (W4Params are hashable: duplicates dropped, order kept)
 
 
 def _ncu_launches(a, w4_layers, keys, projections):

@@ -561,6 +561,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     state, ring = carry
                     return advance(first + t, state, *ring[0]), ring[1:] + (load_half2(first + t + ahead),)
 
+                # (step `first` itself, not `first + 0`: one step ahead traces to the kernel it was before the ring)
                 ring0 = (load_half2(first),) + tuple(load_half2(first + d) for d in range(1, ahead))
                 acc, ss = _loop(sps, body_prefetch, (carry0, ring0), unroll)[0]
             else:
