@@ -308,7 +308,7 @@ fi
 merge_w4_table() {  # $1: a sweep's tuned_w4.json, merged into the tree's table (a copy of the result beside it)
   python3 -c "import json, sys; f = 'pallas_kernels/linear/tuned_w4.json'; t = json.load(open(f)); \
 t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$1" \
-    && cp pallas_kernels/linear/tuned_w4.json "$(dirname "$1")/tuned_w4_merged.json"
+    && cp pallas_kernels/linear/tuned_w4.json "${1%.json}_merged.json"
 }
 if [[ $parts == *wholek* ]]; then  # issue 19: the int4 batch-1 step profiled (kernels and the idle gaps between
   # them) with the shipped table, then with session 40's whole-K picks merged in: in isolation they saved ~15 us a
@@ -334,20 +334,31 @@ if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the 
   # tabulated, the fastest merged into the table where 3% faster (NCU4_GENERATE=1: int4 batch 1 before and after)
   ncu --version | tail -1
   if [[ -n ${NCU4_SWEEP:-} ]]; then
-    timeout ${NCU4_LIMIT:-300} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:skinny_matmul_w4 \
-      -f -o /tmp/w4_sweep python3 bench/kernels/w4_chain.py --ncu --sweep "$NCU4_SWEEP" --out "$OUT/ncu4_sweep" \
-      > "$OUT/ncu4_sweep_run.log" 2>&1
-    tail -3 "$OUT/ncu4_sweep_run.log"
-    ncu -i /tmp/w4_sweep.ncu-rep --page raw --csv --metrics gpu__time_duration.sum > "$OUT/ncu4_sweep/durations.csv"
-    python3 bench/kernels/w4_chain.py --ncu-table "$OUT/ncu4_sweep/durations.csv" --out "$OUT/ncu4_sweep" | head -40
-    # NCU4_GENERATE=1: int4 at batch 1 through generate with the shipped table, then with the merged one
-    for t in shipped merged; do
+    # one process a projection (session 47: one process for all four segfaulted after q|k|v's 146 launches)
+    csvs=()
+    for proj in ${NCU4_PROJECTIONS:-qkv o gate_up down}; do
+      d=$OUT/ncu4_sweep/$proj; mkdir -p "$d"
+      timeout ${NCU4_LIMIT:-150} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:skinny_matmul_w4 \
+        -f -o /tmp/w4_sweep_$proj python3 bench/kernels/w4_chain.py --ncu --sweep "$NCU4_SWEEP" --projection $proj \
+        --out "$d" > "$d/run.log" 2>&1
+      echo "$proj: $(grep -c '==PROF== Profiling' "$d/run.log") launches profiled; $(tail -1 "$d/run.log")"
+      ncu -i /tmp/w4_sweep_$proj.ncu-rep --page raw --csv --metrics gpu__time_duration.sum > "$d/durations.csv" \
+        && csvs+=("$d/durations.csv")
+    done
+    python3 bench/kernels/w4_chain.py --ncu-table "${csvs[@]}" --out "$OUT/ncu4_sweep" | awk -F'|' '$5 + 0 <= 1.0' | head -40
+    # NCU4_GENERATE=1: int4 at batch 1 through generate with the shipped table, with the merged one, and with the
+    # merged one among split_k = 1 (its durations leave out split-K's XLA sum of the partials)
+    cp pallas_kernels/linear/tuned_w4.json /tmp/tuned_w4_shipped.json
+    for t in shipped merged nosplit; do
+      cp /tmp/tuned_w4_shipped.json pallas_kernels/linear/tuned_w4.json
       [[ $t == merged ]] && merge_w4_table "$OUT/ncu4_sweep/tuned_w4.json"
+      [[ $t == nosplit ]] && merge_w4_table "$OUT/ncu4_sweep/tuned_w4_nosplit.json"
       [[ -z ${NCU4_GENERATE:-} ]] && continue
       timeout ${GENERATE_LIMIT:-120} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
         --quantization int4 --out "$OUT/generate_llama3_8b_int4_b1_$t.json" > "$OUT/generate_llama3_8b_int4_b1_$t.log" 2>&1
       echo "== $t"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_$t.log" | tail -4
     done
+    cp /tmp/tuned_w4_shipped.json pallas_kernels/linear/tuned_w4.json
   else
     timeout ${NCU4_LIMIT:-300} ncu --clock-control none --set full -k regex:skinny_matmul_w4 -c 8 -f -o /tmp/w4_m1 \
       python3 bench/kernels/w4_chain.py --ncu --out /tmp/ncu_x ${NCU4_ARGS:-} > "$OUT/ncu4_run.log" 2>&1

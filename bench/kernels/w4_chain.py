@@ -17,7 +17,7 @@ most 1.2x faster than cold (`bench/results/w4_chain_h100_2026-12-06_s46_call*`);
 --ncu: each projection's kernel twice on one layer's weights and nothing else (run under Nsight
 Compute, `bench/gpu_session.sh ncu4`); with --sweep FIELDS, twice for the table's pick and for each
 one-row half2 entry of bench/kernels/w4.py's SWEEP with FIELDS changed from their defaults (as its
---only), the launch order written to DIR/ncu_order.json. --ncu-table CSV then joins the durations
+--only), the launch order written to DIR/ncu_order.json. --ncu-table CSV... then joins the durations
 Nsight Compute measured (`--page raw --csv`, gpu__time_duration.sum: each launch from cold caches,
 ~1% apart between repeats in session 46 where the CUDA-event sweep of bench/kernels/w4.py spread
 10-60%) with that order: DIR/ncu_sweep.md, .json and tuned_w4.json (each projection's fastest,
@@ -122,11 +122,15 @@ def _sweep_variants(fields: str, k: int) -> list[W4Params]:
 
 
 def _ncu_launches(a, w4_layers, keys, projections):
-    """Each projection's kernel twice per variant (the table's pick first); the order to DIR/ncu_order.json."""
+    """Each projection's kernel twice per variant (the table's pick first); the order to DIR/ncu_order.json,
+    written before the launches (a crash part-way leaves fewer durations than entries: `ncu_table` keeps
+    the launches that ran)."""
     import concurrent.futures
 
     order = []
     for name, k in projections:
+        if a.projection and name not in a.projection.split(","):
+            continue
         n = w4_layers[0][name][0].shape[0]
         table = w4_params_for("int4", 1, n, k, GROUP)
         variants = [table] + ([p for p in _sweep_variants(a.sweep, k) if p != table] if a.sweep else [])
@@ -134,25 +138,24 @@ def _ncu_launches(a, w4_layers, keys, projections):
             variants = [W4Params(**json.loads(a.params))]
         if a.cpu_smoke:  # (interpret-mode compiles are slow: the plumbing only)
             variants = variants[:3]
+        order += [dict(projection=name, n=n, k=k, table=p == table, params=dataclasses.asdict(p))
+                  for p in variants for _ in range(2)]
+        (a.out / "ncu_order.json").write_text(json.dumps(order, indent=1))
         xk = jax.random.normal(keys[-1], (1, k), jnp.bfloat16)
         w = w4_layers[0][name]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # (XLA and Triton compile outside the GIL)
             fns = list(pool.map(lambda p, k=k, w=w, xk=xk: jax.jit(functools.partial(
                 _w4, k=k, interpret=a.cpu_smoke, params=p)).lower(xk, w).compile(), variants))
-        for p, fn in zip(variants, fns):
+        for fn in fns:
             for _ in range(2):
                 jax.block_until_ready(fn(xk, w))
-                order.append(dict(projection=name, n=n, k=k, table=p == table, params=dataclasses.asdict(p)))
-    (a.out / "ncu_order.json").write_text(json.dumps(order, indent=1))
     print(f"ncu: {len(order)} launches")
 
 
-def ncu_table(csv_path: pathlib.Path, order_path: pathlib.Path, out: pathlib.Path) -> list[dict]:
-    """Nsight Compute's raw CSV (gpu__time_duration.sum of each skinny_matmul_w4 launch, in order) joined
-    with `_ncu_launches`' order -> rows (projection, params, us: the faster of the two launches)."""
+def _ncu_durations(csv_path: pathlib.Path) -> list[float]:
+    """Nsight Compute's raw CSV (`--page raw --csv`, gpu__time_duration.sum) -> each launch's us, in order."""
     import csv
 
-    order = json.loads(order_path.read_text())
     lines = list(csv.reader(csv_path.read_text().splitlines()))
     head = next(i for i, r in enumerate(lines) if "gpu__time_duration.sum" in r)
     col = lines[head].index("gpu__time_duration.sum")
@@ -160,25 +163,44 @@ def ncu_table(csv_path: pathlib.Path, order_path: pathlib.Path, out: pathlib.Pat
     name_col = next((i for i, h in enumerate(lines[head]) if h in ("Kernel Name", "Function Name")), None)
     body = lines[head + 1:]
     unit = body[0][col] if body and not body[0][0] else "nsecond"  # (a units row has no launch ID)
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[unit]
-    us = [float(r[col].replace(",", "")) * scale for r in body
-          if r and r[0] and (name_col is None or "skinny_matmul_w4" in r[name_col])]
-    if len(us) != len(order):
-        raise SystemExit(f"{len(us)} durations for {len(order)} launches in {order_path}")
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[unit]
+    return [float(r[col].replace(",", "")) * scale for r in body
+            if r and r[0] and (name_col is None or "skinny_matmul_w4" in r[name_col])]
+
+
+def ncu_table(csv_paths: list[pathlib.Path], out: pathlib.Path) -> list[dict]:
+    """Nsight Compute's durations (each CSV with the `_ncu_launches` order beside it, ncu_order.json) ->
+    rows (projection, params, us: the faster of the two launches), DIR/ncu_sweep.md and .json, and
+    DIR/tuned_w4.json (each projection's fastest where 3% faster than the table's pick) and
+    tuned_w4_nosplit.json (the same among split_k = 1: the durations leave out split-K's XLA sum)."""
+    order, us = [], []
+    for csv_path in csv_paths:
+        o = json.loads((csv_path.parent / "ncu_order.json").read_text())
+        t = _ncu_durations(csv_path)
+        if len(t) > len(o):
+            raise SystemExit(f"{len(t)} durations for {len(o)} launches in {csv_path.parent}")
+        if len(t) < len(o):  # (the process died part-way: the launches before it still count)
+            print(f"{csv_path}: {len(t)} durations for {len(o)} launches; the first {len(t)} kept")
+        order += o[:len(t)]
+        us += t
     best: dict = {}
     for o, t in zip(order, us):
         key = (o["projection"], json.dumps(o["params"], sort_keys=True))
         prev = best.get(key)
         best[key] = dict(o, us=min(t, prev["us"]) if prev else t)
     rows = sorted(best.values(), key=lambda r: (r["projection"], r["us"]))
-    tuned, lines_md = {}, ["| projection | us | packed TB/s | of the table's | params (changed from W4Params()) |",
-                           "|---|---|---|---|---|"]
+    tuned, nosplit = {}, {}
+    lines_md = ["| projection | us | packed TB/s | of the table's | params (changed from W4Params()) |",
+                "|---|---|---|---|---|"]
     default = dataclasses.asdict(W4Params())
     for proj in dict.fromkeys(r["projection"] for r in rows):
         mine = [r for r in rows if r["projection"] == proj]
-        table = next(r for r in mine if r["table"])
-        if mine[0]["us"] < 0.97 * table["us"]:
-            tuned[w4_tuned_key("int4", 1, mine[0]["n"], mine[0]["k"])] = mine[0]["params"]
+        table = next((r for r in mine if r["table"]), None)
+        if table is None:  # (its launches never ran)
+            continue
+        for picks, pool in ((tuned, mine), (nosplit, [r for r in mine if r["params"]["split_k"] == 1])):
+            if pool and pool[0]["us"] < 0.97 * table["us"]:
+                picks[w4_tuned_key("int4", 1, pool[0]["n"], pool[0]["k"])] = pool[0]["params"]
         for r in mine:
             changed = {f: v for f, v in r["params"].items() if v != default[f]}
             lines_md.append(f"| {proj}{' (table)' if r['table'] else ''} | {r['us']:.2f} | "
@@ -188,6 +210,7 @@ def ncu_table(csv_path: pathlib.Path, order_path: pathlib.Path, out: pathlib.Pat
     (out / "ncu_sweep.md").write_text("\n".join(lines_md) + "\n\n(split_k > 1: the XLA sum of the partials is not "
                                       "counted)\n")
     (out / "tuned_w4.json").write_text(json.dumps(tuned, indent=1))
+    (out / "tuned_w4_nosplit.json").write_text(json.dumps(nosplit, indent=1))
     print("\n".join(lines_md))
     return rows
 
@@ -202,12 +225,14 @@ def main(argv=None):
     ap.add_argument("--ncu", action="store_true", help="only each projection's kernel twice (for Nsight Compute)")
     ap.add_argument("--params", default="", help="W4Params fields as JSON for every projection (default: the table's)")
     ap.add_argument("--sweep", default="", help="with --ncu: also the SWEEP entries with these fields changed")
-    ap.add_argument("--ncu-table", type=pathlib.Path, help="Nsight Compute's raw CSV: tabulate, nothing else")
+    ap.add_argument("--projection", default="", help="with --ncu: only these projections (qkv,o,gate_up,down)")
+    ap.add_argument("--ncu-table", type=pathlib.Path, nargs="+",
+                    help="Nsight Compute's raw CSVs, each beside its ncu_order.json: tabulate, nothing else")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.ncu_table:
-        ncu_table(a.ncu_table, a.out / "ncu_order.json", a.out)
+        ncu_table(a.ncu_table, a.out)
         return
     dims = dict(h=256, qkv=384, inter=512) if a.cpu_smoke else LLAMA
     layers_n = 1 if a.ncu else 2 if a.cpu_smoke else a.layers
