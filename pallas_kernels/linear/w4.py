@@ -50,7 +50,10 @@ dequantization for the dot path (M > 1: words to f16 weights by inline PTX, 8 do
 2-6x slower than bf16 at M = 16 / 64 (`..._call4_half2_dot.json`) and was not kept. `word_scales`
 (half2, session 29) scales each word by its own group's scale instead of summing the words of a group
 first: the table's pick for NVFP4's q/k/v, o and down (10.1 / 8.1 / 19.5 us, groups of 16 = 2 words). `w4_params_for`
-reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params.
+reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params;
+its int4 M = 1 picks for q|k|v, o and gate|up come from session 47's H100 sweep timed by Nsight Compute
+(bench/kernels/w4_chain.py --sweep: each launch's own duration, ~1% apart between repeats), the rest from
+the H200's CUDA-event sweeps.
 At 2-64 rows int4 runs the tensor-core kernel (`w4_mgpu.py`) on Hopper; NVFP4, whose groups of 16 that
 kernel cannot take, runs this kernel's dot path, 2.5x slower than bf16 at batch 64 on an H100
 (session 36): `swap_ab` (the dequantized tile as the dot's first operand, which wgmma may keep in
@@ -81,7 +84,7 @@ MAX_M = 64
 
 @dataclasses.dataclass(frozen=True)
 class W4Params:
-    """Static tuning of `skinny_matmul_w4` (`w4_params_for`: the H200 sweep's table, `tuned_w4.json`).
+    """Static tuning of `skinny_matmul_w4` (`w4_params_for`: the sweeps' table, `tuned_w4.json`).
 
     block_n: weight rows per program (power of two >= 16); block_k: K columns per loop step
     (power of two >= 32, i.e. block_k / 2 bytes per row); num_warps / num_stages: Triton launch.
@@ -120,7 +123,9 @@ class W4Params:
     # a program has loads in flight while it computes (Triton does not software-pipeline loads that
     # feed no dot). An int: how many steps ahead (True = 1). Session 46's Nsight Compute run found the
     # one-row programs loading a step, then computing it; one step ahead cannot cover a load's
-    # latency when a step's math is shorter (for the next sweep: `--only half2,prefetch`).
+    # latency when a step's math is shorter. Session 47 (H100, Nsight Compute durations): two steps
+    # ahead, unrolled, block_n 16 is the fastest one-program-per-tile variant for q|k|v (8.5 against
+    # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there.
     prefetch: int = 0
     # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
