@@ -334,29 +334,33 @@ if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the 
   # tabulated, the fastest merged into the table where 3% faster (NCU4_GENERATE=1: int4 batch 1 before and after)
   ncu --version | tail -1
   if [[ -n ${NCU4_SWEEP:-} ]]; then
-    # one process a projection (session 47: one process for all four segfaulted after q|k|v's 146 launches)
-    csvs=()
+    # one process a projection (session 47: one process for all four segfaulted after q|k|v's 146 launches);
+    # NCU4_KIND=fp4: NVFP4's table instead (generate with nvfp4, then int4 with the tree's table, same call)
+    csvs=(); kind=${NCU4_KIND:-int4}; quant=$([[ $kind == fp4 ]] && echo nvfp4 || echo int4)
     for proj in ${NCU4_PROJECTIONS:-qkv o gate_up down}; do
       d=$OUT/ncu4_sweep/$proj; mkdir -p "$d"
       timeout ${NCU4_LIMIT:-150} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:skinny_matmul_w4 \
-        -f -o /tmp/w4_sweep_$proj python3 bench/kernels/w4_chain.py --ncu --sweep "$NCU4_SWEEP" --projection $proj \
+        -f -o /tmp/w4_sweep_$proj python3 bench/kernels/w4_chain.py --ncu --sweep "$NCU4_SWEEP" --kind $kind --projection $proj \
         --out "$d" > "$d/run.log" 2>&1
       echo "$proj: $(grep -c '==PROF== Profiling' "$d/run.log") launches profiled; $(tail -1 "$d/run.log")"
       ncu -i /tmp/w4_sweep_$proj.ncu-rep --page raw --csv --metrics gpu__time_duration.sum > "$d/durations.csv" \
         && csvs+=("$d/durations.csv")
     done
     python3 bench/kernels/w4_chain.py --ncu-table "${csvs[@]}" --out "$OUT/ncu4_sweep" | awk -F'|' '$5 + 0 <= 1.0' | head -40
-    # NCU4_GENERATE=1: int4 at batch 1 through generate with the shipped table, with the merged one, and with the
+    # NCU4_GENERATE=1: batch 1 through generate with the shipped table, with the merged one, and with the
     # merged one among split_k = 1 (its durations leave out split-K's XLA sum of the partials)
     cp pallas_kernels/linear/tuned_w4.json /tmp/tuned_w4_shipped.json
-    for t in shipped merged nosplit; do
+    runs="shipped:$quant merged:$quant nosplit:$quant"
+    [[ $kind == fp4 ]] && runs="$runs shipped:int4"
+    for run in $runs; do
+      IFS=: read -r t q <<< "$run"
       cp /tmp/tuned_w4_shipped.json pallas_kernels/linear/tuned_w4.json
       [[ $t == merged ]] && merge_w4_table "$OUT/ncu4_sweep/tuned_w4.json"
       [[ $t == nosplit ]] && merge_w4_table "$OUT/ncu4_sweep/tuned_w4_nosplit.json"
       [[ -z ${NCU4_GENERATE:-} ]] && continue
       timeout ${GENERATE_LIMIT:-120} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
-        --quantization int4 --out "$OUT/generate_llama3_8b_int4_b1_$t.json" > "$OUT/generate_llama3_8b_int4_b1_$t.log" 2>&1
-      echo "== $t"; grep "batch   1" "$OUT/generate_llama3_8b_int4_b1_$t.log" | tail -4
+        --quantization $q --out "$OUT/generate_llama3_8b_${q}_b1_$t.json" > "$OUT/generate_llama3_8b_${q}_b1_$t.log" 2>&1
+      echo "== $q $t"; grep "batch   1" "$OUT/generate_llama3_8b_${q}_b1_$t.log" | tail -4
     done
     cp /tmp/tuned_w4_shipped.json pallas_kernels/linear/tuned_w4.json
   else

@@ -2,9 +2,9 @@
 
 At one row each 4-bit projection of a Llama-3-8B layer costs ~5 us that its bytes do not explain
 (H200, session 31: q|k|v 8.3 us for 12.9 MB, gate|up 21.0 for 60 MB). This times L layers of
-q|k|v -> o -> gate|up -> down (Llama-3-8B shapes, int4 group 128, random codes, the kernels' tuned
-params, the RMSNorms, SwiGLU and residual adds in XLA between them as in a decode layer; attention
-left out: o reads q's columns) beside the same chain in bf16 (XLA's dots) and a torch `copy_`
+q|k|v -> o -> gate|up -> down (Llama-3-8B shapes, int4 group 128 or with --kind fp4 NVFP4, random
+codes, the kernels' tuned params, the RMSNorms, SwiGLU and residual adds in XLA between them as in a
+decode layer; attention left out: o reads q's columns) beside the same chain in bf16 (XLA's dots) and a torch `copy_`
 (the roofline); with --per-projection each projection's kernel alone, L calls on L layers' weights
 (`_cold`, from HBM) and on one layer's (`_hot`: from L2 after the first call, all but gate|up fit).
 Where hot is no faster than cold, the kernel's time is spent on the SMs, not waiting for HBM.
@@ -52,20 +52,24 @@ from pallas_kernels.linear import W4Params, skinny_matmul_w4  # noqa: E402
 from pallas_kernels.linear.w4 import w4_params_for, w4_tuned_key  # noqa: E402
 
 LLAMA = dict(h=4096, qkv=6144, inter=14336)
-GROUP = 128
+GROUPS = {"int4": 128, "fp4": 16}  # kind: group size (NVFP4: e4m3 scales per 16, an f32 scale per row)
 
 
 def _layer_weights(key, h, qkv, inter, dtype):
-    """One layer's four projections: int4 (packed u8[N, K/2], f16 scales, u8 zeros), or bf16 [K, N]."""
+    """One layer's four projections: int4 (packed u8[N, K/2], f16 scales, u8 zeros), fp4 (packed
+    u8[N, K/2], e4m3 scales, f32 row scales), or bf16 [K, N]."""
     shapes = {"qkv": (h, qkv), "o": (h, h), "gate_up": (h, 2 * inter), "down": (inter, h)}  # (K, N)
     out = {}
     for name, (k, n) in shapes.items():
         key, a, b = jax.random.split(key, 3)
         if dtype == "int4":
             packed = jax.random.bits(a, (n, k // 2), jnp.uint8)
-            scales = jax.random.uniform(b, (n, k // GROUP), jnp.float32, 0.5, 1.5) * (3.0 / k**0.5)
-            scales = scales.astype(jnp.float16)
-            out[name] = (packed, scales, jnp.full((n, k // GROUP), 8, jnp.uint8))
+            scales = jax.random.uniform(b, (n, k // GROUPS[dtype]), jnp.float32, 0.5, 1.5) * (3.0 / k**0.5)
+            out[name] = (packed, scales.astype(jnp.float16), jnp.full((n, k // GROUPS[dtype]), 8, jnp.uint8))
+        elif dtype == "fp4":
+            packed = jax.random.bits(a, (n, k // 2), jnp.uint8)
+            scales = jax.random.uniform(b, (n, k // GROUPS[dtype]), jnp.float32, 0.5, 4).astype(jnp.float8_e4m3fn)
+            out[name] = (packed, scales, jnp.full((n,), 0.3 / k**0.5, jnp.float32))
         else:
             out[name] = (jax.random.normal(a, (k, n), jnp.bfloat16) * (1.0 / k**0.5)).astype(jnp.bfloat16)
     return out
@@ -76,12 +80,18 @@ def _rms(x):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype)
 
 
+def _kind(w) -> str:
+    """A projection's 4-bit kind, from its third array: int4's zeros are u8, NVFP4's row scales f32."""
+    return "fp4" if w[2].dtype == jnp.float32 else "int4"
+
+
 def _w4(x, w, k: int, interpret: bool, params: W4Params | None = None):
-    return skinny_matmul_w4(x, *w, k=k, group_size=GROUP, kind="int4", interpret=interpret, params=params)
+    kind = _kind(w)
+    return skinny_matmul_w4(x, *w, k=k, group_size=GROUPS[kind], kind=kind, interpret=interpret, params=params)
 
 
 def chain(x, layers, *, interpret: bool):
-    """x bf16[1, H] through every layer's four int4 projections (a decode layer without attention)."""
+    """x bf16[1, H] through every layer's four 4-bit projections (a decode layer without attention)."""
     h = x.shape[-1]
     for lw in layers:
         qkv = _w4(_rms(x), lw["qkv"], h, interpret)
@@ -111,13 +121,13 @@ def chain_bf16(x, layers):
     return x
 
 
-def _sweep_variants(fields: str, k: int) -> list[W4Params]:
+def _sweep_variants(fields: str, k: int, kind: str) -> list[W4Params]:
     """bench/kernels/w4.py's one-row half2 SWEEP entries with `fields` changed from their defaults that take K."""
     from w4 import sweep_with
 
     from pallas_kernels.linear.w4 import _params_fit
 
-    fit = [p for p in sweep_with(fields) if p.half2 and p.gemv and _params_fit(p, 1, k, GROUP) is None]
+    fit = [p for p in sweep_with(fields) if p.half2 and p.gemv and _params_fit(p, 1, k, GROUPS[kind]) is None]
     return list(dict.fromkeys(fit))  # (W4Params are hashable: duplicates dropped, order kept)
 
 
@@ -132,13 +142,13 @@ def _ncu_launches(a, w4_layers, keys, projections):
         if a.projection and name not in a.projection.split(","):
             continue
         n = w4_layers[0][name][0].shape[0]
-        table = w4_params_for("int4", 1, n, k, GROUP)
-        variants = [table] + ([p for p in _sweep_variants(a.sweep, k) if p != table] if a.sweep else [])
+        table = w4_params_for(a.kind, 1, n, k, GROUPS[a.kind])
+        variants = [table] + ([p for p in _sweep_variants(a.sweep, k, a.kind) if p != table] if a.sweep else [])
         if a.params:
             variants = [W4Params(**json.loads(a.params))]
         if a.cpu_smoke:  # (interpret-mode compiles are slow: the plumbing only)
             variants = variants[:3]
-        order += [dict(projection=name, n=n, k=k, table=p == table, params=dataclasses.asdict(p))
+        order += [dict(projection=name, kind=a.kind, n=n, k=k, table=p == table, params=dataclasses.asdict(p))
                   for p in variants for _ in range(2)]
         (a.out / "ncu_order.json").write_text(json.dumps(order, indent=1))
         xk = jax.random.normal(keys[-1], (1, k), jnp.bfloat16)
@@ -200,7 +210,7 @@ def ncu_table(csv_paths: list[pathlib.Path], out: pathlib.Path) -> list[dict]:
             continue
         for picks, pool in ((tuned, mine), (nosplit, [r for r in mine if r["params"]["split_k"] == 1])):
             if pool and pool[0]["us"] < 0.97 * table["us"]:
-                picks[w4_tuned_key("int4", 1, pool[0]["n"], pool[0]["k"])] = pool[0]["params"]
+                picks[w4_tuned_key(pool[0].get("kind", "int4"), 1, pool[0]["n"], pool[0]["k"])] = pool[0]["params"]
         for r in mine:
             changed = {f: v for f, v in r["params"].items() if v != default[f]}
             lines_md.append(f"| {proj}{' (table)' if r['table'] else ''} | {r['us']:.2f} | "
@@ -225,6 +235,7 @@ def main(argv=None):
     ap.add_argument("--ncu", action="store_true", help="only each projection's kernel twice (for Nsight Compute)")
     ap.add_argument("--params", default="", help="W4Params fields as JSON for every projection (default: the table's)")
     ap.add_argument("--sweep", default="", help="with --ncu: also the SWEEP entries with these fields changed")
+    ap.add_argument("--kind", choices=tuple(GROUPS), default="int4", help="the 4-bit format (fp4: NVFP4)")
     ap.add_argument("--projection", default="", help="with --ncu: only these projections (qkv,o,gate_up,down)")
     ap.add_argument("--ncu-table", type=pathlib.Path, nargs="+",
                     help="Nsight Compute's raw CSVs, each beside its ncu_order.json: tabulate, nothing else")
@@ -237,7 +248,7 @@ def main(argv=None):
     dims = dict(h=256, qkv=384, inter=512) if a.cpu_smoke else LLAMA
     layers_n = 1 if a.ncu else 2 if a.cpu_smoke else a.layers
     keys = jax.random.split(jax.random.key(0), layers_n + 1)
-    w4_layers = [_layer_weights(kk, dims["h"], dims["qkv"], dims["inter"], "int4") for kk in keys[:-1]]
+    w4_layers = [_layer_weights(kk, dims["h"], dims["qkv"], dims["inter"], a.kind) for kk in keys[:-1]]
     projections = (("qkv", dims["h"]), ("o", dims["h"]), ("gate_up", dims["h"]), ("down", dims["inter"]))
     if a.ncu:
         _ncu_launches(a, w4_layers, keys, projections)
@@ -246,7 +257,7 @@ def main(argv=None):
     fn = jax.jit(functools.partial(chain, interpret=a.cpu_smoke))
     y = fn(x, w4_layers)
     if not bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))):
-        raise SystemExit("the int4 chain's output is not finite")
+        raise SystemExit(f"the {a.kind} chain's output is not finite")
     rows = []
 
     def row(variant, seconds, nbytes, calls, what="a layer"):
@@ -255,7 +266,7 @@ def main(argv=None):
         print(f"{variant:16s} {rows[-1]['us']:7.2f} us {what}  {rows[-1]['tb_s']:.2f} TB/s", flush=True)
 
     if not a.cpu_smoke:
-        row("int4_chain", median_seconds(fn, x, w4_layers, group=10, groups=9),
+        row(f"{a.kind}_chain", median_seconds(fn, x, w4_layers, group=10, groups=9),
             sum(sum(t.nbytes for t in w) for w in w4_layers[0].values()), layers_n)
     if a.per_projection:  # each projection alone: cold (a new layer's weights each call) and hot (layer 0's, in L2)
         for name, k in projections:
