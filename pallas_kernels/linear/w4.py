@@ -51,7 +51,7 @@ dequantization for the dot path (M > 1: words to f16 weights by inline PTX, 8 do
 (half2, session 29) scales each word by its own group's scale instead of summing the words of a group
 first: the table's pick for NVFP4's q/k/v, o and down (10.1 / 8.1 / 19.5 us, groups of 16 = 2 words). `w4_params_for`
 reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params;
-its int4 M = 1 picks for q|k|v, o and gate|up come from session 47's H100 sweep timed by Nsight Compute
+its int4 and NVFP4 M = 1 picks for q|k|v, o and gate|up come from session 47's H100 sweep timed by Nsight Compute
 (bench/kernels/w4_chain.py --sweep: each launch's own duration, ~1% apart between repeats), the rest from
 the H200's CUDA-event sweeps.
 At 2-64 rows int4 runs the tensor-core kernel (`w4_mgpu.py`) on Hopper; NVFP4, whose groups of 16 that
