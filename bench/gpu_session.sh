@@ -339,11 +339,13 @@ if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the 
     csvs=(); kind=${NCU4_KIND:-int4}; quant=$([[ $kind == fp4 ]] && echo nvfp4 || echo int4)
     for proj in ${NCU4_PROJECTIONS:-qkv o gate_up down}; do
       d=$OUT/ncu4_sweep/$proj; mkdir -p "$d"
-      timeout ${NCU4_LIMIT:-150} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:skinny_matmul_w4 \
+      timeout ${NCU4_LIMIT:-150} ncu --clock-control none -k regex:skinny_matmul_w4 \
+        --metrics gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg \
         -f -o /tmp/w4_sweep_$proj python3 bench/kernels/w4_chain.py --ncu --sweep "$NCU4_SWEEP" --kind $kind --projection $proj \
         --out "$d" > "$d/run.log" 2>&1
       echo "$proj: $(grep -c '==PROF== Profiling' "$d/run.log") launches profiled; $(tail -1 "$d/run.log")"
-      ncu -i /tmp/w4_sweep_$proj.ncu-rep --page raw --csv --metrics gpu__time_duration.sum > "$d/durations.csv" \
+      ncu -i /tmp/w4_sweep_$proj.ncu-rep --page raw --csv \
+        --metrics gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg > "$d/durations.csv" \
         && csvs+=("$d/durations.csv")
     done
     python3 bench/kernels/w4_chain.py --ncu-table "${csvs[@]}" --out "$OUT/ncu4_sweep" | awk -F'|' '$5 + 0 <= 1.0' | head -40

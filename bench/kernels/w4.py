@@ -149,7 +149,21 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 512, 8, 1, True, True, half2=True, prefetch=3),
          W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=2, split_k=2),
          W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=2),  # (the ring without moves)
-         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=2)
+         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=2),
+         # around session 47's Nsight Compute winners (q|k|v, o: the unrolled ring of 2 at block_n 16;
+         # gate|up: block_k 2048 unrolled with packed x; down: split in 2): shorter and deeper rings,
+         # 2 and 8 warps, 32 rows, packed x and word scales on the ring, the ring split along K
+         W4Params(16, 256, 4, 1, True, True, unroll=True, half2=True, prefetch=2),
+         W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=3),
+         W4Params(16, 512, 2, 1, True, True, unroll=True, half2=True, prefetch=2),
+         W4Params(16, 512, 8, 1, True, True, unroll=True, half2=True, prefetch=2),
+         W4Params(32, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=2),
+         W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=2, packed_x=True),
+         W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=2, word_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=2, packed_x=True),
+         W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=2, split_k=2),
+         W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, prefetch=1, packed_x=True),
+         W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, split_k=2, packed_x=True),
          # (session 46 also measured one group a step, block_k 128 unrolled: 2-3.5x slower at 40 registers and
          # 9% occupancy; and x read as eight column vectors instead of a [W, 8] load split through shared
          # memory: q|k|v 11.2 against 11.0 us under Nsight Compute, its smem stalls became HBM waits. Neither kept.)

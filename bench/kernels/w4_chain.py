@@ -162,8 +162,11 @@ def _ncu_launches(a, w4_layers, keys, projections):
     print(f"ncu: {len(order)} launches")
 
 
-def _ncu_durations(csv_path: pathlib.Path) -> list[float]:
-    """Nsight Compute's raw CSV (`--page raw --csv`, gpu__time_duration.sum) -> each launch's us, in order."""
+def _ncu_durations(csv_path: pathlib.Path) -> list[dict]:
+    """Nsight Compute's raw CSV (`--page raw --csv`, gpu__time_duration.sum, and where collected
+    sm__cycles_active.avg and sm__cycles_elapsed.avg) -> each launch's {us, sm_active: the SMs' mean
+    busy fraction of the kernel's cycles (below 1: SMs idle at the start, in the tail, or without a
+    program), or None}, in order."""
     import csv
 
     lines = list(csv.reader(csv_path.read_text().splitlines()))
@@ -174,8 +177,11 @@ def _ncu_durations(csv_path: pathlib.Path) -> list[float]:
     body = lines[head + 1:]
     unit = body[0][col] if body and not body[0][0] else "nsecond"  # (a units row has no launch ID)
     scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[unit]
-    return [float(r[col].replace(",", "")) * scale for r in body
-            if r and r[0] and (name_col is None or "skinny_matmul_w4" in r[name_col])]
+    num = lambda r, c: float(r[c].replace(",", ""))  # noqa: E731
+    active, elapsed = (lines[head].index(m) if m in lines[head] else None
+                       for m in ("sm__cycles_active.avg", "sm__cycles_elapsed.avg"))
+    return [dict(us=num(r, col) * scale, sm_active=num(r, active) / num(r, elapsed) if active and elapsed else None)
+            for r in body if r and r[0] and (name_col is None or "skinny_matmul_w4" in r[name_col])]
 
 
 def ncu_table(csv_paths: list[pathlib.Path], out: pathlib.Path) -> list[dict]:
@@ -197,11 +203,12 @@ def ncu_table(csv_paths: list[pathlib.Path], out: pathlib.Path) -> list[dict]:
     for o, t in zip(order, us):
         key = (o["projection"], json.dumps(o["params"], sort_keys=True))
         prev = best.get(key)
-        best[key] = dict(o, us=min(t, prev["us"]) if prev else t)
+        if prev is None or t["us"] < prev["us"]:
+            best[key] = dict(o, **t)
     rows = sorted(best.values(), key=lambda r: (r["projection"], r["us"]))
     tuned, nosplit = {}, {}
-    lines_md = ["| projection | us | packed TB/s | of the table's | params (changed from W4Params()) |",
-                "|---|---|---|---|---|"]
+    lines_md = ["| projection | us | packed TB/s | of the table's | SM active | params (changed from W4Params()) |",
+                "|---|---|---|---|---|---|"]
     default = dataclasses.asdict(W4Params())
     for proj in dict.fromkeys(r["projection"] for r in rows):
         mine = [r for r in rows if r["projection"] == proj]
@@ -214,7 +221,8 @@ def ncu_table(csv_paths: list[pathlib.Path], out: pathlib.Path) -> list[dict]:
         for r in mine:
             changed = {f: v for f, v in r["params"].items() if v != default[f]}
             lines_md.append(f"| {proj}{' (table)' if r['table'] else ''} | {r['us']:.2f} | "
-                            f"{r['n'] * r['k'] / 2 / r['us'] / 1e6:.2f} | {r['us'] / table['us']:.3f} | {changed} |")
+                            f"{r['n'] * r['k'] / 2 / r['us'] / 1e6:.2f} | {r['us'] / table['us']:.3f} | "
+                            f"{'-' if r['sm_active'] is None else format(r['sm_active'], '.2f')} | {changed} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "ncu_sweep.json").write_text(json.dumps(rows, indent=1))
     (out / "ncu_sweep.md").write_text("\n".join(lines_md) + "\n\n(split_k > 1: the XLA sum of the partials is not "
