@@ -115,11 +115,16 @@
 # Compute works here: --set full on 8 launches), `m1pack ncu4` (warps sweep, two generates) 329 s cold, `gen4 ncu4
 # m1pack` cut at 560 s (a 112-step unrolled variant compiled for minutes under ncu), `tests ncu4` 68 s cold. Parts run
 # in this file's order, not the order given (ncu4 before m1pack). A cold call cost ~60 s of budget before its command.
-# Next: `tests` with GPU_TEST_FILES=tests/test_w4.py (the prefetch-ring gpu cases, not yet run), then
-# NCU4_SWEEP=half2 NCU4_GENERATE=1 `ncu4` (~250 s: every one-row variant by Nsight Compute's duration, the
-# table merged where 3% faster, int4 batch 1 before and after); `acceptance` (the default, three families then two)
-# if a step, kernel or the engine changed; on an H200, `gen4` at batch 1 (the issue's bar is the H200's), `fp4dot`,
-# `fuse`.
+# Session 47: four calls, all H100 (`bench/results/session47_2026-12-06.md`): `tests ncu4` (test_w4.py: 60 passed;
+# the one-process sweep segfaulted after q|k|v) 114 s cold, `ncu4` int4 with NCU4_GENERATE=1 (one process a
+# projection, 4 x 146 launches, three generates) 412 s cold, `ncu4` NCU4_KIND=fp4 509 s cold (its nvfp4 generates
+# cut by GENERATE_LIMIT=100: nvfp4 needs ~150), `gen4 acceptance` (int4 + nvfp4 at batch 1; Llama-3-8B int4 PASS)
+# 355 s warm. The table's one-row picks for q|k|v, o, gate|up now come from these sweeps.
+# Next: `tests` with GPU_TEST_FILES=tests/test_w4.py (the new picks' gpu cases at the Llama shapes), then
+# NCU4_SWEEP=half2 `ncu4` (84 variants now, with the SMs' busy fraction) for int4 and then fp4 with
+# NCU4_GENERATE=1; on an H200, GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 `gen4` (the issue's bars are the
+# H200's), `fuse` (w4_fused_decode with the new picks), `fp4dot`; `acceptance` if a step, kernel or the engine
+# changed.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
