@@ -125,7 +125,10 @@ class W4Params:
     # one-row programs loading a step, then computing it; one step ahead cannot cover a load's
     # latency when a step's math is shorter. Session 47 (H100, Nsight Compute durations): two steps
     # ahead, unrolled, block_n 16 is the fastest one-program-per-tile variant for q|k|v (8.5 against
-    # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there.
+    # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there. Rolled rings lost then:
+    # each prefetch converted x as it loaded it (so the warp waited there) and the scales and zeros were
+    # loaded in the step that used them; since session 47 the ring carries every load as loaded,
+    # scales and zeros too, and the step converts (not yet run on a GPU).
     prefetch: int = 0
     # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
@@ -501,26 +504,50 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             def rounded(v):  # f32 -> x's dtype -> f32 (the unfused path's roundings)
                 return v.astype(x_ref.dtype).astype(jnp.float32)
 
+            def scale_cols(i):  # step i's scale (and zero) columns: i32[1, T] (T: W words or nsg groups)
+                if word_scales:
+                    return (8 * (i * nw + jnp.arange(nw, dtype=jnp.int32)) // group)[None, :]
+                return ((i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32))[None, :]
+
+            def scale_ok(i):  # bool[BN, T]
+                if word_scales:
+                    return n_ok[:, None] & ((i * nw + jnp.arange(nw, dtype=jnp.int32)) < kw)[None, :]
+                return n_ok[:, None] & (scale_cols(i) < ng)
+
             def load_half2(i):
-                # step i's (u32[BN, W] words, f32[W, 8] x: each word's 8 columns, f32[W, 8] their
-                # squares before the norm's weight (norm), else None); a prefetch past this program's
-                # last step along K loads nothing (past K's last step the column mask covers it)
+                # step i's loads, as loaded (no conversion: a prefetch ring carries them to the step that
+                # uses them, and an instruction using a value waits for its load, so converting here would
+                # stall the warp on every prefetch of a rolled loop): u32[BN, W] words, x [W, 8] (each
+                # word's 8 columns; silu_mul: gate, then up [W, 8]; norm: then the norm's weight [W, 8]),
+                # the scales [BN, T] (masked-off lanes undefined: `step_half2` zeroes them) and int4's
+                # zeros u8[BN, T]. A prefetch past this program's last step along K loads nothing (past
+                # K's last step the column mask covers it).
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
                 w_ok = (jw < kw) & (i < last) if prefetch and split_k > 1 else jw < kw
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
                                        other=0, eviction_policy="evict_first")
                 cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
                 zc = jnp.zeros_like(cols)
-                x8 = plgpu_triton.load(x_ref.at[zc, cols], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
-                if fused.silu_mul:  # x = gate | up: silu(gate) rounded, times up, rounded
-                    u8 = plgpu_triton.load(x_ref.at[zc, cols + k], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
-                    return wt, rounded(rounded(x8 / (1.0 + jnp.exp(-x8))) * u8), None
-                if fused.norm:  # x * w rounded; the row's 1/rms multiplies the f32 product
-                    nw8 = plgpu_triton.load(nw_ref.at[cols], mask=w_ok[:, None], other=0.0).astype(jnp.float32)
-                    return wt, rounded(x8 * nw8), x8 * x8
-                return wt, x8, None
+                xs = [plgpu_triton.load(x_ref.at[zc, cols], mask=w_ok[:, None], other=0.0)]
+                if fused.silu_mul:  # x = gate | up
+                    xs.append(plgpu_triton.load(x_ref.at[zc, cols + k], mask=w_ok[:, None], other=0.0))
+                if fused.norm:
+                    xs.append(plgpu_triton.load(nw_ref.at[cols], mask=w_ok[:, None], other=0.0))
+                g_ok = scale_ok(i) & (i < last) if prefetch and split_k > 1 else scale_ok(i)
+                gw = ncols[:, None], scale_cols(i)
+                sc = plgpu_triton.load(s_ref.at[gw], mask=g_ok)  # (no fill: `_load_scale`)
+                z = None if fp4 else plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0)
+                return wt, tuple(xs), sc, z
 
-            def step_half2(i, acc, wt, x8):
+            def inputs_half2(xs):  # the loaded x columns -> (f32[W, 8] x, f32[W, 8] squares (norm) or None)
+                x8 = xs[0].astype(jnp.float32)
+                if fused.silu_mul:  # silu(gate) rounded, times up, rounded
+                    return rounded(rounded(x8 / (1.0 + jnp.exp(-x8))) * xs[1].astype(jnp.float32)), None
+                if fused.norm:  # x * w rounded; the row's 1/rms multiplies the f32 product
+                    return rounded(x8 * xs[1].astype(jnp.float32)), x8 * x8
+                return x8, None
+
+            def step_half2(i, acc, wt, x8, sc, z):
                 # x * cs in f16, cs = 2^(141 - e) per word, e the biased exponent of the word's max |x|
                 # (in-thread: no barrier in the loop): |x * cs| < 2^15, so products <= 15 * 2^-9 and
                 # half2 sums stay far from f16's range (NVFP4: <= 6 * 2^-14 * 2^15 per product); inv undoes
@@ -538,16 +565,15 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
                     d = _dot8(wt, hs, interpret, fp4)
                 d = d * inv[None, :]  # f32[BN, W]: each word's sum of code * x
-                if word_scales:  # scale (and zero) of each word's group, gathered per word
-                    jw = i * nw + jnp.arange(nw, dtype=jnp.int32)
-                    g_ok = n_ok[:, None] & (jw < kw)[None, :]
-                    gw = ncols[:, None], (8 * jw // group)[None, :]
+                sc = jnp.where(scale_ok(i), sc.astype(jnp.float32), 0.0)  # f32[BN, T]
+                if word_scales:  # scale (and zero) of each word's group
                     if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
-                        z = plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0).astype(jnp.int32)
-                        d = d - z.astype(jnp.float32) * jnp.sum(x8, axis=1)[None, :]
-                    return acc + jnp.sum(d * _load_scale(s_ref.at[gw], g_ok), axis=1)
+                        d = d - z.astype(jnp.int32).astype(jnp.float32) * jnp.sum(x8, axis=1)[None, :]
+                    return acc + jnp.sum(d * sc, axis=1)
                 part, xg = group_sums(d, jnp.sum(x8, axis=1), 8)
-                return acc + zero_and_scale(i, part, xg)
+                if not fp4:
+                    part = part - z.astype(jnp.int32).astype(jnp.float32) * xg[None, :]
+                return acc + jnp.sum(part * sc, axis=1)
 
             # (acc f32[BN], the norm's squares summed per position f32[W, 8]: one reduction after the loop)
             carry0 = (jnp.zeros((block_n,), jnp.float32), jnp.zeros((nw, 8), jnp.float32) if fused.norm else None)
@@ -555,9 +581,10 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             first = pl.program_id(1) * sps
             last = first + sps  # (this program's steps end there)
 
-            def advance(i, carry, wt, x8, sq):
+            def advance(i, carry, wt, xs, sc, z):
                 acc, ss = carry
-                return step_half2(i, acc, wt, x8), None if sq is None else ss + sq
+                x8, sq = inputs_half2(xs)
+                return step_half2(i, acc, wt, x8, sc, z), None if sq is None else ss + sq
 
             if prefetch:  # a ring of the next `prefetch` steps' loads (past the program's last: masked off)
                 ahead = int(prefetch)
