@@ -4,8 +4,8 @@ At one row each 4-bit projection of a Llama-3-8B layer costs ~5 us that its byte
 (H200, session 31: q|k|v 8.3 us for 12.9 MB, gate|up 21.0 for 60 MB). This times L layers of
 q|k|v -> o -> gate|up -> down (Llama-3-8B shapes, int4 group 128 or with --kind fp4 NVFP4, random
 codes, the kernels' tuned params, the RMSNorms, SwiGLU and residual adds in XLA between them as in a
-decode layer; attention left out: o reads q's columns) beside the same chain in bf16 (XLA's dots) and a torch `copy_`
-(the roofline); with --per-projection each projection's kernel alone, L calls on L layers' weights
+decode layer; attention left out: o reads q's columns) beside the same chain in bf16 (XLA's dots)
+and a torch `copy_` (the roofline); with --per-projection each projection's kernel alone, L calls on L layers' weights
 (`_cold`, from HBM) and on one layer's (`_hot`: from L2 after the first call, all but gate|up fit).
 Where hot is no faster than cold, the kernel's time is spent on the SMs, not waiting for HBM.
 
