@@ -536,6 +536,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 g_ok = scale_ok(i) & (i < last) if prefetch and split_k > 1 else scale_ok(i)
                 gw = ncols[:, None], scale_cols(i)
                 sc = plgpu_triton.load(s_ref.at[gw], mask=g_ok)  # (no fill: `_load_scale`)
+                if sc.dtype == jnp.float8_e4m3fn:  # carried as its bytes (no instruction; no float8 loop carry)
+                    sc = jax.lax.bitcast_convert_type(sc, jnp.uint8)
                 z = None if fp4 else plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0)
                 return wt, tuple(xs), sc, z
 
@@ -565,6 +567,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
                     d = _dot8(wt, hs, interpret, fp4)
                 d = d * inv[None, :]  # f32[BN, W]: each word's sum of code * x
+                if s_ref.dtype == jnp.float8_e4m3fn:
+                    sc = jax.lax.bitcast_convert_type(sc, jnp.float8_e4m3fn)
                 sc = jnp.where(scale_ok(i), sc.astype(jnp.float32), 0.0)  # f32[BN, T]
                 if word_scales:  # scale (and zero) of each word's group
                     if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
