@@ -444,7 +444,7 @@ def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
     ("fp4", 1, 6144, 4096, 16, W4Params(16, 1024, 4, 4, gemv=True, group_partial=True, half2=True)),
     ("fp4", 1, 1000, 1000, 16, W4Params(16, 128, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True)),
     ("int4", 1, 4096, 14336, 128, W4Params(16, 2048, 4, 3, gemv=True, group_partial=True, half2=True, split_k=4)),
-    ("fp4", 1, 4096, 14336, 16, None),  # the tuned table: down split in 2
+    ("fp4", 1, 4096, 14336, 16, None),  # the tuned table: down split in 4
     ("fp4", 1, 6144, 4096, 16, W4Params(16, 1024, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
                                         word_scales=True)),
     ("int4", 1, 4096, 14336, 128, W4Params(16, 1024, 4, 3, gemv=True, group_partial=True, half2=True, split_k=2,
