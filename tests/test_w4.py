@@ -206,6 +206,15 @@ def _random_w4(rng, n, k, g, kind):
                                      prefetch=3, word_scales=True, unroll=True)),
     ("int4", 1, 24, 160, 32, W4Params(block_n=32, block_k=64, gemv=True, group_partial=True, half2=True,
                                       prefetch=4)),  # float16 activations; 3 steps
+    # ring_scales: the scales and zeros carried with the words (float8 ones as their bytes)
+    ("int4", 1, 40, 456, 32, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      prefetch=2, split_k=3, ring_scales=True)),  # 2 groups a step
+    ("int4", 1, 24, 200, 64, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                      word_scales=True, ring_scales=True)),
+    ("fp4", 1, 40, 200, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                     prefetch=True, split_k=2, word_scales=True, ring_scales=True)),
+    ("fp4", 1, 24, 136, 16, W4Params(block_n=16, block_k=64, gemv=True, group_partial=True, half2=True,
+                                     prefetch=3, unroll=True, ring_scales=True)),
     # whole-K tiles (block_k past K: one masked step per program), split along K too
     ("int4", 1, 40, 248, 64, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True)),
     ("fp4", 1, 24, 200, 16, W4Params(block_n=16, block_k=4096, gemv=True, group_partial=True, half2=True,
@@ -252,6 +261,7 @@ _H2 = dict(gemv=True, group_partial=True, half2=True)
     ("fp4", 24, 256, 16, W4Params(block_n=16, block_k=64, split_k=2, prefetch=True, **_H2), "norm"),
     ("int4", 40, 248, 64, W4Params(block_n=16, block_k=64, split_k=3, **_H2), "silu+residual"),
     ("int4", 40, 456, 64, W4Params(block_n=16, block_k=64, split_k=2, prefetch=3, **_H2), "norm"),  # a ring of 3
+    ("fp4", 24, 256, 16, W4Params(block_n=16, block_k=64, prefetch=2, ring_scales=True, **_H2), "silu+residual"),
     # other paths: the same in XLA around the kernel
     ("int4", 40, 201, 64, W4Params(block_n=16, block_k=32, gemv=True, group_partial=True), "norm+bias"),
     ("int4", 40, 201, 64, W4Params(block_n=16, block_k=64), "silu+residual"),
@@ -465,6 +475,11 @@ def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
     # the table's one-row picks of session 47 (unrolled prefetch rings, packed x) for q|k|v and gate|up
     ("int4", 1, 6144, 4096, 128, None), ("int4", 1, 28672, 4096, 128, None), ("fp4", 1, 6144, 4096, 16, None),
     ("fp4", 1, 4096, 4096, 16, None), ("fp4", 1, 28672, 4096, 16, None),
+    # ring_scales (the scales and zeros carried by the ring; float8 ones as their bytes)
+    ("int4", 1, 6144, 4096, 128, W4Params(16, 512, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=2,
+                                          ring_scales=True)),
+    ("fp4", 1, 4096, 14336, 16, W4Params(16, 512, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
+                                         split_k=4, word_scales=True, ring_scales=True)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference

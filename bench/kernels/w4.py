@@ -164,6 +164,17 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
          W4Params(16, 1024, 4, 1, True, True, unroll=True, half2=True, prefetch=2, split_k=2),
          W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, prefetch=1, packed_x=True),
          W4Params(16, 2048, 4, 1, True, True, unroll=True, half2=True, split_k=2, packed_x=True),
+         # the scales and zeros carried by the ring too (`ring_scales`, session 47): `--only half2,ring_scales`
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=2, ring_scales=True),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=3, ring_scales=True),
+         W4Params(16, 512, 4, 1, True, True, unroll=True, half2=True, prefetch=2, ring_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=2, split_k=2, ring_scales=True),
+         W4Params(16, 1024, 4, 1, True, True, half2=True, prefetch=True, split_k=2, word_scales=True,
+                  ring_scales=True),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=True, split_k=4, word_scales=True,
+                  ring_scales=True),
+         W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=2, split_k=4, word_scales=True,
+                  ring_scales=True),
          # (session 46 also measured one group a step, block_k 128 unrolled: 2-3.5x slower at 40 registers and
          # 9% occupancy; and x read as eight column vectors instead of a [W, 8] load split through shared
          # memory: q|k|v 11.2 against 11.0 us under Nsight Compute, its smem stalls became HBM waits. Neither kept.)

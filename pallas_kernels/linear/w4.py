@@ -126,9 +126,8 @@ class W4Params:
     # latency when a step's math is shorter. Session 47 (H100, Nsight Compute durations): two steps
     # ahead, unrolled, block_n 16 is the fastest one-program-per-tile variant for q|k|v (8.5 against
     # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there. Rolled rings lost then:
-    # each prefetch converted x as it loaded it (so the warp waited there) and the scales and zeros were
-    # loaded in the step that used them; since session 47 the ring carries every load as loaded,
-    # scales and zeros too, and the step converts (not yet run on a GPU).
+    # each prefetch converted x as it loaded it (so the warp waited there); since session 47 the ring
+    # carries x as loaded and the step converts it (not yet run on a GPU; see also `ring_scales`).
     prefetch: int = 0
     # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
@@ -148,6 +147,11 @@ class W4Params:
     # column (on the [W] vectors, before the broadcast over the tile's rows), instead of inside the
     # PTX per (row, word): 4 fewer instructions per word of ~20 (session 36 guess, for the sweep).
     packed_x: bool = False
+    # half2: a step's scales (and int4's zeros) loaded with its words, carried by the prefetch ring as
+    # loaded, instead of loaded by the step that uses them (so the step waits on their latency). Costs
+    # registers: ptxas gives NVFP4's split-4 down 78 against 56 (2 waves of programs against 1) and
+    # gate|up 122-128 against 95-96 (session 47, compiled for sm_90a on the CPU); for the sweep.
+    ring_scales: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_k"):
@@ -210,7 +214,8 @@ def w4_params_for(kind: str, m: int, n: int, k: int, group_size: int | None = No
     if pick is None:
         return W4Params()
     p = W4Params(**table[prefix + str(pick)])
-    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1, word_scales=False, packed_x=False) \
+    p = dataclasses.replace(p, gemv=False, half2=False, split_k=1, word_scales=False, packed_x=False,
+                            ring_scales=False) \
         if p.gemv and m > 1 else p
     return p if group_size is None or _params_fit(p, m, k, group_size) is None else W4Params()
 
@@ -241,6 +246,8 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
         return "word_scales needs half2 with gemv (M = 1)"
     if params.packed_x and not (params.half2 and gemv):
         return "packed_x needs half2 with gemv (M = 1)"
+    if params.ring_scales and not (params.half2 and gemv):
+        return "ring_scales needs half2 with gemv (M = 1)"
     if params.split_k > 1 and not (params.half2 and params.gemv):
         return f"split_k={params.split_k} needs half2 with gemv"
     if params.scale_tile and (block_k % group_size or group_size & (group_size - 1)):
@@ -252,6 +259,13 @@ def _load_scale(ref, mask):
     """f32 scales of a masked gather from `ref` (f16 | bf16 | f32 | float8_e4m3fn), 0 where masked.
     No `other=` fill: Triton cannot cast an integer splat to float8 (the fill is applied after)."""
     return jnp.where(mask, plgpu_triton.load(ref, mask=mask).astype(jnp.float32), 0.0)
+
+
+def _loaded_scale(raw, mask, dtype):
+    """`_load_scale` of scales loaded earlier (float8 ones carried as their bytes, u8) -> f32, 0 where masked."""
+    if dtype == jnp.float8_e4m3fn:
+        raw = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
+    return jnp.where(mask, raw.astype(jnp.float32), 0.0)
 
 
 def _e2m1(c):
@@ -401,7 +415,8 @@ def _dot8_packed(w, ps, interpret: bool, fp4: bool):
 
 
 def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group, num_steps, fp4, group_partial,
-               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, interpret,
+               gemv, scale_tile, unroll, half2, prefetch, split_k, word_scales, swap_ab, packed_x, ring_scales,
+               interpret,
                fused: W4Fused):
     # x_ref bf16|f16[M, K] (silu_mul: [1, 2K]); p_ref u8[N, ceil(K/2)]; s_ref [N, NG]; refs: z_ref
     # u8[N, NG] (int4) or r_ref f32[N] (fp4), then the fused inputs (`W4Fused`, half2 only: norm
@@ -487,12 +502,18 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                         jnp.sum(xw.reshape(nsg, group // per), axis=1))
             return jnp.sum(prod, axis=1)[:, None], jnp.sum(xw)[None]
 
-        def zero_and_scale(i, part, xs):  # sum_k x (q - z) * s over this step's groups -> f32[BN]
+        def zero_and_scale(i, part, xs, loaded=(None, None)):  # sum_k x (q - z) * s over this step's groups
+            # -> f32[BN]; loaded: the groups' scales and zeros as loaded before (half2's ring_scales), or
+            # None: loaded here (after the products: ptxas gave int4 gate|up 124 registers against 96
+            # with them loaded before the group sums, session 47)
             gidx = (i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32)  # i32[nsg]
             g_mask = n_ok[:, None] & (gidx < ng)[None, :]
-            sc = _load_scale(s_ref.at[ncols[:, None], gidx[None, :]], g_mask)  # f32[BN, nsg]
+            sc, z = loaded
+            sc = _load_scale(s_ref.at[ncols[:, None], gidx[None, :]], g_mask) if sc is None else \
+                _loaded_scale(sc, g_mask, s_ref.dtype)  # f32[BN, nsg]
             if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
-                z = plgpu_triton.load(aux_ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0)
+                if z is None:
+                    z = plgpu_triton.load(aux_ref.at[ncols[:, None], gidx[None, :]], mask=g_mask, other=0)
                 part = part - z.astype(jnp.int32).astype(jnp.float32) * xs[None, :]
             return jnp.sum(part * sc, axis=1)
 
@@ -519,9 +540,9 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 # uses them, and an instruction using a value waits for its load, so converting here would
                 # stall the warp on every prefetch of a rolled loop): u32[BN, W] words, x [W, 8] (each
                 # word's 8 columns; silu_mul: gate, then up [W, 8]; norm: then the norm's weight [W, 8]),
-                # the scales [BN, T] (masked-off lanes undefined: `step_half2` zeroes them) and int4's
-                # zeros u8[BN, T]. A prefetch past this program's last step along K loads nothing (past
-                # K's last step the column mask covers it).
+                # with ring_scales the scales [BN, T] (masked-off lanes undefined: `step_half2` zeroes
+                # them) and int4's zeros u8[BN, T], else None (the step loads them). A prefetch past this
+                # program's last step along K loads nothing (past K's last step the column mask covers it).
                 jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
                 w_ok = (jw < kw) & (i < last) if prefetch and split_k > 1 else jw < kw
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
@@ -533,13 +554,17 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     xs.append(plgpu_triton.load(x_ref.at[zc, cols + k], mask=w_ok[:, None], other=0.0))
                 if fused.norm:
                     xs.append(plgpu_triton.load(nw_ref.at[cols], mask=w_ok[:, None], other=0.0))
+                if not ring_scales:
+                    return wt, tuple(xs), None, None
                 g_ok = scale_ok(i) & (i < last) if prefetch and split_k > 1 else scale_ok(i)
+                return (wt, tuple(xs)) + load_scales(i, g_ok)
+
+            def load_scales(i, g_ok):  # step i's scales [BN, T] as loaded, and int4's zeros u8[BN, T]
                 gw = ncols[:, None], scale_cols(i)
                 sc = plgpu_triton.load(s_ref.at[gw], mask=g_ok)  # (no fill: `_load_scale`)
                 if sc.dtype == jnp.float8_e4m3fn:  # carried as its bytes (no instruction; no float8 loop carry)
                     sc = jax.lax.bitcast_convert_type(sc, jnp.uint8)
-                z = None if fp4 else plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0)
-                return wt, tuple(xs), sc, z
+                return sc, None if fp4 else plgpu_triton.load(aux_ref.at[gw], mask=g_ok, other=0)
 
             def inputs_half2(xs):  # the loaded x columns -> (f32[W, 8] x, f32[W, 8] squares (norm) or None)
                 x8 = xs[0].astype(jnp.float32)
@@ -567,17 +592,13 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     hs = [jnp.broadcast_to(h.reshape(nw)[None, :], (block_n, nw)) for h in jnp.split(h8, 8, axis=1)]
                     d = _dot8(wt, hs, interpret, fp4)
                 d = d * inv[None, :]  # f32[BN, W]: each word's sum of code * x
-                if s_ref.dtype == jnp.float8_e4m3fn:
-                    sc = jax.lax.bitcast_convert_type(sc, jnp.float8_e4m3fn)
-                sc = jnp.where(scale_ok(i), sc.astype(jnp.float32), 0.0)  # f32[BN, T]
-                if word_scales:  # scale (and zero) of each word's group
+                if word_scales:  # scale (and zero) of each word's group (loaded here unless ring_scales)
+                    sc, z = (sc, z) if sc is not None else load_scales(i, scale_ok(i))
                     if not fp4:  # sum_k x (q - z) = sum_k x q - z * sum_k x
                         d = d - z.astype(jnp.int32).astype(jnp.float32) * jnp.sum(x8, axis=1)[None, :]
-                    return acc + jnp.sum(d * sc, axis=1)
+                    return acc + jnp.sum(d * _loaded_scale(sc, scale_ok(i), s_ref.dtype), axis=1)
                 part, xg = group_sums(d, jnp.sum(x8, axis=1), 8)
-                if not fp4:
-                    part = part - z.astype(jnp.int32).astype(jnp.float32) * xg[None, :]
-                return acc + jnp.sum(part * sc, axis=1)
+                return acc + zero_and_scale(i, part, xg, (sc, z))
 
             # (acc f32[BN], the norm's squares summed per position f32[W, 8]: one reduction after the loop)
             carry0 = (jnp.zeros((block_n,), jnp.float32), jnp.zeros((nw, 8), jnp.float32) if fused.norm else None)
@@ -772,7 +793,7 @@ def skinny_matmul_w4(x, packed, scales, aux, *, k: int, group_size: int, kind: s
         num_steps=-(-k // block_k), fp4=kind == "fp4", group_partial=params.group_partial, gemv=gemv,
         scale_tile=params.scale_tile, unroll=params.unroll, half2=params.half2 and gemv, prefetch=params.prefetch,
         split_k=split_k, word_scales=params.word_scales, swap_ab=params.swap_ab and not gemv,
-        packed_x=params.packed_x and gemv, interpret=interpret, fused=fused)
+        packed_x=params.packed_x and gemv, ring_scales=params.ring_scales and gemv, interpret=interpret, fused=fused)
     if params.half2 and gemv:  # the same bytes as u32 words (4 bytes, 8 codes each)
         packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     inputs = [x, packed, scales, aux] + [a for a in (norm_weight, bias, residual) if a is not None]
