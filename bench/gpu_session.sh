@@ -120,10 +120,11 @@
 # projection, 4 x 146 launches, three generates) 412 s cold, `ncu4` NCU4_KIND=fp4 509 s cold (its nvfp4 generates
 # cut by GENERATE_LIMIT=100: nvfp4 needs ~150), `gen4 acceptance` (int4 + nvfp4 at batch 1; Llama-3-8B int4 PASS)
 # 355 s warm. The table's one-row picks for q|k|v, o, gate|up now come from these sweeps.
-# After call 4 the one-row half2 kernel changed (the ring carries raw loads, scales and zeros too; not run on a
-# GPU). Next: `tests` with GPU_TEST_FILES=tests/test_w4.py (that change, the new picks' gpu cases), then
-# NCU4_SWEEP=half2 `ncu4` (84 variants now, with the SMs' busy fraction) for int4 and then fp4 with
-# NCU4_GENERATE=1; on an H200, GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 `gen4` (the issue's bars are the
+# After call 4 the one-row half2 kernel changed (the ring carries x as loaded; `ring_scales`, off, carries the
+# scales too; not run on a GPU; the table's picks compile to the registers they had, bench/kernels/w4_ptxas.py).
+# Next: `tests` with GPU_TEST_FILES=tests/test_w4.py (that change, the new picks' gpu cases), then
+# NCU4_SWEEP=half2 `ncu4` (91 variants now, ring_scales among them, with the SMs' busy fraction) for int4 and
+# then fp4 with NCU4_GENERATE=1; on an H200, GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 `gen4` (the issue's bars are the
 # H200's), `fuse` (w4_fused_decode with the new picks), `fp4dot`; `acceptance` with ACCEPTANCE_ARGS='--family
 # llama3-8b --engine-config {"quantization":"int4"}' (the kernel changed) and the default families.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
