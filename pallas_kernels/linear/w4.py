@@ -125,9 +125,10 @@ class W4Params:
     # one-row programs loading a step, then computing it; one step ahead cannot cover a load's
     # latency when a step's math is shorter. Session 47 (H100, Nsight Compute durations): two steps
     # ahead, unrolled, block_n 16 is the fastest one-program-per-tile variant for q|k|v (8.5 against
-    # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there. Rolled rings lost then:
-    # each prefetch converted x as it loaded it (so the warp waited there); since session 47 the ring
-    # carries x as loaded and the step converts it (not yet run on a GPU; see also `ring_scales`).
+    # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there. Rolled rings lost then,
+    # likely because each prefetch converted x as it loaded it (so the warp waited there; not measured);
+    # since session 47 the ring carries x as loaded and the step converts it (not yet run on a GPU; see
+    # also `ring_scales`).
     prefetch: int = 0
     # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
