@@ -47,20 +47,25 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from timing import median_seconds, memcpy_seconds  # noqa: E402
+from w4 import KINDS as GROUPS  # noqa: E402  (kind: group size)
+from w4 import sweep_with  # noqa: E402
 
 from pallas_kernels.linear import W4Params, skinny_matmul_w4  # noqa: E402
 from pallas_kernels.linear.w4 import w4_params_for, w4_tuned_key  # noqa: E402
 
 LLAMA = dict(h=4096, qkv=6144, inter=14336)
-GROUPS = {"int4": 128, "fp4": 16}  # kind: group size (NVFP4: e4m3 scales per 16, an f32 scale per row)
+
+
+def projection_shapes(h, qkv, inter) -> dict[str, tuple[int, int]]:
+    """A decode layer's four projections: name -> (K, N)."""
+    return {"qkv": (h, qkv), "o": (h, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
 
 
 def _layer_weights(key, h, qkv, inter, dtype):
     """One layer's four projections: int4 (packed u8[N, K/2], f16 scales, u8 zeros), fp4 (packed
     u8[N, K/2], e4m3 scales, f32 row scales), or bf16 [K, N]."""
-    shapes = {"qkv": (h, qkv), "o": (h, h), "gate_up": (h, 2 * inter), "down": (inter, h)}  # (K, N)
     out = {}
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in projection_shapes(h, qkv, inter).items():
         key, a, b = jax.random.split(key, 3)
         if dtype == "int4":
             packed = jax.random.bits(a, (n, k // 2), jnp.uint8)
@@ -123,8 +128,6 @@ def chain_bf16(x, layers):
 
 def _sweep_variants(fields: str, k: int, kind: str) -> list[W4Params]:
     """bench/kernels/w4.py's one-row half2 SWEEP entries with `fields` changed from their defaults that take K."""
-    from w4 import sweep_with
-
     from pallas_kernels.linear.w4 import _params_fit
 
     fit = [p for p in sweep_with(fields) if p.half2 and p.gemv and _params_fit(p, 1, k, GROUPS[kind]) is None]
@@ -257,7 +260,7 @@ def main(argv=None):
     layers_n = 1 if a.ncu else 2 if a.cpu_smoke else a.layers
     keys = jax.random.split(jax.random.key(0), layers_n + 1)
     w4_layers = [_layer_weights(kk, dims["h"], dims["qkv"], dims["inter"], a.kind) for kk in keys[:-1]]
-    projections = (("qkv", dims["h"]), ("o", dims["h"]), ("gate_up", dims["h"]), ("down", dims["inter"]))
+    projections = tuple((name, k) for name, (k, _) in projection_shapes(**dims).items())
     if a.ncu:
         _ncu_launches(a, w4_layers, keys, projections)
         return

@@ -26,14 +26,13 @@ import json
 import pathlib
 import subprocess
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-GROUPS = {"int4": 128, "fp4": 16}
-
 
 def dump(out: pathlib.Path, params_json: str) -> None:
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering
+    from w4 import KINDS
+    from w4_chain import LLAMA, projection_shapes
 
     from pallas_kernels.linear import W4Params, skinny_matmul_w4
     from pallas_kernels.linear.w4 import w4_params_for
@@ -52,8 +51,8 @@ def dump(out: pathlib.Path, params_json: str) -> None:
     sds = jax.ShapeDtypeStruct
     out.mkdir(parents=True, exist_ok=True)
     try:
-        for kind, g in GROUPS.items():
-            for proj, (n, k) in SHAPES.items():
+        for kind, g in KINDS.items():
+            for proj, (k, n) in projection_shapes(**LLAMA).items():
                 p = W4Params(**json.loads(params_json)) if params_json else w4_params_for(kind, 1, n, k, g)
                 scale_dt = jnp.float8_e4m3fn if kind == "fp4" else jnp.float16
                 aux = sds((n,), jnp.float32) if kind == "fp4" else sds((n, k // g), jnp.uint8)
