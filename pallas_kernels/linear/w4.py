@@ -259,13 +259,13 @@ def _params_fit(params: W4Params, m: int, k: int, group_size: int) -> str | None
 def _load_scale(ref, mask):
     """f32 scales of a masked gather from `ref` (f16 | bf16 | f32 | float8_e4m3fn), 0 where masked.
     No `other=` fill: Triton cannot cast an integer splat to float8 (the fill is applied after)."""
-    return jnp.where(mask, plgpu_triton.load(ref, mask=mask).astype(jnp.float32), 0.0)
+    return _loaded_scale(plgpu_triton.load(ref, mask=mask), mask, ref.dtype)
 
 
 def _loaded_scale(raw, mask, dtype):
-    """`_load_scale` of scales loaded earlier (float8 ones carried as their bytes, u8) -> f32, 0 where masked."""
-    if dtype == jnp.float8_e4m3fn:
-        raw = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
+    """Scales gathered with `mask` (float8 ones possibly carried as their bytes, u8) -> f32, 0 where masked."""
+    if raw.dtype != dtype:
+        raw = jax.lax.bitcast_convert_type(raw, dtype)
     return jnp.where(mask, raw.astype(jnp.float32), 0.0)
 
 
@@ -503,11 +503,14 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                         jnp.sum(xw.reshape(nsg, group // per), axis=1))
             return jnp.sum(prod, axis=1)[:, None], jnp.sum(xw)[None]
 
+        def group_cols(i):  # step i's groups: i32[nsg]
+            return (i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32)
+
         def zero_and_scale(i, part, xs, loaded=(None, None)):  # sum_k x (q - z) * s over this step's groups
             # -> f32[BN]; loaded: the groups' scales and zeros as loaded before (half2's ring_scales), or
             # None: loaded here (after the products: ptxas gave int4 gate|up 124 registers against 96
             # with them loaded before the group sums, session 47)
-            gidx = (i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32)  # i32[nsg]
+            gidx = group_cols(i)
             g_mask = n_ok[:, None] & (gidx < ng)[None, :]
             sc, z = loaded
             sc = _load_scale(s_ref.at[ncols[:, None], gidx[None, :]], g_mask) if sc is None else \
@@ -526,15 +529,17 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
             def rounded(v):  # f32 -> x's dtype -> f32 (the unfused path's roundings)
                 return v.astype(x_ref.dtype).astype(jnp.float32)
 
+            def word_cols(i):  # step i's word columns: i32[W]
+                return i * nw + jnp.arange(nw, dtype=jnp.int32)
+
             def scale_cols(i):  # step i's scale (and zero) columns: i32[1, T] (T: W words or nsg groups)
-                if word_scales:
-                    return (8 * (i * nw + jnp.arange(nw, dtype=jnp.int32)) // group)[None, :]
-                return ((i * block_k) // group + jnp.arange(nsg, dtype=jnp.int32))[None, :]
+                return (8 * word_cols(i) // group if word_scales else group_cols(i))[None, :]
 
             def scale_ok(i):  # bool[BN, T]
-                if word_scales:
-                    return n_ok[:, None] & ((i * nw + jnp.arange(nw, dtype=jnp.int32)) < kw)[None, :]
-                return n_ok[:, None] & (scale_cols(i) < ng)
+                return n_ok[:, None] & ((word_cols(i) < kw)[None, :] if word_scales else scale_cols(i) < ng)
+
+            def live(i, mask):  # mask, and off for a prefetch past this program's last step along K
+                return mask & (i < last) if prefetch and split_k > 1 else mask
 
             def load_half2(i):
                 # step i's loads, as loaded (no conversion: a prefetch ring carries them to the step that
@@ -544,8 +549,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                 # with ring_scales the scales [BN, T] (masked-off lanes undefined: `step_half2` zeroes
                 # them) and int4's zeros u8[BN, T], else None (the step loads them). A prefetch past this
                 # program's last step along K loads nothing (past K's last step the column mask covers it).
-                jw = i * nw + jnp.arange(nw, dtype=jnp.int32)  # i32[W] word columns
-                w_ok = (jw < kw) & (i < last) if prefetch and split_k > 1 else jw < kw
+                jw = word_cols(i)
+                w_ok = live(i, jw < kw)
                 wt = plgpu_triton.load(p_ref.at[ncols[:, None], jw[None, :]], mask=n_ok[:, None] & w_ok[None, :],
                                        other=0, eviction_policy="evict_first")
                 cols = 8 * jw[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]  # i32[W, 8]
@@ -557,8 +562,7 @@ def _w4_kernel(x_ref, p_ref, s_ref, *refs, m, n, k, mp, block_n, block_k, group,
                     xs.append(plgpu_triton.load(nw_ref.at[cols], mask=w_ok[:, None], other=0.0))
                 if not ring_scales:
                     return wt, tuple(xs), None, None
-                g_ok = scale_ok(i) & (i < last) if prefetch and split_k > 1 else scale_ok(i)
-                return (wt, tuple(xs)) + load_scales(i, g_ok)
+                return (wt, tuple(xs)) + load_scales(i, live(i, scale_ok(i)))
 
             def load_scales(i, g_ok):  # step i's scales [BN, T] as loaded, and int4's zeros u8[BN, T]
                 gw = ncols[:, None], scale_cols(i)
