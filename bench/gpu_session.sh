@@ -122,11 +122,15 @@
 # 355 s warm. The table's one-row picks for q|k|v, o, gate|up now come from these sweeps.
 # After call 4 the one-row half2 kernel changed (the ring carries x as loaded; `ring_scales`, off, carries the
 # scales too; not run on a GPU; the table's picks compile to the registers they had, bench/kernels/w4_ptxas.py).
-# Next: `tests` with GPU_TEST_FILES=tests/test_w4.py (that change, the new picks' gpu cases), then
-# NCU4_SWEEP=half2 `ncu4` (91 variants now, ring_scales among them, with the SMs' busy fraction) for int4 and
-# then fp4 with NCU4_GENERATE=1; on an H200, GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 `gen4` (the issue's bars are the
-# H200's), `fuse` (w4_fused_decode with the new picks), `fp4dot`; `acceptance` with ACCEPTANCE_ARGS='--family
-# llama3-8b --engine-config {"quantization":"int4"}' (the kernel changed) and the default families.
+# Session 48: eight calls on one H100, warm after the first (`bench/results/session48_2026-12-06.md`): `tests`
+# (test_w4.py: 67 passed, session 47's change holds) 76 s cold, `ncu4` int4 with NCU4_GENERATE=1 456 s, `ncu4`
+# NCU4_KIND=fp4 + int4 `acceptance` (PASS) 321 s, `gen4` (nvfp4 int4 bf16, batch 1) + NVFP4 gate|up and down
+# under ncu 409 s, four short calls. ncu segfaulted before the first launch of NVFP4's gate|up twice (and down
+# once); the same process ran without ncu, and under ncu alone in a later call. NVFP4's q|k|v and o took 8 warps after call 3.
+# Next: `tests` with GPU_TEST_FILES=tests/test_w4.py first. The table's NVFP4 8-warp picks ran only through the
+# sweep and `generate`, not the gpu tests: the table-pick cases read the table. Then, on an H200,
+# GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 `gen4` (the issue's bars are the H200's), `fuse`, `fp4dot`, and
+# `ncu4` sweeps for both kinds (the H200's picks may differ); the default `acceptance` families.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
