@@ -175,6 +175,19 @@ SWEEP = [W4Params(16, 512, 4, 4), W4Params(32, 512, 4, 4), W4Params(32, 1024, 4,
                   ring_scales=True),
          W4Params(16, 512, 4, 1, True, True, half2=True, prefetch=2, split_k=4, word_scales=True,
                   ring_scales=True),
+         # around session 48's NVFP4 winner for q|k|v and o (8 warps, the unrolled ring of 2 at block_n 16: 49
+         # registers against 72-133 at 4 warps, w4_ptxas.py): 8 and 16 warps with the other winners' choices
+         W4Params(16, 1024, 8, 1, True, True, unroll=True, half2=True, prefetch=2),
+         W4Params(16, 1024, 8, 1, True, True, unroll=True, half2=True, prefetch=2, packed_x=True),
+         W4Params(16, 512, 8, 1, True, True, unroll=True, half2=True, prefetch=2, packed_x=True),
+         W4Params(16, 512, 8, 1, True, True, unroll=True, half2=True, prefetch=2, ring_scales=True),
+         W4Params(16, 512, 8, 1, True, True, unroll=True, half2=True, prefetch=2, word_scales=True),
+         W4Params(16, 256, 8, 1, True, True, unroll=True, half2=True, prefetch=3),
+         W4Params(16, 512, 16, 1, True, True, unroll=True, half2=True, prefetch=2),
+         W4Params(16, 2048, 8, 1, True, True, unroll=True, half2=True, packed_x=True),
+         W4Params(16, 2048, 8, 1, True, True, unroll=True, half2=True, prefetch=1, packed_x=True),
+         W4Params(16, 512, 8, 1, True, True, unroll=True, half2=True, prefetch=2, split_k=2),
+         W4Params(16, 512, 8, 1, True, True, half2=True, prefetch=True, split_k=4, word_scales=True),
          # (session 46 also measured one group a step, block_k 128 unrolled: 2-3.5x slower at 40 registers and
          # 9% occupancy; and x read as eight column vectors instead of a [W, 8] load split through shared
          # memory: q|k|v 11.2 against 11.0 us under Nsight Compute, its smem stalls became HBM waits. Neither kept.)
