@@ -318,7 +318,7 @@ if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf1
 fi
 merge_w4_table() {  # $1: a sweep's tuned_w4.json, merged into the tree's table (a copy of the result beside it)
   python3 -c "import json, sys; f = 'pallas_kernels/linear/tuned_w4.json'; t = json.load(open(f)); \
-t.update(json.load(open(sys.argv[1]))); json.dump(t, open(f, 'w'), indent=1, sort_keys=True)" "$1" \
+t.update(json.load(open(sys.argv[1]))); open(f, 'w').write(json.dumps(t, indent=1, sort_keys=True) + '\\n')" "$1" \
     && cp pallas_kernels/linear/tuned_w4.json "${1%.json}_merged.json"
 }
 if [[ $parts == *wholek* ]]; then  # issue 19: the int4 batch-1 step profiled (kernels and the idle gaps between
