@@ -480,6 +480,13 @@ def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
                                           ring_scales=True)),
     ("fp4", 1, 4096, 14336, 16, W4Params(16, 512, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=True,
                                          split_k=4, word_scales=True, ring_scales=True)),
+    # 8 warps on the unrolled ring (NVFP4's q|k|v and o picks of session 48) at awkward sizes, and 16
+    ("fp4", 1, 1000, 1000, 16, W4Params(16, 512, 8, 1, gemv=True, group_partial=True, unroll=True, half2=True,
+                                        prefetch=2)),
+    ("int4", 1, 200, 1000, 64, W4Params(16, 1024, 8, 1, gemv=True, group_partial=True, unroll=True, half2=True,
+                                        prefetch=2, packed_x=True)),
+    ("fp4", 1, 6144, 4096, 16, W4Params(16, 512, 16, 1, gemv=True, group_partial=True, unroll=True, half2=True,
+                                        prefetch=2)),
 ])
 def test_w4_kernel_gpu(kind, m, n, k, g, params):
     from pallas_kernels.linear import skinny_matmul_w4_reference
