@@ -472,7 +472,8 @@ def test_w4_kernel_fused_gpu(kind, n, k, g, fusion):
     ("int4", 1, 6144, 4096, 128, W4Params(16, 512, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=3)),
     ("int4", 1, 4096, 14336, 128, W4Params(16, 1024, 4, 1, gemv=True, group_partial=True, half2=True, prefetch=2,
                                            split_k=2)),
-    # the table's one-row picks of session 47 (unrolled prefetch rings, packed x) for q|k|v and gate|up
+    # the table's one-row picks of sessions 47-48 (unrolled prefetch rings, packed x, NVFP4 at 8 warps) for
+    # q|k|v, o and gate|up
     ("int4", 1, 6144, 4096, 128, None), ("int4", 1, 28672, 4096, 128, None), ("fp4", 1, 6144, 4096, 16, None),
     ("fp4", 1, 4096, 4096, 16, None), ("fp4", 1, 28672, 4096, 16, None),
     # ring_scales (the scales and zeros carried by the ring; float8 ones as their bytes)

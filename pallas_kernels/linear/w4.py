@@ -51,9 +51,9 @@ dequantization for the dot path (M > 1: words to f16 weights by inline PTX, 8 do
 (half2, session 29) scales each word by its own group's scale instead of summing the words of a group
 first: the table's pick for NVFP4's q/k/v, o and down (10.1 / 8.1 / 19.5 us, groups of 16 = 2 words). `w4_params_for`
 reads the sweep's table (`tuned_w4.json`, written by bench/kernels/w4.py) when a wrapper call gives no params;
-its int4 and NVFP4 M = 1 picks for q|k|v, o and gate|up come from session 47's H100 sweep timed by Nsight Compute
-(bench/kernels/w4_chain.py --sweep: each launch's own duration, ~1% apart between repeats), the rest from
-the H200's CUDA-event sweeps.
+its int4 and NVFP4 M = 1 picks for q|k|v, o and gate|up come from the H100 sweeps timed by Nsight Compute
+in sessions 47-48 (bench/kernels/w4_chain.py --sweep: each launch's own duration, ~1% apart between
+repeats), the rest from the H200's CUDA-event sweeps.
 At 2-64 rows int4 runs the tensor-core kernel (`w4_mgpu.py`) on Hopper; NVFP4, whose groups of 16 that
 kernel cannot take, runs this kernel's dot path, 2.5x slower than bf16 at batch 64 on an H100
 (session 36): `swap_ab` (the dequantized tile as the dot's first operand, which wgmma may keep in
@@ -127,8 +127,8 @@ class W4Params:
     # ahead, unrolled, block_n 16 is the fastest one-program-per-tile variant for q|k|v (8.5 against
     # the old pick's 10.4 us) and o (7.3 against 9.4): the table's picks there. Rolled rings lost then,
     # likely because each prefetch converted x as it loaded it (so the warp waited there; not measured);
-    # since session 47 the ring carries x as loaded and the step converts it (not yet run on a GPU; see
-    # also `ring_scales`).
+    # since session 47 the ring carries x as loaded and the step converts it (see also `ring_scales`).
+    # Session 48: NVFP4's q|k|v and o are fastest at 8 warps on that ring (49 registers against 72-133).
     prefetch: int = 0
     # half2: programs per output tile along K (each sums its share of the steps into an f32 partial;
     # XLA adds the partials, fused into the consumer when that is an XLA fusion, e.g. a residual add):
