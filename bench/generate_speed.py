@@ -55,6 +55,9 @@ def main() -> int:
     p.add_argument("--w4-mgpu", default="{}", help="JSON of W4MgpuParams fields set over the int4 tensor-core "
                    "kernel's defaults for more than 16 rows (a tuned variant beside the default), e.g. "
                    "'{\"overlap\": true}'")
+    p.add_argument("--host-profile", default=None, help="a directory: one more 1+N run of each variant under "
+                   "cProfile, its host functions by cumulative and own time (where a step the device does not "
+                   "explain goes)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     import jax
@@ -147,6 +150,8 @@ def main() -> int:
             tn, steps_n = min(wall(1 + a.steps) for _ in range(a.repeats))
             step = (tn - t1) / a.steps
             ms = np.asarray(steps_n) * 1e3
+            if a.host_profile:
+                host_profile(lambda: wall(1 + a.steps), Path(a.host_profile) / f"host_b{b}_{name}.txt")
             res["runs"].append(dict(batch=b, sampling=name, step_ms=1e3 * step, tok_s=b / step, first_token_s=t1,
                                     engine_steps=len(ms), engine_step_ms_median=float(np.median(ms)),
                                     engine_step_ms_max=float(ms.max()), engine_steps_ms_top5=sorted(ms)[-5:],
@@ -185,6 +190,24 @@ def main() -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def host_profile(run, path: Path) -> None:
+    """`run()` under cProfile: its functions by cumulative and by own time, written to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s)
+    st.sort_stats("cumulative").print_stats(45)
+    st.sort_stats("tottime").print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(s.getvalue())
 
 
 def prompt_logits(model, params, tokens: list[int]):

@@ -311,6 +311,7 @@ if [[ $parts == *gen4* ]]; then  # issue 19: generate (default EngineConfig) bf1
     qa=$([[ $q != bf16 ]] && echo "--quantization ${q%@*}")
     [[ $q == *@* ]] && { vn="GEN4_VARIANT_${q#*@}"; qa="$qa --w4-mgpu ${!vn}"; }
     [[ -n ${GEN4_PROFILE:-} ]] && qa="$qa --profile $OUT/profile_gen_$q"  # kernels of the device steps
+    [[ -n ${GEN4_HOST_PROFILE:-} ]] && qa="$qa --host-profile $OUT/host_gen_$q"  # the host's functions (cProfile)
     timeout ${GENERATE_LIMIT:-200} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats ${GEN4_REPEATS:-1} \
       --batches ${GEN4_BATCHES:-1,64} $qa --out "$OUT/generate_llama3_8b_$q.json" > "$OUT/generate_llama3_8b_$q.log" 2>&1
     grep -v "rematerialization" "$OUT/generate_llama3_8b_$q.log" | tail -6
