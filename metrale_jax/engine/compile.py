@@ -480,7 +480,7 @@ class CompilationManager:
         if m is None:
             import numpy as np
 
-            m = self._no_masks[rows] = self.put(np.full((rows, self.mask_words), -1, np.int32))
+            m = self._no_masks[rows] = self.to_device(np.full((rows, self.mask_words), -1, np.int32))
         return m
 
     def swap_bucket(self, num_blocks: int) -> int:
@@ -549,8 +549,19 @@ class CompilationManager:
         return self.put(ibuf, fbuf)
 
     def put(self, *host):
-        """Host step inputs (the packed metadata of `metadata_builder.pack`, a bitmask) to the
-        device (every device of the mesh under tensor parallelism): one array or a tuple."""
+        """Host step inputs (the packed metadata of `metadata_builder.pack`, a bitmask) for the
+        device (every device of the mesh under tensor parallelism): one array or a tuple.
+
+        On one device they stay numpy arrays: the executable's call copies them in from C++ (a
+        small copy each, even when both halves of a split step take them), where `jax.device_put`
+        spent ~0.6 ms of host time a step (H100, session 49: a one-row int4 step's host work is
+        about as long as its 2.6 ms device step, so the host set the pace)."""
+        if self._device() is None:
+            return host if len(host) > 1 else host[0]
+        return self.to_device(*host)
+
+    def to_device(self, *host):
+        """Host arrays to device arrays (every device of the mesh under tensor parallelism)."""
         sharding = self._device()
         if sharding is None or sharding.is_fully_addressable:
             return jax.device_put(host if len(host) > 1 else host[0], sharding)
