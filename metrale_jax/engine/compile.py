@@ -247,6 +247,7 @@ class CompilationManager:
         self.max_rows = max(b.num_sample_rows for b in self.buckets if b.kind != "verify")
         self.mask_words = -(-builder.vocab_size // 32)  # W of the structured-output bitmask i32[S, W]
         self._no_masks: dict[int, jax.Array] = {}  # S -> i32[S, W] of -1, on the device (sent once)
+        self._flags: dict[bool, jax.Array] = {}  # the forward half's `sample` inputs, on the device
         self.executables: dict[StepBucket, jax.stages.Compiled] = {}
         self.swap_roles = None  # set by compile_all when cfg.preemption_mode == "swap"
         self.swap_executables: dict[tuple[str, int], jax.stages.Compiled] = {}  # ("gather"|"scatter", M)
@@ -305,9 +306,10 @@ class CompilationManager:
         / `jit_packed_sample`)."""
         (p, s, ibuf, fbuf, prev, mask), static = self._step_args(bucket, params, state)
         forward = jit_packed_forward(bucket.kind)
+        flag = self._input((), jax.numpy.bool_)
         if half == "forward":
-            return forward.lower(p, s, ibuf, fbuf, prev, **static)
-        _, logits, plp = jax.eval_shape(functools.partial(forward, **static), p, s, ibuf, fbuf, prev)
+            return forward.lower(p, s, ibuf, fbuf, prev, mask, flag, **static)
+        _, logits, plp, _, _ = jax.eval_shape(functools.partial(forward, **static), p, s, ibuf, fbuf, prev, mask, flag)
         logits, plp = jax.tree.map(lambda a: self._input(a.shape, a.dtype), (logits, plp))
         return jit_packed_sample(bucket.kind).lower(logits, s.penalties, ibuf, fbuf, plp, mask, prev, **static)
 
@@ -324,8 +326,20 @@ class CompilationManager:
         return len(self.executables) + len(self.split_executables)
 
     def run_forward(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens):
-        """The forward half of `bucket`'s step: (state, logits, prompt logprobs)."""
-        return self.split_executables[("forward", bucket)](params, state, *dev_inputs, prev_tokens)
+        """The forward half of `bucket`'s step, its samples left to `run_sample`: (state, logits,
+        prompt logprobs)."""
+        state, logits, plp, _, _ = self.split_executables[("forward", bucket)](
+            params, state, *dev_inputs, prev_tokens, self.no_mask(bucket.num_sample_rows), self._flag(False))
+        return state, logits, plp
+
+    def _flag(self, value: bool):
+        """A bool[] input kept on the device (the forward half's `sample`)."""
+        f = self._flags.get(value)
+        if f is None:
+            import numpy as np
+
+            f = self._flags[value] = self.to_device(np.bool_(value))
+        return f
 
     def run_sample(self, bucket: StepBucket, logits, penalties, dev_inputs: tuple, plp, bitmask, prev_tokens):
         """The sampling half: (SampleOutput, next_tokens), as `run` returns them."""
@@ -364,8 +378,9 @@ class CompilationManager:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         # decode and mixed steps (decode rows beside prompt chunks) in two halves, so that a step
-        # with structured-output rows launches its forward before the host has their masks (an MTP
-        # drafter needs the samples inside the step: none split)
+        # with structured-output rows launches its forward before the host has their masks; the
+        # forward half samples too, so the other steps launch once (an MTP drafter needs the
+        # samples inside the step: none split)
         split = () if self.num_drafts else SPLIT_KINDS
         todo = [b for b in self.buckets if b.kind not in split and b not in self.executables]
         todo += [(half, b) for b in self.buckets if b.kind in split for half in ("forward", "sample")
@@ -437,6 +452,9 @@ class CompilationManager:
         for bucket in self.buckets:
             dev = self.transfer(build_step(self.builder, bucket, [], []))
             state, out, prev = self.run(bucket, params, state, dev, prev)
+            if self.has_split(bucket):  # (its forward half without sampling, then its sample half)
+                state, logits, plp = self.run_forward(bucket, params, state, dev, prev)
+                out, prev = self.run_sample(bucket, logits, state.penalties, dev, plp, None, prev)
         jax.block_until_ready((state, prev))
         self.warmup_seconds = time.perf_counter() - t0
         log.info("ran each of the %d steps once in %.2fs", len(self.buckets), self.warmup_seconds)
@@ -460,18 +478,18 @@ class CompilationManager:
         the previous step's `next_tokens` (zeros when None) and the structured-output `bitmask`
         i32[bucket.num_sample_rows, mask_words] (None: no row constrained, a constant of -1 kept
         on the device, so nothing is sent). Returns (state, out, next_tokens). A split bucket (SPLIT_KINDS) runs
-        its two halves (`run_forward`, `run_sample`)."""
+        its forward half, which samples too (one launch: `step.jit_packed_forward`)."""
         if prev_tokens is None:
             prev_tokens = self.zero_tokens()
+        if bitmask is None:
+            bitmask = self.no_mask(bucket.num_sample_rows)
         if self.has_split(bucket):
-            state, logits, plp = self.run_forward(bucket, params, state, dev_inputs, prev_tokens)
-            out, nxt = self.run_sample(bucket, logits, state.penalties, dev_inputs, plp, bitmask, prev_tokens)
+            state, _, _, out, nxt = self.split_executables[("forward", bucket)](
+                params, state, *dev_inputs, prev_tokens, bitmask, self._flag(True))
             return state, out, nxt
         exe = self.executables.get(bucket)
         if exe is None:
             raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
-        if bitmask is None:
-            bitmask = self.no_mask(bucket.num_sample_rows)
         return exe(params, state, *dev_inputs, prev_tokens, bitmask)
 
     def no_mask(self, rows: int):
