@@ -245,8 +245,8 @@ def jit_packed_forward(kind: str):
     SampleOutput, next_tokens i32[2R]); the state is donated.
 
     sample True: the step samples here (with `bitmask`), as `jit_packed_step` does, in one launch:
-    a second executable cost ~0.5 ms of host time a step (H100, session 49), which a one-row 4-bit
-    step (2.6 ms on the device) does not hide. sample False: a step whose rows follow grammars is
+    a second executable's call took 0.50-0.58 ms a step under cProfile (H100, session 49), which a
+    one-row 4-bit step (2.6 ms on the device) did not hide. sample False: a step whose rows follow grammars is
     launched before the host has their masks (they depend on the previous step's tokens), the host
     fills them while it runs, and `jit_packed_sample` finishes the step from the logits; here the
     sampler's random draw and top logprobs are then off (its skips, `sampler_skip`, leave an argmax)

@@ -572,8 +572,8 @@ class CompilationManager:
 
         On one device they stay numpy arrays: the executable's call copies them in from C++ (a
         small copy each, even when both halves of a split step take them), where `jax.device_put`
-        spent ~0.6 ms of host time a step (H100, session 49: a one-row int4 step's host work is
-        about as long as its 2.6 ms device step, so the host set the pace)."""
+        took 0.55-0.58 ms a step under cProfile (H100, session 49: a one-row int4 step's host work
+        was as long as its 2.6 ms device step, so the host set the pace)."""
         if self._device() is None:
             return host if len(host) > 1 else host[0]
         return self.to_device(*host)
