@@ -131,6 +131,15 @@
 # sweep and `generate`, not the gpu tests: the table-pick cases read the table. Then, on an H200,
 # GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 `gen4` (the issue's bars are the H200's), `fuse`, `fp4dot`, and
 # `ncu4` sweeps for both kinds (the H200's picks may differ); the default `acceptance` families.
+# Session 49 (`bench/results/session49_2026-12-06.md`): `tests gen4` (test_w4.py 70 passed; three kinds with
+# GEN4_PROFILE) 382 s cold on an H100; `gen4` bf16 int4 with GEN4_HOST_PROFILE=1 182 s; then two trees in one
+# call (.gpu_carry/tree_base.tar beside tree.tar, each extracted to its own directory; the "tree at commit"
+# line reads the shared .gpu_carry/commit, so it names the new tree's for both) with `acceptance` (Llama) 255 s.
+# Four starts were refused (~90-120 s of budget each, then ~10 min before either kind was tried again).
+# Next: on an H200, GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 GEN4_HOST_PROFILE=1 `gen4` (one launch a step
+# now; logprobs=5's step through generate is not settled), `fuse`, the default `acceptance` families,
+# `structured` (the free step launches once now, the constrained one twice), `startup` (the forward
+# executables sample too: more to compile).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
