@@ -240,17 +240,17 @@ def jit_packed_step(kind: str):
 @functools.cache
 def jit_packed_forward(kind: str):
     """The first half of `jit_packed_step(kind)`, what the engine compiles for decode and mixed
-    buckets, with the second half inside it under a condition: (params, state, ibuf, fbuf,
-    prev_tokens, bitmask, sample bool[]) -> (state, logits f32[S, V], prompt logprobs,
-    SampleOutput, next_tokens i32[2R]); the state is donated.
+    buckets: (params, state, ibuf, fbuf, prev_tokens, bitmask, sample bool[]) -> (state, logits
+    f32[S, V], prompt logprobs, SampleOutput, next_tokens i32[2R]); the state is donated.
 
-    sample True: the step samples here (with `bitmask`), as `jit_packed_step` does, in one launch:
-    a second executable's call took 0.50-0.58 ms a step under cProfile (H100, session 49), which a
-    one-row 4-bit step (2.6 ms on the device) did not hide. sample False: a step whose rows follow grammars is
-    launched before the host has their masks (they depend on the previous step's tokens), the host
-    fills them while it runs, and `jit_packed_sample` finishes the step from the logits; here the
-    sampler's random draw and top logprobs are then off (its skips, `sampler_skip`, leave an argmax)
-    and the engine drops these samples."""
+    A step whose rows follow grammars is launched before the host has their masks (they depend on
+    the previous step's tokens), the host fills them while it runs, and `jit_packed_sample`
+    finishes the step from the logits. With `AttentionConfig.sample_in_forward` (the GPU's
+    default) this half samples too, with `bitmask`, as `jit_packed_step` does, so the other steps
+    launch once (`sample` True); for a grammar step (`sample` False) the sampler's random draw and
+    top logprobs are off through its flags (its skips, `sampler_skip`, leave an argmax) and the
+    engine drops these samples. Without it the SampleOutput and next tokens are None and
+    `bitmask` / `sample` go unused."""
     from metrale_jax.metadata_builder import unpack
 
     def fn(params, state, ibuf, fbuf, prev_tokens, bitmask, sample, *, layout, model, attn, max_logprobs,
@@ -259,12 +259,16 @@ def jit_packed_forward(kind: str):
         dmd, pmd, tokens, smd = unpack(layout, ibuf, fbuf)
         state, logits, plp, _ = _forward(params, state, dmd, pmd, tokens, smd, model=model, attn=attn,
                                          max_logprobs=max_logprobs, prev_tokens=prev_tokens)
-        smd_here = dataclasses.replace(smd, flags=jnp.logical_and(smd.flags, sample))
-        out = _sample(logits, state.penalties, smd_here, plp, attn=attn, max_logprobs=max_logprobs, bitmask=bitmask)
-        nxt = _next_tokens(out, prev_tokens)
+        out = nxt = None
+        if attn.sample_in_forward:
+            smd_here = dataclasses.replace(smd, flags=jnp.logical_and(smd.flags, sample))
+            out = _sample(logits, state.penalties, smd_here, plp, attn=attn, max_logprobs=max_logprobs,
+                          bitmask=bitmask)
+            nxt = _next_tokens(out, prev_tokens)
         if placement is not None:
             state, logits, plp = placement.pin_state(state), placement.replicate(logits), placement.replicate(plp)
-            out, nxt = placement.replicate(out), placement.replicate(nxt)
+            if out is not None:
+                out, nxt = placement.replicate(out), placement.replicate(nxt)
         return state, logits, plp, out, nxt
 
     fn.__name__ = f"{kind}_forward_packed"

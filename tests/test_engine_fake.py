@@ -447,6 +447,43 @@ def test_no_compilation_while_serving(eng):
 
 
 
+def test_steps_without_grammar_rows_launch_once(W):
+    """With `AttentionConfig.sample_in_forward` (the GPU's default) a decode or mixed step whose rows
+    follow no grammar is one launch: its forward executable samples too (the sample executable is
+    for steps whose masks the host fills while the forward runs). Greedy rows still give the
+    reference's tokens."""
+    import dataclasses
+
+    from metrale_jax.engine.config import default_kernels
+
+    eng = fake_engine(use_ssm=True, attention=dataclasses.replace(default_kernels(False), sample_in_forward=True))
+    comp = eng.compiler
+    saved = dict(comp.split_executables)
+    calls: dict = {}
+
+    def counted(key, exe):
+        def call(*args):
+            calls[key[0], key[1].kind] = calls.get((key[0], key[1].kind), 0) + 1
+            return exe(*args)
+        return call
+
+    prompts = [_ids(5, 70), _ids(40, 71), _ids(9, 72)]  # the long one prefills beside the others' decoding
+    sps = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0, max_tokens=6),
+           SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8, logprobs=2)]
+    try:
+        comp.split_executables.update({k: counted(k, e) for k, e in saved.items()})
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            eng.add_request(f"once{i}", {"prompt_token_ids": p}, sp)
+        outs = eng.run_to_completion()
+    finally:
+        comp.split_executables.update(saved)
+    assert calls.get(("forward", "decode"), 0) > 0 and calls.get(("forward", "mixed"), 0) > 0, calls
+    assert not any(half == "sample" for half, _ in calls), calls
+    for i in (0, 1):
+        assert outs[f"once{i}"].outputs[0].token_ids == fake_greedy(W, prompts[i], sps[i].max_tokens, use_ssm=True)
+    assert len(outs["once2"].outputs[0].logprobs) == 8
+
+
 # ---- prompt logprobs: bounded rows per step, no conditional on the GPU path ------------------------
 def test_prompt_logprobs_rows_per_step_are_bounded(W):
     """The GPU's form (`sampler_branches=False`: no `lax.cond`, prompt rows in the sampled rows'

@@ -50,7 +50,8 @@ def test_forward_then_sample_equals_the_step(bucket, branches):
     bitmask = np.full((bucket.num_sample_rows, words), -1, np.int32)
     bitmask[1] = rng.integers(-2**31, 2**31 - 1, words, dtype=np.int64).astype(np.int32)  # a constrained row
     prev = jnp.asarray(rng.integers(3, v, 8), jnp.int32)
-    static = dict(layout=layout, model=model, attn=AttentionConfig(sampler_branches=branches), max_logprobs=3)
+    static = dict(layout=layout, model=model, attn=AttentionConfig(sampler_branches=branches, sample_in_forward=True),
+                  max_logprobs=3)
 
     def state():
         s = init_step_state(model, 32, 4, penalty_rows=4)
@@ -62,7 +63,7 @@ def test_forward_then_sample_equals_the_step(bucket, branches):
     out2, nxt2 = jit_packed_sample(bucket.kind)(logits, s2.penalties, ibuf, fbuf, plp, bitmask, prev, **static)
     for a, b in zip(jax.tree.leaves((s1, out1, nxt1)), jax.tree.leaves((s2, out2, nxt2))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # the forward half sampling itself (the engine's one launch for a step without grammar rows)
+    # the forward half sampling itself (`sample_in_forward`: the one launch of a step without grammar rows)
     s3, _, _, out3, nxt3 = jit_packed_forward(bucket.kind)(params, state(), ibuf, fbuf, prev, bitmask, True, **static)
     for a, b in zip(jax.tree.leaves((s1, out1, nxt1)), jax.tree.leaves((s3, out3, nxt3))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -378,9 +378,9 @@ class CompilationManager:
         """Load or compile every bucket (and swap pair); returns the wall time in seconds."""
         t0 = time.perf_counter()
         # decode and mixed steps (decode rows beside prompt chunks) in two halves, so that a step
-        # with structured-output rows launches its forward before the host has their masks; the
-        # forward half samples too, so the other steps launch once (an MTP drafter needs the
-        # samples inside the step: none split)
+        # with structured-output rows launches its forward before the host has their masks; with
+        # `sample_in_forward` the forward half samples too, so the other steps launch once (an MTP
+        # drafter needs the samples inside the step: none split)
         split = () if self.num_drafts else SPLIT_KINDS
         todo = [b for b in self.buckets if b.kind not in split and b not in self.executables]
         todo += [(half, b) for b in self.buckets if b.kind in split for half in ("forward", "sample")
@@ -452,7 +452,7 @@ class CompilationManager:
         for bucket in self.buckets:
             dev = self.transfer(build_step(self.builder, bucket, [], []))
             state, out, prev = self.run(bucket, params, state, dev, prev)
-            if self.has_split(bucket):  # (its forward half without sampling, then its sample half)
+            if self.has_split(bucket) and self.cfg.attention.sample_in_forward:  # (the two-launch form too)
                 state, logits, plp = self.run_forward(bucket, params, state, dev, prev)
                 out, prev = self.run_sample(bucket, logits, state.penalties, dev, plp, None, prev)
         jax.block_until_ready((state, prev))
@@ -474,22 +474,27 @@ class CompilationManager:
         return StepBucket("mixed", num_seqs=n, num_tokens=t, num_streams=c.max_prefill_streams)
 
     def run(self, bucket: StepBucket, params, state, dev_inputs: tuple, prev_tokens=None, bitmask=None):
-        """Run the executable of `bucket` on its packed device inputs (i32 buffer, f32 buffer),
+        """Run the executable of `bucket` on its packed inputs (i32 buffer, f32 buffer, as `put` gives them),
         the previous step's `next_tokens` (zeros when None) and the structured-output `bitmask`
         i32[bucket.num_sample_rows, mask_words] (None: no row constrained, a constant of -1 kept
         on the device, so nothing is sent). Returns (state, out, next_tokens). A split bucket (SPLIT_KINDS) runs
-        its forward half, which samples too (one launch: `step.jit_packed_forward`)."""
+        its forward half, which samples too under `AttentionConfig.sample_in_forward` (one launch),
+        else its two halves."""
+        split = self.has_split(bucket)
+        exe = self.split_executables[("forward", bucket)] if split else self.executables.get(bucket)
+        if exe is None:
+            raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
         if prev_tokens is None:
             prev_tokens = self.zero_tokens()
         if bitmask is None:
             bitmask = self.no_mask(bucket.num_sample_rows)
-        if self.has_split(bucket):
-            state, _, _, out, nxt = self.split_executables[("forward", bucket)](
-                params, state, *dev_inputs, prev_tokens, bitmask, self._flag(True))
+        if split and self.cfg.attention.sample_in_forward:  # (one launch)
+            state, _, _, out, nxt = exe(params, state, *dev_inputs, prev_tokens, bitmask, self._flag(True))
             return state, out, nxt
-        exe = self.executables.get(bucket)
-        if exe is None:
-            raise RuntimeError(f"step bucket {bucket} was not compiled at start-up (a bug)")
+        if split:
+            state, logits, plp = self.run_forward(bucket, params, state, dev_inputs, prev_tokens)
+            out, nxt = self.run_sample(bucket, logits, state.penalties, dev_inputs, plp, bitmask, prev_tokens)
+            return state, out, nxt
         return exe(params, state, *dev_inputs, prev_tokens, bitmask)
 
     def no_mask(self, rows: int):

@@ -59,7 +59,8 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = N
     GPU kernels only where the GPU has wgmma (`wgmma`, None = `hopper()`): other GPUs take the
     Triton prefill kernel and the W8A16 linears at every decode size. On the GPU, decode steps of
     fewer than 8 rows run the model on 8 (where the step finds that it pays: `min_decode_rows`),
-    and the sampler skips what no row of the step needs (`sampler_skip`). With LoRA (`lora`) on
+    and the sampler skips what no row of the step needs (`sampler_skip`), in the forward half of
+    steps without grammar rows (`sample_in_forward`: one launch a step). With LoRA (`lora`) on
     the GPU, XLA's rematerialization pass is off (`xla_remat`): it recomputed the base GEMMs whose
     output also feeds the folded shrinks (H200, Llama-3-8B, 8 slots: batch-1 steps 1.62x the
     base with it, 1.13x without; session 22)."""
@@ -71,7 +72,8 @@ def default_kernels(on_gpu: bool, uses_moe: bool = False, wgmma: bool | None = N
     return AttentionConfig(use_pallas=on_gpu, unroll_layers=on_gpu,
                            tokamax_moe=on_gpu and uses_moe and tokamax_available(), fp8_kernel=on_gpu,
                            fp8_w8a8=mosaic, mosaic_prefill=mosaic, sampler_branches=not on_gpu,
-                           sampler_skip=on_gpu, min_decode_rows=8 if on_gpu else 1, xla_remat=not (on_gpu and lora))
+                           sampler_skip=on_gpu, sample_in_forward=on_gpu, min_decode_rows=8 if on_gpu else 1,
+                           xla_remat=not (on_gpu and lora))
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,13 @@ class AttentionConfig:
     # the device evaluates the predicate: a greedy step without logprobs runs no filter, draw or
     # top-k (a batch-64 verify step's sampler: ~3.8 of 13.3 ms of kernels, H200, session 14).
     sampler_skip: bool = False
+    # Decode and mixed steps whose rows follow no grammar launch one executable: the forward half
+    # samples too (`step.jit_packed_forward`); the GPU default. Off: they launch the forward and the
+    # sample halves back to back, as steps with grammar rows always do. A second launch cost
+    # ~0.5 ms of host time a step on an H100 (session 49), which a one-row 4-bit step (2.6 ms on the
+    # device) did not hide; on the CPU launches are cheap and the sampler inside every forward
+    # half costs compile time (a test engine's: 18.7 s against 13.9).
+    sample_in_forward: bool = False
     # XLA's rematerialization pass on the step executables. It counts the donated KV / SSM pools
     # against the device memory (a Llama-3-8B step "uses" 233 GiB of a 89 GiB limit on the H200),
     # so it always runs and recomputes fusions (norms twice, `*_remat` GEMM fusions) to save
