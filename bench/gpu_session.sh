@@ -135,7 +135,7 @@
 # GEN4_PROFILE) 382 s cold on an H100; `gen4` bf16 int4 with GEN4_HOST_PROFILE=1 182 s; then two trees in one
 # call (.gpu_carry/tree_base.tar beside tree.tar, each extracted to its own directory; the "tree at commit"
 # line reads the shared .gpu_carry/commit, so it names the new tree's for both) with `acceptance` (Llama) 255 s.
-# Four starts were refused (~90-120 s of budget each, then ~10 min before either kind was tried again).
+# Eight starts were refused (~650 s of budget in all; ~10 min each time before that kind was tried again).
 # Next: on an H200, GEN4_KINDS="bf16 int4 nvfp4" GEN4_BATCHES=1 GEN4_HOST_PROFILE=1 `gen4` (one launch a step
 # now; logprobs=5's step through generate is not settled), `fuse`, the default `acceptance` families,
 # `structured` (the free step launches once now, the constrained one twice), `startup` (the forward
