@@ -560,7 +560,7 @@ class CompilationManager:
     def zero_tokens(self):
         import numpy as np
 
-        return jax.device_put(np.zeros(2 * self.max_rows, np.int32), self._device())
+        return self.to_device(np.zeros(2 * self.max_rows, np.int32))
 
     def _device(self):
         return self.placement.replicated if self.placement else None

@@ -661,7 +661,7 @@ def finish_verify(engine, f):
 
     from metrale_jax.engine.scheduler import ScheduledStep, SeqStatus
 
-    out = dict(zip(f.names, [np.asarray(a) for a in f.arrays]))  # (copies started at dispatch)
+    out = f.read()
     w = f.inputs.bucket.num_spec + 1
     now = time.time()
     touched = {}
