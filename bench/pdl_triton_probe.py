@@ -1,0 +1,126 @@
+"""Does XLA launch a Pallas Triton kernel with programmatic dependent launch (PDL)?
+
+Two Pallas Triton kernels in a chain, A -> B -> A -> B ... (each reads the one before's
+output). A calls `griddepcontrol.launch_dependents` (or not), then spins for `--spin-us`
+reading `%globaltimer`, then writes its end time. B reads `%globaltimer` as it starts, then
+`griddepcontrol.wait`, then reads A's output. If B's programs start before A's last program
+ends, the launch had the PDL attribute (the instructions are no-ops in a normal launch).
+Printed per variant: B's earliest start minus A's latest end, in microseconds, over the chain
+(negative: overlap, so PDL is on), beside the XLA options it was compiled with.
+
+    python bench/pdl_triton_probe.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# the low 32 bits of %globaltimer (ns; differences taken mod 2^32); the input is only a dependency
+_TIMER = "{\n\t.reg .u64 t;\n\tmov.u64 t, %globaltimer;\n\tcvt.u32.u64 $0, t;\n\t}"
+
+
+def _asm(asm, dep, dtype, constraint):
+    [out] = plt.elementwise_inline_asm(asm, args=[dep], constraints=constraint, pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(dep.shape, dtype)])
+    return out
+
+
+def _timer(dep):  # i32 nanoseconds (wrapping), read after dep is available
+    return _asm(_TIMER, dep.astype(jnp.int32), jnp.int32, "=r,r")
+
+
+def _kernel_a(x_ref, o_ref, *, spin_ns: int, trigger: bool):
+    v = x_ref[pl.ds(0, 1)]  # i32[1] (the inline asm works on vectors)
+    if trigger:
+        v = _asm("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", v, jnp.int32, "=r,r")
+    t0 = _timer(v)
+
+    t1 = jax.lax.while_loop(lambda t: jnp.max(t - t0) < spin_ns, _timer, t0)
+    o_ref[pl.ds(pl.program_id(0), 1)] = t1  # this program's end
+
+
+def _kernel_b(a_ref, o_ref, s_ref):
+    pid = pl.program_id(0)
+    dummy = jnp.zeros((1,), jnp.int32) + pid
+    start = _timer(dummy)
+    w = _asm("griddepcontrol.wait;\n\tmov.b32 $0, $1;", dummy, jnp.int32, "=r,r")
+    s_ref[pl.ds(pid, 1)] = start
+    o_ref[pl.ds(pid, 1)] = a_ref[pl.ds(pid, 1)] + w * 0  # (after the wait: a dependency on w)
+
+
+def _chain(x, *, programs, links, spin_ns, trigger):
+    a_call = pl.pallas_call(
+        functools.partial(_kernel_a, spin_ns=spin_ns, trigger=trigger),
+        out_shape=jax.ShapeDtypeStruct((programs,), jnp.int32), grid=(programs,),
+        compiler_params=plt.CompilerParams(num_warps=1))
+    b_call = pl.pallas_call(
+        _kernel_b,
+        out_shape=(jax.ShapeDtypeStruct((programs,), jnp.int32), jax.ShapeDtypeStruct((programs,), jnp.int32)),
+        grid=(programs,),
+        compiler_params=plt.CompilerParams(num_warps=1))
+    ends, starts = [], []
+    v = x
+    for _ in range(links):
+        a_end = a_call(v)
+        b_out, b_start = b_call(a_end)
+        ends.append(a_end)
+        starts.append(b_start)
+        v = b_out[:1] * 0 + x
+    return jnp.stack(ends), jnp.stack(starts)
+
+
+def probe(programs: int, links: int, spin_us: float, trigger: bool, options: dict | None) -> dict:
+    x = jnp.zeros((1,), jnp.int32)
+    f = jax.jit(functools.partial(_chain, programs=programs, links=links, spin_ns=int(spin_us * 1e3),
+                                  trigger=trigger))
+    exe = f.lower(x).compile(compiler_options=options)
+    exe(x)
+    gaps = []
+    for _ in range(5):
+        ends, starts = (np.asarray(a) for a in exe(x))
+        # B's earliest start minus A's latest end, mod 2^32 ns, per link
+        d = (starts.astype(np.int64)[:, :, None] - ends.astype(np.int64)[:, None, :]) % (1 << 32)
+        d = np.where(d >= 1 << 31, d - (1 << 32), d)
+        gaps.append(d.min(axis=(1, 2)) / 1e3)
+    gaps = np.asarray(gaps)
+    return dict(programs=programs, links=links, spin_us=spin_us, trigger=trigger, options=options,
+                gap_us_median=float(np.median(gaps)), gap_us_min=float(gaps.min()), gap_us_max=float(gaps.max()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--programs", type=int, default=128, help="a power of two")
+    ap.add_argument("--links", type=int, default=8, help="A -> B pairs in the chain (>= 3 puts it in a command buffer)")
+    ap.add_argument("--spin-us", type=float, default=20.0)
+    a = ap.parse_args(argv)
+    on = {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}
+    off = {"xla_gpu_enable_pdl": False, "xla_gpu_enable_pdl_launch": False}
+    rows = []
+    for trigger in (True, False):
+        for options in (None, on, off):
+            for links in (1, a.links):
+                try:
+                    row = probe(a.programs, links, a.spin_us, trigger, options)
+                except Exception as e:  # noqa: BLE001 - recorded
+                    row = dict(trigger=trigger, options=options, links=links, error=f"{type(e).__name__}: {e}"[:400])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0]
+    (out / "pdl_triton_probe.json").write_text(json.dumps(dict(
+        device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
