@@ -52,7 +52,8 @@ def _kernel_b(a_ref, o_ref, s_ref):
     pid = pl.program_id(0)
     dummy = jnp.zeros((1,), jnp.int32) + pid
     start = _timer(dummy)
-    w = _asm("griddepcontrol.wait;\n\tmov.b32 $0, $1;", dummy, jnp.int32, "=r,r")
+    # (the wait takes the start time as its input: a pure inline asm may be reordered otherwise)
+    w = _asm("griddepcontrol.wait;\n\tmov.b32 $0, 0;", start, jnp.int32, "=r,r")
     s_ref[pl.ds(pid, 1)] = start
     o_ref[pl.ds(pid, 1)] = a_ref[pl.ds(pid, 1)] + w * 0  # (after the wait: a dependency on w)
 
@@ -96,6 +97,55 @@ def probe(programs: int, links: int, spin_us: float, trigger: bool, options: dic
                 gap_us_median=float(np.median(gaps)), gap_us_min=float(gaps.min()), gap_us_max=float(gaps.max()))
 
 
+def triton_control(programs: int, spin_us: float) -> dict:
+    """The same two kernels through Triton's own launcher with `launch_pdl` (torch tensors): the
+    probe's positive control, where the secondary is known to be launched with PDL."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def timer(dep):
+        return tl.inline_asm_elementwise(_TIMER, "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def a_kernel(x_ptr, o_ptr, spin_ns):
+        v = tl.load(x_ptr + tl.arange(0, 1))
+        v = tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", "=r,r", [v],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        t0 = timer(v)
+        t = t0
+        while tl.max(t - t0) < spin_ns:
+            t = timer(t)
+        tl.store(o_ptr + tl.program_id(0) + tl.arange(0, 1), t)
+
+    @triton.jit
+    def b_kernel(a_ptr, o_ptr, s_ptr):
+        pid = tl.program_id(0)
+        start = timer(tl.zeros((1,), tl.int32) + pid)
+        w = tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.b32 $0, 0;", "=r,r", [start],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(s_ptr + pid + tl.arange(0, 1), start)
+        tl.store(o_ptr + pid + tl.arange(0, 1), tl.load(a_ptr + pid + w + tl.arange(0, 1)))
+
+    x = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = {}
+    for pdl in (False, True):
+        gaps = []
+        for _ in range(5):
+            a = torch.empty(programs, dtype=torch.int32, device="cuda")
+            b = torch.empty_like(a)
+            s = torch.empty_like(a)
+            a_kernel[(programs,)](x, a, int(spin_us * 1e3), num_warps=1)
+            b_kernel[(programs,)](a, b, s, num_warps=1, launch_pdl=pdl)
+            torch.cuda.synchronize()
+            d = (s.cpu().numpy().astype(np.int64)[:, None] - a.cpu().numpy().astype(np.int64)[None, :]) % (1 << 32)
+            d = np.where(d >= 1 << 31, d - (1 << 32), d)
+            gaps.append(d.min() / 1e3)
+        out[f"launch_pdl={pdl}"] = float(np.median(gaps))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -115,11 +165,17 @@ def main(argv=None):
                     row = dict(trigger=trigger, options=options, links=links, error=f"{type(e).__name__}: {e}"[:400])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    try:
+        control = triton_control(a.programs, a.spin_us)
+    except Exception as e:  # noqa: BLE001 - recorded
+        control = f"{type(e).__name__}: {e}"[:400]
+    print("triton's launcher (gap_us median):", json.dumps(control), flush=True)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
     (out / "pdl_triton_probe.json").write_text(json.dumps(dict(
-        device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, rows=rows), indent=1))
+        device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, rows=rows, triton_control=control),
+        indent=1))
 
 
 if __name__ == "__main__":
