@@ -105,8 +105,9 @@ def triton_control(programs: int, spin_us: float) -> dict:
     import triton.language as tl
 
     @triton.jit
-    def timer(dep):
-        return tl.inline_asm_elementwise(_TIMER, "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+    def timer(dep):  # (_TIMER written out: a Triton kernel reads no plain globals)
+        return tl.inline_asm_elementwise("{\n\t.reg .u64 t;\n\tmov.u64 t, %globaltimer;\n\tcvt.u32.u64 $0, t;\n\t}",
+                                         "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def a_kernel(x_ptr, o_ptr, spin_ns):
