@@ -400,9 +400,11 @@ if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (
   # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16
   # (~400 s; session 41 on an H100, one call each way: int4 device step 2.78-2.83 ms fused against 2.82-2.83,
   # NVFP4 3.13 against 3.07; run `tests` with GPU_TEST_FILES=tests/test_w4.py first)
+  # (FUSE_ONLY="bf16 int4 int4_fused nvfp4": those runs only)
   for run in "bf16:" "int4:--quantization int4" "int4_fused:--quantization int4 --attention {\"w4_fused_decode\":true}" \
              "nvfp4:--quantization nvfp4" "nvfp4_fused:--quantization nvfp4 --attention {\"w4_fused_decode\":true}"; do
     IFS=: read -r name extra <<< "$run"
+    [[ -n ${FUSE_ONLY:-} && " $FUSE_ONLY " != *" $name "* ]] && continue
     timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
       $extra --out "$OUT/generate_llama3_8b_${name}_b1.json" > "$OUT/generate_llama3_8b_${name}_b1.log" 2>&1
     echo "== $name"; grep "batch   1" "$OUT/generate_llama3_8b_${name}_b1.log" | tail -4
