@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [bars19] [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -144,7 +144,8 @@
 # calls: `python3 bench/pdl_triton_probe.py --out $OUT/pdl` from the repo root (~10 s warm; XLA launches Pallas
 # Triton kernels without PDL, Triton's own launcher with it), then the probe + FUSE_ONLY="bf16 int4 int4_fused
 # nvfp4" `fuse` + W4_ARGS="--shapes gate_up,qkv --kinds int4,fp4 --ms 1 --with-tuned --only ring_scales,swap_ab"
-# W4_KINDS=" " `w4` (the table's M = 1 picks only, beside XLA's bf16 dot) in 303 s cold. Next: that call on an H200.
+# W4_KINDS=" " `w4` (the table's M = 1 picks only, beside XLA's bf16 dot) in 303 s cold. Next: that call on an H200
+# (`bars19` runs it, with o and down in the sweep too).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -156,6 +157,13 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 parts=${*:-tests throughput serve}
+if [[ $parts == *bars19* ]]; then  # issue 19's batch-1 bars in one call (session 50; ~400 s warm on an H100): the
+  # PDL probe, `fuse` (bf16, int4, int4 fused, NVFP4 through generate) and `w4` (the table's M = 1 picks alone)
+  parts="$parts fuse w4"
+  FUSE_ONLY=${FUSE_ONLY:-bf16 int4 int4_fused nvfp4}
+  W4_ARGS=${W4_ARGS:---shapes gate_up,qkv,o,down --kinds int4,fp4 --ms 1 --with-tuned --only ring_scales,swap_ab}
+  W4_KINDS=${W4_KINDS:- }  # (no generates after the sweep: `fuse` ran them)
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -400,6 +408,9 @@ if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the 
     grep -E "skinny|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Memory Throughput|DRAM Throughput|Executed Ipc A|Block Limit Reg|Waves Per SM|Stall" \
       "$OUT/ncu4_details.txt" | head -80
   fi
+fi
+if [[ $parts == *bars19* ]]; then  # does XLA launch Pallas Triton kernels with PDL? (and Triton's own launcher)
+  timeout ${PROBE_LIMIT:-100} python3 bench/pdl_triton_probe.py --out "$OUT/pdl" 2>&1 | grep -v Warning | tail -14
 fi
 if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (the one-row decode layer's norms, SwiGLU
   # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16
