@@ -141,11 +141,10 @@
 # `structured` (the free step launches once now, the constrained one twice), `startup` (the forward
 # executables sample too: more to compile).
 # Session 50 (`bench/results/session50_2026-12-06.md`): the H200 was refused at every try (six starts); three H100
-# calls: `python3 bench/pdl_triton_probe.py --out $OUT/pdl` from the repo root (~10 s warm; XLA launches Pallas
-# Triton kernels without PDL, Triton's own launcher with it), then the probe + FUSE_ONLY="bf16 int4 int4_fused
-# nvfp4" `fuse` + W4_ARGS="--shapes gate_up,qkv --kinds int4,fp4 --ms 1 --with-tuned --only ring_scales,swap_ab"
-# W4_KINDS=" " `w4` (the table's M = 1 picks only, beside XLA's bf16 dot) in 303 s cold. Next: that call on an H200
-# (`bars19` runs it, with o and down in the sweep too).
+# calls: `python3 bench/pdl_triton_probe.py --out $OUT/pdl` from the repo root (~10 s warm; no early start
+# through XLA, one through Triton's own launcher; but B's wait was compiled away then: rerun), then the probe
+# + FUSE_ONLY="bf16 int4 int4_fused nvfp4" `fuse` + `w4` with the table's M = 1 picks only (beside XLA's bf16
+# dot) in 303 s cold. Next: that call on an H200: `bars19` runs it (o and down in the sweep too).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection

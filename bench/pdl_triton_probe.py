@@ -9,8 +9,9 @@ Printed per variant: B's earliest start minus A's latest end, in microseconds, o
 (negative: overlap, so PDL is on), beside the XLA options it was compiled with; then the same two
 kernels through Triton's own launcher with and without `launch_pdl` (the control: torch, triton).
 H100, jax 0.11.2 (session 50): +0.9 us through XLA whatever the options (+1.9 with its PDL options
-off), -2.9 us through Triton's launcher with `launch_pdl`: XLA launches Pallas Triton kernels
-without PDL.
+off), -2.9 us through Triton's launcher with `launch_pdl`. Not conclusive for XLA: in those runs
+B's wait was most likely compiled away (`w * 0`, fixed since), and XLA may give PDL only to a
+Triton kernel that waits. Rerun it.
 
     python bench/pdl_triton_probe.py --out DIR
 """
@@ -58,7 +59,9 @@ def _kernel_b(a_ref, o_ref, s_ref):
     # (the wait takes the start time as its input: a pure inline asm may be reordered otherwise)
     w = _asm("griddepcontrol.wait;\n\tmov.b32 $0, 0;", start, jnp.int32, "=r,r")
     s_ref[pl.ds(pid, 1)] = start
-    o_ref[pl.ds(pid, 1)] = a_ref[pl.ds(pid, 1)] + w * 0  # (after the wait: a dependency on w)
+    # (w is 0, but opaque to the compiler: `w * 0` would fold, and the unused pure asm, the wait
+    # with it, would be dropped; session 50's three runs had that form)
+    o_ref[pl.ds(pid, 1)] = a_ref[pl.ds(pid, 1)] + w
 
 
 def _chain(x, *, programs, links, spin_ns, trigger):
