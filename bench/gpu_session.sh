@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [bars19] [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [bars19] [attnb1] [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -408,8 +408,13 @@ if [[ $parts == *ncu4* ]]; then  # issue 19 (session 46): Nsight Compute on the 
       "$OUT/ncu4_details.txt" | head -80
   fi
 fi
-if [[ $parts == *bars19* ]]; then  # does XLA launch Pallas Triton kernels with PDL? (and Triton's own launcher)
+if [[ $parts == *bars19* && -n ${BARS19_PROBE:-} ]]; then  # does XLA launch Pallas Triton kernels with PDL?
+  # (session 51, H100, B's wait kept: no, +0.93 us after A whatever the options; BARS19_PROBE=1 runs it again)
   timeout ${PROBE_LIMIT:-100} python3 bench/pdl_triton_probe.py --out "$OUT/pdl" 2>&1 | grep -v Warning | tail -14
+fi
+if [[ $parts == *attnb1* ]]; then  # issue 19: decode attention at batch 1, a 32-layer chain, the params' sweep (~150 s)
+  timeout ${ATTNB1_LIMIT:-200} python3 bench/kernels/decode_attention_b1.py --out "$OUT/attnb1" \
+    --budget-s $(( ${ATTNB1_LIMIT:-200} - 30 )) ${ATTNB1_ARGS:-} 2>&1 | tail -8
 fi
 if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (the one-row decode layer's norms, SwiGLU
   # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16
@@ -420,8 +425,11 @@ if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (
              "nvfp4:--quantization nvfp4" "nvfp4_fused:--quantization nvfp4 --attention {\"w4_fused_decode\":true}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${FUSE_ONLY:-} && " $FUSE_ONLY " != *" $name "* ]] && continue
-    timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 --batches 1 \
-      $extra --out "$OUT/generate_llama3_8b_${name}_b1.json" > "$OUT/generate_llama3_8b_${name}_b1.log" 2>&1
+    for try in 1 2; do  # (session 51: bf16's compile once failed with "Failed to launch ptxas": one retry)
+      timeout ${GENERATE_LIMIT:-150} python3 bench/generate_speed.py --shape llama3-8b --steps 64 --repeats 1 \
+        --batches 1 $extra --out "$OUT/generate_llama3_8b_${name}_b1.json" > "$OUT/generate_llama3_8b_${name}_b1.log" 2>&1
+      grep -q "Failed to launch ptxas" "$OUT/generate_llama3_8b_${name}_b1.log" || break
+    done
     echo "== $name"; grep "batch   1" "$OUT/generate_llama3_8b_${name}_b1.log" | tail -4
   done
 fi

@@ -1,0 +1,154 @@
+"""Decode attention at batch 1 as a decode step runs it: 32 layers in one executable.
+
+At one row the paged decode kernel reads a few hundred keys and takes ~5.4 us a layer on an H100
+(session 49's int4 profile: 172 us of a 2.64 ms step), plus the XLA combine of its splits: latency,
+not bandwidth. This times a chain of `--layers` calls (layer i of a stacked pool, each query
+depending on the output before, as the layers of a step do) for the params the table or heuristic
+picks and for a sweep of `DecodeParams` (block_k, splits, warps, stages), beside the same chain
+through the XLA gather reference (`paged_decode_attention_reference`, the peer) and an empty chain
+(only the small XLA op that ties one call to the next, which every variant also runs). Llama-3-8B
+heads (32 / 8, D 128), pages of 16, bf16; contexts and max_ctx (the engine's max_model_len) as given.
+
+    PYTHONPATH=. python3 bench/kernels/decode_attention_b1.py --out DIR [--ctx 128,2048] [--max-ctx 512,4096]
+    --cpu-smoke: two layers, tiny sweep, interpret mode (checks the script, no timing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from timing import median_seconds  # noqa: E402
+
+from pallas_kernels.paged_attention import (  # noqa: E402
+    DecodeParams,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from pallas_kernels.paged_attention.params import decode_params_for  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def sweep(max_ctx: int) -> list[DecodeParams]:
+    out = []
+    for bk, ns, nw, st in itertools.product((32, 64, 128), (1, 2, 4, 16), (1, 2, 4), (1, 3)):
+        if ns * bk <= max_ctx:
+            out.append(DecodeParams(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st))
+    return out
+
+
+def make(layers: int, ctx: int, max_ctx: int, seed: int = 0):
+    """q bf16[1, HQ, D], pools [layers, NB, BS, HKV, D] (pages permuted), tables i32[1, max_ctx / BS], lens i32[1]."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    mb = max_ctx // BS
+    nb = mb + 5
+    shape = (layers, nb, BS, HKV, D)
+    kp = jax.random.normal(k1, shape, jnp.bfloat16)
+    vp = jax.random.normal(k2, shape, jnp.bfloat16)
+    tables = jax.random.permutation(k3, nb)[:mb].reshape(1, mb).astype(jnp.int32)
+    q = jax.random.normal(k4, (1, HQ, D), jnp.bfloat16)
+    return q, kp, vp, tables, jnp.array([ctx], jnp.int32)
+
+
+def chain_fn(attend, layers: int):
+    """q -> the output of `layers` calls, each on layer i with the output before as its query."""
+
+    def run(q, kp, vp, tables, lens):
+        for i in range(layers):
+            q = attend(q, kp, vp, jnp.int32(i), tables, lens).astype(q.dtype)  # (the next layer's query)
+        return q
+
+    return jax.jit(run)
+
+
+def timed(rows: list, case: dict, args: tuple, label: str, attend, params=None, ref_out=None, smoke=False):
+    """Time the chain of case["layers"] calls of `attend` (and check layer 0 against ref_out): a row of `rows`;
+    -> layer 0's output f32, or None where it failed."""
+    layers = case["layers"]
+    try:
+        out = chain_fn(attend, 1)(*args).astype(jnp.float32)  # (layer 0 alone: the check)
+        err = None if ref_out is None else float(jnp.max(jnp.abs(out - ref_out)) / jnp.max(jnp.abs(ref_out)))
+        t = None if smoke else median_seconds(chain_fn(attend, layers), *args, group=20) / layers
+        r = dict(case, impl=label, params=None if params is None else params.__dict__,
+                 us_per_layer=None if t is None else t * 1e6, max_rel_err=err)
+        print(f"ctx {case['ctx']:5d} max_ctx {case['max_ctx']:5d} {label:10s} {params}: "
+              f"{'-' if t is None else f'{t * 1e6:.2f}'} us a layer, err {err}", flush=True)
+    except Exception as e:  # one failing variant must not end the run
+        r = dict(case, impl=label, params=None if params is None else params.__dict__, error=repr(e)[:500])
+        out = None
+        print(f"{case} {label} {params}: FAILED {repr(e)[:200]}", flush=True)
+    rows.append(r)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--ctx", default="128,2048")
+    ap.add_argument("--max-ctx", default="512,4096")
+    ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    a = ap.parse_args()
+    interpret = a.cpu_smoke
+    layers = 2 if a.cpu_smoke else a.layers
+    deadline = time.time() + a.budget_s
+    env = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), jax=jax.__version__,
+               device=str(jax.devices()[0].device_kind), python=platform.python_version())
+    print(env, flush=True)
+    sm = 1.0 / math.sqrt(D)
+    rows = []
+    for max_ctx in (int(v) for v in a.max_ctx.split(",")):
+        for ctx in (int(v) for v in a.ctx.split(",")):
+            if ctx > max_ctx:
+                continue
+            args = make(layers, ctx, max_ctx)
+            case = dict(ctx=ctx, max_ctx=max_ctx, layers=layers)
+
+            ref_out = timed(rows, case, args, "xla_ref", lambda q, kp, vp, i, t, n: paged_decode_attention_reference(
+                q, kp, vp, i, t, n, sm_scale=sm), smoke=a.cpu_smoke)
+            timed(rows, case, args, "tie_only", lambda q, kp, vp, i, t, n: q, smoke=a.cpu_smoke)
+            default = decode_params_for(1, HQ, HKV, D, BS, jnp.bfloat16, max_ctx)
+            variants = [("default", default)] + [("sweep", p) for p in sweep(max_ctx) if p != default]
+            if a.cpu_smoke:
+                variants = variants[:3]
+            for label, p in variants:
+                if time.time() > deadline:
+                    print("(budget: sweep cut short)", flush=True)
+                    break
+                timed(rows, case, args, label, lambda q, kp, vp, i, t, n, p=p: paged_decode_attention(
+                    q, kp, vp, i, t, n, sm_scale=sm, params=p, interpret=interpret), p, ref_out, a.cpu_smoke)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_attention_b1.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    lines = [f"# decode attention, batch 1, {layers}-layer chain, {env['device']}, {env['date']}", "",
+             "| ctx | max_ctx | default (us/layer) | best (us/layer) | best params | xla ref | tie only |",
+             "|---|---|---|---|---|---|---|"]
+    for key, grp in itertools.groupby(rows, key=lambda r: (r["ctx"], r["max_ctx"])):
+        grp = [r for r in grp if r.get("us_per_layer") is not None]
+        by = {r["impl"]: r for r in grp}
+        ours = [r for r in grp if r["impl"] in ("default", "sweep") and (r["max_rel_err"] or 0) < 3e-2]
+        if not ours or "default" not in by:
+            continue
+        best = min(ours, key=lambda r: r["us_per_layer"])
+        lines.append(f"| {key[0]} | {key[1]} | {by['default']['us_per_layer']:.2f} | {best['us_per_layer']:.2f} | "
+                     f"{best['params']} | {by.get('xla_ref', {}).get('us_per_layer', float('nan')):.2f} | "
+                     f"{by.get('tie_only', {}).get('us_per_layer', float('nan')):.2f} |")
+    (out / "decode_attention_b1.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
