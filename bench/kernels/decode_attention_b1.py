@@ -41,7 +41,9 @@ from pallas_kernels.paged_attention.params import decode_params_for  # noqa: E40
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-def sweep(max_ctx: int) -> list[DecodeParams]:
+def sweep(max_ctx: int, only: list[DecodeParams]) -> list[DecodeParams]:
+    if only:
+        return [p for p in only if p.num_splits * p.block_k <= max_ctx]
     out = []
     for bk, ns, nw, st in itertools.product((32, 64, 128), (1, 2, 4, 16), (1, 2, 4), (1, 3)):
         if ns * bk <= max_ctx:
@@ -73,24 +75,21 @@ def chain_fn(attend, layers: int):
     return jax.jit(run)
 
 
-def timed(rows: list, case: dict, args: tuple, label: str, attend, params=None, ref_out=None, smoke=False):
-    """Time the chain of case["layers"] calls of `attend` (and check layer 0 against ref_out): a row of `rows`;
-    -> layer 0's output f32, or None where it failed."""
-    layers = case["layers"]
+def prepare(case: dict, args: tuple, label: str, attend, params=None, ref_out=None):
+    """Compile the chain of case["layers"] calls of `attend` and check layer 0 against ref_out: a row, the
+    chain (None where it failed) and layer 0's output f32."""
+    row = dict(case, impl=label, params=None if params is None else params.__dict__)
     try:
         out = chain_fn(attend, 1)(*args).astype(jnp.float32)  # (layer 0 alone: the check)
-        err = None if ref_out is None else float(jnp.max(jnp.abs(out - ref_out)) / jnp.max(jnp.abs(ref_out)))
-        t = None if smoke else median_seconds(chain_fn(attend, layers), *args, group=20) / layers
-        r = dict(case, impl=label, params=None if params is None else params.__dict__,
-                 us_per_layer=None if t is None else t * 1e6, max_rel_err=err)
-        print(f"ctx {case['ctx']:5d} max_ctx {case['max_ctx']:5d} {label:10s} {params}: "
-              f"{'-' if t is None else f'{t * 1e6:.2f}'} us a layer, err {err}", flush=True)
+        row["max_rel_err"] = None if ref_out is None else float(
+            jnp.max(jnp.abs(out - ref_out)) / jnp.max(jnp.abs(ref_out)))
+        fn = chain_fn(attend, case["layers"])
+        jax.block_until_ready(fn(*args))
+        return row, fn, out
     except Exception as e:  # one failing variant must not end the run
-        r = dict(case, impl=label, params=None if params is None else params.__dict__, error=repr(e)[:500])
-        out = None
+        row["error"] = repr(e)[:500]
         print(f"{case} {label} {params}: FAILED {repr(e)[:200]}", flush=True)
-    rows.append(r)
-    return out
+        return row, None, None
 
 
 def main():
@@ -100,8 +99,11 @@ def main():
     ap.add_argument("--ctx", default="128,2048")
     ap.add_argument("--max-ctx", default="512,4096")
     ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="", help="variants 'block_k,splits,warps,stages;...' instead of the sweep")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args()
+    only = [DecodeParams(*map(int, v.split(","))) for v in a.only.split(";") if v]
     interpret = a.cpu_smoke
     layers = 2 if a.cpu_smoke else a.layers
     deadline = time.time() + a.budget_s
@@ -117,19 +119,33 @@ def main():
             args = make(layers, ctx, max_ctx)
             case = dict(ctx=ctx, max_ctx=max_ctx, layers=layers)
 
-            ref_out = timed(rows, case, args, "xla_ref", lambda q, kp, vp, i, t, n: paged_decode_attention_reference(
-                q, kp, vp, i, t, n, sm_scale=sm), smoke=a.cpu_smoke)
-            timed(rows, case, args, "tie_only", lambda q, kp, vp, i, t, n: q, smoke=a.cpu_smoke)
+            ref = prepare(case, args, "xla_ref", lambda q, kp, vp, i, t, n: paged_decode_attention_reference(
+                q, kp, vp, i, t, n, sm_scale=sm))
+            entries = [ref, prepare(case, args, "tie_only", lambda q, kp, vp, i, t, n: q)]
             default = decode_params_for(1, HQ, HKV, D, BS, jnp.bfloat16, max_ctx)
-            variants = [("default", default)] + [("sweep", p) for p in sweep(max_ctx) if p != default]
+            variants = [("default", default)] + [("sweep", p) for p in sweep(max_ctx, only) if p != default]
             if a.cpu_smoke:
                 variants = variants[:3]
             for label, p in variants:
                 if time.time() > deadline:
                     print("(budget: sweep cut short)", flush=True)
                     break
-                timed(rows, case, args, label, lambda q, kp, vp, i, t, n, p=p: paged_decode_attention(
-                    q, kp, vp, i, t, n, sm_scale=sm, params=p, interpret=interpret), p, ref_out, a.cpu_smoke)
+                entries.append(prepare(case, args, label, lambda q, kp, vp, i, t, n, p=p: paged_decode_attention(
+                    q, kp, vp, i, t, n, sm_scale=sm, params=p, interpret=interpret), p, ref[2]))
+            # timed round-robin, `rounds` times, the fastest round's median kept (the GPU's clocks and
+            # the host drift between variants timed one after another: session 51's first sweep read the
+            # same kernel 5.4 and 12.4 us a layer in two cases)
+            times = [[] for _ in entries]
+            for _ in range(0 if a.cpu_smoke else a.rounds):
+                for e, ts in zip(entries, times):
+                    if e[1] is not None:
+                        ts.append(median_seconds(e[1], *args, group=20) / layers * 1e6)
+            for (row, _, _), ts in zip(entries, times):
+                if ts:
+                    row.update(us_per_layer=min(ts), us_rounds=ts)
+                rows.append(row)
+                print(f"ctx {ctx:5d} max_ctx {max_ctx:5d} {row['impl']:10s} {row['params']}: "
+                      f"{row.get('us_per_layer', '-')} us a layer, err {row.get('max_rel_err')}", flush=True)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_attention_b1.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
