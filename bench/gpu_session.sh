@@ -145,6 +145,9 @@
 # through XLA, one through Triton's own launcher; but B's wait was compiled away then: rerun), then the probe
 # + FUSE_ONLY="bf16 int4 int4_fused nvfp4" `fuse` + `w4` with the table's M = 1 picks only (beside XLA's bf16
 # dot) in 303 s cold. Next: that call on an H200: `bars19` runs it (o and down in the sweep too).
+# Session 51 (every call an H100; two starts refused): `bars19` 422 s cold (the probe settled: no PDL for Pallas Triton
+# kernels through XLA; bf16's generate failed to launch ptxas, now retried once), `attnb1` 219 s cold (a 108-variant
+# sweep, cut by its budget) and 83 s (18 candidates, round-robin), `fuse` with FUSE_ONLY="bf16 int4" 148 s warm.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection

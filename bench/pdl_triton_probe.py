@@ -8,10 +8,10 @@ ends, the launch had the PDL attribute (the instructions are no-ops in a normal 
 Printed per variant: B's earliest start minus A's latest end, in microseconds, over the chain
 (negative: overlap, so PDL is on), beside the XLA options it was compiled with; then the same two
 kernels through Triton's own launcher with and without `launch_pdl` (the control: torch, triton).
-H100, jax 0.11.2 (session 50): +0.9 us through XLA whatever the options (+1.9 with its PDL options
-off), -2.9 us through Triton's launcher with `launch_pdl`. Not conclusive for XLA: in those runs
-B's wait was most likely compiled away (`w * 0`, fixed since), and XLA may give PDL only to a
-Triton kernel that waits. Rerun it.
+H100, jax 0.11.2, session 51 (B's wait kept; session 50's runs had it folded away): +0.93 us
+through XLA with its default options or its PDL options on, with or without A's trigger, +1.9-2.0
+with the options off: no early start. Triton's launcher with `launch_pdl` overlapped in session 50
+(-2.9 us) and not in session 51 (+7.2): the control is not dependable.
 
     python bench/pdl_triton_probe.py --out DIR
 """
