@@ -101,9 +101,12 @@ def main() -> int:
           flush=True)
     batches = [int(b) for b in a.batches.split(",")]
     overrides = json.loads(a.engine_config)
-    cfg = EngineConfig(**{**dict(dtype=dtype, max_model_len=max(512, a.prompt_len + a.steps + 8),
-                                 max_num_seqs=max(batches) if not on_gpu else None, show_progress=False),
-                          **overrides})
+    # On the GPU the engine's own max_model_len (the model's context, capped at 4096): the decode attention
+    # splits each row's context by it, and at one row its split combine costs ~1 us a layer more at 4096 than
+    # at the 512 sessions 15-51 ran with (bench/kernels/decode_attention_b1.py, session 51). On the CPU a
+    # small pool (the smoke runs).
+    small = {} if on_gpu else dict(max_model_len=max(512, a.prompt_len + a.steps + 8), max_num_seqs=max(batches))
+    cfg = EngineConfig(**{**dict(dtype=dtype, show_progress=False), **small, **overrides})
     kernels = json.loads(a.attention)
     if kernels:
         from metrale_jax.engine.config import default_kernels
