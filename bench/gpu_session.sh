@@ -148,6 +148,8 @@
 # Session 51 (every call an H100; two starts refused): `bars19` 422 s cold (the probe settled: no PDL for Pallas Triton
 # kernels through XLA; bf16's generate failed to launch ptxas, now retried once), `attnb1` 219 s cold (a 108-variant
 # sweep, cut by its budget) and 83 s (18 candidates, round-robin), `fuse` with FUSE_ONLY="bf16 int4" 148 s warm.
+# Next (an H200 above all): `bars19` (~330-420 s; its generates now run the engine's default max_model_len, 4096,
+# where sessions 15-51 ran 512: compare with this session's H100 run first if an H100 comes), then `acceptance`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
