@@ -3,11 +3,15 @@
 At one row the paged decode kernel reads a few hundred keys and takes ~5.4 us a layer on an H100
 (session 49's int4 profile: 172 us of a 2.64 ms step), plus the XLA combine of its splits: latency,
 not bandwidth. This times a chain of `--layers` calls (layer i of a stacked pool, each query
-depending on the output before, as the layers of a step do) for the params the table or heuristic
-picks and for a sweep of `DecodeParams` (block_k, splits, warps, stages), beside the same chain
-through the XLA gather reference (`paged_decode_attention_reference`, the peer) and an empty chain
-(only the small XLA op that ties one call to the next, which every variant also runs). Llama-3-8B
-heads (32 / 8, D 128), pages of 16, bf16; contexts and max_ctx (the engine's max_model_len) as given.
+being the output before, as the layers of a step follow one another) for the params the table or
+heuristic picks and for a sweep of `DecodeParams` (block_k, splits, warps, stages; or `--only` a
+list), beside the same chain through the XLA gather reference (`paged_decode_attention_reference`,
+the peer) and an empty chain (`tie_only`: the executable alone). Llama-3-8B heads (32 / 8, D 128),
+pages of 16, bf16; contexts and max_ctx (the engine's max_model_len) as given. All variants are
+compiled first, then timed round-robin `--rounds` times (the fastest round kept): timed one after
+another, the same kernel read 5.4 and 12.4 us a layer in two cases (H100, session 51).
+Session 51 (H100): at ctx 128 one split takes 3.8-4.4 us a layer, every split variant 5.4-6.9 (the
+combine); at ctx 2048 one split 34 us against 11.3 for 16 splits.
 
     PYTHONPATH=. python3 bench/kernels/decode_attention_b1.py --out DIR [--ctx 128,2048] [--max-ctx 512,4096]
     --cpu-smoke: two layers, tiny sweep, interpret mode (checks the script, no timing)
