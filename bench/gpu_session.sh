@@ -150,6 +150,10 @@
 # sweep, cut by its budget) and 83 s (18 candidates, round-robin), `fuse` with FUSE_ONLY="bf16 int4" 148 s warm.
 # Next (an H200 above all): `bars19` (~330-420 s; its generates now run the engine's default max_model_len, 4096,
 # where sessions 15-51 ran 512: compare with this session's H100 run first if an H100 comes), then `acceptance`.
+# The decode kernel's in-kernel split merge (`tickets`, session 51, not in the engine yet) has run in interpret mode
+# only: `GPU_TEST_FILES=tests/test_paged_attention.py bash bench/gpu_session.sh tests attnb1` with
+# ATTNB1_ARGS="--ctx 128,2048 --max-ctx 4096 --only 64,16,4,3;64,16,4,1;64,8,4,3;128,1,4,3" (each power-of-two
+# split count also runs merged) says whether it works there and what it saves.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection

@@ -193,6 +193,78 @@ def test_decode_kernel(case, interpret):
     assert (np.asarray(out.astype(F32))[zero_rows] == 0).all()
 
 
+# (group, hkv, head_dim, block_size, kv_dtype, q_dtype, window, params, lens), merged in the kernel
+MERGE_CASES = [
+    (4, 2, 64, 16, BF16, BF16, None, DecodeParams(block_k=32, num_splits=4), ALL_LENS),
+    (1, 2, 128, 32, FP8, BF16, 40, DecodeParams(block_k=16, num_splits=2, heads_inner=True), (300, 0, 65)),
+    (2, 1, 64, 16, F32, F32, None, DecodeParams(block_k=16, num_splits=16), (300, 1, 15)),
+]
+
+
+@pytest.mark.parametrize("case,interpret", _grid(MERGE_CASES, ci=(4, 1)))
+def test_decode_kernel_merges_its_splits(case, interpret):
+    """`tickets`: the last split program of each (row, KV head) merges the partials in the kernel,
+    as the XLA combine does; the tickets advance by the split count per slot from any multiple of
+    it (int32 wrapping included), so the next call (the next layer, the next step) merges as well."""
+    g, hkv, d, bs, kv_dtype, q_dtype, window, params, lens = case
+    q, k_pool, v_pool, tables, seq_lens, dk, dv, ks, vs = _decode_problem(case, seed=10 + g)
+    kw = dict(sm_scale=1.0 / math.sqrt(d), sliding_window=window, k_scale=ks, v_scale=vs)
+    ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, **kw)
+    combined = paged_decode_attention(q, k_pool, v_pool, jnp.int32(1), tables, seq_lens, params=params,
+                                      interpret=interpret, **kw)
+    ns, slots = params.num_splits, len(lens) * hkv
+    start = np.asarray(np.random.default_rng(g).integers(0, 1000, slots) * ns, np.int32)
+    start[-1] = np.iinfo(np.int32).max - ns + 1  # (a multiple of ns: it wraps in this call)
+    tickets = jnp.asarray(start)
+    for _ in range(2):
+        out, tickets = paged_decode_attention(q, k_pool, v_pool, jnp.int32(1), tables, seq_lens, params=params,
+                                              tickets=tickets, interpret=interpret, _poison=True, **kw)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert_close(out, ref, tol=_tol(q_dtype, kv_dtype), what="merged in the kernel")
+        assert_close(out, combined, tol=_tol(q_dtype, kv_dtype) / 4, what="merged against the XLA combine")
+        assert (np.asarray(out.astype(F32))[np.asarray(seq_lens) == 0] == 0).all()
+    want = (start.astype(np.int64) + 2 * ns + 2**31) % 2**32 - 2**31
+    np.testing.assert_array_equal(np.asarray(tickets), want)
+
+
+def test_decode_tickets_with_other_split_counts_pass_through():
+    """One split, or a split count that is not a power of two: the XLA combine (or none), and the
+    tickets come back as given."""
+    case = (2, 2, 64, 16, BF16, BF16, None, None, (65, 1, 0))
+    q, k_pool, v_pool, tables, seq_lens, *_ = _decode_problem(case, seed=3)
+    ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125)
+    tickets = jnp.arange(6, dtype=jnp.int32)
+    for ns in (1, 3):
+        out, t = paged_decode_attention(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125, tickets=tickets,
+                                        params=DecodeParams(block_k=16, num_splits=ns), interpret=True)
+        assert_close(out, ref, tol=2.5e-2, what=f"{ns} splits")
+        np.testing.assert_array_equal(np.asarray(t), np.arange(6))
+    with pytest.raises(ValueError, match="tickets"):
+        paged_decode_attention(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125, tickets=tickets[:5],
+                               interpret=True)
+
+
+def test_decode_merge_lowers_for_h200():
+    """The in-kernel merge (a CTA barrier, an atomic ticket, a branch, volatile loads) cross-lowers
+    to Triton IR for an H200 on the CPU machine."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132,
+                                                                                               "gpu"))
+    sds = jax.ShapeDtypeStruct
+    pool = sds((2, 40, 16, 8, 128), BF16)
+    with jax.sharding.use_abstract_mesh(mesh):
+        low = jax.jit(lambda q, kp, vp, t, s, tk: paged_decode_attention(
+            q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16), tickets=tk)).trace(
+            sds((1, 32, 128), BF16), pool, pool, sds((1, 64), jnp.int32), sds((1,), jnp.int32),
+            sds((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        text = low.as_text()
+        combined = jax.jit(lambda q, kp, vp, t, s: paged_decode_attention(
+            q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16))).trace(
+            sds((1, 32, 128), BF16), pool, pool, sds((1, 64), jnp.int32), sds((1,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.reduce" not in text and "stablehlo.reduce" in combined  # (no XLA combine after the merge)
+
+
 def test_decode_traced_layer_in_scan():
     """The layer index comes from a lax.scan carry (traced), as in the engine's layer loop."""
     rng = np.random.default_rng(7)

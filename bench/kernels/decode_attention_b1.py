@@ -5,7 +5,8 @@ At one row the paged decode kernel reads a few hundred keys and takes ~5.4 us a 
 not bandwidth. This times a chain of `--layers` calls (layer i of a stacked pool, each query
 being the output before, as the layers of a step follow one another) for the params the table or
 heuristic picks and for a sweep of `DecodeParams` (block_k, splits, warps, stages; or `--only` a
-list), beside the same chain through the XLA gather reference (`paged_decode_attention_reference`,
+list; each with a power-of-two split count also with its splits merged in the kernel, `tickets`),
+beside the same chain through the XLA gather reference (`paged_decode_attention_reference`,
 the peer) and an empty chain (`tie_only`: the executable alone). Llama-3-8B heads (32 / 8, D 128),
 pages of 16, bf16; contexts and max_ctx (the engine's max_model_len) as given. All variants are
 compiled first, then timed round-robin `--rounds` times (the fastest round kept): timed one after
@@ -40,6 +41,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from pallas_kernels.paged_attention.decode import merges_in_kernel  # noqa: E402
 from pallas_kernels.paged_attention.params import decode_params_for  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -68,26 +70,32 @@ def make(layers: int, ctx: int, max_ctx: int, seed: int = 0):
     return q, kp, vp, tables, jnp.array([ctx], jnp.int32)
 
 
-def chain_fn(attend, layers: int):
-    """q -> the output of `layers` calls, each on layer i with the output before as its query."""
+def chain_fn(attend, layers: int, merged: bool = False):
+    """q -> the output of `layers` calls, each on layer i with the output before as its query (merged:
+    `attend` takes and returns the split merge's tickets too, threaded from call to call)."""
 
     def run(q, kp, vp, tables, lens):
+        tickets = jnp.zeros((HKV,), jnp.int32)
         for i in range(layers):
-            q = attend(q, kp, vp, jnp.int32(i), tables, lens).astype(q.dtype)  # (the next layer's query)
+            if merged:
+                q, tickets = attend(q, kp, vp, jnp.int32(i), tables, lens, tickets)
+            else:
+                q = attend(q, kp, vp, jnp.int32(i), tables, lens)
+            q = q.astype(jnp.bfloat16)  # (the next layer's query)
         return q
 
     return jax.jit(run)
 
 
-def prepare(case: dict, args: tuple, label: str, attend, params=None, ref_out=None):
+def prepare(case: dict, args: tuple, label: str, attend, params=None, ref_out=None, merged=False):
     """Compile the chain of case["layers"] calls of `attend` and check layer 0 against ref_out: a row, the
     chain (None where it failed) and layer 0's output f32."""
     row = dict(case, impl=label, params=None if params is None else params.__dict__)
     try:
-        out = chain_fn(attend, 1)(*args).astype(jnp.float32)  # (layer 0 alone: the check)
+        out = chain_fn(attend, 1, merged)(*args).astype(jnp.float32)  # (layer 0 alone: the check)
         row["max_rel_err"] = None if ref_out is None else float(
             jnp.max(jnp.abs(out - ref_out)) / jnp.max(jnp.abs(ref_out)))
-        fn = chain_fn(attend, case["layers"])
+        fn = chain_fn(attend, case["layers"], merged)
         jax.block_until_ready(fn(*args))
         return row, fn, out
     except Exception as e:  # one failing variant must not end the run
@@ -136,6 +144,10 @@ def main():
                     break
                 entries.append(prepare(case, args, label, lambda q, kp, vp, i, t, n, p=p: paged_decode_attention(
                     q, kp, vp, i, t, n, sm_scale=sm, params=p, interpret=interpret), p, ref[2]))
+                if merges_in_kernel(p.num_splits):  # the same params, the splits merged in the kernel
+                    entries.append(prepare(case, args, f"{label}_merged", lambda q, kp, vp, i, t, n, tk, p=p: (
+                        paged_decode_attention(q, kp, vp, i, t, n, sm_scale=sm, params=p, tickets=tk,
+                                               interpret=interpret)), p, ref[2], merged=True))
             # timed round-robin, `rounds` times, the fastest round's median kept (the GPU's clocks and
             # the host drift between variants timed one after another: session 51's first sweep read the
             # same kernel 5.4 and 12.4 us a layer in two cases)
@@ -154,18 +166,20 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_attention_b1.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     lines = [f"# decode attention, batch 1, {layers}-layer chain, {env['device']}, {env['date']}", "",
-             "| ctx | max_ctx | default (us/layer) | best (us/layer) | best params | xla ref | tie only |",
-             "|---|---|---|---|---|---|---|"]
+             "| ctx | max_ctx | default (us/layer) | default merged in the kernel | best (us/layer) | best params | "
+             "xla ref | tie only |", "|---|---|---|---|---|---|---|---|"]
     for key, grp in itertools.groupby(rows, key=lambda r: (r["ctx"], r["max_ctx"])):
         grp = [r for r in grp if r.get("us_per_layer") is not None]
         by = {r["impl"]: r for r in grp}
-        ours = [r for r in grp if r["impl"] in ("default", "sweep") and (r["max_rel_err"] or 0) < 3e-2]
+        ours = [r for r in grp if r["impl"] not in ("xla_ref", "tie_only") and (r["max_rel_err"] or 0) < 3e-2]
         if not ours or "default" not in by:
             continue
         best = min(ours, key=lambda r: r["us_per_layer"])
-        lines.append(f"| {key[0]} | {key[1]} | {by['default']['us_per_layer']:.2f} | {best['us_per_layer']:.2f} | "
-                     f"{best['params']} | {by.get('xla_ref', {}).get('us_per_layer', float('nan')):.2f} | "
-                     f"{by.get('tie_only', {}).get('us_per_layer', float('nan')):.2f} |")
+        nan = {"us_per_layer": float("nan")}
+        lines.append(f"| {key[0]} | {key[1]} | {by['default']['us_per_layer']:.2f} | "
+                     f"{by.get('default_merged', nan)['us_per_layer']:.2f} | {best['us_per_layer']:.2f} | "
+                     f"{best['impl']} {best['params']} | {by.get('xla_ref', nan)['us_per_layer']:.2f} | "
+                     f"{by.get('tie_only', nan)['us_per_layer']:.2f} |")
     (out / "decode_attention_b1.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -24,7 +24,11 @@ Grid: (N, Hkv, num_splits). A program computes all G = Hq / Hkv query heads of o
 (padded to a power of two >= 16 rows for the tensor cores; pad rows are neither read nor
 stored, so no XLA pad/slice surrounds the kernel) over one split of the context, with
 an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
-its normalized partial output and log-sum-exp, and a small XLA combine merges them.
+its normalized partial output and log-sum-exp, and a small XLA combine merges them; or, given
+`tickets` (a power-of-two split count), the split program of each row and KV head that finishes
+last merges them in the kernel (`_merge_splits`), which saves the combine's launch: at one row and a
+short context that combine is ~2-2.7 us of a ~4-7 us layer (H100, session 51,
+bench/kernels/decode_attention_b1.py). Not yet timed on a GPU, and not used by the engine yet.
 Rows with seq_len 0 give zeros, never NaN.
 
 Verify windows (`paged_verify_attention`, speculative decoding): a row's 1 + k queries are its
@@ -53,7 +57,8 @@ def _decode_kernel(
     bt_ref,  # i32[N * MB]
     *refs,  # (cu_ref i32[N + 1] when width > 1), q_ref [T * Hq, D], k_ref / v_ref [L*NB*bs*Hkv, D]
     # pools, then the outputs: o [S * T * Hq, D] (q dtype when S == 1, else f32); + lse
-    # f32[S * T * Hq] when S > 1 (T = N for decode)
+    # f32[S * T * Hq] when S > 1 (T = N for decode); + with `merge` the merged output [T * Hq, D]
+    # (q dtype) and the tickets i32[N * Hkv]
     width: int,
     num_rows: int,
     num_q_heads: int,
@@ -70,6 +75,8 @@ def _decode_kernel(
     head_major: bool,
     heads_inner: bool,
     prefetch: bool,
+    merge: bool,
+    interpret: bool,
 ):
     if width > 1:
         cu_ref, q_ref, k_ref, v_ref, *out_refs = refs
@@ -166,6 +173,41 @@ def _decode_kernel(
     if num_splits > 1:
         lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
         plgpu_triton.store(out_refs[1].at[orow], lse, mask=row_valid)
+    if merge:
+        _merge_splits(out_refs, n * num_kv_heads + h, qrow, row_valid, cols, num_rows=num_rows,
+                      num_splits=num_splits, interpret=interpret)
+
+
+def _merge_splits(out_refs, slot, qrow, row_valid, cols, *, num_rows: int, num_splits: int, interpret: bool):
+    """The split program of (row, KV head) `slot` that finishes last merges the S partials into the
+    final output (what `combine_splits` does in XLA, without its launch). Each program takes a
+    ticket from tickets[slot] after its partials are stored; every launch adds S to each slot, so
+    with S a power of two the last program is the one whose ticket is S - 1 modulo S, whatever the
+    count the launch started from (no reset, wrapping included)."""
+    o_ref, lse_ref, fin_ref, tickets_ref = out_refs
+    if not interpret:  # (every warp's partials stored before the ticket; no barrier in interpret mode)
+        plgpu_triton.debug_barrier()
+    ticket = plgpu_triton.atomic_add(tickets_ref, slot, jnp.int32(1))  # (acquire-release, GPU scope)
+
+    @pl.when((ticket & (num_splits - 1)) == num_splits - 1)
+    def _():
+        def body(s, carry):  # online merge over the splits (volatile loads: L2, never a stale L1 line)
+            m, den, acc = carry
+            ls = plgpu_triton.load(lse_ref.at[s * num_rows + qrow], mask=row_valid, other=common.NEG_BIG,
+                                   volatile=True)  # f32[Gp]
+            part = plgpu_triton.load(o_ref.at[(s * num_rows + qrow)[:, None], cols[None, :]],
+                                     mask=row_valid[:, None], other=0.0, volatile=True)  # f32[Gp, D]
+            m_new = jnp.maximum(m, ls)
+            a, b = jnp.exp2(m - m_new), jnp.exp2(ls - m_new)  # (all splits empty: weight 1 each, zeros merged)
+            return m_new, den * a + b, acc * a[:, None] + b[:, None] * part
+
+        gp = qrow.shape[0]
+        _, den, acc = jax.lax.fori_loop(0, num_splits, body, (jnp.full((gp,), common.NEG_BIG, jnp.float32),
+                                                              jnp.zeros((gp,), jnp.float32),
+                                                              jnp.zeros((gp, cols.shape[0]), jnp.float32)))
+        out = (acc / den[:, None]).astype(fin_ref.dtype)
+        frow = jnp.where(row_valid, qrow, fin_ref.shape[0])
+        plgpu_triton.store(fin_ref.at[frow[:, None], cols[None, :]], out, mask=row_valid[:, None])
 
 
 def combine_splits(o_parts, lse_parts):
@@ -181,9 +223,15 @@ def _group_rows(width: int, group: int) -> int:
     return max(16, common.next_pow2(width * group))
 
 
+def merges_in_kernel(num_splits: int) -> bool:
+    """Whether a launch of `num_splits` splits can merge them in the kernel (`tickets`): more than
+    one, a power of two (the tickets' modulo)."""
+    return num_splits > 1 and not num_splits & (num_splits - 1)
+
+
 def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
                  sliding_window, interpret: bool, poison: bool, head_major: bool = False,
-                 cu_seqlens=None, width: int = 1):
+                 cu_seqlens=None, width: int = 1, tickets=None):
     if head_major:  # [L, NB, Hkv, bs, D]: a layout the bench compares against; not public
         num_layers, num_blocks, hkv, block_size, d = k_pool.shape
     else:
@@ -200,29 +248,35 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     else:
         out_shape = [jax.ShapeDtypeStruct((ns * t * hq, d), jnp.float32),
                      jax.ShapeDtypeStruct((ns * t * hq,), jnp.float32)]
+    merge = tickets is not None and merges_in_kernel(ns)
+    if merge:  # + the merged output and the tickets (aliased: updated in place)
+        out_shape += [jax.ShapeDtypeStruct((t * hq, d), q.dtype), jax.ShapeDtypeStruct(tickets.shape, jnp.int32)]
     args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1)]
     if width > 1:
         args.append(cu_seqlens.astype(jnp.int32))
     args += [q.reshape(t * hq, d), k_pool.reshape(rows, d), v_pool.reshape(rows, d)]
-    whole = pl.no_block_spec
-    in_specs = [whole] * len(args)
+    num_args = len(args)  # (the aliased inputs after them reach the kernel only as its outputs)
     aliases = {}
+    if merge:
+        aliases[len(args)] = len(out_shape) - 1
+        args.append(tickets)
     kernel = functools.partial(
         _decode_kernel, width=width, num_rows=t * hq, num_q_heads=hq, group=g, group_pad=gp, max_blocks=mb,
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv, block_k=params.block_k,
         num_splits=ns, sliding_window=sliding_window, cdtype=cdtype, head_major=head_major,
-        heads_inner=params.heads_inner, prefetch=params.prefetch,
+        heads_inner=params.heads_inner, prefetch=params.prefetch, merge=merge, interpret=interpret,
     )
     if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
-        for i, shp in enumerate(out_shape):
+        for i, shp in enumerate(out_shape[:len(out_shape) - merge]):
             aliases[len(args)] = i
             args.append(common.poison_like(shp.shape, shp.dtype))
-            in_specs.append(whole)
-        kernel = _drop_alias_inputs(kernel, len(out_shape))
+    if len(args) > num_args:
+        kernel = _drop_inputs(kernel, num_args, len(args) - num_args)
+    whole = pl.no_block_spec
     outs = pl.pallas_call(
         kernel,
         grid=(hkv, n, ns) if params.heads_inner else (n, hkv, ns),
-        in_specs=in_specs,
+        in_specs=[whole] * len(args),
         out_specs=[whole] * len(out_shape),
         out_shape=out_shape,
         input_output_aliases=aliases,
@@ -230,14 +284,16 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
         interpret=interpret,
         name="paged_decode_attention",
     )(*args)
-    if ns == 1:
+    if merge:
+        o, tickets = outs[2], outs[3]
+    elif ns == 1:
         o = outs[0]
     else:
         o = combine_splits(outs[0].reshape(ns, t * hq, d), outs[1].reshape(ns, t * hq)).astype(q.dtype)
     o = o.reshape(t, hq, d)
     if width > 1:  # tokens past the last window (the bucket's padding) are never written: zeros
         o = jnp.where((jnp.arange(t) < cu_seqlens[-1])[:, None, None], o, 0).astype(q.dtype)
-    return o
+    return o if tickets is None else (o, tickets)
 
 
 # The largest query tile (rows x head_dim) a verify program takes: the GPU tests (session 21)
@@ -291,12 +347,12 @@ def paged_verify_attention(
                         cu_seqlens=cu_seqlens, width=width)
 
 
-def _drop_alias_inputs(kernel, num_outs):
-    """Kernel wrapper that ignores the `num_outs` aliased poison inputs (placed before the outputs)."""
+def _drop_inputs(kernel, start: int, count: int):
+    """Kernel wrapper that ignores the refs start .. start + count - 1 (aliased inputs, after the
+    kernel's own: the kernel writes them as its outputs)."""
 
     def wrapped(*refs):
-        n_in = len(refs) - 2 * num_outs
-        return kernel(*refs[:n_in], *refs[n_in + num_outs:])
+        return kernel(*refs[:start], *refs[start + count:])
 
     return wrapped
 
@@ -315,6 +371,7 @@ def paged_decode_attention(
     k_scale=None,
     v_scale=None,
     params: DecodeParams | None = None,
+    tickets=None,
     interpret: bool = False,
     _poison: bool = False,
 ):
@@ -330,11 +387,16 @@ def paged_decode_attention(
       sliding_window: keep keys k with (seq_len - 1) - k < sliding_window; None = full context.
       k_scale, v_scale: f32 scalars (may be traced) dequantizing a float8_e4m3fn pool.
       params: static `DecodeParams`; None picks the tuned table entry or a heuristic.
+      tickets: i32[N * Hkv] or None: with a power-of-two split count > 1 the kernel merges the splits
+        itself (the last split program of each row and KV head to finish), in place of the XLA
+        combine after it, counting in `tickets` (updated in place; any values that are multiples of
+        the split count: zeros to start, then what the last call returned, shared across layers).
+        Other split counts combine in XLA and return `tickets` as given.
       interpret: run the kernel in Pallas interpret mode (CPU).
       _poison: test hook: NaN-fill the kernel's output buffers before it runs.
 
     Returns:
-      [N, Hq, D] in q's dtype.
+      [N, Hq, D] in q's dtype; with `tickets`, (that, the updated tickets).
     """
     num_layers, num_blocks, block_size, hkv, d = common.check_pools(q, k_pool, v_pool, k_scale, v_scale)
     if q.ndim != 3:
@@ -347,6 +409,8 @@ def paged_decode_attention(
     if params is None:
         params = decode_params_for(n, q.shape[1], hkv, d, block_size, k_pool.dtype,
                                    block_tables.shape[1] * block_size)
+    if tickets is not None and (tickets.shape != (n * k_pool.shape[-2],) or tickets.dtype != jnp.int32):
+        raise ValueError(f"tickets {tickets.shape} {tickets.dtype} must be int32[{n * k_pool.shape[-2]}] (N * Hkv)")
     layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)
     return _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, params=params,
-                        sliding_window=sliding_window, interpret=interpret, poison=_poison)
+                        sliding_window=sliding_window, interpret=interpret, poison=_poison, tickets=tickets)
