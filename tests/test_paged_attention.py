@@ -212,9 +212,11 @@ def test_decode_kernel_merges_its_splits(case, interpret):
     ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, **kw)
     combined = paged_decode_attention(q, k_pool, v_pool, jnp.int32(1), tables, seq_lens, params=params,
                                       interpret=interpret, **kw)
-    ns, slots = params.num_splits, len(lens) * hkv
-    start = np.asarray(np.random.default_rng(g).integers(0, 1000, slots) * ns, np.int32)
-    start[-1] = np.iinfo(np.int32).max - ns + 1  # (a multiple of ns: it wraps in this call)
+    ns = params.num_splits
+    # (more ticket rows than the batch's: the engine's buffer is sized for its largest batch; the extra
+    # rows stay as they are)
+    start = np.asarray(np.random.default_rng(g).integers(0, 1000, (hkv, len(lens) + 2)) * ns, np.int32)
+    start[-1, len(lens) - 1] = np.iinfo(np.int32).max - ns + 1  # (a multiple of ns: it wraps in this call)
     tickets = jnp.asarray(start)
     for _ in range(2):
         out, tickets = paged_decode_attention(q, k_pool, v_pool, jnp.int32(1), tables, seq_lens, params=params,
@@ -223,8 +225,9 @@ def test_decode_kernel_merges_its_splits(case, interpret):
         assert_close(out, ref, tol=_tol(q_dtype, kv_dtype), what="merged in the kernel")
         assert_close(out, combined, tol=_tol(q_dtype, kv_dtype) / 4, what="merged against the XLA combine")
         assert (np.asarray(out.astype(F32))[np.asarray(seq_lens) == 0] == 0).all()
-    want = (start.astype(np.int64) + 2 * ns + 2**31) % 2**32 - 2**31
-    np.testing.assert_array_equal(np.asarray(tickets), want)
+    want = start.astype(np.int64)
+    want[:, :len(lens)] += 2 * ns
+    np.testing.assert_array_equal(np.asarray(tickets), (want + 2**31) % 2**32 - 2**31)
 
 
 def test_decode_tickets_with_other_split_counts_pass_through():
@@ -233,15 +236,16 @@ def test_decode_tickets_with_other_split_counts_pass_through():
     case = (2, 2, 64, 16, BF16, BF16, None, None, (65, 1, 0))
     q, k_pool, v_pool, tables, seq_lens, *_ = _decode_problem(case, seed=3)
     ref = paged_decode_attention_reference(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125)
-    tickets = jnp.arange(6, dtype=jnp.int32)
+    tickets = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
     for ns in (1, 3):
         out, t = paged_decode_attention(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125, tickets=tickets,
                                         params=DecodeParams(block_k=16, num_splits=ns), interpret=True)
         assert_close(out, ref, tol=2.5e-2, what=f"{ns} splits")
-        np.testing.assert_array_equal(np.asarray(t), np.arange(6))
-    with pytest.raises(ValueError, match="tickets"):
-        paged_decode_attention(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125, tickets=tickets[:5],
-                               interpret=True)
+        np.testing.assert_array_equal(np.asarray(t), np.arange(6).reshape(2, 3))
+    for bad in (tickets[:, :2], tickets.reshape(-1), tickets.T):
+        with pytest.raises(ValueError, match="tickets"):
+            paged_decode_attention(q, k_pool, v_pool, 1, tables, seq_lens, sm_scale=0.125, tickets=bad,
+                                   interpret=True)
 
 
 def test_decode_merge_lowers_for_h200():
@@ -255,7 +259,7 @@ def test_decode_merge_lowers_for_h200():
         low = jax.jit(lambda q, kp, vp, t, s, tk: paged_decode_attention(
             q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16), tickets=tk)).trace(
             sds((1, 32, 128), BF16), pool, pool, sds((1, 64), jnp.int32), sds((1,), jnp.int32),
-            sds((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+            sds((8, 4), jnp.int32)).lower(lowering_platforms=("cuda",))
         text = low.as_text()
         combined = jax.jit(lambda q, kp, vp, t, s: paged_decode_attention(
             q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16))).trace(

@@ -75,7 +75,7 @@ def chain_fn(attend, layers: int, merged: bool = False):
     `attend` takes and returns the split merge's tickets too, threaded from call to call)."""
 
     def run(q, kp, vp, tables, lens):
-        tickets = jnp.zeros((HKV,), jnp.int32)
+        tickets = jnp.zeros((HKV, 1), jnp.int32)
         for i in range(layers):
             if merged:
                 q, tickets = attend(q, kp, vp, jnp.int32(i), tables, lens, tickets)

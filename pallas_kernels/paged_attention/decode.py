@@ -58,7 +58,7 @@ def _decode_kernel(
     *refs,  # (cu_ref i32[N + 1] when width > 1), q_ref [T * Hq, D], k_ref / v_ref [L*NB*bs*Hkv, D]
     # pools, then the outputs: o [S * T * Hq, D] (q dtype when S == 1, else f32); + lse
     # f32[S * T * Hq] when S > 1 (T = N for decode); + with `merge` the merged output [T * Hq, D]
-    # (q dtype) and the tickets i32[N * Hkv]
+    # (q dtype) and the tickets i32[Hkv * R] (R >= N rows)
     width: int,
     num_rows: int,
     num_q_heads: int,
@@ -76,6 +76,7 @@ def _decode_kernel(
     heads_inner: bool,
     prefetch: bool,
     merge: bool,
+    ticket_rows: int,
     interpret: bool,
 ):
     if width > 1:
@@ -174,7 +175,7 @@ def _decode_kernel(
         lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
         plgpu_triton.store(out_refs[1].at[orow], lse, mask=row_valid)
     if merge:
-        _merge_splits(out_refs, n * num_kv_heads + h, qrow, row_valid, cols, num_rows=num_rows,
+        _merge_splits(out_refs, h * ticket_rows + n, qrow, row_valid, cols, num_rows=num_rows,
                       num_splits=num_splits, interpret=interpret)
 
 
@@ -250,7 +251,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
                      jax.ShapeDtypeStruct((ns * t * hq,), jnp.float32)]
     merge = tickets is not None and merges_in_kernel(ns)
     if merge:  # + the merged output and the tickets (aliased: updated in place)
-        out_shape += [jax.ShapeDtypeStruct((t * hq, d), q.dtype), jax.ShapeDtypeStruct(tickets.shape, jnp.int32)]
+        out_shape += [jax.ShapeDtypeStruct((t * hq, d), q.dtype), jax.ShapeDtypeStruct((tickets.size,), jnp.int32)]
     args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1)]
     if width > 1:
         args.append(cu_seqlens.astype(jnp.int32))
@@ -259,12 +260,13 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     aliases = {}
     if merge:
         aliases[len(args)] = len(out_shape) - 1
-        args.append(tickets)
+        args.append(tickets.reshape(-1))
     kernel = functools.partial(
         _decode_kernel, width=width, num_rows=t * hq, num_q_heads=hq, group=g, group_pad=gp, max_blocks=mb,
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=hkv, block_k=params.block_k,
         num_splits=ns, sliding_window=sliding_window, cdtype=cdtype, head_major=head_major,
-        heads_inner=params.heads_inner, prefetch=params.prefetch, merge=merge, interpret=interpret,
+        heads_inner=params.heads_inner, prefetch=params.prefetch, merge=merge,
+        ticket_rows=0 if tickets is None else tickets.shape[1], interpret=interpret,
     )
     if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
         for i, shp in enumerate(out_shape[:len(out_shape) - merge]):
@@ -285,7 +287,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
         name="paged_decode_attention",
     )(*args)
     if merge:
-        o, tickets = outs[2], outs[3]
+        o, tickets = outs[2], outs[3].reshape(tickets.shape)
     elif ns == 1:
         o = outs[0]
     else:
@@ -387,10 +389,11 @@ def paged_decode_attention(
       sliding_window: keep keys k with (seq_len - 1) - k < sliding_window; None = full context.
       k_scale, v_scale: f32 scalars (may be traced) dequantizing a float8_e4m3fn pool.
       params: static `DecodeParams`; None picks the tuned table entry or a heuristic.
-      tickets: i32[N * Hkv] or None: with a power-of-two split count > 1 the kernel merges the splits
-        itself (the last split program of each row and KV head to finish), in place of the XLA
-        combine after it, counting in `tickets` (updated in place; any values that are multiples of
-        the split count: zeros to start, then what the last call returned, shared across layers).
+      tickets: i32[Hkv, R] (R >= N) or None: with a power-of-two split count > 1 the kernel merges the
+        splits itself (the last split program of each row and KV head to finish), in place of the XLA
+        combine after it, counting in tickets[head, row] (updated in place; any values that are
+        multiples of the split count: zeros to start, then what the last call returned, one buffer
+        shared by the layers and steps; heads first, so tensor parallelism shards it with the pools).
         Other split counts combine in XLA and return `tickets` as given.
       interpret: run the kernel in Pallas interpret mode (CPU).
       _poison: test hook: NaN-fill the kernel's output buffers before it runs.
@@ -409,8 +412,9 @@ def paged_decode_attention(
     if params is None:
         params = decode_params_for(n, q.shape[1], hkv, d, block_size, k_pool.dtype,
                                    block_tables.shape[1] * block_size)
-    if tickets is not None and (tickets.shape != (n * k_pool.shape[-2],) or tickets.dtype != jnp.int32):
-        raise ValueError(f"tickets {tickets.shape} {tickets.dtype} must be int32[{n * k_pool.shape[-2]}] (N * Hkv)")
+    if tickets is not None and (tickets.ndim != 2 or tickets.shape[0] != k_pool.shape[-2] or tickets.shape[1] < n
+                                or tickets.dtype != jnp.int32):
+        raise ValueError(f"tickets {tickets.shape} {tickets.dtype} must be int32[Hkv={k_pool.shape[-2]}, >= N={n}]")
     layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)
     return _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, params=params,
                         sliding_window=sliding_window, interpret=interpret, poison=_poison, tickets=tickets)
