@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests, the engine throughput bench and the serving
 # bench, results under $OUT. Usage (device tool, carrying .whl and .gpu_carry):
-#   bash bench/gpu_session.sh [bars19] [attnb1] [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
+#   bash bench/gpu_session.sh [bars19] [attnb1] [gridbar] [tests] [twins] [startup] [generate] [sampler] [ways] [launch] [toy] [cond] [cmdbuf] [loading] [throughput] [unroll] [profile] [e2e] [grouped] [linear] [topk] [nextfp8] [nextprefill] [w4] [tcint4] [int4pre] [gen4] [fp4dot] [m1pack] [wholek] [fuse] [chain4] [ncu4] [pdl] [l2prefetch] [promote] [fp8moe] [moe4] [fp8gmm] [masktoy] [spec] [serve] [acceptance] [lora] [structured] [prefix]
 #   (default: tests throughput serve; acceptance takes ACCEPTANCE_ARGS, e.g. "--family llama3-8b")
 # A 30-minute device budget, back to back (a machine idle 30 s is given back; H200, 2026-12-01):
 # `tests` alone (56 s in session 8; cut at 130 s after 24 tests in session 9: give it up to 300 s),
@@ -153,7 +153,8 @@
 # The decode kernel's in-kernel split merge (`tickets`, session 51, not in the engine yet) has run in interpret mode
 # only: `GPU_TEST_FILES=tests/test_paged_attention.py bash bench/gpu_session.sh tests attnb1` with
 # ATTNB1_ARGS="--ctx 128,2048 --max-ctx 4096 --only 64,16,4,3;64,16,4,1;64,8,4,3;128,1,4,3" (each power-of-two
-# split count also runs merged) says whether it works there and what it saves.
+# split count also runs merged) says whether it works there and what it saves. `gridbar` (~20 s) says what a grid
+# barrier in one kernel costs against a kernel boundary (the persistent per-layer kernel's premise).
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
@@ -420,6 +421,10 @@ fi
 if [[ $parts == *bars19* && -n ${BARS19_PROBE:-} ]]; then  # does XLA launch Pallas Triton kernels with PDL?
   # (session 51, H100, B's wait kept: no, +0.93 us after A whatever the options; BARS19_PROBE=1 runs it again)
   timeout ${PROBE_LIMIT:-100} python3 bench/pdl_triton_probe.py --out "$OUT/pdl" 2>&1 | grep -v Warning | tail -14
+fi
+if [[ $parts == *gridbar* ]]; then  # issue 19: a grid barrier inside one kernel against a kernel boundary (~20 s; the
+  # barrier form hangs if the programs are not all resident: the timeout ends it)
+  timeout ${GRIDBAR_LIMIT:-60} python3 bench/grid_barrier_probe.py --out "$OUT/gridbar" 2>&1 | grep -v Warning | tail -4
 fi
 if [[ $parts == *attnb1* ]]; then  # issue 19: decode attention at batch 1, a 32-layer chain, the params' sweep (~150 s)
   timeout ${ATTNB1_LIMIT:-200} python3 bench/kernels/decode_attention_b1.py --out "$OUT/attnb1" \
