@@ -124,12 +124,12 @@ def main(argv=None):
     x = jnp.asarray(np.random.default_rng(0).integers(-1000, 1000, (programs, WIDTH)), jnp.float32)  # (exact sums)
     want = expected(np.asarray(x), a.phases)
     rows = []
+    empty = median_seconds(jax.jit(lambda v: v + 0.0), x, group=20)  # (one small launch: the floor)
     for form in (launches, barriers):
         f = jax.jit(functools.partial(form, programs=programs, phases=a.phases))
         got = np.asarray(f(x))
         ok = bool(np.array_equal(got, want))
         t = median_seconds(f, x, group=20)
-        empty = median_seconds(jax.jit(lambda v: v + 0.0), x, group=20)  # (one small launch: the floor)
         rows.append(dict(form=form.__name__, programs=programs, phases=a.phases, correct=ok,
                          us_per_call=t * 1e6, us_per_step=(t - empty) * 1e6 / a.phases, us_empty_call=empty * 1e6))
         print(json.dumps(rows[-1]), flush=True)

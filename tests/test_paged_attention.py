@@ -248,23 +248,26 @@ def test_decode_tickets_with_other_split_counts_pass_through():
                                    interpret=True)
 
 
+def _h200_mesh():
+    """An abstract H200, to cross-lower the kernels for it on the CPU machine."""
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132,
+                                                                                               "gpu"))
+
+
 def test_decode_merge_lowers_for_h200():
     """The in-kernel merge (a CTA barrier, an atomic ticket, a branch, volatile loads) cross-lowers
     to Triton IR for an H200 on the CPU machine."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132,
-                                                                                               "gpu"))
     sds = jax.ShapeDtypeStruct
     pool = sds((2, 40, 16, 8, 128), BF16)
-    with jax.sharding.use_abstract_mesh(mesh):
-        low = jax.jit(lambda q, kp, vp, t, s, tk: paged_decode_attention(
-            q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16), tickets=tk)).trace(
-            sds((1, 32, 128), BF16), pool, pool, sds((1, 64), jnp.int32), sds((1,), jnp.int32),
-            sds((8, 4), jnp.int32)).lower(lowering_platforms=("cuda",))
-        text = low.as_text()
-        combined = jax.jit(lambda q, kp, vp, t, s: paged_decode_attention(
-            q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16))).trace(
-            sds((1, 32, 128), BF16), pool, pool, sds((1, 64), jnp.int32), sds((1,), jnp.int32)).lower(
-            lowering_platforms=("cuda",)).as_text()
+    args = (sds((1, 32, 128), BF16), pool, pool, sds((1, 64), jnp.int32), sds((1,), jnp.int32))
+
+    def lowered(tickets=None):
+        f = jax.jit(lambda q, kp, vp, t, s, tk: paged_decode_attention(
+            q, kp, vp, jnp.int32(1), t, s, sm_scale=0.1, params=DecodeParams(num_splits=16), tickets=tk))
+        return f.trace(*args, tickets).lower(lowering_platforms=("cuda",)).as_text()
+
+    with jax.sharding.use_abstract_mesh(_h200_mesh()):
+        text, combined = lowered(sds((8, 4), jnp.int32)), lowered()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "stablehlo.reduce" not in text and "stablehlo.reduce" in combined  # (no XLA combine after the merge)
 
@@ -556,11 +559,9 @@ def test_kv_write_kernels_lower_for_h200():
     fp8 pools, full and partial rotary dims): unsupported indexing shows here without a GPU."""
     from pallas_kernels.paged_attention import rope_and_write_kv
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132,
-                                                                                               "gpu"))
     sds = jax.ShapeDtypeStruct
     fp8_scales = dict(k_scale=np.float32(0.5), v_scale=np.float32(0.5))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(_h200_mesh()):
         for hq, hkv, d, rot, kv_dtype in ((32, 8, 128, 128, BF16), (6, 3, 64, 40, FP8)):
             pool, slots = sds((2, 7, 16, hkv, d), kv_dtype), sds((5,), jnp.int32)
             scales = fp8_scales if kv_dtype == FP8 else {}

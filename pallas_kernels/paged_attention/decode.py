@@ -269,7 +269,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
         ticket_rows=0 if tickets is None else tickets.shape[1], interpret=interpret,
     )
     if poison:  # test hook: outputs start as NaN (aliased inputs), so unwritten elements show
-        for i, shp in enumerate(out_shape[:len(out_shape) - merge]):
+        for i, shp in enumerate(out_shape[:-1] if merge else out_shape):  # (not the tickets: aliased already)
             aliases[len(args)] = i
             args.append(common.poison_like(shp.shape, shp.dtype))
     if len(args) > num_args:
@@ -412,9 +412,9 @@ def paged_decode_attention(
     if params is None:
         params = decode_params_for(n, q.shape[1], hkv, d, block_size, k_pool.dtype,
                                    block_tables.shape[1] * block_size)
-    if tickets is not None and (tickets.ndim != 2 or tickets.shape[0] != k_pool.shape[-2] or tickets.shape[1] < n
+    if tickets is not None and (tickets.ndim != 2 or tickets.shape[0] != hkv or tickets.shape[1] < n
                                 or tickets.dtype != jnp.int32):
-        raise ValueError(f"tickets {tickets.shape} {tickets.dtype} must be int32[Hkv={k_pool.shape[-2]}, >= N={n}]")
+        raise ValueError(f"tickets {tickets.shape} {tickets.dtype} must be int32[Hkv={hkv}, >= N={n}]")
     layer_arr, scales = common.pack_scalars(layer, sm_scale, k_scale, v_scale)
     return _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, params=params,
                         sliding_window=sliding_window, interpret=interpret, poison=_poison, tickets=tickets)
