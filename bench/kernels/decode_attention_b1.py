@@ -5,7 +5,7 @@ At one row the paged decode kernel reads a few hundred keys and takes ~5.4 us a 
 not bandwidth. This times a chain of `--layers` calls (layer i of a stacked pool, each query
 being the output before, as the layers of a step follow one another) for the params the table or
 heuristic picks and for a sweep of `DecodeParams` (block_k, splits, warps, stages; or `--only` a
-list; each with a power-of-two split count also with its splits merged in the kernel, `tickets`),
+list; each with more than one split also with its splits merged in the kernel, `tickets`),
 beside the same chain through the XLA gather reference (`paged_decode_attention_reference`,
 the peer) and an empty chain (`tie_only`: the executable alone). Llama-3-8B heads (32 / 8, D 128),
 pages of 16, bf16; contexts and max_ctx (the engine's max_model_len) as given. All variants are

@@ -25,7 +25,7 @@ Grid: (N, Hkv, num_splits). A program computes all G = Hq / Hkv query heads of o
 stored, so no XLA pad/slice surrounds the kernel) over one split of the context, with
 an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
 its normalized partial output and log-sum-exp, and a small XLA combine merges them; or, given
-`tickets` (a power-of-two split count), the split program of each row and KV head that finishes
+`tickets`, the split program of each row and KV head that finishes
 last merges them in the kernel (`_merge_splits`), which saves the combine's launch: at one row and a
 short context that combine is ~2-2.7 us of a ~4-7 us layer (H100, session 51,
 bench/kernels/decode_attention_b1.py). Not yet timed on a GPU, and not used by the engine yet.
@@ -182,16 +182,18 @@ def _decode_kernel(
 def _merge_splits(out_refs, slot, qrow, row_valid, cols, *, num_rows: int, num_splits: int, interpret: bool):
     """The split program of (row, KV head) `slot` that finishes last merges the S partials into the
     final output (what `combine_splits` does in XLA, without its launch). Each program takes a
-    ticket from tickets[slot] after its partials are stored; every launch adds S to each slot, so
-    with S a power of two the last program is the one whose ticket is S - 1 modulo S, whatever the
-    count the launch started from (no reset, wrapping included)."""
+    ticket from tickets[slot] after its partials are stored: the one that draws S - 1 (counting from
+    a multiple of S, zero in the engine) is the last, and it takes the S off again once it has
+    merged, so every launch leaves the tickets as they came, whatever split count the next
+    launch (the next layer, the next step's bucket) runs."""
     o_ref, lse_ref, fin_ref, tickets_ref = out_refs
     if not interpret:  # (every warp's partials stored before the ticket; no barrier in interpret mode)
         plgpu_triton.debug_barrier()
     ticket = plgpu_triton.atomic_add(tickets_ref, slot, jnp.int32(1))  # (acquire-release, GPU scope)
 
-    @pl.when((ticket & (num_splits - 1)) == num_splits - 1)
+    @pl.when(jax.lax.rem(ticket, jnp.int32(num_splits)) == num_splits - 1)
     def _():
+        plgpu_triton.atomic_add(tickets_ref, slot, jnp.int32(-num_splits))  # (every split's ticket drawn)
         def body(s, carry):  # online merge over the splits (volatile loads: L2, never a stale L1 line)
             m, den, acc = carry
             ls = plgpu_triton.load(lse_ref.at[s * num_rows + qrow], mask=row_valid, other=common.NEG_BIG,
@@ -225,9 +227,8 @@ def _group_rows(width: int, group: int) -> int:
 
 
 def merges_in_kernel(num_splits: int) -> bool:
-    """Whether a launch of `num_splits` splits can merge them in the kernel (`tickets`): more than
-    one, a power of two (the tickets' modulo)."""
-    return num_splits > 1 and not num_splits & (num_splits - 1)
+    """Whether a launch of `num_splits` splits merges them in the kernel, given `tickets`: more than one."""
+    return num_splits > 1
 
 
 def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
@@ -389,12 +390,11 @@ def paged_decode_attention(
       sliding_window: keep keys k with (seq_len - 1) - k < sliding_window; None = full context.
       k_scale, v_scale: f32 scalars (may be traced) dequantizing a float8_e4m3fn pool.
       params: static `DecodeParams`; None picks the tuned table entry or a heuristic.
-      tickets: i32[Hkv, R] (R >= N) or None: with a power-of-two split count > 1 the kernel merges the
-        splits itself (the last split program of each row and KV head to finish), in place of the XLA
-        combine after it, counting in tickets[head, row] (updated in place; any values that are
-        multiples of the split count: zeros to start, then what the last call returned, one buffer
-        shared by the layers and steps; heads first, so tensor parallelism shards it with the pools).
-        Other split counts combine in XLA and return `tickets` as given.
+      tickets: i32[Hkv, R] (R >= N) or None: with more than one split the kernel merges the splits
+        itself (the last split program of each row and KV head to finish), in place of the XLA combine
+        after it, counting in tickets[head, row]: zeros (or multiples of the split count), updated in
+        place and left as they came, so one buffer serves every layer and step; heads first, so tensor
+        parallelism would shard it with the pools. With one split they pass through untouched.
       interpret: run the kernel in Pallas interpret mode (CPU).
       _poison: test hook: NaN-fill the kernel's output buffers before it runs.
 
