@@ -110,7 +110,8 @@ def test_decode_merge_splits_steps_lower(name):
     kernel, so XLA's combine (its reductions) is gone."""
     model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
     buckets = BUCKETS[0], BUCKETS[2]
-    on = _lower_steps(model, params, buckets, max_blocks=128, ticket_rows=8, decode_merge_splits=True)  # (8: min_decode_rows)
+    # (8 ticket rows: the steps pad to min_decode_rows, 8; fewer rows would fall back to XLA's combine)
+    on = _lower_steps(model, params, buckets, max_blocks=128, ticket_rows=8, decode_merge_splits=True)
     off = _lower_steps(model, params, buckets, max_blocks=128)
     for kind in on:
         assert "paged_decode_attention" in on[kind] and "paged_decode_attention" in off[kind], kind
