@@ -174,18 +174,23 @@ def _decode_kernel(
     if num_splits > 1:
         lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), common.NEG_BIG)
         plgpu_triton.store(out_refs[1].at[orow], lse, mask=row_valid)
-    if merge:
-        _merge_splits(out_refs, h * ticket_rows + n, qrow, row_valid, cols, num_rows=num_rows,
+    if merge:  # (the splits past the row's blocks are empty: `used` of them have keys)
+        used = jnp.maximum(pl.cdiv(jnp.maximum(blk_hi - blk_lo, 0), jnp.maximum(per, 1)), 1)
+        _merge_splits(out_refs, h * ticket_rows + n, qrow, row_valid, cols, used, num_rows=num_rows,
                       num_splits=num_splits, interpret=interpret)
 
 
-def _merge_splits(out_refs, slot, qrow, row_valid, cols, *, num_rows: int, num_splits: int, interpret: bool):
-    """The split program of (row, KV head) `slot` that finishes last merges the S partials into the
-    final output (what `combine_splits` does in XLA, without its launch). Each program takes a
-    ticket from tickets[slot] after its partials are stored: the one that draws S - 1 (counting from
-    a multiple of S, zero in the engine) is the last, and it takes the S off again once it has
-    merged, so every launch leaves the tickets as they came, whatever split count the next
-    launch (the next layer, the next step's bucket) runs."""
+def _merge_splits(out_refs, slot, qrow, row_valid, cols, used, *, num_rows: int, num_splits: int,
+                  interpret: bool, unroll: int = 4):
+    """The split program of (row, KV head) `slot` that finishes last merges the first `used` (i32,
+    >= 1: the others saw no keys) of the S partials into the final output (what `combine_splits`
+    does in XLA, without its launch). Each program takes a ticket from tickets[slot] after its
+    partials are stored: the one that draws S - 1 (counting from a multiple of S, zero in the
+    engine) is the last, and it takes the S off again once it has merged, so every launch leaves
+    the tickets as they came, whatever split count the next launch (the next layer, the next
+    step's bucket) runs. The merge reads every split's log-sum-exp at once, then the partials
+    `unroll` splits at a time, their loads independent of the sum (volatile: from L2, never a
+    stale L1 line)."""
     o_ref, lse_ref, fin_ref, tickets_ref = out_refs
     if not interpret:  # (every warp's partials stored before the ticket; no barrier in interpret mode)
         plgpu_triton.debug_barrier()
@@ -194,20 +199,26 @@ def _merge_splits(out_refs, slot, qrow, row_valid, cols, *, num_rows: int, num_s
     @pl.when(jax.lax.rem(ticket, jnp.int32(num_splits)) == num_splits - 1)
     def _():
         plgpu_triton.atomic_add(tickets_ref, slot, jnp.int32(-num_splits))  # (every split's ticket drawn)
-        def body(s, carry):  # online merge over the splits (volatile loads: L2, never a stale L1 line)
-            m, den, acc = carry
-            ls = plgpu_triton.load(lse_ref.at[s * num_rows + qrow], mask=row_valid, other=common.NEG_BIG,
-                                   volatile=True)  # f32[Gp]
-            part = plgpu_triton.load(o_ref.at[(s * num_rows + qrow)[:, None], cols[None, :]],
-                                     mask=row_valid[:, None], other=0.0, volatile=True)  # f32[Gp, D]
-            m_new = jnp.maximum(m, ls)
-            a, b = jnp.exp2(m - m_new), jnp.exp2(ls - m_new)  # (all splits empty: weight 1 each, zeros merged)
-            return m_new, den * a + b, acc * a[:, None] + b[:, None] * part
+        sidx = jnp.arange(common.next_pow2(num_splits), dtype=jnp.int32)
+        lse = plgpu_triton.load(lse_ref.at[sidx[:, None] * num_rows + qrow[None, :]],
+                                mask=(sidx < used)[:, None] & row_valid[None, :], other=common.NEG_BIG,
+                                volatile=True)  # f32[Sp, Gp]
+        m = jnp.max(lse, axis=0)  # (every split empty: m = NEG_BIG, each weight 1 on zeros)
+        den = jnp.sum(jnp.exp2(lse - m[None, :]), axis=0)
 
-        gp = qrow.shape[0]
-        _, den, acc = jax.lax.fori_loop(0, num_splits, body, (jnp.full((gp,), common.NEG_BIG, jnp.float32),
-                                                              jnp.zeros((gp,), jnp.float32),
-                                                              jnp.zeros((gp, cols.shape[0]), jnp.float32)))
+        def body(j, acc):
+            for u in range(unroll):
+                sp = j * unroll + u
+                live = row_valid & (sp < used)
+                ls = plgpu_triton.load(lse_ref.at[sp * num_rows + qrow], mask=live, other=common.NEG_BIG,
+                                       volatile=True)  # f32[Gp]
+                part = plgpu_triton.load(o_ref.at[(sp * num_rows + qrow)[:, None], cols[None, :]],
+                                         mask=live[:, None], other=0.0, volatile=True)  # f32[Gp, D]
+                acc = acc + jnp.exp2(ls - m)[:, None] * part
+            return acc
+
+        acc = jax.lax.fori_loop(0, pl.cdiv(used, unroll), body,
+                                jnp.zeros((qrow.shape[0], cols.shape[0]), jnp.float32))
         out = (acc / den[:, None]).astype(fin_ref.dtype)
         frow = jnp.where(row_valid, qrow, fin_ref.shape[0])
         plgpu_triton.store(fin_ref.at[frow[:, None], cols[None, :]], out, mask=row_valid[:, None])
