@@ -176,16 +176,12 @@ def _decode_kernel(
         plgpu_triton.store(out_refs[1].at[orow], lse, mask=row_valid)
     if merge:  # (the splits past the row's blocks are empty: `used` of them have keys)
         used = jnp.maximum(pl.cdiv(jnp.maximum(blk_hi - blk_lo, 0), jnp.maximum(per, 1)), 1)
-        if width == 1:  # the merge's rows: the G heads alone, not the tensor cores' Gp >= 16
-            gm = jnp.arange(common.next_pow2(group), dtype=jnp.int32)
-            qrow, row_valid = n * num_q_heads + h * group + gm, gm < group
-            qrow = jnp.where(row_valid, qrow, q_ref.shape[0])
         _merge_splits(out_refs, h * ticket_rows + n, qrow, row_valid, cols, used, num_rows=num_rows,
                       num_splits=num_splits, interpret=interpret)
 
 
 def _merge_splits(out_refs, slot, qrow, row_valid, cols, used, *, num_rows: int, num_splits: int,
-                  interpret: bool, unroll: int = 16):
+                  interpret: bool, unroll: int = 4):
     """The split program of (row, KV head) `slot` that finishes last merges the first `used` (i32,
     >= 1: the others saw no keys) of the S partials into the final output (what `combine_splits`
     does in XLA, without its launch). Each program takes a ticket from tickets[slot] after its
@@ -194,10 +190,8 @@ def _merge_splits(out_refs, slot, qrow, row_valid, cols, used, *, num_rows: int,
     the tickets as they came, whatever split count the next launch (the next layer, the next
     step's bucket) runs. The merge reads every split's log-sum-exp at once, then the partials
     `unroll` splits at a time, their loads independent of the sum (volatile: from L2, never a
-    stale L1 line), on the rows of `qrow` (at decode the G query heads alone: few registers a
-    split, so all of them can be in flight)."""
+    stale L1 line)."""
     o_ref, lse_ref, fin_ref, tickets_ref = out_refs
-    unroll = min(unroll, num_splits)
     if not interpret:  # (every warp's partials stored before the ticket; no barrier in interpret mode)
         plgpu_triton.debug_barrier()
     ticket = plgpu_triton.atomic_add(tickets_ref, slot, jnp.int32(1))  # (acquire-release, GPU scope)
