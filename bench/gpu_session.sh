@@ -155,6 +155,13 @@
 # ATTNB1_ARGS="--ctx 128,2048 --max-ctx 4096 --only 64,16,4,3;64,16,4,1;64,8,4,3;128,1,4,3" (each power-of-two
 # split count also runs merged) says whether it works there and what it saves. `gridbar` (~20 s) says what a grid
 # barrier in one kernel costs against a kernel boundary (the persistent per-layer kernel's premise).
+# Session 52 (every call an H100; six starts refused, ~90 s each): `tests attnb1 gridbar` 78 s cold (the merge's gpu
+# tests pass; merged 9.08 against 6.60 us; a grid barrier 0.527 against a boundary's 0.517 us), then `tests attnb1`
+# + FUSE_ONLY="bf16 int4" `fuse` + Llama `acceptance` 339 s cold (the second merge form: 6.29 / 13.43 against
+# 6.60 / 11.08 us at ctx 128 / 2048, off), acceptance of Qwen3-Next + Nemotron-H 311 s warm. Several invocations of
+# this script in one call nest their archives (each tars $OUT, the one before's results.tgz included): unpack twice.
+# Next (an H200 above all): `bars19`; on an H100, a merge on the G rows with every split's loads in flight (reverted
+# for want of device time, see README) could be timed with `tests attnb1`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection

@@ -122,8 +122,10 @@ class AttentionConfig:
     # Decode steps' split contexts (flash-decoding) merged by the decode kernel's last split program
     # of each row and KV head, counting in the KV cache's tickets (`KVCache.tickets`, which the
     # engine then allocates), instead of an XLA combine launched after it: one launch fewer a
-    # layer. At one row and a short context that combine was ~2-2.7 us of a 4-7 us layer (H100,
-    # session 51). One device only (no tensor parallelism).
+    # layer, but a tail (barrier, atomic, partials read back) on the last program. Off: at one row,
+    # 16 splits (H100, session 52, bench/kernels/decode_attention_b1.py) 6.29 against 6.60 us a
+    # layer at a 128-token context, 13.43 against 11.08 at 2,048. One device only (no tensor
+    # parallelism). Its kernel's gpu tests pass; through the engine it has run on the CPU only.
     decode_merge_splits: bool = False
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.

@@ -26,9 +26,11 @@ stored, so no XLA pad/slice surrounds the kernel) over one split of the context,
 an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
 its normalized partial output and log-sum-exp, and a small XLA combine merges them; or, given
 `tickets`, the split program of each row and KV head that finishes
-last merges them in the kernel (`_merge_splits`), which saves the combine's launch: at one row and a
-short context that combine is ~2-2.7 us of a ~4-7 us layer (H100, session 51,
-bench/kernels/decode_attention_b1.py). Not yet timed on a GPU, and not used by the engine yet.
+last merges them in the kernel (`_merge_splits`), which saves the combine's launch but adds a tail
+(a barrier, an atomic, the partials read back) to the last program: at one row (H100, session 52,
+bench/kernels/decode_attention_b1.py, 16 splits at max_ctx 4096) 6.29 against 6.60 us a layer at a
+128-token context, 13.43 against 11.08 at 2,048, so the engine keeps the XLA combine by default
+(`AttentionConfig.decode_merge_splits`).
 Rows with seq_len 0 give zeros, never NaN.
 
 Verify windows (`paged_verify_attention`, speculative decoding): a row's 1 + k queries are its
