@@ -25,9 +25,9 @@ Grid: (N, Hkv, num_splits). A program computes all G = Hq / Hkv query heads of o
 stored, so no XLA pad/slice surrounds the kernel) over one split of the context, with
 an online softmax in float32 (exp2 domain). num_splits > 1 is flash-decoding: each split writes
 its normalized partial output and log-sum-exp, and a small XLA combine merges them; or, given
-`tickets`, the split program of each row and KV head that finishes
-last merges them in the kernel (`_merge_splits`), which saves the combine's launch but adds a tail
-(a barrier, an atomic, the partials read back) to the last program: at one row (H100, session 52,
+`tickets`, the split program of each row and KV head that finishes last merges them in the kernel
+(`_merge_splits`), which saves the combine's launch but adds a tail (a barrier, an atomic, the
+partials read back) to the last program: at one row (H100, session 52,
 bench/kernels/decode_attention_b1.py, 16 splits at max_ctx 4096) 6.29 against 6.60 us a layer at a
 128-token context, 13.43 against 11.08 at 2,048, so the engine keeps the XLA combine by default
 (`AttentionConfig.decode_merge_splits`).
