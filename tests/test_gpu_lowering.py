@@ -103,7 +103,7 @@ def test_quantized_hybrid_steps_lower_for_h200(name, quantization):
         assert text.count("stablehlo.case") == 3, (name, kind)
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "qwen3_next_tiny"])
+@pytest.mark.parametrize("name", ["llama_tiny", pytest.param("qwen3_next_tiny", marks=pytest.mark.slow)])
 def test_decode_merge_splits_steps_lower(name):
     """`decode_merge_splits` (the split tickets in the KV cache): the decode and mixed steps of 2,048-
     token block tables (split contexts) lower for an H200 with the splits merged in the decode
