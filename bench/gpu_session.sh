@@ -156,10 +156,11 @@
 # split count also runs merged) says whether it works there and what it saves. `gridbar` (~20 s) says what a grid
 # barrier in one kernel costs against a kernel boundary (the persistent per-layer kernel's premise).
 # Session 52 (every call an H100; six starts refused, ~90 s each): `tests attnb1 gridbar` 78 s cold (the merge's gpu
-# tests pass; merged 9.08 against 6.60 us; a grid barrier 0.527 against a boundary's 0.517 us), then `tests attnb1`
+# tests pass; merged 9.08 against 6.33 us at ctx 128; a grid barrier 0.527 against a boundary's 0.517 us), then `tests attnb1`
 # + FUSE_ONLY="bf16 int4" `fuse` + Llama `acceptance` 339 s cold (the second merge form: 6.29 / 13.43 against
 # 6.60 / 11.08 us at ctx 128 / 2048, off), acceptance of Qwen3-Next + Nemotron-H 311 s warm. Several invocations of
-# this script in one call nest their archives (each tars $OUT, the one before's results.tgz included): unpack twice.
+# this script in one call nested their archives (each tarred $OUT, the one before's results.tgz included); since
+# then each run unpacks the one before's archive first, so the last archive holds every run's files, flat.
 # Next (an H200 above all): `bars19`; on an H100, a merge on the G rows with every split's loads in flight (reverted
 # for want of device time, see README) could be timed with `tests attnb1`.
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
@@ -172,6 +173,9 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+if [[ -f $OUT/results.tgz ]]; then  # an earlier run of this script in the same call archived its files: unpack
+  (cd "$OUT" && tar xzf results.tgz && rm results.tgz)  # them, so this run's archive holds both, flat
+fi
 parts=${*:-tests throughput serve}
 if [[ $parts == *bars19* ]]; then  # issue 19's batch-1 bars in one call (session 50; ~400 s warm on an H100): the
   # PDL probe, `fuse` (bf16, int4, int4 fused, NVFP4 through generate) and `w4` (the table's M = 1 picks alone)
