@@ -236,13 +236,10 @@ class LLMEngine:
                 f"max_model_len={c.max_model_len}; lower max_model_len or raise num_kv_blocks")
         pen_rows = c.max_penalty_rows or 0
         ssm_slots = c.max_ssm_slots if self.uses_ssm else 0
-        a = c.attention  # (the decode kernel's split tickets, for its largest decode row bucket)
-        ticket_rows = max(c.decode_buckets + c.mixed_decode_buckets + (a.min_decode_rows,)) if (
-            a.decode_merge_splits and a.use_pallas and a.mesh is None) else 0
         # the sequences' slots, then the prefix cache's snapshot slots
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
                                                 max_ssm_slots=ssm_slots + c.max_ssm_snapshots, penalty_rows=pen_rows,
-                                                extra_kv_layers=self.extra_kv_layers, ticket_rows=ticket_rows)
+                                                extra_kv_layers=self.extra_kv_layers, ticket_rows=c.split_ticket_rows)
         placement = None
         if self.sharder is not None:
             placement = self.sharder.placement(self.state)
