@@ -41,7 +41,6 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pallas_kernels.paged_attention.decode import merges_in_kernel  # noqa: E402
 from pallas_kernels.paged_attention.params import decode_params_for  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -144,7 +143,7 @@ def main():
                     break
                 entries.append(prepare(case, args, label, lambda q, kp, vp, i, t, n, p=p: paged_decode_attention(
                     q, kp, vp, i, t, n, sm_scale=sm, params=p, interpret=interpret), p, ref[2]))
-                if merges_in_kernel(p.num_splits):  # the same params, the splits merged in the kernel
+                if p.num_splits > 1:  # the same params, the splits merged in the kernel
                     entries.append(prepare(case, args, f"{label}_merged", lambda q, kp, vp, i, t, n, tk, p=p: (
                         paged_decode_attention(q, kp, vp, i, t, n, sm_scale=sm, params=p, tickets=tk,
                                                interpret=interpret)), p, ref[2], merged=True))

@@ -239,11 +239,6 @@ def _group_rows(width: int, group: int) -> int:
     return max(16, common.next_pow2(width * group))
 
 
-def merges_in_kernel(num_splits: int) -> bool:
-    """Whether a launch of `num_splits` splits merges them in the kernel, given `tickets`: more than one."""
-    return num_splits > 1
-
-
 def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *, params: DecodeParams,
                  sliding_window, interpret: bool, poison: bool, head_major: bool = False,
                  cu_seqlens=None, width: int = 1, tickets=None):
@@ -263,7 +258,7 @@ def _decode_call(q, k_pool, v_pool, layer_arr, scales, block_tables, seq_lens, *
     else:
         out_shape = [jax.ShapeDtypeStruct((ns * t * hq, d), jnp.float32),
                      jax.ShapeDtypeStruct((ns * t * hq,), jnp.float32)]
-    merge = tickets is not None and merges_in_kernel(ns)
+    merge = tickets is not None and ns > 1  # (one split: nothing to merge, the tickets pass through)
     if merge:  # + the merged output and the tickets (aliased: updated in place)
         out_shape += [jax.ShapeDtypeStruct((t * hq, d), q.dtype), jax.ShapeDtypeStruct((tickets.size,), jnp.int32)]
     args = [layer_arr, scales, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1)]
