@@ -161,8 +161,10 @@
 # 6.60 / 11.08 us at ctx 128 / 2048, off), acceptance of Qwen3-Next + Nemotron-H 311 s warm. Several invocations of
 # this script in one call nested their archives (each tarred $OUT, the one before's results.tgz included); since
 # then each run unpacks the one before's archive first, so the last archive holds every run's files, flat.
-# Next (an H200 above all): `bars19`; on an H100, a merge on the G rows with every split's loads in flight (reverted
-# for want of device time, see README) could be timed with `tests attnb1`.
+# Session 53 (H200 starts refused seven times, one machine taken back mid-call; one H100 came): the G-row merge
+# (applied to the working tree only) with `tests attnb1` + Llama-3-8B and Qwen3-Next `acceptance` 395 s cold, then
+# `acceptance` of Nemotron-H + Mamba-2 + Qwen3-30B-A3B 333 s warm (PASS, all five at bb66a95).
+# Next (an H200 above all): `bars19`, FUSE_ONLY="bf16 int4 nvfp4".
 # The script archives $OUT into $OUT/results.tgz itself: do not tar $OUT again (that lost call 1's files).
 # .whl holds the wheels the machine lacks, for Python 3.12 manylinux (see the device README):
 #   fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
