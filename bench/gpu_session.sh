@@ -447,11 +447,9 @@ if [[ $parts == *fuse* ]]; then  # issue 19: `AttentionConfig.w4_fused_decode` (
   # and residual adds in the 4-bit kernel's launches; off by default) against the default, at batch 1 beside bf16
   # (~400 s; session 41 on an H100, one call each way: int4 device step 2.78-2.83 ms fused against 2.82-2.83,
   # NVFP4 3.13 against 3.07; run `tests` with GPU_TEST_FILES=tests/test_w4.py first)
-  # (FUSE_ONLY="bf16 int4 int4_fused nvfp4": those runs only; *_merge: `decode_merge_splits`, session 52)
+  # (FUSE_ONLY="bf16 int4 int4_fused nvfp4": those runs only)
   for run in "bf16:" "int4:--quantization int4" "int4_fused:--quantization int4 --attention {\"w4_fused_decode\":true}" \
-             "nvfp4:--quantization nvfp4" "nvfp4_fused:--quantization nvfp4 --attention {\"w4_fused_decode\":true}" \
-             "bf16_merge:--attention {\"decode_merge_splits\":true}" \
-             "int4_merge:--quantization int4 --attention {\"decode_merge_splits\":true}"; do
+             "nvfp4:--quantization nvfp4" "nvfp4_fused:--quantization nvfp4 --attention {\"w4_fused_decode\":true}"; do
     IFS=: read -r name extra <<< "$run"
     [[ -n ${FUSE_ONLY:-} && " $FUSE_ONLY " != *" $name "* ]] && continue
     for try in 1 2; do  # (session 51: bf16's compile once failed with "Failed to launch ptxas": one retry)

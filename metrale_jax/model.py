@@ -112,15 +112,14 @@ class Model:
         return bool(self.ssm_spec())
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
-                   extra_kv_layers: int = 0, ticket_rows: int = 0) -> EngineState:
-        """Zeroed pools; `extra_kv_layers` KV layers after the model's own (an MTP drafter's);
-        `ticket_rows`: the decode kernel's split tickets for steps of up to that many rows."""
+                   extra_kv_layers: int = 0) -> EngineState:
+        """Zeroed pools; `extra_kv_layers` KV layers after the model's own (an MTP drafter's)."""
         from metrale_jax.cache.ssm import init_ssm_pool
 
         kv_dtype = kv_dtype or DTYPES[self.dtype]
         c = self.cfg
         kv = init_kv_cache(self.num_attention_layers + extra_kv_layers, num_blocks, block_size, c.num_kv_heads,
-                           c.head_dim, kv_dtype, ticket_rows)
+                           c.head_dim, kv_dtype)
         spec = self.ssm_spec()
         if spec and max_ssm_slots <= 0:
             raise ValueError(f"{c.architecture} keeps recurrent state: max_ssm_slots must be > 0")

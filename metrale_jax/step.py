@@ -49,12 +49,11 @@ class StepState:
 
 
 def init_step_state(model, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
-                    penalty_rows: int = 0, extra_kv_layers: int = 0, ticket_rows: int = 0) -> StepState:
+                    penalty_rows: int = 0, extra_kv_layers: int = 0) -> StepState:
     """Zeroed state: `num_blocks` KV blocks of `block_size` tokens, `penalty_rows` penalty rows
-    (`extra_kv_layers`: KV layers for an MTP drafter; `ticket_rows`: the decode kernel's split
-    tickets, `AttentionConfig.decode_merge_splits`)."""
+    (`extra_kv_layers`: KV layers for an MTP drafter)."""
     ms = model.init_state(num_blocks, block_size, kv_dtype, max_ssm_slots=max_ssm_slots,
-                          extra_kv_layers=extra_kv_layers, ticket_rows=ticket_rows)
+                          extra_kv_layers=extra_kv_layers)
     return StepState(ms, init_penalty_state(penalty_rows, model.cfg.vocab_size))
 
 

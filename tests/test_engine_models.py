@@ -145,20 +145,3 @@ def test_smollm2_greedy_and_logprobs(smollm2):
         assert o.prompt_logprobs[0] is None and c["prompt_logprobs"][0] is None
         got = [o.prompt_logprobs[i][t].logprob for i, t in enumerate(c["prompt_token_ids"]) if i > 0]
         np.testing.assert_allclose(got, c["prompt_logprobs"][1:], atol=1e-3)
-
-
-
-def test_engine_split_ticket_rows():
-    """`AttentionConfig.decode_merge_splits` with the Pallas kernels on one device: the engine keeps
-    split tickets for its largest decode step, padding rows included (min_decode_rows' 8 over the
-    buckets' 4; a 12-row bucket over 8); with it off, on the XLA reference or sharded, none."""
-    on = AttentionConfig(use_pallas=True, interpret=True, min_decode_rows=8, decode_merge_splits=True)
-
-    def rows(attn, **kw):
-        cfg = dataclasses.replace(TINY_CONFIG, attention=attn, **kw)
-        return cfg.resolve(max_position_embeddings=256, on_gpu=False).split_ticket_rows
-
-    assert rows(on) == 8 and rows(on, decode_buckets=(4, 12), mixed_decode_buckets=(12,), max_num_seqs=12) == 12
-    for off in (dataclasses.replace(on, decode_merge_splits=False), AttentionConfig(decode_merge_splits=True),
-                dataclasses.replace(on, mesh=object())):
-        assert rows(off) == 0

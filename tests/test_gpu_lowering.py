@@ -41,10 +41,9 @@ def _h200_mesh():
     return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200)
 
 
-def _lower_steps(model, params, buckets=BUCKETS, max_blocks=8, ticket_rows=0, **kernels) -> dict[str, str]:
+def _lower_steps(model, params, buckets=BUCKETS, **kernels) -> dict[str, str]:
     """StableHLO text of each step of `buckets` with the GPU's default kernels (`kernels` set over
-    them), lowered for an H200 (block tables of `max_blocks` 16-token blocks; `ticket_rows`: the
-    decode kernel's split tickets)."""
+    them), lowered for an H200."""
     attn = dataclasses.replace(default_kernels(on_gpu=True), **kernels)
     if attn.unroll_layers:  # as the engine prepares them for the GPU: per-layer arrays,
         params = split_layers(params)
@@ -54,10 +53,8 @@ def _lower_steps(model, params, buckets=BUCKETS, max_blocks=8, ticket_rows=0, **
     sds = jax.ShapeDtypeStruct
     p = jax.tree.map(lambda a: sds(a.shape, a.dtype), params)
     slots = 8 if model.ssm_bytes_per_slot() > 0 else 0
-    state = jax.eval_shape(lambda: init_step_state(model, 64, 16, max_ssm_slots=slots, penalty_rows=4,
-                                                   ticket_rows=ticket_rows))
-    builder = BuilderConfig(block_size=16, max_blocks_per_seq=max_blocks, vocab_size=model.cfg.vocab_size,
-                            max_suppress_ids=4)
+    state = jax.eval_shape(lambda: init_step_state(model, 64, 16, max_ssm_slots=slots, penalty_rows=4))
+    builder = BuilderConfig(block_size=16, max_blocks_per_seq=8, vocab_size=model.cfg.vocab_size, max_suppress_ids=4)
     mesh = _h200_mesh()
     out = {}
     for bucket in buckets:
@@ -101,22 +98,6 @@ def test_quantized_hybrid_steps_lower_for_h200(name, quantization):
     assert kernel in texts["decode"] and ("expert_matvec" in texts["decode"]) == (quantization == "fp8")
     for kind, text in texts.items():
         assert text.count("stablehlo.case") == 3, (name, kind)
-
-
-@pytest.mark.parametrize("name", ["llama_tiny", pytest.param("qwen3_next_tiny", marks=pytest.mark.slow)])
-def test_decode_merge_splits_steps_lower(name):
-    """`decode_merge_splits` (the split tickets in the KV cache): the decode and mixed steps of 2,048-
-    token block tables (split contexts) lower for an H200 with the splits merged in the decode
-    kernel, so XLA's combine (its reductions) is gone."""
-    model, params = load_model(FIXTURES / name, dtype="bfloat16", show_progress=False)
-    buckets = BUCKETS[0], BUCKETS[2]
-    # (8 ticket rows: the steps pad to min_decode_rows, 8; fewer rows would fall back to XLA's combine)
-    on = _lower_steps(model, params, buckets, max_blocks=128, ticket_rows=8, decode_merge_splits=True)
-    off = _lower_steps(model, params, buckets, max_blocks=128)
-    for kind in on:
-        assert "paged_decode_attention" in on[kind] and "paged_decode_attention" in off[kind], kind
-        # (the combine: a max and two sums over the splits; one function, which every layer calls)
-        assert off[kind].count("stablehlo.reduce") - on[kind].count("stablehlo.reduce") >= 3, kind
 
 
 def test_fp8_w8a8_steps_lower_at_any_rows():

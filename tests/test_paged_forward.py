@@ -68,27 +68,7 @@ def test_paged_matches_dense(family, impl):
         _check_paged(family, impl, 2e-3 if impl == "pallas-gpu" else 2e-4)
 
 
-def test_decode_kernel_merges_splits_in_the_step(monkeypatch):
-    """`AttentionConfig.decode_merge_splits`: the decode steps' splits (a 1,024-token block table:
-    up to four splits) merged by the kernel, counting in the KV cache's tickets, which every layer
-    and step threads through and leaves zero; the logits as the dense forward's."""
-    from pallas_kernels import paged_attention as pa
-
-    seen = []
-
-    def spy(*args, tickets=None, **kw):
-        seen.append(tickets is not None)
-        return pa.paged_decode_attention.__wrapped__(*args, tickets=tickets, **kw)
-
-    spy.__wrapped__ = pa.paged_decode_attention
-    monkeypatch.setattr(pa, "paged_decode_attention", spy)
-    attn = AttentionConfig(use_pallas=True, interpret=True, decode_merge_splits=True)
-    state = _check_paged("llama", attn, 2e-4, max_blocks=256, ticket_rows=4)
-    assert seen and all(seen)  # (every decode call with the tickets; traced once per step shape)
-    np.testing.assert_array_equal(np.asarray(state.kv.tickets), np.zeros((2, 4), np.int32))
-
-
-def _check_paged(family, impl, tol, max_blocks=16, ticket_rows=0):
+def _check_paged(family, impl, tol):
     model, params = random_model(_cfg(CONFIGS[family]), dtype="float32", seed=1)
     rng = np.random.default_rng(0)
     lens = [6, 17, 33]
@@ -96,12 +76,11 @@ def _check_paged(family, impl, tol, max_blocks=16, ticket_rows=0):
     # Dense reference, one sequence at a time.
     ref = [np.asarray(model.forward(params, jnp.asarray(s)[None]))[0] for s in seqs]
 
-    num_blocks = max(NUM_BLOCKS, 3 * max_blocks)
-    lay = Layout(3, num_blocks=num_blocks, block_size=4, max_blocks=max_blocks)
-    state = model.init_state(num_blocks, lay.bs, ticket_rows=ticket_rows)
+    lay = Layout(3, num_blocks=NUM_BLOCKS, block_size=4, max_blocks=16)
+    state = model.init_state(NUM_BLOCKS, lay.bs)
     # Poison the pools: a read of anything not written shows up as a wrong logit.
     state = jax.tree.map(lambda a: jnp.full_like(a, 1e4) if a.ndim == 5 else a, state)
-    attn = ATTN.get(impl, impl)
+    attn = ATTN[impl]
     step = jax.jit(model.forward_paged, static_argnums=(5,))
 
     def logits_of(hidden):
@@ -139,7 +118,6 @@ def _check_paged(family, impl, tol, max_blocks=16, ticket_rows=0):
     toks = np.array([extra, 0, 0, 0], np.int32)
     state, hidden = step(params, state, jnp.asarray(toks), dmd, None, attn)
     np.testing.assert_allclose(logits_of(hidden)[0], want, rtol=tol, atol=tol)
-    return state
 
 
 def test_unrolled_layers_match_scan():

@@ -28,9 +28,6 @@ class KVCache:
     v: Array  # [L, num_blocks, block_size, Hkv, D]
     k_scale: Array  # f32[L]  dequantization scale (1.0 unless the pool is fp8)
     v_scale: Array  # f32[L]
-    # i32[Hkv, R] zeros, or None: the decode kernel's split tickets (`AttentionConfig.decode_merge_splits`:
-    # the last split program of each row and head merges the splits); every launch leaves them zero
-    tickets: Array | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -42,14 +39,12 @@ class KVCache:
 
 
 def init_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, ticket_rows: int = 0
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
 ) -> KVCache:
-    """Zeroed pools; `ticket_rows` > 0: split tickets for decode steps of up to that many rows."""
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    # Distinct buffers: the state is donated, and one buffer may not be donated twice.
-    tickets = jnp.zeros((num_kv_heads, ticket_rows), jnp.int32) if ticket_rows > 0 else None
+    # Four distinct buffers: the state is donated, and one buffer may not be donated twice.
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.ones((num_layers,), jnp.float32),
-                   jnp.ones((num_layers,), jnp.float32), tickets)
+                   jnp.ones((num_layers,), jnp.float32))
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:

@@ -287,13 +287,3 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         assert self.max_model_len is not None, "resolve() the config first"
         return -(-self.max_model_len // self.block_size)
-
-    @property
-    def split_ticket_rows(self) -> int:
-        """Rows of the decode kernel's split tickets in the KV cache (`AttentionConfig.decode_merge_splits`,
-        one device, the Pallas kernels): the largest decode step's, padding rows included; else 0."""
-        a = self.attention
-        assert a is not None, "resolve() the config first"
-        if not (a.decode_merge_splits and a.use_pallas and a.mesh is None):
-            return 0
-        return max(self.decode_buckets + self.mixed_decode_buckets + (a.min_decode_rows,))

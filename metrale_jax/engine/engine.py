@@ -239,7 +239,7 @@ class LLMEngine:
         # the sequences' slots, then the prefix cache's snapshot slots
         self.state: StepState = init_step_state(model, self.num_blocks, c.block_size, kv_dtype,
                                                 max_ssm_slots=ssm_slots + c.max_ssm_snapshots, penalty_rows=pen_rows,
-                                                extra_kv_layers=self.extra_kv_layers, ticket_rows=c.split_ticket_rows)
+                                                extra_kv_layers=self.extra_kv_layers)
         placement = None
         if self.sharder is not None:
             placement = self.sharder.placement(self.state)

@@ -121,7 +121,7 @@ class FakeModel:
         return [("block", 0)] + [("slot", 0)] * len(jax.tree.leaves(state.ssm))
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype=None, max_ssm_slots: int = 0,
-                   extra_kv_layers: int = 0, ticket_rows: int = 0) -> FakeState:  # (no MTP head, no attention)
+                   extra_kv_layers: int = 0) -> FakeState:  # (no MTP head: extra_kv_layers stays 0)
         ssm = init_ssm_pool(self.ssm_spec, max_ssm_slots) if self.use_ssm else {}
         return FakeState(jnp.zeros((num_blocks, block_size), jnp.int32), ssm)
 

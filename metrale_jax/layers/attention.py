@@ -7,7 +7,6 @@ reference below (the CPU default) or the Pallas kernels of `pallas_kernels/paged
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +16,6 @@ import jax.numpy as jnp
 
 from metrale_jax.cache.kv import KVCache, gather_kv
 from metrale_jax.metadata import AttnMetadata, BatchedAttnMetadata
-
-Array = jax.Array
 
 NEG_INF = -1e30
 
@@ -119,14 +116,6 @@ class AttentionConfig:
     # (session 21): batch 64 13 us per layer against the Mosaic prefill kernel's 44 us, the
     # verify step 1.55-1.60x a decode step (1.62-1.69x); batch 1 1.01-1.05x (1.10-1.11x).
     verify_decode_kernel: bool = True
-    # Decode steps' split contexts (flash-decoding) merged by the decode kernel's last split program
-    # of each row and KV head, counting in the KV cache's tickets (`KVCache.tickets`, which the
-    # engine then allocates), instead of an XLA combine launched after it: one launch fewer a
-    # layer, but a tail (barrier, atomic, partials read back) on the last program. Off: at one row,
-    # 16 splits (H100, session 52, bench/kernels/decode_attention_b1.py) 6.29 against 6.60 us a
-    # layer at a 128-token context, 13.43 against 11.08 at 2,048. One device only (no tensor
-    # parallelism). Its kernel's gpu tests pass; through the engine it has run on the CPU only.
-    decode_merge_splits: bool = False
     # Tensor parallelism (metrale_jax/parallel.py): the `tp` mesh the step runs on. The Pallas
     # attention kernels then run per device on its heads under `shard_map`; None = one device.
     mesh: Any = None
@@ -279,19 +268,14 @@ def _pallas_takes(q, cache) -> bool:
     return pools_supported(q, cache.k, cache.v)
 
 
-def decode_attention(q, cache: KVCache, layer, md, scale, cfg: AttentionConfig) -> tuple[Array, KVCache]:
-    """-> (o [N, Hq, D], the cache: its split tickets threaded through the kernel, if it merges)."""
+def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
     if cfg.use_pallas and _pallas_takes(q, cache):
         from pallas_kernels.paged_attention import paged_decode_attention
 
         kernel = functools.partial(paged_decode_attention, sm_scale=scale, sliding_window=cfg.sliding_window,
                                    interpret=cfg.interpret)
-        tables, tickets = (md.block_tables, md.seq_lens), cache.tickets
-        if tickets is not None and cfg.mesh is None and tickets.shape[1] >= q.shape[0]:
-            o, tickets = _kernel_call(functools.partial(kernel, tickets=tickets), q, cache, layer, tables, cfg)
-            return o, dataclasses.replace(cache, tickets=tickets)
-        return _kernel_call(kernel, q, cache, layer, tables, cfg), cache
-    return decode_attention_ref(q, cache, layer, md, scale, cfg.sliding_window), cache
+        return _kernel_call(kernel, q, cache, layer, (md.block_tables, md.seq_lens), cfg)
+    return decode_attention_ref(q, cache, layer, md, scale, cfg.sliding_window)
 
 
 def prefill_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
@@ -323,13 +307,11 @@ def paged_attention(q, cache: KVCache, layer, dmd: AttnMetadata | None, pmd: Bat
                     cfg: AttentionConfig):
     """A step's attention: q [N + T, Hq, D] holds N decode rows, then T prefill tokens; each part
     goes to its own path (two launches measured faster than one ragged launch on the H200, see
-    `pallas_kernels/paged_attention`). -> ([N + T, Hq, D], the cache: its split tickets updated
-    where the decode kernel merges its splits, `AttentionConfig.decode_merge_splits`)."""
+    `pallas_kernels/paged_attention`). -> [N + T, Hq, D]."""
     n = dmd.num_seqs if dmd is not None else 0
     outs = []
     if dmd is not None:
-        o, cache = decode_attention(q[:n], cache, layer, dmd, scale, cfg)
-        outs.append(o)
+        outs.append(decode_attention(q[:n], cache, layer, dmd, scale, cfg))
     if pmd is not None:
         outs.append(prefill_attention(q[n:], cache, layer, pmd, scale, cfg))
-    return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), cache
+    return jnp.concatenate(outs) if len(outs) > 1 else outs[0]

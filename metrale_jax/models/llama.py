@@ -227,7 +227,7 @@ def forward_paged(
         else:
             q, k, v = _qkv(cfg, lp, x, positions, lora)
             kv = write_kv(kv, i, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
-        o, kv = paged_attention(q, kv, i, dmd, pmd, scale, attn)
+        o = paged_attention(q, kv, i, dmd, pmd, scale, attn)
         o = o.reshape(o.shape[0], -1)
         x = linear(o, lp["wo"], lp.get("bo"), residual=x) if lora is None else \
             add_delta(linear(o, lp["wo"], lp.get("bo")), o, lora, "o_a", "o_b", residual=x)

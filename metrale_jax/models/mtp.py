@@ -151,9 +151,8 @@ def qwen3_next_mtp_forward_paged(cfg: ModelConfig, params: dict, mtp: dict, kv, 
     out = {}
 
     def attend(q, k, v):
-        kv_new = write_kv(kv, layer, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
-        o, out["kv"] = paged_attention(q, kv_new, layer, dmd, pmd, cfg.head_dim**-0.5, attn)
-        return o
+        out["kv"] = write_kv(kv, layer, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
+        return paged_attention(q, out["kv"], layer, dmd, pmd, cfg.head_dim**-0.5, attn)
 
     y = _qwen3_next_mtp(cfg, params, mtp, tokens_next, hidden, jnp.concatenate([m.positions for m in parts]),
                         attend, step, attn.tokamax_moe)

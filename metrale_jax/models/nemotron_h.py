@@ -334,7 +334,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn_
         q, k, v = jnp.split(linear(h, ap["wqkv"]), [hq * d, (hq + hkv) * d], axis=-1)
         q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
         kv = write_kv(kv, i, slots, k, v, kernel=attn_cfg.use_pallas, interpret=attn_cfg.interpret)
-        o, kv = paged_attention(q, kv, i, dmd, pmd, d**-0.5, attn_cfg)
+        o = paged_attention(q, kv, i, dmd, pmd, d**-0.5, attn_cfg)
         return linear(o.reshape(o.shape[0], -1), ap["wo"]), (kv, ssm)
 
     mixers = {MAMBA: mamba, ATTN: attn, **_ffn_mixers(cfg, params, attn_cfg.tokamax_moe)}

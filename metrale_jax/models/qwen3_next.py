@@ -339,7 +339,7 @@ def forward_paged(cfg: ModelConfig, params: dict, state, tokens, dmd, pmd, attn)
         ap = take_layer(params["attn"], ia)
         q, k, v, gate = _attn_qkv(cfg, ap, h, positions)
         kv = write_kv(kv, ia, slots, k, v, kernel=attn.use_pallas, interpret=attn.interpret)
-        o, kv = paged_attention(q, kv, ia, dmd, pmd, scale, attn)
+        o = paged_attention(q, kv, ia, dmd, pmd, scale, attn)
         return x + _attn_out(ap, o, gate), kv, ssm
 
     def layer(carry, xs):

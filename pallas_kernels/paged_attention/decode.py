@@ -29,8 +29,8 @@ its normalized partial output and log-sum-exp, and a small XLA combine merges th
 (`_merge_splits`), which saves the combine's launch but adds a tail (a barrier, an atomic, the
 partials read back) to the last program: at one row (H100, session 52,
 bench/kernels/decode_attention_b1.py, 16 splits at max_ctx 4096) 6.29 against 6.60 us a layer at a
-128-token context, 13.43 against 11.08 at 2,048, so the engine keeps the XLA combine by default
-(`AttentionConfig.decode_merge_splits`).
+128-token context, 13.43 against 11.08 at 2,048, so the engine runs the XLA combine (the
+opt-in that threaded tickets through the engine's steps was taken out in session 53).
 Rows with seq_len 0 give zeros, never NaN.
 
 Verify windows (`paged_verify_attention`, speculative decoding): a row's 1 + k queries are its
