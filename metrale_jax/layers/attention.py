@@ -269,6 +269,7 @@ def _pallas_takes(q, cache) -> bool:
 
 
 def decode_attention(q, cache, layer, md, scale, cfg: AttentionConfig):
+    """One query row a sequence: q [N, Hq, D] -> o [N, Hq, D] (the kernel, or the XLA reference)."""
     if cfg.use_pallas and _pallas_takes(q, cache):
         from pallas_kernels.paged_attention import paged_decode_attention
 
