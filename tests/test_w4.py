@@ -775,10 +775,34 @@ def test_w4_mgpu_gpu(m, n, k, g, variant):
                               "input_activations": {"num_bits": 8, "type": "int"}}}}, "W4A8"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 2, "type": "int", "strategy": "channel"}}}}, "2-bit"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {r"+:.*\.layers\.0\..*": {"bits": 8}}},
+     r"dynamic rule '\+:.*' sets bits 8 where the config has 4"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {r".*mlp.*": {"group_size": 64}}},
+     "sets group_size 64"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": [".*mlp.*"]}, "dynamic must be a mapping"),
 ])
 def test_unsupported_variants_are_named(qc, match):
     with pytest.raises(UnsupportedDtypeError, match=match):
         q4.parse_w4_config(qc)
+
+
+def test_gptq_dynamic_rules_that_change_nothing_are_taken():
+    """GPTQModel's `dynamic`: rules that skip modules ("-:", left unquantized in the checkpoint, so
+    they load dense) or restate the config's bits and group size parse to the config's scheme; the
+    8-bit reader refuses another width as the 4-bit one does."""
+    from metrale_jax.quant.int8 import parse_int8_config
+
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}
+    rules = {"-:.*lm_head.*": {},
+             r"-:.*\.layers\.1\.mlp\..*": {"bits": 8},  # (a skipped module's overrides are moot)
+             "+:.*self_attn.*": {"bits": 4, "group_size": 128},
+             ".*mlp.*": {"sym": False}}
+    assert q4.parse_w4_config({**base, "dynamic": rules}) == q4.parse_w4_config(base)
+    assert q4.parse_w4_config({**base, "group_size": -1, "dynamic": {".*": {"group_size": -1}}}).group_size is None
+    eight = {"quant_method": "gptq", "bits": 8, "group_size": 128}
+    assert parse_int8_config({**eight, "dynamic": {"-:.*": {}}}) == parse_int8_config(eight)
+    with pytest.raises(UnsupportedDtypeError, match="sets bits 4 where the config has 8"):
+        parse_int8_config({**eight, "dynamic": {".*": {"bits": 4}}})
 
 
 def test_unknown_method_is_an_error(tmp_path):

@@ -62,6 +62,7 @@ def parse_int8_config(qc: Mapping) -> Int8Scheme | None:
         return None
     method = qc.get("quant_method")
     if method == "gptq" and qc.get("bits") == 8:
+        q4.check_gptq_dynamic(qc)
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")

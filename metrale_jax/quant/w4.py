@@ -199,6 +199,28 @@ def _bits(qc: Mapping, key: str, what: str) -> None:
                    f"({'4-bit or 8-bit' if what == 'GPTQ' else '4-bit'} only)")
 
 
+def check_gptq_dynamic(qc: Mapping) -> None:
+    """GPTQModel's `dynamic` rules (a module-name regex -> overrides; "-:" skips the module, which
+    then stays unquantized in the checkpoint and loads as it is): a rule that gives its modules
+    another bit width or group size than the config's is refused, naming the rule."""
+    rules = qc.get("dynamic") or {}
+    if not isinstance(rules, Mapping):
+        raise _err(f"GPTQ dynamic must be a mapping of module patterns to overrides; got {type(rules).__name__}")
+    for pattern, over in rules.items():
+        if str(pattern).startswith("-:"):
+            continue
+        if not isinstance(over, Mapping):
+            raise _err(f"GPTQ dynamic rule {pattern!r}: overrides must be a mapping; got {type(over).__name__}")
+        for key, top in (("bits", qc.get("bits")), ("group_size", qc.get("group_size", 128))):
+            if key not in over:
+                continue
+            same = parse_group(over[key], "GPTQ dynamic") == parse_group(top, "GPTQ") if key == "group_size" \
+                else over[key] == top
+            if not same:
+                raise _err(f"GPTQ dynamic rule {pattern!r} sets {key} {over[key]!r} where the config has {top!r}; "
+                           "per-module bit widths and group sizes are not supported")
+
+
 def parse_w4_config(qc: Mapping) -> W4Scheme | None:
     """The 4-bit scheme of a quantization_config, None if it is not a 4-bit method (FP8 is checked
     elsewhere); UnsupportedDtypeError naming the field for a variant we cannot run."""
@@ -207,6 +229,7 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
     method = qc.get("quant_method")
     if method == "gptq":
         _bits(qc, "bits", "GPTQ")
+        check_gptq_dynamic(qc)
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2'; "
