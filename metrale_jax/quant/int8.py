@@ -62,11 +62,7 @@ def parse_int8_config(qc: Mapping) -> Int8Scheme | None:
         return None
     method = qc.get("quant_method")
     if method == "gptq" and qc.get("bits") == 8:
-        q4.check_gptq_dynamic(qc)
-        fmt = qc.get("checkpoint_format", "gptq")
-        if fmt not in ("gptq", "gptq_v2"):
-            raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
-        return Int8Scheme("gptq", q4.parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq")
+        return Int8Scheme("gptq", q4.parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=q4.gptq_v1(qc))
     if method != "compressed-tensors":
         return None
     groups = (qc.get("config_groups") or {}).items()

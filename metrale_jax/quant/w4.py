@@ -199,7 +199,19 @@ def _bits(qc: Mapping, key: str, what: str) -> None:
                    f"({'4-bit or 8-bit' if what == 'GPTQ' else '4-bit'} only)")
 
 
-def check_gptq_dynamic(qc: Mapping) -> None:
+def gptq_v1(qc: Mapping) -> bool:
+    """Whether a GPTQ config (4- or 8-bit) stores zero - 1 (checkpoint_format "gptq") rather than the
+    zero ("gptq_v2"); UnsupportedDtypeError for another format (Marlin, BitBLAS) and for
+    GPTQModel `dynamic` rules we cannot run (`_check_gptq_dynamic`)."""
+    _check_gptq_dynamic(qc)
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2'; "
+                   "Marlin / BitBLAS repacked checkpoints are not)")
+    return fmt == "gptq"
+
+
+def _check_gptq_dynamic(qc: Mapping) -> None:
     """GPTQModel's `dynamic` rules (a module-name regex -> overrides; "-:" skips the module, which
     then stays unquantized in the checkpoint and loads as it is): a rule that gives its modules
     another bit width or group size than the config's is refused, naming the rule."""
@@ -229,12 +241,7 @@ def parse_w4_config(qc: Mapping) -> W4Scheme | None:
     method = qc.get("quant_method")
     if method == "gptq":
         _bits(qc, "bits", "GPTQ")
-        check_gptq_dynamic(qc)
-        fmt = qc.get("checkpoint_format", "gptq")
-        if fmt not in ("gptq", "gptq_v2"):
-            raise _err(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2'; "
-                       "Marlin / BitBLAS repacked checkpoints are not)")
-        return W4Scheme("gptq", parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=fmt == "gptq",
+        return W4Scheme("gptq", parse_group(qc.get("group_size", 128), "GPTQ"), gptq_v1=gptq_v1(qc),
                         act_order=bool(qc.get("desc_act", False)))
     if method == "awq":
         _bits(qc, "bits" if "bits" in qc else "w_bit", "AWQ")
