@@ -131,7 +131,8 @@ def test_llama_preemption_keeps_adapters(llama_eng):
         eng.scheduler = saved
 
 
-@pytest.mark.parametrize("name,kernel", [("qwen3_tiny", "gather"), ("qwen3_tiny", "pallas"), ("llama_tiny", "pallas")])
+@pytest.mark.parametrize("name,kernel", [("qwen3_tiny", "gather"), ("llama_tiny", "pallas"),
+                                         pytest.param("qwen3_tiny", "pallas", marks=pytest.mark.slow)])
 def test_mixed_batch_unrolled(name, kernel):
     """Decode steps on 8 rows, 4 of them live ("auto" takes "masked" at these buckets). pallas:
     the expand-add kernel and the other Pallas kernels, interpreted (on Llama, with no q/k norm,

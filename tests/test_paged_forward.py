@@ -50,7 +50,11 @@ ATTN = {
     "pallas-interpret": AttentionConfig(use_pallas=True, interpret=True),
     "pallas-gpu": AttentionConfig(use_pallas=True),
 }
-CASES = [(f, "reference") for f in sorted(CONFIGS)] + [
+# (slow: the reference paths of the families with a pallas-interpret case below; the reference
+# attention of each runs against transformers' goldens in tests/test_engine_models.py)
+_SLOW_REFERENCE = ("llama", "qwen3", "mistral_swa", "llama_yarn")
+CASES = [pytest.param(f, "reference", marks=pytest.mark.slow) if f in _SLOW_REFERENCE else (f, "reference")
+         for f in sorted(CONFIGS)] + [
     ("qwen3", "pallas-interpret"),  # q/k norm: RoPE in XLA, the Pallas K/V write
     ("llama", "pallas-interpret"),  # RoPE + K/V write fused (rope_and_write_kv), llama3 RoPE scaling
     ("llama_yarn", "pallas-interpret"),

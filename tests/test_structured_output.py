@@ -20,7 +20,7 @@ from metrale_jax.errors import InvalidSamplingParamsError, InvalidStructuredOutp
 from metrale_jax.metadata_builder import BuilderConfig, RowSampling, sampling_only
 from metrale_jax.sampling import SamplingParams, apply_token_bitmask, init_penalty_state, sample
 from metrale_jax.structured_output import GrammarCompiler, StructuredOutputsParams, packed_width
-from tests._smollm2 import smollm2_checkpoint, smollm2_gguf, smollm2_tokenizer  # noqa: F401
+from tests._smollm2 import fast_cpu_steps, smollm2_checkpoint, smollm2_gguf, smollm2_tokenizer  # noqa: F401
 
 llg_numpy = pytest.importorskip("llguidance.numpy")
 
@@ -316,7 +316,8 @@ def llm(smollm2_gguf):  # noqa: F811
     model, params = load_model(smollm2_gguf, dtype="float32", show_progress=False)
     cfg = EngineConfig(dtype="float32", max_model_len=256, block_size=16, num_kv_blocks=144, max_num_seqs=8,
                        max_num_batched_tokens=64, decode_buckets=(8,), mixed_decode_buckets=(8,),
-                       prefill_buckets=(64,), max_prefill_streams=4, max_logprobs=2, show_progress=False)
+                       prefill_buckets=(64,), max_prefill_streams=4, max_logprobs=2, show_progress=False,
+                       attention=fast_cpu_steps())
     return LLM.from_engine(LLMEngine(model, params, cfg))
 
 

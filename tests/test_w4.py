@@ -83,7 +83,8 @@ def test_engine_greedy_matches_transformers():
 
 
 @pytest.mark.parametrize("name,fuse", [("llama_gptq_tiny", True), ("llama_awq_tiny", True),
-                                       ("llama_nvfp4_ct_tiny", True), ("llama_nvfp4_ct_tiny", False)])
+                                       ("llama_nvfp4_ct_tiny", True),
+                                       pytest.param("llama_nvfp4_ct_tiny", False, marks=pytest.mark.slow)])
 def test_w4_kernel_in_decode_steps(name, fuse):
     """use_fp8_kernel marks W4Linear too: the decode rows' 4-bit linears go through the Pallas
     kernel (interpret mode here), with act-order x gathers; prefill rows stay on XLA. With

@@ -268,7 +268,7 @@ class CompilationManager:
         """XLA options of the step executables: conditionals inside the command buffers when the
         sampler skips under `lax.cond` on the GPU (`AttentionConfig.sampler_skip`); no
         rematerialization pass without `AttentionConfig.xla_remat`; programmatic dependent launch
-        forced on or off by `AttentionConfig.xla_pdl` on the GPU."""
+        forced on or off by `AttentionConfig.xla_pdl` on the GPU; then `AttentionConfig.xla_options`."""
         opts = {}
         gpu = jax.default_backend() == "gpu"
         if self.cfg.attention.sampler_skip and gpu:
@@ -277,6 +277,7 @@ class CompilationManager:
             opts.update(dict.fromkeys(PDL_OPTIONS, self.cfg.attention.xla_pdl))
         if not self.cfg.attention.xla_remat:
             opts["xla_disable_hlo_passes"] = "rematerialization"
+        opts.update(self.cfg.attention.xla_options)
         return opts or None
 
     def _static(self) -> dict:

@@ -91,6 +91,10 @@ class AttentionConfig:
     # leaves jaxlib's default, unchecked here (a note on OpenXLA's main says both are on by default
     # on Hopper). Not measured yet (session 37: the options exist; nothing run).
     xla_pdl: bool | None = None
+    # Further XLA options of the step executables, as `Lowered.compile(compiler_options=...)`
+    # takes them: ((name, value), ...), over the ones above (e.g. the CPU tests that run SmolLM2
+    # for many steps: `(("xla_backend_optimization_level", 1),)` over the suite's level 0).
+    xla_options: tuple[tuple[str, bool | int | float | str], ...] = ()
     # The same for our Mosaic GPU linear kernels (Hopper; `pallas_kernels/linear/pdl.py`): the
     # W8A8 and 4-bit tensor-core GEMMs (decode steps of 2-64 rows, 4-bit prefill) launched with
     # PDL, each CTA's first weight tiles prefetched to L2 before it waits for the kernel that
