@@ -241,3 +241,7 @@ def test_compiler_options_exist_in_this_jaxlib(monkeypatch):
     assert off.compiler_options == {"xla_gpu_enable_pdl": False, "xla_gpu_enable_pdl_launch": False}
     default = CompilationManager(model, dataclasses.replace(CFG, attention=AttentionConfig()), builder)
     assert default.compiler_options is None  # (jaxlib's own choice)
+    # `xla_options` over the engine's own
+    extra = AttentionConfig(xla_pdl=False, xla_options=(("xla_gpu_enable_pdl", True), ("xla_gpu_autotune_level", 0)))
+    assert CompilationManager(model, dataclasses.replace(CFG, attention=extra), builder).compiler_options == {
+        "xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": False, "xla_gpu_autotune_level": 0}
