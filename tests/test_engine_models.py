@@ -117,15 +117,14 @@ def test_batch_invariance(tiny):
 # ---- SmolLM2 (the real GGUF) ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    from tests._smollm2 import fast_cpu_steps, smollm2_gguf_path
+    from tests._smollm2 import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     golden = json.loads((FIXTURES / "smollm2_golden.json").read_text())
     model, params = load_model(path, dtype="float32", show_progress=False)
     cfg = EngineConfig(dtype="float32", max_model_len=80, block_size=16, num_kv_blocks=12, max_num_seqs=2,
                        max_num_batched_tokens=32, decode_buckets=(2,), mixed_decode_buckets=(2,),
-                       prefill_buckets=(32,), max_prefill_streams=2, max_logprobs=2, show_progress=False,
-                       attention=fast_cpu_steps())
+                       prefill_buckets=(32,), max_prefill_streams=2, max_logprobs=2, show_progress=False)
     return LLMEngine(model, params, cfg), golden
 
 
