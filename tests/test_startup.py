@@ -242,6 +242,9 @@ def test_compiler_options_exist_in_this_jaxlib(monkeypatch):
     default = CompilationManager(model, dataclasses.replace(CFG, attention=AttentionConfig()), builder)
     assert default.compiler_options is None  # (jaxlib's own choice)
     # `xla_options` over the engine's own
-    extra = AttentionConfig(xla_pdl=False, xla_options=(("xla_gpu_enable_pdl", True), ("xla_gpu_autotune_level", 0)))
+    extra = AttentionConfig(xla_pdl=False, xla_options={"xla_gpu_enable_pdl": True, "xla_gpu_autotune_level": 0})
+    assert extra.xla_options == (("xla_gpu_autotune_level", 0), ("xla_gpu_enable_pdl", True))  # (hashable)
     assert CompilationManager(model, dataclasses.replace(CFG, attention=extra), builder).compiler_options == {
         "xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": False, "xla_gpu_autotune_level": 0}
+    with pytest.raises(TypeError, match="xla_options"):
+        AttentionConfig(xla_options=[("xla_gpu_autotune_level", [0])])

@@ -92,8 +92,8 @@ class AttentionConfig:
     # on Hopper). Not measured yet (session 37: the options exist; nothing run).
     xla_pdl: bool | None = None
     # Further XLA options of the step executables, as `Lowered.compile(compiler_options=...)`
-    # takes them: ((name, value), ...), over the ones above (e.g. the CPU tests that run SmolLM2
-    # for many steps: `(("xla_backend_optimization_level", 1),)` over the suite's level 0).
+    # takes them: ((name, value), ...) or a dict, over the ones above (e.g. the CPU tests that
+    # run SmolLM2 for many steps: `(("xla_backend_optimization_level", 1),)` over the suite's 0).
     xla_options: tuple[tuple[str, bool | int | float | str], ...] = ()
     # The same for our Mosaic GPU linear kernels (Hopper; `pallas_kernels/linear/pdl.py`): the
     # W8A8 and 4-bit tensor-core GEMMs (decode steps of 2-64 rows, 4-bit prefill) launched with
@@ -135,6 +135,21 @@ class AttentionConfig:
     # four projections 3.84 ms per step at 1 row, 3.49 at 8; batch-1 step 4.70 -> 4.58 ms;
     # bench/results/session16_2026-12-02.md). The GPU default: 8.
     min_decode_rows: int = 1
+
+    def __post_init__(self):
+        # xla_options as ((name, value), ...) sorted by name (a dict or list of pairs given is
+        # converted): the config is a static argument, hashed and compared
+        opts = self.xla_options
+        pairs = opts.items() if isinstance(opts, dict) else opts
+        try:
+            pairs = tuple(sorted((k, v) for k, v in pairs))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"AttentionConfig.xla_options: (name, value) pairs or a dict, got {opts!r}") from e
+        bad = [k for k, v in pairs if not isinstance(k, str) or not isinstance(v, (bool, int, float, str))]
+        if bad:
+            raise TypeError(f"AttentionConfig.xla_options: names are strings and values bool, int, float or str; "
+                            f"not {bad}")
+        object.__setattr__(self, "xla_options", pairs)
 
 
 def dense_causal_attention(q, k, v, lengths, scale, sliding_window=None):
