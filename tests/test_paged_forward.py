@@ -50,8 +50,8 @@ ATTN = {
     "pallas-interpret": AttentionConfig(use_pallas=True, interpret=True),
     "pallas-gpu": AttentionConfig(use_pallas=True),
 }
-# (slow: the reference paths of the families with a pallas-interpret case below; the reference
-# attention of each runs against transformers' goldens in tests/test_engine_models.py)
+# (slow: the reference paths of the families with a pallas-interpret case below; their reference
+# attention also runs against transformers' goldens in tests/test_engine_models.py, yarn on Qwen3)
 _SLOW_REFERENCE = ("llama", "qwen3", "mistral_swa", "llama_yarn")
 CASES = [pytest.param(f, "reference", marks=pytest.mark.slow) if f in _SLOW_REFERENCE else (f, "reference")
          for f in sorted(CONFIGS)] + [
