@@ -57,6 +57,25 @@ _FIRST = ("test_tensor_parallel.py", "test_spec_decode.py", "test_startup.py", "
           "test_fp8_model.py", "test_scheduler.py", "test_paged_forward.py")
 
 
+# files that share engines built once per process (`tests/test_engine_hybrid.py::hybrid_engine`):
+# one work unit, on one worker (alone: 100 s; together: 62 s, session 54)
+_SHARED_ENGINES = ("test_engine_hybrid.py", "test_swap.py", "test_spec_decode.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject's addopts), with the `_SHARED_ENGINES` files as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedEngineFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "hybrid engines" if scope.rsplit("/", 1)[-1] in _SHARED_ENGINES else scope
+
+    return SharedEngineFiles(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: the rest keep their order
