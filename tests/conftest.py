@@ -57,13 +57,20 @@ _FIRST = ("test_tensor_parallel.py", "test_spec_decode.py", "test_startup.py", "
           "test_fp8_model.py", "test_scheduler.py", "test_paged_forward.py")
 
 
-# files that share engines built once per process (`tests/test_engine_hybrid.py::hybrid_engine`):
-# one work unit, on one worker (alone: 100 s; together: 62 s, session 54)
-_SHARED_ENGINES = ("test_engine_hybrid.py", "test_swap.py", "test_spec_decode.py")
+# files that share engines built once per process run as one work unit, on one worker: the
+# hybrid engines of `tests/test_engine_hybrid.py::hybrid_engine` (those three files alone: 100 s;
+# together: 62 s, session 54) and the fake engines of `metrale_jax.engine.testing.fake_engine`
+# (a file built ~20 s of them, or none, depending on what its worker had run before it)
+_SHARED_ENGINES = {
+    **dict.fromkeys(("test_engine_hybrid.py", "test_swap.py", "test_spec_decode.py"), "hybrid engines"),
+    **dict.fromkeys(("test_engine_fake.py", "test_scheduler.py", "test_prefix_cache_scheduler.py",
+                     "test_prefix_cache_api.py", "test_beam_search.py", "test_engine_api.py", "test_token_masks.py"),
+                    "fake engines"),
+}
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (pyproject's addopts), with the `_SHARED_ENGINES` files as one unit."""
+    """`--dist loadfile` (pyproject's addopts), with the `_SHARED_ENGINES` files as one unit each."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -71,7 +78,7 @@ def pytest_xdist_make_scheduler(config, log):
     class SharedEngineFiles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return "hybrid engines" if scope.rsplit("/", 1)[-1] in _SHARED_ENGINES else scope
+            return _SHARED_ENGINES.get(scope.rsplit("/", 1)[-1], scope)
 
     return SharedEngineFiles(config, log)
 
