@@ -140,9 +140,8 @@ class AttentionConfig:
         # xla_options as ((name, value), ...) sorted by name (a dict or list of pairs given is
         # converted): the config is a static argument, hashed and compared
         opts = self.xla_options
-        pairs = opts.items() if isinstance(opts, dict) else opts
         try:
-            pairs = tuple(sorted((k, v) for k, v in pairs))
+            pairs = tuple(sorted(dict(opts).items()))
         except (TypeError, ValueError) as e:
             raise TypeError(f"AttentionConfig.xla_options: (name, value) pairs or a dict, got {opts!r}") from e
         bad = [k for k, v in pairs if not isinstance(k, str) or not isinstance(v, (bool, int, float, str))]
